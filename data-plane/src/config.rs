@@ -1,0 +1,420 @@
+//! Stage configuration: command-line flags (each also an `SLUICE_*`
+//! environment variable) over an optional YAML file, validated into a
+//! [`StageConfig`] that cannot be invalid.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+use sluice_policy::{ByteRate, ByteSize, OpsRate};
+
+use crate::engine::JobSettings;
+use crate::token_bucket::Limits;
+use crate::tuner::Bounds;
+
+const MIB: u64 = 1 << 20;
+/// Most reader threads one job may run.
+pub const MAX_READERS: u32 = 1024;
+
+/// Command-line flags of `sluice-stage`.
+#[derive(Debug, Default, Parser)]
+#[command(
+    name = "sluice-stage",
+    version,
+    about = "The sluice data-plane stage: prefetches training samples and serves them to trainers"
+)]
+pub struct Args {
+    /// YAML configuration file; flags given on the command line override it.
+    #[arg(long, env = "SLUICE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// UNIX socket trainers connect to [default: /tmp/sluice-stage.sock].
+    #[arg(long, env = "SLUICE_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Also accept trainers over TCP on this address.
+    #[arg(long, env = "SLUICE_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// A dataset to serve, as NAME=DIR (repeatable; comma-separated in the
+    /// environment variable).
+    #[arg(long = "dataset", env = "SLUICE_DATASETS", value_delimiter = ',', value_parser = parse_dataset)]
+    pub datasets: Vec<(String, PathBuf)>,
+    /// Memory for all jobs' prefetch buffers together, e.g. `1GiB` [default: 1GiB].
+    #[arg(long, env = "SLUICE_MEMORY_BUDGET")]
+    pub memory_budget: Option<ByteSize>,
+    /// Address of the HTTP server for `/metrics` and `/healthz` [default: 127.0.0.1:7190].
+    #[arg(long, env = "SLUICE_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// This stage's id as reported to trainers [default: the host name].
+    #[arg(long, env = "SLUICE_STAGE_ID")]
+    pub stage_id: Option<String>,
+    /// Run exactly this many readers per job and switch the tuner off.
+    #[arg(long, env = "SLUICE_READERS")]
+    pub readers: Option<u32>,
+    /// Fewest readers the tuner may use per job [default: 1].
+    #[arg(long, env = "SLUICE_MIN_READERS")]
+    pub min_readers: Option<u32>,
+    /// Most readers the tuner may use per job [default: 64].
+    #[arg(long, env = "SLUICE_MAX_READERS")]
+    pub max_readers: Option<u32>,
+    /// Readers a new job starts with [default: 4].
+    #[arg(long, env = "SLUICE_INITIAL_READERS")]
+    pub initial_readers: Option<u32>,
+    /// Smallest buffer the tuner may give a job [default: 4MiB].
+    #[arg(long, env = "SLUICE_MIN_BUFFER")]
+    pub min_buffer: Option<ByteSize>,
+    /// Largest buffer the tuner may give a job [default: the memory budget].
+    #[arg(long, env = "SLUICE_MAX_BUFFER")]
+    pub max_buffer: Option<ByteSize>,
+    /// Buffer a new job starts with [default: 64MiB or the budget if smaller].
+    #[arg(long, env = "SLUICE_INITIAL_BUFFER")]
+    pub initial_buffer: Option<ByteSize>,
+    /// Per-job storage bandwidth limit, e.g. `200MiB/s`.
+    #[arg(long, env = "SLUICE_RATE_LIMIT")]
+    pub rate_limit: Option<ByteRate>,
+    /// Per-job storage operations limit, e.g. `2000` or `2k ops/s`.
+    #[arg(long, env = "SLUICE_OPS_LIMIT")]
+    pub ops_limit: Option<OpsRate>,
+    /// Burst window of the limiters in milliseconds [default: 100].
+    #[arg(long, env = "SLUICE_BURST_MS")]
+    pub burst_ms: Option<u64>,
+}
+
+fn parse_dataset(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, dir) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}` is not NAME=DIR, e.g. `imagenet=/data/imagenet`"))?;
+    if name.is_empty() || dir.is_empty() {
+        return Err(format!("`{s}` is not NAME=DIR: both parts are needed"));
+    }
+    Ok((name.to_owned(), PathBuf::from(dir)))
+}
+
+/// The YAML configuration file (`--config`). Every field is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageFile {
+    /// This stage's id.
+    pub stage_id: Option<String>,
+    /// UNIX socket for trainers.
+    pub socket: Option<PathBuf>,
+    /// Optional TCP address for trainers.
+    pub listen: Option<SocketAddr>,
+    /// Address for `/metrics` and `/healthz`.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Memory for all prefetch buffers together.
+    pub memory_budget: Option<ByteSize>,
+    /// Datasets by name: `imagenet: /data/imagenet`.
+    #[serde(default)]
+    pub datasets: BTreeMap<String, PathBuf>,
+    /// Reader-thread settings per job.
+    #[serde(default)]
+    pub readers: ReadersFile,
+    /// Buffer settings per job.
+    #[serde(default)]
+    pub buffer: BufferFile,
+    /// QoS limits per job.
+    #[serde(default)]
+    pub limits: LimitsFile,
+}
+
+/// `readers:` in the YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadersFile {
+    /// Fewest readers the tuner may use.
+    pub min: Option<u32>,
+    /// Most readers the tuner may use.
+    pub max: Option<u32>,
+    /// Readers a new job starts with.
+    pub initial: Option<u32>,
+    /// Exactly this many readers, tuner off.
+    pub fixed: Option<u32>,
+}
+
+/// `buffer:` in the YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BufferFile {
+    /// Smallest buffer the tuner may choose.
+    pub min: Option<ByteSize>,
+    /// Largest buffer the tuner may choose.
+    pub max: Option<ByteSize>,
+    /// Buffer a new job starts with.
+    pub initial: Option<ByteSize>,
+}
+
+/// `limits:` in the YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsFile {
+    /// Storage bandwidth per job, e.g. `200MiB/s`.
+    pub bytes_per_second: Option<ByteRate>,
+    /// Storage operations per job, e.g. `2k ops/s`.
+    pub ops_per_second: Option<OpsRate>,
+    /// Burst window in milliseconds.
+    pub burst_ms: Option<u64>,
+}
+
+/// A validated stage configuration.
+#[derive(Debug, Clone)]
+pub struct StageConfig {
+    pub stage_id: String,
+    pub socket: PathBuf,
+    pub listen: Option<SocketAddr>,
+    pub metrics_addr: SocketAddr,
+    pub memory_budget: u64,
+    pub datasets: Vec<(String, PathBuf)>,
+    pub job: JobSettings,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(String);
+
+impl StageConfig {
+    /// Reads the YAML file named by `--config` (if any), lays the flags
+    /// over it and validates the result.
+    pub fn from_args(args: Args) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => load_file(path)?,
+            None => StageFile::default(),
+        };
+        Self::merge(args, file)
+    }
+
+    fn merge(args: Args, file: StageFile) -> Result<Self, ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        let mut datasets: Vec<(String, PathBuf)> = file.datasets.into_iter().collect();
+        for (name, dir) in args.datasets {
+            datasets.retain(|(n, _)| *n != name);
+            datasets.push((name, dir));
+        }
+        if datasets.is_empty() {
+            return err(
+                "no dataset configured: pass --dataset NAME=DIR (or `datasets:` in --config)"
+                    .into(),
+            );
+        }
+        if let Some((name, _)) = datasets
+            .iter()
+            .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']))
+        {
+            return err(format!(
+                "dataset name `{name}` is invalid: at most 128 bytes, no `/`"
+            ));
+        }
+        let memory_budget = args
+            .memory_budget
+            .or(file.memory_budget)
+            .map_or(1 << 30, ByteSize::bytes);
+        if memory_budget < MIB {
+            return err(format!(
+                "memory budget of {memory_budget} bytes is too small: give at least 1MiB, e.g. `--memory-budget 1GiB`"
+            ));
+        }
+        let fixed = args.readers.or(file.readers.fixed);
+        let min_readers = fixed.or(args.min_readers).or(file.readers.min).unwrap_or(1);
+        let max_readers = fixed
+            .or(args.max_readers)
+            .or(file.readers.max)
+            .unwrap_or(64);
+        if min_readers == 0 || max_readers > MAX_READERS || min_readers > max_readers {
+            return err(format!(
+                "reader bounds {min_readers}..{max_readers} are impossible: use 1 <= min <= max <= {MAX_READERS}"
+            ));
+        }
+        let initial_readers = fixed
+            .or(args.initial_readers)
+            .or(file.readers.initial)
+            .unwrap_or(4.clamp(min_readers, max_readers));
+        if !(min_readers..=max_readers).contains(&initial_readers) {
+            return err(format!(
+                "initial readers {initial_readers} is outside the bounds {min_readers}..{max_readers}"
+            ));
+        }
+        let min_buffer = args
+            .min_buffer
+            .or(file.buffer.min)
+            .map_or(4 * MIB, ByteSize::bytes)
+            .min(memory_budget);
+        let max_buffer = args
+            .max_buffer
+            .or(file.buffer.max)
+            .map_or(memory_budget, ByteSize::bytes);
+        let initial_buffer = args
+            .initial_buffer
+            .or(file.buffer.initial)
+            .map_or((64 * MIB).min(memory_budget), ByteSize::bytes);
+        if min_buffer > max_buffer || max_buffer > memory_budget {
+            return err(format!(
+                "buffer bounds {}..{} are impossible with a memory budget of {}: use min <= max <= budget",
+                ByteSize(min_buffer),
+                ByteSize(max_buffer),
+                ByteSize(memory_budget)
+            ));
+        }
+        if !(min_buffer..=max_buffer).contains(&initial_buffer) {
+            return err(format!(
+                "initial buffer {} is outside the bounds",
+                ByteSize(initial_buffer)
+            ));
+        }
+        let limits = Limits {
+            bytes_per_s: args
+                .rate_limit
+                .or(file.limits.bytes_per_second)
+                .map(ByteRate::bytes_per_second),
+            ops_per_s: args
+                .ops_limit
+                .or(file.limits.ops_per_second)
+                .map(OpsRate::per_second),
+            burst: Duration::from_millis(args.burst_ms.or(file.limits.burst_ms).unwrap_or(100)),
+        };
+        if limits.bytes_per_s == Some(0) || limits.ops_per_s == Some(0) {
+            return err(
+                "a limit of 0 would stop every read: leave the limit out for unlimited".into(),
+            );
+        }
+        if limits.burst.is_zero() || limits.burst > Duration::from_secs(60) {
+            return err("the burst window must be 1 ms to 60 s".into());
+        }
+        let stage_id = args.stage_id.or(file.stage_id).unwrap_or_else(hostname);
+        Ok(Self {
+            stage_id,
+            socket: args
+                .socket
+                .or(file.socket)
+                .unwrap_or_else(|| PathBuf::from("/tmp/sluice-stage.sock")),
+            listen: args.listen.or(file.listen),
+            metrics_addr: args
+                .metrics_addr
+                .or(file.metrics_addr)
+                .unwrap_or_else(|| ([127, 0, 0, 1], 7190).into()),
+            memory_budget,
+            datasets,
+            job: JobSettings {
+                bounds: Bounds {
+                    min_readers,
+                    max_readers,
+                    min_buffer,
+                    max_buffer,
+                },
+                initial_readers,
+                initial_buffer,
+                tuner: fixed.is_none(),
+                limits,
+            },
+        })
+    }
+}
+
+fn load_file(path: &Path) -> Result<StageFile, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("reading {}: {e}", path.display())))?;
+    serde_yaml_ng::from_str(&text).map_err(|e| {
+        let at = e
+            .location()
+            .map(|l| format!(":{}:{}", l.line(), l.column()))
+            .unwrap_or_default();
+        ConfigError(format!("{}{at}: {e}", path.display()))
+    })
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "stage".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut argv = vec!["sluice-stage"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = StageConfig::from_args(args(&["--dataset", "a=/tmp", "--memory-budget", "256MiB"]))
+            .unwrap();
+        assert_eq!(c.memory_budget, 256 * MIB);
+        assert_eq!(c.job.initial_buffer, 64 * MIB);
+        assert_eq!(c.job.bounds.max_buffer, 256 * MIB);
+        assert!(c.job.tuner);
+        let fixed = StageConfig::from_args(args(&[
+            "--dataset",
+            "a=/tmp",
+            "--readers",
+            "8",
+            "--rate-limit",
+            "200MiB/s",
+        ]))
+        .unwrap();
+        assert!(!fixed.job.tuner);
+        assert_eq!(
+            (fixed.job.bounds.min_readers, fixed.job.initial_readers),
+            (8, 8)
+        );
+        assert_eq!(fixed.job.limits.bytes_per_s, Some(200 * MIB));
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_a_sentence() {
+        let cases: &[(&[&str], &str)] = &[
+            (&[], "no dataset"),
+            (
+                &["--dataset", "a=/tmp", "--memory-budget", "10kB"],
+                "too small",
+            ),
+            (
+                &[
+                    "--dataset",
+                    "a=/tmp",
+                    "--min-readers",
+                    "9",
+                    "--max-readers",
+                    "2",
+                ],
+                "impossible",
+            ),
+            (&["--dataset", "a=/tmp", "--ops-limit", "0"], "limit of 0"),
+            (
+                &["--dataset", "a=/tmp", "--max-buffer", "2GiB"],
+                "memory budget",
+            ),
+        ];
+        for (flags, expected) in cases {
+            let e = StageConfig::from_args(args(flags)).unwrap_err().to_string();
+            assert!(e.contains(expected), "{flags:?}: {e}");
+        }
+        assert!(Args::try_parse_from(["s", "--dataset", "nodir"]).is_err());
+        assert!(Args::try_parse_from(["s", "--memory-budget", "1KB"]).is_err());
+    }
+
+    #[test]
+    fn yaml_file_with_line_and_column_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.yaml");
+        std::fs::write(&good, "datasets:\n  train: /tmp\nmemory_budget: 512MiB\nlimits:\n  bytes_per_second: 100MiB/s\n").unwrap();
+        let c = StageConfig::from_args(args(&["--config", good.to_str().unwrap()])).unwrap();
+        assert_eq!(c.memory_budget, 512 * MIB);
+        assert_eq!(c.job.limits.bytes_per_s, Some(100 * MIB));
+        let bad = dir.path().join("bad.yaml");
+        std::fs::write(&bad, "datasets:\n  train: /tmp\nmemory_budgett: 1GiB\n").unwrap();
+        let e = StageConfig::from_args(args(&["--config", bad.to_str().unwrap()]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bad.yaml:3:1") && e.contains("memory_budgett"),
+            "{e}"
+        );
+    }
+}

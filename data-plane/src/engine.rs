@@ -1,0 +1,212 @@
+//! The prefetch engine: jobs, their plans, buffers and readers, under one
+//! node memory budget.
+//!
+//! Each job has its own reader threads, byte-bounded buffer, QoS limiter and
+//! tuner. A job's plans share its buffer; all jobs share the node budget,
+//! which no reservation may exceed (the only exception: a plan with nothing
+//! buffered may always fetch one sample when the node holds nothing, so a
+//! sample larger than the budget is still served instead of hanging).
+
+mod job;
+mod plan_run;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use job::{Job, JobHandle, JobSnapshot, NextBatch, PlanHandle, PlanState, Reservation};
+pub use plan_run::PlanKey;
+
+use crate::dataset::Dataset;
+use crate::metrics::Metrics;
+use crate::token_bucket::Limits;
+use crate::tuner::Bounds;
+
+/// How long a job with no connections is kept (tuned settings, counters)
+/// before it is forgotten.
+pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Per-job settings the stage starts every job with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JobSettings {
+    pub bounds: Bounds,
+    pub initial_readers: u32,
+    pub initial_buffer: u64,
+    /// When false the reader count and buffer stay as set.
+    pub tuner: bool,
+    pub limits: Limits,
+}
+
+/// The node-wide memory budget shared by every job's buffer.
+#[derive(Debug)]
+pub struct Memory {
+    budget: u64,
+    used: AtomicU64,
+    jobs: AtomicUsize,
+}
+
+impl Memory {
+    pub fn new(budget: u64) -> Self {
+        Self {
+            budget,
+            used: AtomicU64::new(0),
+            jobs: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `n` bytes if the budget allows, or unconditionally when
+    /// `force` is set and nothing at all is reserved.
+    fn try_reserve(&self, n: u64, force: bool) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                (used + n <= self.budget || (force && used == 0)).then_some(used + n)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, n: u64) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Grows or shrinks a reservation that turned out to need `to` bytes
+    /// instead of `from` (a file whose size changed since it was listed).
+    fn adjust(&self, from: u64, to: u64) {
+        if to > from {
+            self.used.fetch_add(to - from, Ordering::AcqRel);
+        } else {
+            self.release(from - to);
+        }
+    }
+
+    /// The share of the budget one job may use while `jobs` jobs are active.
+    fn job_share(&self) -> u64 {
+        self.budget / self.jobs.load(Ordering::Relaxed).max(1) as u64
+    }
+}
+
+/// The stage's datasets and jobs.
+#[derive(Debug)]
+pub struct Engine {
+    datasets: HashMap<String, Arc<Dataset>>,
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    memory: Arc<Memory>,
+    defaults: Mutex<JobSettings>,
+    metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    pub fn new(
+        datasets: Vec<Dataset>,
+        memory_budget: u64,
+        defaults: JobSettings,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        metrics.memory_budget.set(memory_budget as i64);
+        Arc::new(Self {
+            datasets: datasets
+                .into_iter()
+                .map(|d| (d.name.clone(), Arc::new(d)))
+                .collect(),
+            jobs: Mutex::new(HashMap::new()),
+            memory: Arc::new(Memory::new(memory_budget)),
+            defaults: Mutex::new(defaults),
+            metrics,
+        })
+    }
+
+    pub fn dataset(&self, name: &str) -> Option<Arc<Dataset>> {
+        self.datasets.get(name).cloned()
+    }
+
+    pub fn dataset_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.datasets.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    pub fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
+    /// Returns the job called `id`, creating it with the default settings.
+    /// The caller holds a connection to it until the handle is dropped.
+    pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        let job = jobs
+            .entry(id.to_owned())
+            .or_insert_with(|| {
+                self.memory.jobs.fetch_add(1, Ordering::Relaxed);
+                self.metrics.jobs.inc();
+                let defaults = *self.defaults.lock().expect("defaults lock");
+                Job::start(
+                    id,
+                    labels.clone(),
+                    defaults,
+                    Arc::clone(&self.memory),
+                    Arc::clone(&self.metrics),
+                )
+            })
+            .clone();
+        job.set_labels(labels);
+        job::JobHandle::new(job)
+    }
+
+    /// Returns every job known now.
+    pub fn jobs(&self) -> Vec<Arc<Job>> {
+        let mut jobs: Vec<Arc<Job>> = self
+            .jobs
+            .lock()
+            .expect("jobs lock")
+            .values()
+            .cloned()
+            .collect();
+        jobs.sort_by(|a, b| a.id().cmp(b.id()));
+        jobs
+    }
+
+    /// Runs the auto-tuner of every job once and forgets jobs idle past the
+    /// timeout. Called every tuner tick.
+    pub fn tick(&self, now: Instant) {
+        for job in self.jobs() {
+            job.tune(now);
+        }
+        let mut jobs = self.jobs.lock().expect("jobs lock");
+        jobs.retain(|_, job| {
+            let keep = !job
+                .idle_since(now)
+                .is_some_and(|idle| idle >= JOB_IDLE_TIMEOUT);
+            if !keep {
+                job.stop();
+                self.memory.jobs.fetch_sub(1, Ordering::Relaxed);
+                self.metrics.jobs.dec();
+            }
+            keep
+        });
+        self.metrics.memory_used.set(self.memory.used() as i64);
+    }
+
+    /// Returns the per-job telemetry snapshot (what the controller receives).
+    pub fn snapshot(&self) -> Vec<JobSnapshot> {
+        self.jobs().iter().map(|j| j.snapshot()).collect()
+    }
+
+    /// Stops every job's readers (shutdown).
+    pub fn stop(&self) {
+        for job in self.jobs.lock().expect("jobs lock").values() {
+            job.stop();
+        }
+    }
+}

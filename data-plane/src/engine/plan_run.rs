@@ -1,0 +1,218 @@
+//! One active epoch plan: which entries have been started by readers, which
+//! are buffered, and which consumers have claimed. All of it lives under the
+//! job's lock; this module is bookkeeping only, no I/O and no waiting.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::dataset::{Dataset, Listing};
+use crate::protocol::ProtocolError;
+
+/// Identifies a plan within a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PlanKey {
+    pub rank: u32,
+    pub epoch: u64,
+}
+
+/// What happened to an entry so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Entry {
+    /// A reader (or a direct `READ`) has started fetching it.
+    pub started: bool,
+    /// A consumer owns it: it will not be handed to anyone else.
+    pub claimed: bool,
+}
+
+/// A fetched entry waiting for its consumer, and the bytes it holds in the
+/// buffer accounting.
+#[derive(Debug)]
+pub(crate) struct Fetched {
+    pub data: Result<Vec<u8>, ProtocolError>,
+    pub reserved: u64,
+}
+
+/// The state of one plan.
+#[derive(Debug)]
+pub(crate) struct PlanRun {
+    pub id: u64,
+    pub key: PlanKey,
+    pub fingerprint: u64,
+    pub dataset: Arc<Dataset>,
+    pub listing: Arc<Listing>,
+    /// File index (into `listing`) per plan position.
+    pub files: Vec<u32>,
+    pub entries: Vec<Entry>,
+    pub fetched: HashMap<u32, Fetched>,
+    /// Undelivered positions per file index, for `READ` by name.
+    by_file: HashMap<u32, VecDeque<u32>>,
+    /// Lowest position that may still be unstarted.
+    pub fetch: usize,
+    /// Lowest position that may still be unclaimed.
+    pub claim: usize,
+    /// Entries not yet handed to a consumer.
+    pub remaining: usize,
+    /// Bytes reserved for this plan (in flight and buffered).
+    pub reserved: u64,
+    /// Connections attached to this plan.
+    pub attached: usize,
+    /// Woken whenever an entry of this plan has been fetched.
+    pub ready: Arc<Notify>,
+}
+
+impl PlanRun {
+    pub fn new(
+        id: u64,
+        key: PlanKey,
+        fingerprint: u64,
+        dataset: Arc<Dataset>,
+        listing: Arc<Listing>,
+        files: Vec<u32>,
+    ) -> Self {
+        let mut by_file: HashMap<u32, VecDeque<u32>> = HashMap::new();
+        for (pos, &file) in files.iter().enumerate() {
+            by_file.entry(file).or_default().push_back(pos as u32);
+        }
+        Self {
+            id,
+            key,
+            fingerprint,
+            dataset,
+            listing,
+            entries: vec![Entry::default(); files.len()],
+            remaining: files.len(),
+            files,
+            fetched: HashMap::new(),
+            by_file,
+            fetch: 0,
+            claim: 0,
+            reserved: 0,
+            attached: 0,
+            ready: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Returns the next position a reader should fetch, without starting it.
+    pub fn next_unstarted(&mut self) -> Option<u32> {
+        while self.fetch < self.entries.len() && self.entries[self.fetch].started {
+            self.fetch += 1;
+        }
+        (self.fetch < self.entries.len()).then_some(self.fetch as u32)
+    }
+
+    /// Whether a consumer is waiting on an entry no reader has started.
+    pub fn consumer_waiting(&mut self) -> bool {
+        self.next_unstarted()
+            .is_some_and(|p| self.entries[p as usize].claimed)
+    }
+
+    pub fn size_of(&self, pos: u32) -> u64 {
+        self.listing.files[self.files[pos as usize] as usize].size
+    }
+
+    pub fn name_of(&self, pos: u32) -> &str {
+        &self.listing.files[self.files[pos as usize] as usize].name
+    }
+
+    /// Claims up to `max` of the next unclaimed positions, stopping once
+    /// their planned sizes pass `budget` bytes (at least one is claimed).
+    pub fn claim_next(&mut self, max: usize, budget: u64) -> Vec<u32> {
+        let mut claimed = Vec::new();
+        let mut bytes = 0;
+        while claimed.len() < max && self.claim < self.entries.len() {
+            let pos = self.claim;
+            self.claim += 1;
+            if self.entries[pos].claimed {
+                continue;
+            }
+            let size = self.size_of(pos as u32);
+            if !claimed.is_empty() && bytes + size > budget {
+                self.claim -= 1;
+                break;
+            }
+            bytes += size;
+            self.entries[pos].claimed = true;
+            claimed.push(pos as u32);
+        }
+        claimed
+    }
+
+    /// Claims the first undelivered position that reads file `file`.
+    pub fn claim_file(&mut self, file: u32) -> Option<u32> {
+        let queue = self.by_file.get_mut(&file)?;
+        while let Some(pos) = queue.pop_front() {
+            if !self.entries[pos as usize].claimed {
+                self.entries[pos as usize].claimed = true;
+                return Some(pos);
+            }
+        }
+        None
+    }
+
+    /// Whether every entry has been claimed (nothing left for `NEXT`).
+    pub fn exhausted(&mut self) -> bool {
+        while self.claim < self.entries.len() && self.entries[self.claim].claimed {
+            self.claim += 1;
+        }
+        self.claim >= self.entries.len()
+    }
+
+    /// Bytes held by fetched, undelivered entries.
+    pub fn buffered_bytes(&self) -> u64 {
+        self.fetched.values().map(|f| f.reserved).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::FileEntry;
+
+    fn plan(files: Vec<u32>) -> PlanRun {
+        let dir = tempfile::tempdir().unwrap();
+        let ds = Arc::new(Dataset::new("d", dir.path()).unwrap());
+        let listing = Arc::new(Listing::new(
+            (0..4)
+                .map(|i| FileEntry {
+                    name: format!("f{i}"),
+                    size: 10,
+                })
+                .collect(),
+        ));
+        PlanRun::new(1, PlanKey { rank: 0, epoch: 0 }, 0, ds, listing, files)
+    }
+
+    #[test]
+    fn claims_in_order_and_skip_what_read_took() {
+        let mut p = plan(vec![3, 1, 2, 1, 0]);
+        assert_eq!(p.claim_file(1), Some(1));
+        assert_eq!(p.claim_next(2, u64::MAX), [0, 2]);
+        assert_eq!(p.claim_file(1), Some(3));
+        assert_eq!(p.claim_file(1), None, "both entries of file 1 are taken");
+        assert!(!p.exhausted());
+        assert_eq!(p.claim_next(10, u64::MAX), [4]);
+        assert!(p.exhausted());
+    }
+
+    #[test]
+    fn claims_stop_at_the_byte_budget_but_take_at_least_one() {
+        let mut p = plan(vec![0, 1, 2, 3]);
+        assert_eq!(p.claim_next(10, 25), [0, 1]);
+        assert_eq!(p.claim_next(10, 5), [2]);
+    }
+
+    #[test]
+    fn readers_skip_started_entries() {
+        let mut p = plan(vec![0, 1, 2]);
+        p.entries[0].started = true;
+        p.entries[1].started = true;
+        assert_eq!(p.next_unstarted(), Some(2));
+        assert!(!p.consumer_waiting());
+        p.entries[2].claimed = true;
+        assert!(p.consumer_waiting());
+        p.entries[2].started = true;
+        assert_eq!(p.next_unstarted(), None);
+    }
+}

@@ -1,0 +1,35 @@
+//! The stage's HTTP surface: `/metrics` (Prometheus text format),
+//! `/healthz`, `/readyz` and `/api/v1/jobs` (the telemetry snapshot as JSON).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::engine::Engine;
+
+pub fn router(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/api/v1/jobs", get(jobs))
+        .with_state(engine)
+}
+
+async fn metrics(State(engine): State<Arc<Engine>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        engine.metrics().render(),
+    )
+}
+
+async fn jobs(State(engine): State<Arc<Engine>>) -> impl IntoResponse {
+    axum::Json(engine.snapshot())
+}

@@ -1,0 +1,246 @@
+//! `sluice-stage`: the data-plane process between training jobs and storage.
+//!
+//! A stage serves trainers over a UNIX socket (and optionally TCP) with the
+//! protocol in `docs/protocol.md`. For each job it knows the epoch's read
+//! order, prefetches samples in parallel into a byte-bounded buffer, delivers
+//! them in order exactly once, tunes its readers and buffer, and enforces the
+//! job's QoS limits. [`Stage::bind`] binds every listener; [`Stage::run`]
+//! serves until the cancellation token fires.
+
+pub mod config;
+pub mod dataset;
+pub mod engine;
+pub mod http;
+pub mod metrics;
+pub mod plan;
+pub mod protocol;
+pub mod server;
+pub mod token_bucket;
+pub mod tuner;
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info, info_span, warn};
+
+pub use config::StageConfig;
+use dataset::Dataset;
+use engine::Engine;
+use metrics::Metrics;
+
+/// How long shutdown waits for connections to finish their current answer.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A stage with every listener bound, ready to [`run`](Stage::run).
+#[derive(Debug)]
+pub struct Stage {
+    engine: Arc<Engine>,
+    stage_id: Arc<str>,
+    socket_path: PathBuf,
+    unix: UnixListener,
+    tcp: Option<TcpListener>,
+    http: TcpListener,
+}
+
+/// The addresses a bound stage listens on (printed as its ready line).
+#[derive(Debug, serde::Serialize)]
+pub struct Addresses {
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+    pub metrics: SocketAddr,
+}
+
+impl Stage {
+    /// Opens the datasets and binds the trainer socket, the optional TCP
+    /// listener and the metrics listener.
+    pub async fn bind(config: StageConfig) -> anyhow::Result<Self> {
+        let datasets = config
+            .datasets
+            .iter()
+            .map(|(name, dir)| Dataset::new(name, dir))
+            .collect::<Result<Vec<_>, _>>()?;
+        let unix = bind_socket(&config.socket)?;
+        let tcp = match config.listen {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding the trainer TCP listener on {addr}"))?,
+            ),
+            None => None,
+        };
+        let http = TcpListener::bind(config.metrics_addr)
+            .await
+            .with_context(|| format!("binding the metrics listener on {}", config.metrics_addr))?;
+        let engine = Engine::new(datasets, config.memory_budget, config.job, Metrics::new());
+        Ok(Self {
+            engine,
+            stage_id: config.stage_id.into(),
+            socket_path: config.socket,
+            unix,
+            tcp,
+            http,
+        })
+    }
+
+    pub fn addresses(&self) -> anyhow::Result<Addresses> {
+        Ok(Addresses {
+            socket: self.socket_path.clone(),
+            tcp: self.tcp.as_ref().map(TcpListener::local_addr).transpose()?,
+            metrics: self.http.local_addr()?,
+        })
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Serves until `cancel` fires, then stops accepting, lets connections
+    /// finish for up to a few seconds, and stops the readers.
+    pub async fn run(self, cancel: CancellationToken) -> anyhow::Result<()> {
+        let Self {
+            engine,
+            stage_id,
+            socket_path,
+            unix,
+            tcp,
+            http,
+        } = self;
+        let tracker = TaskTracker::new();
+
+        let app = http::router(Arc::clone(&engine));
+        let http_cancel = cancel.clone();
+        let http_task = tokio::spawn(
+            async move {
+                axum::serve(http, app)
+                    .with_graceful_shutdown(http_cancel.cancelled_owned())
+                    .await
+            }
+            .instrument(info_span!("http")),
+        );
+
+        let tick_engine = Arc::clone(&engine);
+        let tick_cancel = cancel.clone();
+        tokio::spawn(
+            async move {
+                let mut interval = tokio::time::interval(tuner::TICK);
+                interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                while tick_cancel
+                    .run_until_cancelled(interval.tick())
+                    .await
+                    .is_some()
+                {
+                    tick_engine.tick(Instant::now());
+                }
+            }
+            .instrument(info_span!("tuner")),
+        );
+
+        let accept_unix = {
+            let (engine, stage_id, cancel, tracker) = (
+                Arc::clone(&engine),
+                Arc::clone(&stage_id),
+                cancel.clone(),
+                tracker.clone(),
+            );
+            async move {
+                while let Some(accepted) = cancel.run_until_cancelled(unix.accept()).await {
+                    match accepted {
+                        Ok((stream, _)) => {
+                            tracker.spawn(
+                                server::serve(
+                                    Arc::clone(&engine),
+                                    Arc::clone(&stage_id),
+                                    stream,
+                                    cancel.clone(),
+                                )
+                                .instrument(info_span!("trainer", via = "unix")),
+                            );
+                        }
+                        Err(e) => accept_failed(&e).await,
+                    }
+                }
+            }
+        };
+        let accept_tcp = {
+            let (engine, stage_id, cancel, tracker) = (
+                Arc::clone(&engine),
+                Arc::clone(&stage_id),
+                cancel.clone(),
+                tracker.clone(),
+            );
+            async move {
+                let Some(tcp) = tcp else { return };
+                while let Some(accepted) = cancel.run_until_cancelled(tcp.accept()).await {
+                    match accepted {
+                        Ok((stream, peer)) => {
+                            let _ = stream.set_nodelay(true);
+                            tracker.spawn(
+                                server::serve(
+                                    Arc::clone(&engine),
+                                    Arc::clone(&stage_id),
+                                    stream,
+                                    cancel.clone(),
+                                )
+                                .instrument(info_span!("trainer", %peer)),
+                            );
+                        }
+                        Err(e) => accept_failed(&e).await,
+                    }
+                }
+            }
+        };
+        tokio::join!(accept_unix, accept_tcp);
+        info!("shutting down: draining trainer connections");
+        tracker.close();
+        if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait())
+            .await
+            .is_err()
+        {
+            warn!("some trainer connections did not finish within the drain timeout");
+        }
+        engine.stop();
+        let _ = std::fs::remove_file(&socket_path);
+        match http_task.await {
+            Ok(result) => result.context("serving /metrics"),
+            Err(e) => bail!("the metrics server task failed: {e}"),
+        }
+    }
+}
+
+/// Accept errors (out of file descriptors, mostly) are transient: back off
+/// briefly instead of spinning or giving up.
+async fn accept_failed(e: &std::io::Error) {
+    warn!(error = %e, "accepting a trainer connection failed");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Binds the trainer socket with owner/group-only permissions, replacing a
+/// stale socket file but never a live stage's.
+fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!(
+                "another process is already serving on {}: stop it or choose another --socket",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing the stale socket {}", path.display()))?;
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let listener = UnixListener::bind(path)
+        .with_context(|| format!("binding the trainer socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("restricting permissions of {}", path.display()))?;
+    Ok(listener)
+}

@@ -1,0 +1,72 @@
+//! `sluice-stage` binary: parse the configuration, bind, print the ready
+//! line, serve until SIGTERM or SIGINT (a second signal exits at once).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use sluice_stage::Stage;
+use sluice_stage::config::{Args, StageConfig};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let config = match StageConfig::from_args(Args::parse()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("sluice-stage: invalid configuration: {e}");
+            return ExitCode::from(64);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("stage-io")
+        .build()
+        .expect("building the tokio runtime");
+    match runtime.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice-stage: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: StageConfig) -> anyhow::Result<()> {
+    let stage = Stage::bind(config).await?;
+    let addrs = stage.addresses()?;
+    // One JSON line on stdout tells scripts and tests where the stage listens.
+    let ready = serde_json::json!({
+        "event": "ready",
+        "socket": addrs.socket,
+        "tcp": addrs.tcp.map(|a| a.to_string()),
+        "metrics": addrs.metrics.to_string(),
+    });
+    println!("{ready}");
+    tracing::info!(socket = %addrs.socket.display(), metrics = %addrs.metrics, "stage ready");
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        let (mut term, mut int) = match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(t), Ok(i)) => (t, i),
+            _ => return,
+        };
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::info!("signal received: shutting down (a second signal exits at once)");
+        on_signal.cancel();
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        std::process::exit(130);
+    });
+    stage.run(cancel).await
+}

@@ -1,0 +1,248 @@
+//! The stage's Prometheus metrics (`sluice_stage_*`). Labels are bounded:
+//! job, dataset, and fixed enumerations (error code, tuner reason); never a
+//! path. A job's series are removed when the job is forgotten.
+
+use std::sync::Arc;
+
+use crate::protocol::ErrorCode;
+use crate::tuner::Reason;
+use prometheus::{
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Read latency buckets: 50 µs to 5 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0,
+];
+
+/// Every metric the stage exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    delivered_bytes: IntCounterVec,
+    delivered_samples: IntCounterVec,
+    storage_reads: IntCounterVec,
+    storage_read_bytes: IntCounterVec,
+    stall_seconds: CounterVec,
+    read_latency: HistogramVec,
+    errors: IntCounterVec,
+    throttled_seconds: CounterVec,
+    pub buffer_used: IntGaugeVec,
+    pub buffer_capacity: IntGaugeVec,
+    pub readers_active: IntGaugeVec,
+    pub reader_threads: IntGaugeVec,
+    pub tuner_changes: IntCounterVec,
+    pub connections: IntGauge,
+    pub protocol_errors: IntCounterVec,
+    pub memory_budget: IntGauge,
+    pub memory_used: IntGauge,
+    pub jobs: IntGauge,
+}
+
+/// The handles one (job, dataset) pair updates on the hot path.
+#[derive(Debug, Clone)]
+pub struct DatasetMetrics {
+    pub delivered_bytes: IntCounter,
+    pub delivered_samples: IntCounter,
+    pub storage_reads: IntCounter,
+    pub storage_read_bytes: IntCounter,
+    pub stall_seconds: prometheus::Counter,
+    pub read_latency: prometheus::Histogram,
+    job: String,
+    dataset: String,
+    errors: IntCounterVec,
+}
+
+impl DatasetMetrics {
+    /// Counts a failed sample or read under its error code.
+    pub fn error(&self, code: crate::protocol::ErrorCode) {
+        self.errors
+            .with_label_values(&[&self.job, &self.dataset, code.name()])
+            .inc();
+    }
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric names are unique");
+    metric
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let r = Registry::new();
+        let job_ds = &["job", "dataset"];
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            register(
+                &r,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let seconds = |name: &str, help: &str, labels: &[&str]| {
+            register(
+                &r,
+                CounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let gauge = |name: &str, help: &str| {
+            register(
+                &r,
+                IntGaugeVec::new(Opts::new(name, help), &["job"]).expect("valid metric"),
+            )
+        };
+        let scalar =
+            |name: &str, help: &str| register(&r, IntGauge::new(name, help).expect("valid metric"));
+        Arc::new(Self {
+            delivered_bytes: counter(
+                "sluice_stage_delivered_bytes_total",
+                "Sample bytes delivered to trainers.",
+                job_ds,
+            ),
+            delivered_samples: counter(
+                "sluice_stage_delivered_samples_total",
+                "Samples delivered to trainers (including failed ones).",
+                job_ds,
+            ),
+            storage_reads: counter(
+                "sluice_stage_storage_reads_total",
+                "Reads issued to storage.",
+                job_ds,
+            ),
+            storage_read_bytes: counter(
+                "sluice_stage_storage_read_bytes_total",
+                "Bytes read from storage.",
+                job_ds,
+            ),
+            stall_seconds: seconds(
+                "sluice_stage_consumer_stall_seconds_total",
+                "Time trainers waited for data that was not yet buffered.",
+                job_ds,
+            ),
+            read_latency: register(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "sluice_stage_read_latency_seconds",
+                        "Latency of one storage read.",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                    job_ds,
+                )
+                .expect("valid metric"),
+            ),
+            errors: counter(
+                "sluice_stage_errors_total",
+                "Failed samples and reads, by error code.",
+                &["job", "dataset", "code"],
+            ),
+            throttled_seconds: seconds(
+                "sluice_stage_throttled_seconds_total",
+                "Reader time spent waiting on the job's QoS limiter.",
+                &["job"],
+            ),
+            buffer_used: gauge(
+                "sluice_stage_buffer_used_bytes",
+                "Bytes held in the job's prefetch buffer (buffered and in flight).",
+            ),
+            buffer_capacity: gauge(
+                "sluice_stage_buffer_capacity_bytes",
+                "The job's prefetch buffer capacity in force.",
+            ),
+            readers_active: gauge(
+                "sluice_stage_readers_active",
+                "Reader threads reading from storage right now.",
+            ),
+            reader_threads: gauge(
+                "sluice_stage_readers",
+                "Reader threads the job runs (the tuner's choice).",
+            ),
+            tuner_changes: counter(
+                "sluice_stage_tuner_changes_total",
+                "Changes the auto-tuner made, by reason.",
+                &["job", "reason"],
+            ),
+            connections: scalar("sluice_stage_connections", "Open trainer connections."),
+            protocol_errors: counter(
+                "sluice_stage_protocol_errors_total",
+                "Error frames sent to trainers, by code.",
+                &["code"],
+            ),
+            memory_budget: scalar(
+                "sluice_stage_memory_budget_bytes",
+                "The node memory budget for all prefetch buffers.",
+            ),
+            memory_used: scalar(
+                "sluice_stage_memory_used_bytes",
+                "Bytes reserved across all jobs' prefetch buffers.",
+            ),
+            jobs: scalar("sluice_stage_jobs", "Jobs the stage currently knows."),
+            registry: r,
+        })
+    }
+
+    /// Returns the hot-path handles for one job reading one dataset.
+    pub fn dataset(&self, job: &str, dataset: &str) -> DatasetMetrics {
+        let l = &[job, dataset];
+        DatasetMetrics {
+            delivered_bytes: self.delivered_bytes.with_label_values(l),
+            delivered_samples: self.delivered_samples.with_label_values(l),
+            storage_reads: self.storage_reads.with_label_values(l),
+            storage_read_bytes: self.storage_read_bytes.with_label_values(l),
+            stall_seconds: self.stall_seconds.with_label_values(l),
+            read_latency: self.read_latency.with_label_values(l),
+            job: job.to_owned(),
+            dataset: dataset.to_owned(),
+            errors: self.errors.clone(),
+        }
+    }
+
+    pub fn throttled(&self, job: &str) -> prometheus::Counter {
+        self.throttled_seconds.with_label_values(&[job])
+    }
+
+    /// Removes every series of a forgotten job.
+    pub fn forget_job(&self, job: &str, datasets: &[String]) {
+        for ds in datasets {
+            let l = &[job, ds.as_str()];
+            let _ = self.delivered_bytes.remove_label_values(l);
+            let _ = self.delivered_samples.remove_label_values(l);
+            let _ = self.storage_reads.remove_label_values(l);
+            let _ = self.storage_read_bytes.remove_label_values(l);
+            let _ = self.stall_seconds.remove_label_values(l);
+            let _ = self.read_latency.remove_label_values(l);
+        }
+        for ds in datasets {
+            for code in ErrorCode::ALL {
+                let _ = self
+                    .errors
+                    .remove_label_values(&[job, ds.as_str(), code.name()]);
+            }
+        }
+        for reason in Reason::ALL {
+            let _ = self
+                .tuner_changes
+                .remove_label_values(&[job, reason.name()]);
+        }
+        for g in [
+            &self.buffer_used,
+            &self.buffer_capacity,
+            &self.readers_active,
+            &self.reader_threads,
+        ] {
+            let _ = g.remove_label_values(&[job]);
+        }
+        let _ = self.throttled_seconds.remove_label_values(&[job]);
+    }
+
+    /// Renders the Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}

@@ -1,0 +1,713 @@
+//! The trainer protocol: length-prefixed binary frames, as specified in
+//! `docs/protocol.md`. This module only parses and encodes; it does no I/O
+//! beyond reading one frame from an async reader.
+
+mod wire;
+
+use std::collections::BTreeMap;
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+pub use wire::{Decoder, Encoder};
+
+/// The protocol version this stage speaks.
+pub const VERSION: u16 = 1;
+/// The largest frame a trainer may send (type byte plus payload).
+pub const MAX_REQUEST_FRAME: u32 = 16 << 20;
+/// The largest frame the stage sends.
+pub const MAX_RESPONSE_FRAME: u32 = 256 << 20;
+/// Sample bytes packed into one `SAMPLES` frame before the stage stops adding.
+pub const SAMPLES_FRAME_BUDGET: u64 = 32 << 20;
+/// The most samples one `NEXT` may ask for.
+pub const MAX_NEXT: u32 = 4096;
+/// The most entries one `LIST` may ask for.
+pub const MAX_LIST: u32 = 65536;
+/// `READ` length meaning "to the end of the file".
+pub const TO_END: u64 = u64::MAX;
+
+/// Error codes carried by `ERROR` frames and failed samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ErrorCode {
+    BadFrame = 1,
+    FrameTooLarge = 2,
+    UnsupportedVersion = 3,
+    OutOfOrder = 4,
+    InvalidArgument = 5,
+    NoSuchDataset = 10,
+    NoDataset = 11,
+    NotFound = 12,
+    ForbiddenPath = 13,
+    IoError = 14,
+    BadPlan = 15,
+    PlanConflict = 16,
+    NoPlan = 17,
+    TooLarge = 18,
+    Unavailable = 19,
+}
+
+impl ErrorCode {
+    /// Every code, for exhaustive metric cleanup.
+    pub const ALL: [Self; 15] = [
+        Self::BadFrame,
+        Self::FrameTooLarge,
+        Self::UnsupportedVersion,
+        Self::OutOfOrder,
+        Self::InvalidArgument,
+        Self::NoSuchDataset,
+        Self::NoDataset,
+        Self::NotFound,
+        Self::ForbiddenPath,
+        Self::IoError,
+        Self::BadPlan,
+        Self::PlanConflict,
+        Self::NoPlan,
+        Self::TooLarge,
+        Self::Unavailable,
+    ];
+
+    /// Returns whether the stage closes the connection after this error.
+    pub fn is_fatal(self) -> bool {
+        matches!(
+            self,
+            Self::BadFrame | Self::FrameTooLarge | Self::UnsupportedVersion | Self::OutOfOrder
+        )
+    }
+
+    /// Returns the name used in docs and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::BadFrame => "bad_frame",
+            Self::FrameTooLarge => "frame_too_large",
+            Self::UnsupportedVersion => "unsupported_version",
+            Self::OutOfOrder => "out_of_order",
+            Self::InvalidArgument => "invalid_argument",
+            Self::NoSuchDataset => "no_such_dataset",
+            Self::NoDataset => "no_dataset",
+            Self::NotFound => "not_found",
+            Self::ForbiddenPath => "forbidden_path",
+            Self::IoError => "io_error",
+            Self::BadPlan => "bad_plan",
+            Self::PlanConflict => "plan_conflict",
+            Self::NoPlan => "no_plan",
+            Self::TooLarge => "too_large",
+            Self::Unavailable => "unavailable",
+        }
+    }
+}
+
+/// An error answer: a code and a sentence for the trainer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ProtocolError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ProtocolError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn bad_frame(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::BadFrame, message)
+    }
+}
+
+/// How a trainer describes an epoch's read order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanSpec {
+    Indices(Vec<u32>),
+    Names(Vec<String>),
+    Shuffle {
+        seed: u64,
+        shuffle: bool,
+        file_count: u32,
+        digest: u64,
+    },
+}
+
+/// A frame sent by a trainer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Hello {
+        version: u16,
+        job: String,
+        labels: BTreeMap<String, String>,
+        rank: u32,
+        world_size: u32,
+    },
+    Open {
+        dataset: String,
+    },
+    List {
+        offset: u32,
+        limit: u32,
+    },
+    Plan {
+        epoch: u64,
+        spec: PlanSpec,
+    },
+    Next {
+        max_samples: u32,
+    },
+    Read {
+        name: String,
+        offset: u64,
+        length: u64,
+    },
+    Bye,
+}
+
+mod kind {
+    pub const HELLO: u8 = 0x01;
+    pub const OPEN: u8 = 0x02;
+    pub const LIST: u8 = 0x03;
+    pub const PLAN: u8 = 0x04;
+    pub const NEXT: u8 = 0x05;
+    pub const READ: u8 = 0x06;
+    pub const BYE: u8 = 0x07;
+    pub const WELCOME: u8 = 0x81;
+    pub const OPENED: u8 = 0x82;
+    pub const FILES: u8 = 0x83;
+    pub const PLANNED: u8 = 0x84;
+    pub const SAMPLES: u8 = 0x85;
+    pub const DATA: u8 = 0x86;
+    pub const GOODBYE: u8 = 0x87;
+    pub const ERROR: u8 = 0xEE;
+}
+
+impl Request {
+    /// Parses one frame body (type byte and payload).
+    pub fn decode(body: &[u8]) -> Result<Self, ProtocolError> {
+        let (&kind, payload) = body.split_first().ok_or_else(|| {
+            ProtocolError::bad_frame("empty frame: a frame holds at least its type byte")
+        })?;
+        let mut d = Decoder::new(payload);
+        let request = match kind {
+            kind::HELLO => Self::Hello {
+                version: d.u16()?,
+                job: d.str()?,
+                labels: d.map()?,
+                rank: d.u32()?,
+                world_size: d.u32()?,
+            },
+            kind::OPEN => Self::Open { dataset: d.str()? },
+            kind::LIST => Self::List {
+                offset: d.u32()?,
+                limit: d.u32()?,
+            },
+            kind::PLAN => {
+                let epoch = d.u64()?;
+                let spec = match d.u8()? {
+                    0 => {
+                        let count = d.count(4)?;
+                        PlanSpec::Indices((0..count).map(|_| d.u32()).collect::<Result<_, _>>()?)
+                    }
+                    1 => {
+                        let count = d.count(2)?;
+                        PlanSpec::Names((0..count).map(|_| d.str()).collect::<Result<_, _>>()?)
+                    }
+                    2 => PlanSpec::Shuffle {
+                        seed: d.u64()?,
+                        shuffle: match d.u8()? {
+                            0 => false,
+                            1 => true,
+                            other => {
+                                return Err(ProtocolError::bad_frame(format!(
+                                    "PLAN shuffle flag is {other}: write 0 or 1"
+                                )));
+                            }
+                        },
+                        file_count: d.u32()?,
+                        digest: d.u64()?,
+                    },
+                    other => {
+                        return Err(ProtocolError::new(
+                            ErrorCode::BadPlan,
+                            format!(
+                                "unknown plan kind {other}: use 0 (indices), 1 (names) or 2 (shuffle)"
+                            ),
+                        ));
+                    }
+                };
+                Self::Plan { epoch, spec }
+            }
+            kind::NEXT => Self::Next {
+                max_samples: d.u32()?,
+            },
+            kind::READ => Self::Read {
+                name: d.str()?,
+                offset: d.u64()?,
+                length: d.u64()?,
+            },
+            kind::BYE => Self::Bye,
+            other => {
+                return Err(ProtocolError::bad_frame(format!(
+                    "unknown request type 0x{other:02x}"
+                )));
+            }
+        };
+        d.finish()?;
+        Ok(request)
+    }
+
+    /// Encodes this request as a whole frame (length prefix included).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::frame();
+        match self {
+            Self::Hello {
+                version,
+                job,
+                labels,
+                rank,
+                world_size,
+            } => {
+                e.u8(kind::HELLO)
+                    .u16(*version)
+                    .str(job)
+                    .map(labels)
+                    .u32(*rank)
+                    .u32(*world_size);
+            }
+            Self::Open { dataset } => {
+                e.u8(kind::OPEN).str(dataset);
+            }
+            Self::List { offset, limit } => {
+                e.u8(kind::LIST).u32(*offset).u32(*limit);
+            }
+            Self::Plan { epoch, spec } => {
+                e.u8(kind::PLAN).u64(*epoch);
+                match spec {
+                    PlanSpec::Indices(indices) => {
+                        e.u8(0).u32(len32(indices.len()));
+                        indices.iter().for_each(|i| {
+                            e.u32(*i);
+                        });
+                    }
+                    PlanSpec::Names(names) => {
+                        e.u8(1).u32(len32(names.len()));
+                        names.iter().for_each(|n| {
+                            e.str(n);
+                        });
+                    }
+                    PlanSpec::Shuffle {
+                        seed,
+                        shuffle,
+                        file_count,
+                        digest,
+                    } => {
+                        e.u8(2)
+                            .u64(*seed)
+                            .u8(u8::from(*shuffle))
+                            .u32(*file_count)
+                            .u64(*digest);
+                    }
+                }
+            }
+            Self::Next { max_samples } => {
+                e.u8(kind::NEXT).u32(*max_samples);
+            }
+            Self::Read {
+                name,
+                offset,
+                length,
+            } => {
+                e.u8(kind::READ).str(name).u64(*offset).u64(*length);
+            }
+            Self::Bye => {
+                e.u8(kind::BYE);
+            }
+        }
+        e.finish_frame()
+    }
+}
+
+fn len32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// One delivered plan entry: its bytes or why it could not be read.
+#[derive(Debug)]
+pub struct Sample {
+    pub position: u32,
+    pub name: String,
+    pub data: Result<Vec<u8>, ProtocolError>,
+}
+
+/// Frames the stage sends. `Samples` and `Data` are written by
+/// [`Response::encode_parts`] so sample bytes are never copied into a frame.
+#[derive(Debug)]
+pub enum Response {
+    Welcome {
+        stage_id: String,
+    },
+    Opened {
+        file_count: u32,
+        total_bytes: u64,
+        digest: u64,
+    },
+    Files {
+        total: u32,
+        entries: Vec<(String, u64)>,
+    },
+    Planned {
+        length: u32,
+        state: u8,
+    },
+    Samples {
+        end: bool,
+        samples: Vec<Sample>,
+    },
+    Data(Vec<u8>),
+    Goodbye,
+    Error(ProtocolError),
+}
+
+impl Response {
+    /// Encodes the frame as a list of buffers to write in order: small headers
+    /// built here, and the sample data buffers as they are.
+    pub fn encode_parts(&self) -> Vec<Part<'_>> {
+        let mut parts = Vec::new();
+        let mut e = Encoder::frame();
+        match self {
+            Self::Welcome { stage_id } => {
+                e.u8(kind::WELCOME)
+                    .u16(VERSION)
+                    .str(stage_id)
+                    .u32(MAX_REQUEST_FRAME)
+                    .u32(MAX_RESPONSE_FRAME);
+            }
+            Self::Opened {
+                file_count,
+                total_bytes,
+                digest,
+            } => {
+                e.u8(kind::OPENED)
+                    .u32(*file_count)
+                    .u64(*total_bytes)
+                    .u64(*digest);
+            }
+            Self::Files { total, entries } => {
+                e.u8(kind::FILES).u32(*total).u32(len32(entries.len()));
+                for (name, size) in entries {
+                    e.str(name).u64(*size);
+                }
+            }
+            Self::Planned { length, state } => {
+                e.u8(kind::PLANNED).u32(*length).u8(*state);
+            }
+            Self::Samples { end, samples } => {
+                e.u8(kind::SAMPLES)
+                    .u8(u8::from(*end))
+                    .u32(len32(samples.len()));
+                for sample in samples {
+                    e.u32(sample.position).str(&sample.name);
+                    match &sample.data {
+                        Ok(data) => {
+                            e.u8(0).u32(len32(data.len()));
+                            parts.push(Part::Owned(e.take()));
+                            parts.push(Part::Borrowed(data));
+                        }
+                        Err(err) => {
+                            e.u8(1).u16(err.code as u16).str(&err.message);
+                        }
+                    }
+                }
+            }
+            Self::Data(data) => {
+                e.u8(kind::DATA).u32(len32(data.len()));
+                parts.push(Part::Owned(e.take()));
+                parts.push(Part::Borrowed(data));
+            }
+            Self::Goodbye => {
+                e.u8(kind::GOODBYE);
+            }
+            Self::Error(err) => {
+                e.u8(kind::ERROR)
+                    .u16(err.code as u16)
+                    .u8(u8::from(err.code.is_fatal()))
+                    .str(&err.message);
+            }
+        }
+        parts.push(Part::Owned(e.take()));
+        let total: usize = parts.iter().map(|p| p.as_slice().len()).sum::<usize>() - 4;
+        if let Some(Part::Owned(first)) = parts.first_mut() {
+            first[..4].copy_from_slice(&len32(total).to_be_bytes());
+        }
+        parts.retain(|p| !p.as_slice().is_empty());
+        parts
+    }
+
+    /// Encodes the frame into one buffer (tests and small frames).
+    pub fn encode(&self) -> Vec<u8> {
+        self.encode_parts()
+            .iter()
+            .flat_map(|p| p.as_slice().iter().copied())
+            .collect()
+    }
+}
+
+/// A piece of an encoded response frame.
+#[derive(Debug)]
+pub enum Part<'a> {
+    Owned(Vec<u8>),
+    Borrowed(&'a [u8]),
+}
+
+impl Part<'_> {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Borrowed(s) => s,
+        }
+    }
+}
+
+/// Reads one frame body from `reader`. Returns `Ok(None)` on a clean end of
+/// stream before a frame starts. A length over `max` is refused before any of
+/// the body is read.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max: u32,
+) -> Result<Option<Vec<u8>>, FrameReadError> {
+    let mut prefix = [0u8; 4];
+    let mut filled = 0;
+    while filled < 4 {
+        match reader.read(&mut prefix[filled..]).await? {
+            0 if filled == 0 => return Ok(None),
+            0 => return Err(FrameReadError::Truncated),
+            n => filled += n,
+        }
+    }
+    let length = u32::from_be_bytes(prefix);
+    if length == 0 {
+        return Err(FrameReadError::Malformed(ProtocolError::bad_frame(
+            "frame length is 0: a frame holds at least its type byte",
+        )));
+    }
+    if length > max {
+        return Err(FrameReadError::Malformed(ProtocolError::new(
+            ErrorCode::FrameTooLarge,
+            format!("frame of {length} bytes is over the limit of {max} bytes"),
+        )));
+    }
+    let mut body = vec![0u8; length as usize];
+    reader.read_exact(&mut body).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            FrameReadError::Truncated
+        } else {
+            FrameReadError::Io(e)
+        }
+    })?;
+    Ok(Some(body))
+}
+
+/// Why a frame could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameReadError {
+    #[error("connection closed in the middle of a frame")]
+    Truncated,
+    #[error("{0}")]
+    Malformed(ProtocolError),
+    #[error("reading from the connection: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn body(frame: &[u8]) -> &[u8] {
+        let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, frame.len() - 4, "length prefix counts the body");
+        &frame[4..]
+    }
+
+    fn requests() -> Vec<Request> {
+        vec![
+            Request::Hello {
+                version: 1,
+                job: "resnet-a".into(),
+                labels: [("team".to_string(), "vision".to_string())].into(),
+                rank: 1,
+                world_size: 4,
+            },
+            Request::Open {
+                dataset: "imagenet".into(),
+            },
+            Request::List {
+                offset: 10,
+                limit: 100,
+            },
+            Request::Plan {
+                epoch: 3,
+                spec: PlanSpec::Indices(vec![3, 1, 2]),
+            },
+            Request::Plan {
+                epoch: 3,
+                spec: PlanSpec::Names(vec!["a/b".into(), "c".into()]),
+            },
+            Request::Plan {
+                epoch: 0,
+                spec: PlanSpec::Shuffle {
+                    seed: 42,
+                    shuffle: true,
+                    file_count: 10,
+                    digest: 7,
+                },
+            },
+            Request::Next { max_samples: 32 },
+            Request::Read {
+                name: "x/y.bin".into(),
+                offset: 5,
+                length: TO_END,
+            },
+            Request::Bye,
+        ]
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        for request in requests() {
+            let frame = request.encode();
+            assert_eq!(Request::decode(body(&frame)).unwrap(), request);
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_refused() {
+        for request in requests() {
+            let frame = request.encode();
+            let full = body(&frame);
+            for cut in 0..full.len() {
+                if full[..cut].is_empty() {
+                    continue;
+                }
+                let err = Request::decode(&full[..cut]);
+                assert!(err.is_err(), "{request:?} cut at {cut} parsed");
+            }
+        }
+    }
+
+    #[test]
+    fn leftover_bytes_and_unknown_types_are_refused() {
+        let mut frame = Request::Next { max_samples: 1 }.encode();
+        frame.push(0);
+        let err = Request::decode(&frame[4..]).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadFrame);
+        assert!(err.message.contains("left over"), "{}", err.message);
+        let err = Request::decode(&[0x42]).unwrap_err();
+        assert!(err.message.contains("0x42"));
+        assert!(Request::decode(&[]).is_err());
+    }
+
+    #[test]
+    fn invalid_utf8_is_refused() {
+        let err = Request::decode(&[kind::OPEN, 0, 2, 0xff, 0xfe]).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadFrame);
+        assert!(err.message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn counts_larger_than_the_frame_are_refused_without_allocating() {
+        // An INDICES plan claiming 4 billion entries in a 14-byte payload.
+        let mut payload = vec![kind::PLAN];
+        payload.extend(0u64.to_be_bytes());
+        payload.push(0);
+        payload.extend(u32::MAX.to_be_bytes());
+        let err = Request::decode(&payload).unwrap_err();
+        assert_eq!(err.code, ErrorCode::BadFrame);
+    }
+
+    #[tokio::test]
+    async fn oversized_and_truncated_frames() {
+        let mut huge: &[u8] = &[0xff, 0xff, 0xff, 0xff, 1];
+        let err = read_frame(&mut huge, MAX_REQUEST_FRAME).await.unwrap_err();
+        assert!(matches!(
+            err,
+            FrameReadError::Malformed(ProtocolError {
+                code: ErrorCode::FrameTooLarge,
+                ..
+            })
+        ));
+        let mut cut: &[u8] = &[0, 0, 0, 10, 1, 2];
+        assert!(matches!(
+            read_frame(&mut cut, MAX_REQUEST_FRAME).await,
+            Err(FrameReadError::Truncated)
+        ));
+        let mut half_prefix: &[u8] = &[0, 0];
+        assert!(matches!(
+            read_frame(&mut half_prefix, MAX_REQUEST_FRAME).await,
+            Err(FrameReadError::Truncated)
+        ));
+        let mut empty: &[u8] = &[];
+        assert!(
+            read_frame(&mut empty, MAX_REQUEST_FRAME)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        let mut zero: &[u8] = &[0, 0, 0, 0];
+        assert!(read_frame(&mut zero, MAX_REQUEST_FRAME).await.is_err());
+    }
+
+    #[test]
+    fn samples_frame_layout() {
+        let response = Response::Samples {
+            end: true,
+            samples: vec![
+                Sample {
+                    position: 0,
+                    name: "a".into(),
+                    data: Ok(vec![1, 2, 3]),
+                },
+                Sample {
+                    position: 1,
+                    name: "b".into(),
+                    data: Err(ProtocolError::new(ErrorCode::NotFound, "gone")),
+                },
+            ],
+        };
+        let frame = response.encode();
+        let mut d = Decoder::new(body(&frame));
+        assert_eq!(d.u8().unwrap(), kind::SAMPLES);
+        assert_eq!(d.u8().unwrap(), 1);
+        assert_eq!(d.u32().unwrap(), 2);
+        assert_eq!(
+            (d.u32().unwrap(), d.str().unwrap(), d.u8().unwrap()),
+            (0, "a".into(), 0)
+        );
+        assert_eq!(d.bytes().unwrap(), &[1, 2, 3]);
+        assert_eq!(
+            (d.u32().unwrap(), d.str().unwrap(), d.u8().unwrap()),
+            (1, "b".into(), 1)
+        );
+        assert_eq!(
+            (d.u16().unwrap(), d.str().unwrap()),
+            (ErrorCode::NotFound as u16, "gone".into())
+        );
+        d.finish().unwrap();
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = Request::decode(&body);
+        }
+
+        #[test]
+        fn arbitrary_payloads_after_a_valid_type_never_panic(
+            kind in 1u8..8,
+            payload in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut body = vec![kind];
+            body.extend(payload);
+            let _ = Request::decode(&body);
+        }
+    }
+}

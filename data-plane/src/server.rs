@@ -1,0 +1,435 @@
+//! Trainer connections: one task per connection reading request frames,
+//! answering each, and ending only that connection on a malformed frame.
+
+use std::collections::BTreeMap;
+use std::io::{self, IoSlice};
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::dataset::{Dataset, Fnv64, Listing, check_name};
+use crate::engine::{Engine, PlanHandle, PlanKey};
+use crate::engine::{JobHandle, Reservation};
+use crate::plan::{permutation, shard};
+use crate::protocol::{
+    self, ErrorCode, FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, Part, PlanSpec,
+    ProtocolError, Request, Response, TO_END,
+};
+
+/// Limits on what `HELLO` may carry.
+const MAX_JOB_BYTES: usize = 128;
+const MAX_LABELS: usize = 64;
+const MAX_LABEL_KEY: usize = 63;
+const MAX_LABEL_VALUE: usize = 256;
+
+/// Serves one trainer connection until it says goodbye, breaks the protocol,
+/// disconnects, or the stage shuts down.
+pub async fn serve<S>(engine: Arc<Engine>, stage_id: Arc<str>, stream: S, cancel: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let metrics = Arc::clone(engine.metrics());
+    metrics.connections.inc();
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let mut conn = Connection {
+        engine,
+        stage_id,
+        job: None,
+        rank: 0,
+        world_size: 1,
+        dataset: None,
+        plan: None,
+    };
+    loop {
+        let frame = tokio::select! {
+            () = cancel.cancelled() => {
+                let _ = send(&mut wr, &Response::Error(ProtocolError::new(ErrorCode::Unavailable, "the stage is shutting down"))).await;
+                break;
+            }
+            frame = protocol::read_frame(&mut rd, MAX_REQUEST_FRAME) => frame,
+        };
+        let body = match frame {
+            Ok(Some(body)) => body,
+            Ok(None) => break,
+            Err(FrameReadError::Malformed(err)) => {
+                metrics
+                    .protocol_errors
+                    .with_label_values(&[err.code.name()])
+                    .inc();
+                let _ = send(&mut wr, &Response::Error(err)).await;
+                break;
+            }
+            Err(e) => {
+                debug!(error = %e, "connection ended");
+                break;
+            }
+        };
+        let request = Request::decode(&body);
+        drop(body);
+        if matches!(request, Ok(Request::Bye)) {
+            let _ = send(&mut wr, &Response::Goodbye).await;
+            break;
+        }
+        let answer = match request {
+            Ok(request) => conn.handle(request).await,
+            Err(e) => Err(e),
+        };
+        let (response, reservation) = match answer {
+            Ok(ok) => ok,
+            Err(err) => {
+                metrics
+                    .protocol_errors
+                    .with_label_values(&[err.code.name()])
+                    .inc();
+                let fatal = err.code.is_fatal();
+                let _ = send(&mut wr, &Response::Error(err)).await;
+                if fatal {
+                    break;
+                }
+                continue;
+            }
+        };
+        let written = send(&mut wr, &response).await;
+        drop(reservation);
+        if let Err(e) = written {
+            debug!(error = %e, "writing to the trainer failed");
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+    metrics.connections.dec();
+}
+
+async fn send<W: AsyncWrite + Unpin>(w: &mut W, response: &Response) -> io::Result<()> {
+    write_parts(w, &response.encode_parts()).await
+}
+
+/// Writes every part with vectored writes, so sample data goes from the
+/// buffer to the socket without being copied into a frame first.
+async fn write_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Part<'_>]) -> io::Result<()> {
+    let (mut index, mut offset) = (0, 0);
+    while index < parts.len() {
+        let slices: Vec<IoSlice<'_>> = std::iter::once(&parts[index].as_slice()[offset..])
+            .chain(parts[index + 1..].iter().take(63).map(Part::as_slice))
+            .map(IoSlice::new)
+            .collect();
+        let mut n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let left = parts[index].as_slice().len() - offset;
+            if n >= left {
+                n -= left;
+                index += 1;
+                offset = 0;
+            } else {
+                offset += n;
+                n = 0;
+            }
+        }
+    }
+    w.flush().await
+}
+
+type Answer = Result<(Response, Option<Reservation>), ProtocolError>;
+
+struct Connection {
+    engine: Arc<Engine>,
+    stage_id: Arc<str>,
+    job: Option<JobHandle>,
+    rank: u32,
+    world_size: u32,
+    dataset: Option<(Arc<Dataset>, Arc<Listing>)>,
+    plan: Option<PlanHandle>,
+}
+
+fn invalid(message: String) -> ProtocolError {
+    ProtocolError::new(ErrorCode::InvalidArgument, message)
+}
+
+fn reply(response: Response) -> Answer {
+    Ok((response, None))
+}
+
+impl Connection {
+    async fn handle(&mut self, request: Request) -> Answer {
+        if let Request::Hello {
+            version,
+            job,
+            labels,
+            rank,
+            world_size,
+        } = request
+        {
+            return self.hello(version, &job, labels, rank, world_size);
+        }
+        if self.job.is_none() {
+            return Err(ProtocolError::new(
+                ErrorCode::OutOfOrder,
+                "the first frame of a connection must be HELLO",
+            ));
+        }
+        match request {
+            Request::Hello { .. } | Request::Bye => unreachable!("handled above"),
+            Request::Open { dataset } => self.open(&dataset).await,
+            Request::List { offset, limit } => self.list(offset, limit),
+            Request::Plan { epoch, spec } => self.plan(epoch, spec),
+            Request::Next { max_samples } => self.next(max_samples).await,
+            Request::Read {
+                name,
+                offset,
+                length,
+            } => self.read(name, offset, length).await,
+        }
+    }
+
+    fn hello(
+        &mut self,
+        version: u16,
+        job: &str,
+        labels: BTreeMap<String, String>,
+        rank: u32,
+        world_size: u32,
+    ) -> Answer {
+        if self.job.is_some() {
+            return Err(ProtocolError::new(
+                ErrorCode::OutOfOrder,
+                "HELLO may be sent only once per connection",
+            ));
+        }
+        if version != protocol::VERSION {
+            return Err(ProtocolError::new(
+                ErrorCode::UnsupportedVersion,
+                format!(
+                    "protocol version {version} is not supported: this stage speaks version {}",
+                    protocol::VERSION
+                ),
+            ));
+        }
+        let valid_job = !job.is_empty()
+            && job.len() <= MAX_JOB_BYTES
+            && job
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if !valid_job {
+            return Err(invalid(format!(
+                "job id `{job}` is invalid: use 1 to {MAX_JOB_BYTES} characters of letters, digits, `.`, `_` and `-`"
+            )));
+        }
+        if labels.len() > MAX_LABELS {
+            return Err(invalid(format!(
+                "{} labels is too many: at most {MAX_LABELS}",
+                labels.len()
+            )));
+        }
+        if let Some((k, _)) = labels
+            .iter()
+            .find(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE)
+        {
+            return Err(invalid(format!(
+                "label `{k}` is invalid: keys are 1 to {MAX_LABEL_KEY} bytes and values at most {MAX_LABEL_VALUE}"
+            )));
+        }
+        if world_size == 0 || rank >= world_size {
+            return Err(invalid(format!(
+                "rank {rank} of world size {world_size} is impossible: world size is at least 1 and rank is below it"
+            )));
+        }
+        self.rank = rank;
+        self.world_size = world_size;
+        self.job = Some(self.engine.attach(job, labels));
+        reply(Response::Welcome {
+            stage_id: self.stage_id.to_string(),
+        })
+    }
+
+    fn job(&self) -> &Arc<crate::engine::Job> {
+        self.job.as_ref().expect("checked by handle").job()
+    }
+
+    fn opened(&self) -> Result<&(Arc<Dataset>, Arc<Listing>), ProtocolError> {
+        self.dataset.as_ref().ok_or_else(|| {
+            ProtocolError::new(ErrorCode::NoDataset, "no dataset is open: send OPEN first")
+        })
+    }
+
+    async fn open(&mut self, name: &str) -> Answer {
+        let Some(dataset) = self.engine.dataset(name) else {
+            return Err(ProtocolError::new(
+                ErrorCode::NoSuchDataset,
+                format!(
+                    "this stage serves no dataset `{name}`; it serves: {}",
+                    self.engine.dataset_names().join(", ")
+                ),
+            ));
+        };
+        let ds = Arc::clone(&dataset);
+        let listing = tokio::task::spawn_blocking(move || ds.listing())
+            .await
+            .map_err(|e| {
+                ProtocolError::new(ErrorCode::IoError, format!("listing task failed: {e}"))
+            })?
+            .map_err(|e| {
+                ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!("listing dataset `{name}` failed: {e}"),
+                )
+            })?;
+        self.plan = None;
+        let response = Response::Opened {
+            file_count: listing.len(),
+            total_bytes: listing.total_bytes,
+            digest: listing.digest,
+        };
+        self.dataset = Some((dataset, listing));
+        reply(response)
+    }
+
+    fn list(&self, offset: u32, limit: u32) -> Answer {
+        let (_, listing) = self.opened()?;
+        if limit == 0 || limit > MAX_LIST {
+            return Err(invalid(format!(
+                "LIST limit {limit} is out of range: ask for 1 to {MAX_LIST} entries"
+            )));
+        }
+        let entries = listing
+            .files
+            .iter()
+            .skip(offset as usize)
+            .take(limit as usize)
+            .map(|f| (f.name.clone(), f.size))
+            .collect();
+        reply(Response::Files {
+            total: listing.len(),
+            entries,
+        })
+    }
+
+    fn plan(&mut self, epoch: u64, spec: PlanSpec) -> Answer {
+        let (dataset, listing) = self.opened()?.clone();
+        let n = listing.len();
+        let bad = |message: String| ProtocolError::new(ErrorCode::BadPlan, message);
+        let files = match spec {
+            PlanSpec::Indices(indices) => {
+                if let Some(i) = indices.iter().find(|&&i| i >= n) {
+                    return Err(bad(format!(
+                        "index {i} is out of range: dataset `{}` has {n} files",
+                        dataset.name
+                    )));
+                }
+                indices
+            }
+            PlanSpec::Names(names) => names
+                .iter()
+                .map(|name| {
+                    check_name(name)?;
+                    listing.position(name).ok_or_else(|| {
+                        bad(format!(
+                            "`{name}` is not in the listing of dataset `{}`",
+                            dataset.name
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            PlanSpec::Shuffle {
+                seed,
+                shuffle,
+                file_count,
+                digest,
+            } => {
+                if file_count != n || digest != listing.digest {
+                    return Err(bad(format!(
+                        "the listing of dataset `{}` is not the one the plan was made for (the stage has {n} files, digest {:#x}; the plan names {file_count}, {digest:#x}): OPEN it again and resubmit",
+                        dataset.name, listing.digest
+                    )));
+                }
+                shard(
+                    &permutation(n, seed, epoch, shuffle),
+                    self.rank,
+                    self.world_size,
+                )
+            }
+        };
+        let fingerprint = fingerprint(&files, listing.digest);
+        let key = PlanKey {
+            rank: self.rank,
+            epoch,
+        };
+        self.plan = None;
+        let (handle, state) = self
+            .job()
+            .attach_plan(key, fingerprint, dataset, listing, files)?;
+        let length = handle.length;
+        self.plan = Some(handle);
+        reply(Response::Planned {
+            length,
+            state: state as u8,
+        })
+    }
+
+    async fn next(&mut self, max_samples: u32) -> Answer {
+        if max_samples == 0 || max_samples > MAX_NEXT {
+            return Err(invalid(format!(
+                "NEXT of {max_samples} samples is out of range: ask for 1 to {MAX_NEXT}"
+            )));
+        }
+        let handle = self.plan.as_ref().ok_or_else(|| {
+            ProtocolError::new(
+                ErrorCode::NoPlan,
+                "no plan is active on this connection: send PLAN first",
+            )
+        })?;
+        let job = Arc::clone(self.job());
+        let batch = job.next(handle, max_samples as usize).await;
+        Ok((
+            Response::Samples {
+                end: batch.end,
+                samples: batch.samples,
+            },
+            Some(batch.reservation),
+        ))
+    }
+
+    async fn read(&mut self, name: String, offset: u64, length: u64) -> Answer {
+        let (dataset, _) = self.opened()?.clone();
+        check_name(&name)?;
+        let job = Arc::clone(self.job());
+        if offset == 0 && length == TO_END {
+            if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await {
+                return sample
+                    .data
+                    .map(|data| (Response::Data(data), Some(reservation)));
+            }
+        }
+        let metrics = job.metrics_for(&dataset.name);
+        let task_job = Arc::clone(&job);
+        let task_name = name.clone();
+        let task_metrics = metrics.clone();
+        let data = tokio::task::spawn_blocking(move || {
+            task_job.read_now(&dataset, &task_name, offset, length, &task_metrics)
+        })
+        .await
+        .map_err(|e| ProtocolError::new(ErrorCode::IoError, format!("read task failed: {e}")))?;
+        let sample = protocol::Sample {
+            position: 0,
+            name,
+            data,
+        };
+        job.delivered(&metrics, &sample);
+        sample.data.map(|data| (Response::Data(data), None))
+    }
+}
+
+/// Identifies a plan's content: FNV-1a over its file indices and the
+/// listing digest.
+fn fingerprint(files: &[u32], digest: u64) -> u64 {
+    let mut h = Fnv64::new();
+    h.write(&digest.to_be_bytes());
+    for f in files {
+        h.write(&f.to_be_bytes());
+    }
+    h.0
+}

@@ -1,0 +1,433 @@
+//! The per-job auto-tuner: picks the reader count and buffer bytes from what
+//! the consumer experiences.
+//!
+//! Every tick it looks at the last window: how long consumers stalled waiting
+//! for data, how full the buffer was, how many storage reads completed, how
+//! long they took, and how long readers sat throttled by the QoS limiter.
+//!
+//! - **Starved** (consumers stall, the buffer is not full, not throttled):
+//!   readers are the bottleneck. Grow them by half (at least one), then check
+//!   on the next window that storage throughput actually rose by 5%; if it did
+//!   not, storage is saturated: go back to the previous count and do not probe
+//!   above it again for a while (hysteresis, re-probed later so a faster
+//!   device is noticed).
+//! - **Buffer-bound** (consumers stall although the buffer is full): the
+//!   buffer is too small for the lead the plan needs. Grow it by half.
+//! - **Ahead** (no stall and a nearly full buffer for a second): the consumer
+//!   is compute-bound. Shrink readers to what Little's law says sustains the
+//!   consumer's rate (reads/s x read latency, with 50% headroom) and shrink the
+//!   buffer toward half a second of consumption.
+//! - **Throttled**: the limiter, not the readers, sets the pace; readers are
+//!   trimmed to what the allowed rate needs.
+//!
+//! The tuner never switches itself off: any of these states can follow any
+//! other, for as long as the job runs.
+
+use std::time::Duration;
+
+/// How often the tuner looks.
+pub const TICK: Duration = Duration::from_millis(200);
+/// Stall fraction above which consumers are considered starved.
+const STALL_HIGH: f64 = 0.05;
+/// Stall fraction below which consumers are considered fed.
+const STALL_LOW: f64 = 0.01;
+/// Buffer occupancy regarded as full.
+const FULL: f64 = 0.75;
+/// Ticks the "ahead" state must hold before shrinking.
+const AHEAD_TICKS: u32 = 5;
+/// Ticks an unfruitful reader count stays the ceiling.
+const CEILING_TICKS: u32 = 25;
+/// Gain a probe must show to be kept.
+const PROBE_GAIN: f64 = 1.05;
+/// Consumption the buffer should hold when shrinking, in seconds.
+const LEAD_SECONDS: f64 = 0.5;
+
+/// Limits the tuner stays within (settings may change them at any time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub min_readers: u32,
+    pub max_readers: u32,
+    pub min_buffer: u64,
+    pub max_buffer: u64,
+}
+
+impl Bounds {
+    pub fn clamp_readers(&self, n: u32) -> u32 {
+        n.clamp(self.min_readers, self.max_readers.max(self.min_readers))
+    }
+
+    pub fn clamp_buffer(&self, n: u64) -> u64 {
+        n.clamp(self.min_buffer, self.max_buffer.max(self.min_buffer))
+    }
+}
+
+/// What the job saw during one window.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Observation {
+    pub elapsed: Duration,
+    /// Consumer stall time summed over consumers.
+    pub stall: Duration,
+    /// Consumers attached to plans during the window (at least 1 if any work).
+    pub consumers: u32,
+    pub delivered_bytes: u64,
+    pub reads: u64,
+    /// Sum of storage read latencies.
+    pub read_time: Duration,
+    /// Time readers spent waiting on the limiter.
+    pub throttled: Duration,
+    /// Buffer bytes in use at the end of the window.
+    pub buffer_used: u64,
+    /// Whether any plan still has entries to fetch.
+    pub has_work: bool,
+}
+
+/// Why the tuner changed something (for logs and traces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Starved,
+    ProbeFailed,
+    BufferBound,
+    Ahead,
+    Throttled,
+}
+
+impl Reason {
+    pub const ALL: [Self; 5] = [
+        Self::Starved,
+        Self::ProbeFailed,
+        Self::BufferBound,
+        Self::Ahead,
+        Self::Throttled,
+    ];
+
+    /// Returns the metric label for this reason.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Starved => "starved",
+            Self::ProbeFailed => "probe_failed",
+            Self::BufferBound => "buffer_bound",
+            Self::Ahead => "ahead",
+            Self::Throttled => "throttled",
+        }
+    }
+}
+
+/// A change the job should apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Change {
+    pub readers: u32,
+    pub buffer: u64,
+    pub reason: Reason,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    from: u32,
+    reads_per_s: f64,
+}
+
+/// Per-job tuner state.
+#[derive(Debug)]
+pub struct Tuner {
+    bounds: Bounds,
+    readers: u32,
+    buffer: u64,
+    probe: Option<Probe>,
+    ceiling: Option<(u32, u32)>,
+    ahead_ticks: u32,
+    settle: bool,
+}
+
+impl Tuner {
+    pub fn new(bounds: Bounds, readers: u32, buffer: u64) -> Self {
+        Self {
+            readers: bounds.clamp_readers(readers),
+            buffer: bounds.clamp_buffer(buffer),
+            bounds,
+            probe: None,
+            ceiling: None,
+            ahead_ticks: 0,
+            settle: false,
+        }
+    }
+
+    pub fn readers(&self) -> u32 {
+        self.readers
+    }
+
+    pub fn buffer(&self) -> u64 {
+        self.buffer
+    }
+
+    /// Applies new bounds, clamping the current values into them.
+    pub fn set_bounds(&mut self, bounds: Bounds) -> Option<Change> {
+        self.bounds = bounds;
+        self.probe = None;
+        let (readers, buffer) = (
+            bounds.clamp_readers(self.readers),
+            bounds.clamp_buffer(self.buffer),
+        );
+        self.apply(readers, buffer, Reason::Starved)
+    }
+
+    /// Looks at one window and returns the change to make, if any.
+    pub fn observe(&mut self, obs: &Observation) -> Option<Change> {
+        let secs = obs.elapsed.as_secs_f64();
+        if !obs.has_work || secs <= 0.0 {
+            self.ahead_ticks = 0;
+            return None;
+        }
+        if std::mem::take(&mut self.settle) {
+            // This window straddled the last change; judge the next one.
+            return None;
+        }
+        if let Some((_, ticks)) = self.ceiling.as_mut() {
+            *ticks = ticks.saturating_sub(1);
+            if *ticks == 0 {
+                self.ceiling = None;
+            }
+        }
+        let reads_per_s = obs.reads as f64 / secs;
+        let stall = obs.stall.as_secs_f64() / (secs * f64::from(obs.consumers.max(1)));
+        let occupancy = obs.buffer_used as f64 / self.buffer.max(1) as f64;
+        let throttled = obs.throttled.as_secs_f64() / (secs * f64::from(self.readers));
+
+        if let Some(probe) = self.probe.take() {
+            if reads_per_s < probe.reads_per_s * PROBE_GAIN && stall > STALL_HIGH {
+                self.ceiling = Some((probe.from, CEILING_TICKS));
+                return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
+            }
+        }
+        if throttled > 0.3 {
+            self.ahead_ticks = 0;
+            let needed = self.little(reads_per_s, obs);
+            return (needed < self.readers)
+                .then(|| self.apply(needed, self.buffer, Reason::Throttled))
+                .flatten();
+        }
+        if stall > STALL_HIGH {
+            self.ahead_ticks = 0;
+            if occupancy >= FULL {
+                let buffer = self.bounds.clamp_buffer(self.buffer + self.buffer / 2);
+                return self.apply(self.readers, buffer, Reason::BufferBound);
+            }
+            let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
+            let grown = self
+                .bounds
+                .clamp_readers((self.readers + (self.readers / 2).max(1)).min(ceiling));
+            if grown > self.readers {
+                self.probe = Some(Probe {
+                    from: self.readers,
+                    reads_per_s,
+                });
+                return self.apply(grown, self.buffer, Reason::Starved);
+            }
+            return None;
+        }
+        if stall < STALL_LOW && occupancy >= FULL {
+            self.ahead_ticks += 1;
+            if self.ahead_ticks >= AHEAD_TICKS {
+                self.ahead_ticks = 0;
+                let readers = self.little(reads_per_s, obs).min(self.readers);
+                let consumed = obs.delivered_bytes as f64 / secs;
+                let floor = (consumed * LEAD_SECONDS) as u64;
+                let buffer = self
+                    .bounds
+                    .clamp_buffer(floor.max(self.buffer * 4 / 5))
+                    .min(self.buffer);
+                return self.apply(readers, buffer, Reason::Ahead);
+            }
+        } else {
+            self.ahead_ticks = 0;
+        }
+        None
+    }
+
+    /// Readers needed to sustain `reads_per_s` at the observed latency, with
+    /// 50% headroom (Little's law: concurrency = throughput x latency).
+    fn little(&self, reads_per_s: f64, obs: &Observation) -> u32 {
+        let latency = if obs.reads == 0 {
+            0.0
+        } else {
+            obs.read_time.as_secs_f64() / obs.reads as f64
+        };
+        let needed = (reads_per_s * latency * 1.5).ceil() as u32 + 1;
+        self.bounds.clamp_readers(needed)
+    }
+
+    fn apply(&mut self, readers: u32, buffer: u64, reason: Reason) -> Option<Change> {
+        if readers == self.readers && buffer == self.buffer {
+            return None;
+        }
+        self.readers = readers;
+        self.buffer = buffer;
+        self.settle = true;
+        Some(Change {
+            readers,
+            buffer,
+            reason,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn bounds() -> Bounds {
+        Bounds {
+            min_readers: 1,
+            max_readers: 64,
+            min_buffer: 8 * MIB,
+            max_buffer: 512 * MIB,
+        }
+    }
+
+    /// A device that scales linearly up to `best` readers, 5000 reads/s each.
+    fn starved_window(readers: u32, best: u32) -> Observation {
+        let reads = u64::from(readers.min(best)) * 1000;
+        Observation {
+            elapsed: TICK,
+            stall: TICK.mul_f64(0.5),
+            consumers: 1,
+            delivered_bytes: reads * 100 * 1024,
+            reads,
+            read_time: Duration::from_micros(200) * reads as u32,
+            buffer_used: 0,
+            has_work: true,
+            ..Default::default()
+        }
+    }
+
+    fn run(tuner: &mut Tuner, window: impl Fn(u32) -> Observation, ticks: usize) -> Vec<u32> {
+        (0..ticks)
+            .map(|_| {
+                tuner.observe(&window(tuner.readers()));
+                tuner.readers()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn grows_from_one_reader_to_the_device_limit_and_stops() {
+        let mut t = Tuner::new(bounds(), 1, 64 * MIB);
+        let trace = run(&mut t, |r| starved_window(r, 16), 40);
+        // Within 5 s (25 ticks) it is at 90% of the best count and stays.
+        assert!(trace[24] >= 15, "{trace:?}");
+        assert!(
+            trace[24..].iter().all(|&r| (15..=24).contains(&r)),
+            "{trace:?}"
+        );
+    }
+
+    #[test]
+    fn a_probe_that_does_not_pay_off_is_undone() {
+        let mut t = Tuner::new(bounds(), 16, 64 * MIB);
+        assert_eq!(t.observe(&starved_window(16, 16)).unwrap().readers, 24);
+        t.observe(&starved_window(24, 16)); // settle window
+        let change = t.observe(&starved_window(24, 16)).unwrap();
+        assert_eq!((change.readers, change.reason), (16, Reason::ProbeFailed));
+        // It does not probe above the ceiling right away.
+        t.observe(&starved_window(16, 16));
+        assert_eq!(t.observe(&starved_window(16, 16)), None);
+    }
+
+    #[test]
+    fn lowers_readers_and_buffer_for_a_compute_bound_consumer() {
+        let mut t = Tuner::new(bounds(), 32, 256 * MIB);
+        let ahead = Observation {
+            elapsed: TICK,
+            stall: Duration::ZERO,
+            consumers: 1,
+            delivered_bytes: 20 * MIB,
+            reads: 200,
+            read_time: Duration::from_micros(300) * 200,
+            buffer_used: 250 * MIB,
+            has_work: true,
+            ..Default::default()
+        };
+        let mut trace = Vec::new();
+        for _ in 0..60 {
+            let obs = Observation {
+                buffer_used: t.buffer(),
+                ..ahead
+            };
+            t.observe(&obs);
+            trace.push((t.readers(), t.buffer()));
+        }
+        let (readers, buffer) = *trace.last().unwrap();
+        assert!(readers <= 3, "{trace:?}");
+        assert!(
+            buffer < 256 * MIB && buffer >= 50 * MIB,
+            "keeps half a second of lead: {trace:?}"
+        );
+        // Demand comes back: it grows again (never latched off).
+        let starved = starved_window(readers, 16);
+        assert!(t.observe(&starved).is_some_and(|c| c.readers > readers));
+    }
+
+    #[test]
+    fn full_buffer_with_stalls_grows_the_buffer() {
+        let mut t = Tuner::new(bounds(), 8, 16 * MIB);
+        let obs = Observation {
+            buffer_used: 16 * MIB,
+            ..starved_window(8, 8)
+        };
+        let change = t.observe(&obs).unwrap();
+        assert_eq!(
+            (change.reason, change.buffer),
+            (Reason::BufferBound, 24 * MIB)
+        );
+    }
+
+    #[test]
+    fn throttled_jobs_do_not_grow() {
+        let mut t = Tuner::new(bounds(), 16, 64 * MIB);
+        // The limiter allows 1000 reads/s: readers spend most of the window waiting on it.
+        let obs = Observation {
+            throttled: TICK * 12,
+            reads: 200,
+            read_time: Duration::from_micros(200) * 200,
+            ..starved_window(16, 64)
+        };
+        let change = t.observe(&obs).unwrap();
+        assert_eq!(change.reason, Reason::Throttled);
+        assert!(change.readers < 16);
+    }
+
+    #[test]
+    fn bounds_are_respected() {
+        let tight = Bounds {
+            min_readers: 2,
+            max_readers: 4,
+            ..bounds()
+        };
+        let mut t = Tuner::new(tight, 1, 64 * MIB);
+        assert_eq!(t.readers(), 2);
+        let trace = run(&mut t, |r| starved_window(r, 64), 20);
+        assert!(trace.iter().all(|&r| (2..=4).contains(&r)), "{trace:?}");
+        assert_eq!(
+            t.set_bounds(Bounds {
+                max_readers: 3,
+                ..tight
+            })
+            .unwrap()
+            .readers,
+            3
+        );
+    }
+
+    #[test]
+    fn idle_jobs_change_nothing() {
+        let mut t = Tuner::new(bounds(), 4, 64 * MIB);
+        assert_eq!(
+            t.observe(&Observation {
+                elapsed: TICK,
+                ..Default::default()
+            }),
+            None
+        );
+    }
+}
