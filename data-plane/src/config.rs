@@ -79,6 +79,10 @@ pub struct Args {
     /// Burst window of the limiters in milliseconds [default: 100].
     #[arg(long, env = "SLUICE_BURST_MS")]
     pub burst_ms: Option<u64>,
+    /// Prefetch with O_DIRECT, bypassing the page cache (falls back to
+    /// buffered reads where the file system refuses it) [default: true].
+    #[arg(long, env = "SLUICE_DIRECT_IO")]
+    pub direct_io: Option<bool>,
 }
 
 fn parse_dataset(s: &str) -> Result<(String, PathBuf), String> {
@@ -105,6 +109,8 @@ pub struct StageFile {
     pub metrics_addr: Option<SocketAddr>,
     /// Memory for all prefetch buffers together.
     pub memory_budget: Option<ByteSize>,
+    /// Prefetch with O_DIRECT (default true).
+    pub direct_io: Option<bool>,
     /// Datasets by name: `imagenet: /data/imagenet`.
     #[serde(default)]
     pub datasets: BTreeMap<String, PathBuf>,
@@ -166,6 +172,7 @@ pub struct StageConfig {
     pub metrics_addr: SocketAddr,
     pub memory_budget: u64,
     pub datasets: Vec<(String, PathBuf)>,
+    pub direct_io: bool,
     pub job: JobSettings,
 }
 
@@ -295,6 +302,7 @@ impl StageConfig {
                 .unwrap_or_else(|| ([127, 0, 0, 1], 7190).into()),
             memory_budget,
             datasets,
+            direct_io: args.direct_io.or(file.direct_io).unwrap_or(true),
             job: JobSettings {
                 bounds: Bounds {
                     min_readers,

@@ -2,18 +2,17 @@
 //! confinement that keeps every read beneath a configured root.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{self, Read, Seek, SeekFrom};
+use std::io;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::protocol::{ErrorCode, MAX_RESPONSE_FRAME, ProtocolError, TO_END};
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::storage::{Chunk, direct_unsupported, io_error, read_direct, read_range};
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
-/// The largest file one frame can carry, leaving room for headers.
-pub const MAX_FILE_BYTES: u64 = MAX_RESPONSE_FRAME as u64 - (64 << 10);
 /// Names longer than this are refused before touching the file system.
 const MAX_NAME_BYTES: usize = 4096;
 
@@ -91,11 +90,13 @@ pub struct Dataset {
     pub name: String,
     root: PathBuf,
     cached: Mutex<Option<(Instant, Arc<Listing>)>>,
+    /// Prefetch with `O_DIRECT`; cleared when the file system refuses it.
+    direct: AtomicBool,
 }
 
 impl Dataset {
     /// Checks that `dir` is a directory and remembers its canonical path.
-    pub fn new(name: &str, dir: &Path) -> io::Result<Self> {
+    pub fn new(name: &str, dir: &Path, direct: bool) -> io::Result<Self> {
         let root = dir.canonicalize().map_err(|e| {
             io::Error::new(
                 e.kind(),
@@ -112,6 +113,7 @@ impl Dataset {
             name: name.to_owned(),
             root,
             cached: Mutex::new(None),
+            direct: AtomicBool::new(direct),
         })
     }
 
@@ -123,10 +125,10 @@ impl Dataset {
     /// older than a few seconds. Blocking: call off the async runtime.
     pub fn listing(&self) -> io::Result<Arc<Listing>> {
         let mut cached = self.cached.lock().expect("listing lock");
-        if let Some((at, listing)) = cached.as_ref() {
-            if at.elapsed() < LISTING_TTL {
-                return Ok(Arc::clone(listing));
-            }
+        if let Some((at, listing)) = cached.as_ref()
+            && at.elapsed() < LISTING_TTL
+        {
+            return Ok(Arc::clone(listing));
         }
         let mut files = Vec::new();
         let mut visited = vec![self.root.clone()];
@@ -154,8 +156,25 @@ impl Dataset {
         Ok(canonical)
     }
 
+    /// Reads the whole file `name` for prefetching: direct I/O when enabled
+    /// and supported, buffered otherwise. Blocking.
+    pub fn read_whole(&self, name: &str) -> Result<Chunk, ProtocolError> {
+        let path = self.resolve(name)?;
+        if self.direct.load(Ordering::Relaxed) {
+            match read_direct(&path) {
+                Err(e) if direct_unsupported(&e) => {
+                    if self.direct.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(dataset = %self.name, "the file system refuses O_DIRECT: prefetching through the page cache");
+                    }
+                }
+                other => return other.map_err(|e| io_error(name, &e)),
+            }
+        }
+        read_range(&path, 0, crate::protocol::TO_END).map_err(|e| io_error(name, &e))
+    }
+
     /// Reads `length` bytes (or to the end) of `name` from `offset`.
-    pub fn read(&self, name: &str, offset: u64, length: u64) -> Result<Vec<u8>, ProtocolError> {
+    pub fn read(&self, name: &str, offset: u64, length: u64) -> Result<Chunk, ProtocolError> {
         let path = self.resolve(name)?;
         read_range(&path, offset, length).map_err(|e| io_error(name, &e))
     }
@@ -194,52 +213,6 @@ pub fn check_name(name: &str) -> Result<(), ProtocolError> {
         return forbidden("it is not a plain relative path");
     }
     Ok(())
-}
-
-/// Turns an I/O error on `name` into the protocol's per-request error.
-pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
-    match e.kind() {
-        io::ErrorKind::NotFound => ProtocolError::new(
-            ErrorCode::NotFound,
-            format!("`{name}` does not exist in the dataset"),
-        ),
-        io::ErrorKind::FileTooLarge => ProtocolError::new(
-            ErrorCode::TooLarge,
-            format!("`{name}`: {e}; read it in ranges with READ offset/length"),
-        ),
-        _ => ProtocolError::new(ErrorCode::IoError, format!("reading `{name}` failed: {e}")),
-    }
-}
-
-/// Reads a byte range of a regular file. Blocking.
-pub fn read_range(path: &Path, offset: u64, length: u64) -> io::Result<Vec<u8>> {
-    let mut file = File::open(path)?;
-    let meta = file.metadata()?;
-    if !meta.is_file() {
-        return Err(io::Error::other("it is not a regular file"));
-    }
-    let size = meta.len();
-    let start = offset.min(size);
-    let want = if length == TO_END {
-        size - start
-    } else {
-        length.min(size - start)
-    };
-    if want > MAX_FILE_BYTES {
-        return Err(io::Error::new(
-            io::ErrorKind::FileTooLarge,
-            format!(
-                "{want} bytes is more than one response frame carries ({MAX_FILE_BYTES} bytes)"
-            ),
-        ));
-    }
-    if start > 0 {
-        file.seek(SeekFrom::Start(start))?;
-    }
-    // One byte of slack tells a file that grew since its size was read.
-    let mut data = Vec::with_capacity(want as usize + 1);
-    file.take(want).read_to_end(&mut data)?;
-    Ok(data)
 }
 
 /// Collects the regular files beneath `dir`, following symlinks only when
@@ -293,6 +266,7 @@ fn walk(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::TO_END;
     use std::os::unix::fs::symlink;
 
     fn fixture() -> (tempfile::TempDir, Dataset) {
@@ -305,7 +279,7 @@ mod tests {
         symlink(dir.path().join("secret"), root.join("escape")).unwrap();
         symlink("train/a/1.bin", root.join("inside")).unwrap();
         symlink("..", root.join("train/up")).unwrap();
-        let ds = Dataset::new("d", &root).unwrap();
+        let ds = Dataset::new("d", &root, true).unwrap();
         (dir, ds)
     }
 
@@ -340,15 +314,15 @@ mod tests {
                 err.message
             );
         }
-        assert_eq!(ds.read("inside", 0, TO_END).unwrap(), b"hello");
+        assert_eq!(&*ds.read("inside", 0, TO_END).unwrap(), b"hello");
     }
 
     #[test]
     fn ranges_missing_files_and_directories() {
         let (_dir, ds) = fixture();
-        assert_eq!(ds.read("top.bin", 3, 4).unwrap(), b"3456");
-        assert_eq!(ds.read("top.bin", 8, TO_END).unwrap(), b"89");
-        assert_eq!(ds.read("top.bin", 50, 4).unwrap(), b"");
+        assert_eq!(&*ds.read("top.bin", 3, 4).unwrap(), b"3456");
+        assert_eq!(&*ds.read("top.bin", 8, TO_END).unwrap(), b"89");
+        assert_eq!(&*ds.read("top.bin", 50, 4).unwrap(), b"");
         let missing = ds.read("nope.bin", 0, TO_END).unwrap_err();
         assert_eq!(missing.code, ErrorCode::NotFound);
         assert!(missing.message.contains("nope.bin"));

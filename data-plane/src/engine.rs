@@ -185,9 +185,9 @@ impl Engine {
         }
         let mut jobs = self.jobs.lock().expect("jobs lock");
         jobs.retain(|_, job| {
-            let keep = !job
+            let keep = job
                 .idle_since(now)
-                .is_some_and(|idle| idle >= JOB_IDLE_TIMEOUT);
+                .is_none_or(|idle| idle < JOB_IDLE_TIMEOUT);
             if !keep {
                 job.stop();
                 self.memory.jobs.fetch_sub(1, Ordering::Relaxed);

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod plan;
 pub mod protocol;
 pub mod server;
+pub mod storage;
 pub mod token_bucket;
 pub mod tuner;
 
@@ -37,6 +38,9 @@ use metrics::Metrics;
 
 /// How long shutdown waits for connections to finish their current answer.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Requested send buffer of trainer connections (the kernel caps it at
+/// `net.core.wmem_max`).
+const SEND_BUFFER: usize = 4 << 20;
 
 /// A stage with every listener bound, ready to [`run`](Stage::run).
 #[derive(Debug)]
@@ -64,7 +68,7 @@ impl Stage {
         let datasets = config
             .datasets
             .iter()
-            .map(|(name, dir)| Dataset::new(name, dir))
+            .map(|(name, dir)| Dataset::new(name, dir, config.direct_io))
             .collect::<Result<Vec<_>, _>>()?;
         let unix = bind_socket(&config.socket)?;
         let tcp = match config.listen {
@@ -153,6 +157,7 @@ impl Stage {
                 while let Some(accepted) = cancel.run_until_cancelled(unix.accept()).await {
                     match accepted {
                         Ok((stream, _)) => {
+                            widen_send_buffer(&socket2::SockRef::from(&stream));
                             tracker.spawn(
                                 server::serve(
                                     Arc::clone(&engine),
@@ -181,6 +186,7 @@ impl Stage {
                     match accepted {
                         Ok((stream, peer)) => {
                             let _ = stream.set_nodelay(true);
+                            widen_send_buffer(&socket2::SockRef::from(&stream));
                             tracker.spawn(
                                 server::serve(
                                     Arc::clone(&engine),
@@ -212,6 +218,12 @@ impl Stage {
             Err(e) => bail!("the metrics server task failed: {e}"),
         }
     }
+}
+
+/// Sample batches are megabytes: a deep send buffer lets one write move a
+/// whole batch, instead of many small writes each waking the trainer.
+fn widen_send_buffer(socket: &socket2::SockRef<'_>) {
+    let _ = socket.set_send_buffer_size(SEND_BUFFER);
 }
 
 /// Accept errors (out of file descriptors, mostly) are transient: back off

@@ -10,6 +10,8 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 pub use wire::{Decoder, Encoder};
 
+use crate::storage::Chunk;
+
 /// The protocol version this stage speaks.
 pub const VERSION: u16 = 1;
 /// The largest frame a trainer may send (type byte plus payload).
@@ -335,7 +337,7 @@ fn len32(n: usize) -> u32 {
 pub struct Sample {
     pub position: u32,
     pub name: String,
-    pub data: Result<Vec<u8>, ProtocolError>,
+    pub data: Result<Chunk, ProtocolError>,
 }
 
 /// Frames the stage sends. `Samples` and `Data` are written by
@@ -362,7 +364,7 @@ pub enum Response {
         end: bool,
         samples: Vec<Sample>,
     },
-    Data(Vec<u8>),
+    Data(Chunk),
     Goodbye,
     Error(ProtocolError),
 }
@@ -664,7 +666,7 @@ mod tests {
                 Sample {
                     position: 0,
                     name: "a".into(),
-                    data: Ok(vec![1, 2, 3]),
+                    data: Ok(Chunk::from_vec(vec![1, 2, 3])),
                 },
                 Sample {
                     position: 1,

@@ -397,12 +397,13 @@ impl Connection {
         let (dataset, _) = self.opened()?.clone();
         check_name(&name)?;
         let job = Arc::clone(self.job());
-        if offset == 0 && length == TO_END {
-            if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await {
-                return sample
-                    .data
-                    .map(|data| (Response::Data(data), Some(reservation)));
-            }
+        if offset == 0
+            && length == TO_END
+            && let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await
+        {
+            return sample
+                .data
+                .map(|data| (Response::Data(data), Some(reservation)));
         }
         let metrics = job.metrics_for(&dataset.name);
         let task_job = Arc::clone(&job);

@@ -192,11 +192,12 @@ impl Tuner {
         let occupancy = obs.buffer_used as f64 / self.buffer.max(1) as f64;
         let throttled = obs.throttled.as_secs_f64() / (secs * f64::from(self.readers));
 
-        if let Some(probe) = self.probe.take() {
-            if reads_per_s < probe.reads_per_s * PROBE_GAIN && stall > STALL_HIGH {
-                self.ceiling = Some((probe.from, CEILING_TICKS));
-                return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
-            }
+        if let Some(probe) = self.probe.take()
+            && reads_per_s < probe.reads_per_s * PROBE_GAIN
+            && stall > STALL_HIGH
+        {
+            self.ceiling = Some((probe.from, CEILING_TICKS));
+            return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
         }
         if throttled > 0.3 {
             self.ahead_ticks = 0;
@@ -360,7 +361,7 @@ mod tests {
         let (readers, buffer) = *trace.last().unwrap();
         assert!(readers <= 3, "{trace:?}");
         assert!(
-            buffer < 256 * MIB && buffer >= 50 * MIB,
+            (50 * MIB..256 * MIB).contains(&buffer),
             "keeps half a second of lead: {trace:?}"
         );
         // Demand comes back: it grows again (never latched off).

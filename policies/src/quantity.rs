@@ -132,7 +132,7 @@ fn format_bytes(value: u64, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         ("MiB", 1 << 20),
         ("KiB", 1 << 10),
     ] {
-        if value >= factor && value % factor == 0 {
+        if value >= factor && value.is_multiple_of(factor) {
             return write!(f, "{}{unit}", value / factor);
         }
     }

@@ -19,9 +19,10 @@ use tracing::{debug, info};
 
 use super::plan_run::{Fetched, PlanKey, PlanRun};
 use super::{JobSettings, Memory};
-use crate::dataset::{Dataset, Listing, io_error, read_range};
+use crate::dataset::{Dataset, Listing};
 use crate::metrics::{DatasetMetrics, Metrics};
 use crate::protocol::{ErrorCode, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
+use crate::storage::{Chunk, io_error, read_range};
 use crate::token_bucket::{Limits, TokenBucket};
 use crate::tuner::{Observation, Tuner};
 
@@ -356,14 +357,11 @@ impl Job {
         self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
         self.throttle(work.size);
         let start = Instant::now();
-        let data = work
-            .dataset
-            .resolve(&work.name)
-            .and_then(|path| read_range(&path, 0, TO_END).map_err(|e| io_error(&work.name, &e)));
+        let data = work.dataset.read_whole(&work.name);
         self.count_read(&work.metrics, start.elapsed(), &data);
         self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
 
-        let actual = data.as_ref().map_or(0, |d| d.len() as u64);
+        let actual = data.as_ref().map_or(0, Chunk::footprint);
         let mut st = self.lock();
         let Some(plan) = st.plans.get_mut(&work.plan) else {
             // The plan was dropped while we read (every consumer left).
@@ -381,7 +379,9 @@ impl Job {
                 reserved: actual,
             },
         );
-        plan.ready.notify_waiters();
+        if let Some(waiter) = plan.waiters.remove(&work.pos) {
+            waiter.notify_one();
+        }
         st.reserved = st.reserved - work.size + actual;
         self.memory.adjust(work.size, actual);
         drop(st);
@@ -405,7 +405,7 @@ impl Job {
         &self,
         m: &DatasetMetrics,
         latency: Duration,
-        data: &Result<Vec<u8>, ProtocolError>,
+        data: &Result<Chunk, ProtocolError>,
     ) {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -550,19 +550,24 @@ impl Job {
         let Some(id) = handle.id else {
             return empty(true);
         };
-        let (positions, metrics) = {
+        let (positions, metrics, waiting) = {
             let mut st = self.lock();
             let Some(plan) = st.plans.get_mut(&id) else {
                 return empty(true);
             };
             let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET);
+            let waiting = plan.consumer_waiting();
             let dataset = plan.dataset.name.clone();
-            (positions, self.dataset_metrics(&mut st, &dataset))
+            (positions, self.dataset_metrics(&mut st, &dataset), waiting)
         };
         if positions.is_empty() {
             return empty(true);
         }
-        self.work.notify_all();
+        if waiting {
+            // A claimed entry nobody fetches yet may go past the buffer cap:
+            // make sure a reader looks.
+            self.work.notify_one();
+        }
         // The connection holds the plan, so it cannot be dropped under us.
         let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics).await else {
             return empty(true);
@@ -591,41 +596,43 @@ impl Job {
     ) -> Option<(Vec<Sample>, bool, u64)> {
         let start = Instant::now();
         let mut waited = false;
-        let ready = Arc::clone(&self.lock().plans.get(&id)?.ready);
         loop {
-            let notified = ready.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
+            let wake = {
                 let mut st = self.lock();
                 let plan = st.plans.get_mut(&id)?;
-                if positions.iter().all(|p| plan.fetched.contains_key(p)) {
-                    let mut bytes = 0;
-                    let mut samples = Vec::with_capacity(positions.len());
-                    for &p in positions {
-                        if let Some(fetched) = plan.fetched.remove(&p) {
-                            bytes += fetched.reserved;
-                            samples.push(Sample {
-                                position: p,
-                                name: plan.name_of(p).to_owned(),
-                                data: fetched.data,
-                            });
+                match positions.iter().find(|p| !plan.fetched.contains_key(p)) {
+                    // Wait for the first missing entry only: one wake-up per
+                    // gap instead of one per fetched entry.
+                    Some(&missing) => Arc::clone(plan.waiters.entry(missing).or_default()),
+                    None => {
+                        let mut bytes = 0;
+                        let mut samples = Vec::with_capacity(positions.len());
+                        for &p in positions {
+                            if let Some(fetched) = plan.fetched.remove(&p) {
+                                bytes += fetched.reserved;
+                                samples.push(Sample {
+                                    position: p,
+                                    name: plan.name_of(p).to_owned(),
+                                    data: fetched.data,
+                                });
+                            }
                         }
+                        plan.remaining -= positions.len();
+                        let end = plan.exhausted();
+                        if plan.remaining == 0 {
+                            st.finish_plan(id);
+                        }
+                        drop(st);
+                        if waited {
+                            self.count_stall(metrics, start.elapsed());
+                        }
+                        return Some((samples, end, bytes));
                     }
-                    plan.remaining -= positions.len();
-                    let end = plan.exhausted();
-                    if plan.remaining == 0 {
-                        st.finish_plan(id);
-                    }
-                    drop(st);
-                    if waited {
-                        self.count_stall(metrics, start.elapsed());
-                    }
-                    return Some((samples, end, bytes));
                 }
-            }
+            };
             waited = true;
-            notified.await;
+            // notify_one leaves a permit if it fired before we got here.
+            wake.notified().await;
         }
     }
 
@@ -726,7 +733,7 @@ impl Job {
         offset: u64,
         length: u64,
         m: &DatasetMetrics,
-    ) -> Result<Vec<u8>, ProtocolError> {
+    ) -> Result<Chunk, ProtocolError> {
         let path = dataset.resolve(name)?;
         let size = std::fs::metadata(&path)
             .map(|meta| meta.len().saturating_sub(offset).min(length))
@@ -773,18 +780,18 @@ impl Job {
                 buffer_used: st.reserved,
                 has_work: st.plans.values().any(|p| p.remaining > 0),
             };
-            if st.settings.tuner {
-                if let Some(change) = st.tuner.observe(&obs) {
-                    debug!(job = %self.id, readers = change.readers, buffer = change.buffer, reason = ?change.reason, "tuned");
-                    self.metrics
-                        .tuner_changes
-                        .with_label_values(&[self.id.as_str(), change.reason.name()])
-                        .inc();
-                    st.readers_target = change.readers;
-                    st.capacity = change.buffer;
-                    self.ensure_readers(&mut st);
-                    self.work.notify_all();
-                }
+            if st.settings.tuner
+                && let Some(change) = st.tuner.observe(&obs)
+            {
+                debug!(job = %self.id, readers = change.readers, buffer = change.buffer, reason = ?change.reason, "tuned");
+                self.metrics
+                    .tuner_changes
+                    .with_label_values(&[self.id.as_str(), change.reason.name()])
+                    .inc();
+                st.readers_target = change.readers;
+                st.capacity = change.buffer;
+                self.ensure_readers(&mut st);
+                self.work.notify_all();
             }
         }
         let id = [self.id.as_str()];

@@ -30,7 +30,7 @@ pub(crate) struct Entry {
 /// buffer accounting.
 #[derive(Debug)]
 pub(crate) struct Fetched {
-    pub data: Result<Vec<u8>, ProtocolError>,
+    pub data: Result<crate::storage::Chunk, ProtocolError>,
     pub reserved: u64,
 }
 
@@ -58,8 +58,8 @@ pub(crate) struct PlanRun {
     pub reserved: u64,
     /// Connections attached to this plan.
     pub attached: usize,
-    /// Woken whenever an entry of this plan has been fetched.
-    pub ready: Arc<Notify>,
+    /// The consumer waiting for a position, woken when it is fetched.
+    pub waiters: HashMap<u32, Arc<Notify>>,
 }
 
 impl PlanRun {
@@ -90,7 +90,7 @@ impl PlanRun {
             claim: 0,
             reserved: 0,
             attached: 0,
-            ready: Arc::new(Notify::new()),
+            waiters: HashMap::new(),
         }
     }
 
@@ -172,7 +172,7 @@ mod tests {
 
     fn plan(files: Vec<u32>) -> PlanRun {
         let dir = tempfile::tempdir().unwrap();
-        let ds = Arc::new(Dataset::new("d", dir.path()).unwrap());
+        let ds = Arc::new(Dataset::new("d", dir.path(), false).unwrap());
         let listing = Arc::new(Listing::new(
             (0..4)
                 .map(|i| FileEntry {
