@@ -41,6 +41,10 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: StageConfig) -> anyhow::Result<()> {
+    // Handlers first: a signal that arrives right after the ready line must
+    // shut down cleanly, not take the default action.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
     let stage = Stage::bind(config).await?;
     let addrs = stage.addresses()?;
     // One JSON line on stdout tells scripts and tests where the stage listens.
@@ -55,13 +59,6 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
     tokio::spawn(async move {
-        let (mut term, mut int) = match (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            (Ok(t), Ok(i)) => (t, i),
-            _ => return,
-        };
         tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
         tracing::info!("signal received: shutting down (a second signal exits at once)");
         on_signal.cancel();

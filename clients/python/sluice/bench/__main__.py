@@ -1,0 +1,31 @@
+"""Entry point: ``python -m sluice.bench {prefetch,receive} ...``."""
+
+from __future__ import annotations
+
+import sys
+
+_SUBCOMMANDS = {
+    "prefetch": "training-loop throughput, cold cache: naive, threadpool, torch, sluice, fio",
+    "receive": "micro benchmark of the client's receive path",
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _SUBCOMMANDS:
+        print("usage: python -m sluice.bench {" + ",".join(_SUBCOMMANDS) + "} [options]\n")
+        for name, what in _SUBCOMMANDS.items():
+            print(f"  {name:10} {what}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown subcommand {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    if argv[0] == "prefetch":
+        from .prefetch import main as run
+    else:
+        from .receive import main as run
+    return run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

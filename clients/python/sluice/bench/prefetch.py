@@ -1,0 +1,239 @@
+"""``python -m sluice.bench prefetch``: cold-cache training-loop throughput.
+
+Generates (or reuses) a DLIO-shaped data set, then for each loader evicts
+every file from the page cache and runs an emulated training loop (take a
+batch, sleep ``--compute-ms``), reporting samples/s, MiB/s, accelerator
+utilisation (AU = compute time / loop wall time), stall time and CPU time.
+
+Loaders: ``naive`` (the loop reads each file itself), ``threadpool`` (a
+read-ahead pool of 4, 8, 16 and 32 threads), ``torch`` (DataLoader with 1, 2
+and 4 workers, when torch imports), ``sluice`` (a ``sluice-stage`` started
+from ``--bin-dir``) and ``fio`` (random whole-file reads at queue depths 1,
+16 and 64 when fio is on PATH: the device limit).
+
+With ``--compute-ms auto`` sluice's rate without compute is measured first,
+and the compute time is set so that the loop needs half of that rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from . import loaders
+from .dataset import evict, prepare
+from .fio import fio_available, run_fio
+from .stage import StageStartError, find_stage_binary
+from .units import format_bytes, parse_bytes
+
+ALL_LOADERS = ("naive", "threadpool", "torch", "sluice", "fio")
+THREADS = (4, 8, 16, 32)
+TORCH_WORKERS = (1, 2, 4)
+FIO_DEPTHS = (1, 16, 64)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sluice.bench prefetch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=5000, help="number of files (default 5000)")
+    ap.add_argument("--size", default="100KiB", help="mean file size, e.g. 100KiB, 2.7MB (default 100KiB)")
+    ap.add_argument("--size-stdev", default="0", help="standard deviation of file sizes (default 0)")
+    ap.add_argument("--dir", default=None,
+                    help="where the data set lives (default bench-out/<files>x<size>[-sd<stdev>])")
+    ap.add_argument("--seed", type=int, default=0, help="shuffle seed of every epoch's order (default 0)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
+    ap.add_argument("--compute-ms", default="0",
+                    help="emulated compute per batch in ms, or 'auto' (half of sluice's no-compute rate)")
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per loader run (default 1)")
+    ap.add_argument("--loaders", default=",".join(ALL_LOADERS),
+                    help=f"comma-separated subset of {','.join(ALL_LOADERS)} (default all)")
+    ap.add_argument("--threads", default=",".join(map(str, THREADS)),
+                    help="thread counts of the threadpool loader (default 4,8,16,32)")
+    ap.add_argument("--torch-workers", default=",".join(map(str, TORCH_WORKERS)),
+                    help="num_workers values of the torch loader (default 1,2,4)")
+    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage (default target/release)")
+    ap.add_argument("--stage-memory", default="1GiB", help="the stage's --memory-budget (default 1GiB)")
+    ap.add_argument("--stage-arg", action="append", default=[],
+                    help="extra argument for sluice-stage (repeatable), e.g. --stage-arg=--readers=8")
+    ap.add_argument("--fio-runtime", type=int, default=60, help="cap on each fio run in seconds (default 60)")
+    ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of all results")
+    return ap
+
+
+def _log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+class Bench:
+    """Runs the selected loaders over one data set with one compute time."""
+
+    def __init__(self, args, ds, binary: Optional[str], binary_error: Optional[str] = None) -> None:
+        self.args = args
+        self.ds = ds
+        self.binary = binary
+        self.binary_error = binary_error
+        self.paths = ds.paths()
+
+    def _cold(self) -> None:
+        evict(self.paths)
+
+    def naive(self, compute_s: float) -> List[dict]:
+        self._cold()
+        r = loaders.run_naive(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed)
+        return [{"loader": "naive", **r.as_dict()}]
+
+    def threadpool(self, compute_s: float) -> List[dict]:
+        out = []
+        for n in _ints(self.args.threads):
+            self._cold()
+            r = loaders.run_threadpool(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed, n)
+            out.append({"loader": "threadpool", "threads": n, **r.as_dict()})
+        return _mark_best(out)
+
+    def torch(self, compute_s: float) -> List[dict]:
+        try:
+            import torch  # noqa: F401
+        except ImportError as e:
+            return [{"loader": "torch", "skipped": f"torch does not import: {e}"}]
+        out = []
+        for n in _ints(self.args.torch_workers):
+            self._cold()
+            r = loaders.run_torch(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed, n)
+            out.append({"loader": "torch", "workers": n, **r.as_dict()})
+        return _mark_best(out)
+
+    def sluice(self, compute_s: float) -> List[dict]:
+        if self.binary is None:
+            return [{"loader": "sluice", "skipped": self.binary_error}]
+        self._cold()
+        run = loaders.run_sluice(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed,
+                                 self.binary, self.args.stage_memory, self.args.stage_arg)
+        return [{"loader": "sluice", **run.result.as_dict(), "peak_rss_bytes": run.peak_rss_bytes,
+                 "stage_cpu_s": run.stage_cpu_s}]
+
+    def fio(self, compute_s: float) -> List[dict]:
+        if not fio_available():
+            return [{"loader": "fio", "skipped": "fio is not on PATH"}]
+        out = []
+        for depth in FIO_DEPTHS:
+            self._cold()
+            try:
+                out.append(run_fio(self.ds, depth, self.args.fio_runtime))
+            except (RuntimeError, ValueError, KeyError) as e:
+                out.append({"loader": "fio", "iodepth": depth, "skipped": str(e)})
+        return _mark_best(out)
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _mark_best(results: List[dict]) -> List[dict]:
+    ran = [r for r in results if "skipped" not in r]
+    if ran:
+        best = max(ran, key=lambda r: r["samples_per_s"])
+        for r in ran:
+            r["best"] = r is best
+    return results
+
+
+def _variant(r: dict) -> str:
+    for key, label in (("threads", "threads"), ("workers", "workers"), ("iodepth", "qd")):
+        if key in r:
+            return f"{label}={r[key]}"
+    return ""
+
+
+def format_table(results: List[dict]) -> str:
+    """Returns the results as an aligned text table."""
+    head = f"{'loader':10} {'variant':11} {'samples/s':>10} {'MiB/s':>8} {'AU':>6} {'stall s':>8} {'CPU s':>7}  notes"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"{r['loader']:10} {_variant(r):11} {'-':>10} {'-':>8} {'-':>6} {'-':>8} {'-':>7}  "
+                         f"skipped: {r['skipped'].splitlines()[0][:100]}")
+            continue
+        notes = []
+        if r.get("best"):
+            notes.append("best (device limit)" if r["loader"] == "fio" else "best")
+        if "peak_rss_bytes" in r:
+            notes.append(f"stage peak RSS {format_bytes(r['peak_rss_bytes'])}")
+        lines.append(f"{r['loader']:10} {_variant(r):11} {r['samples_per_s']:10.0f} {r['mib_per_s']:8.1f} "
+                     f"{r['au'] * 100:5.1f}% {r['stall_s']:8.2f} {r['cpu_s']:7.2f}  {', '.join(notes)}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        size = parse_bytes(args.size)
+        stdev = parse_bytes(args.size_stdev)
+        parse_bytes(args.stage_memory)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    selected = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    unknown = set(selected) - set(ALL_LOADERS)
+    if unknown:
+        raise SystemExit(f"error: unknown loader(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_LOADERS)}")
+    if args.batch < 1 or args.epochs < 1:
+        raise SystemExit("error: --batch and --epochs must be >= 1")
+    auto = args.compute_ms.strip().lower() == "auto"
+    if not auto:
+        try:
+            compute_ms = float(args.compute_ms)
+        except ValueError:
+            raise SystemExit(f"error: --compute-ms must be a number of milliseconds or 'auto', got {args.compute_ms!r}") from None
+    if args.dir is None:
+        suffix = f"-sd{format_bytes(stdev)}" if stdev else ""
+        args.dir = os.path.join("bench-out", f"{args.files}x{format_bytes(size)}{suffix}")
+
+    binary, binary_error = None, None
+    if "sluice" in selected or auto:
+        try:
+            binary = find_stage_binary(args.bin_dir)
+        except StageStartError as e:
+            binary_error = str(e)
+            if auto:
+                raise SystemExit(f"error: --compute-ms auto measures sluice first: {e}") from None
+
+    ds = prepare(args.dir, args.files, size, stdev, log=_log)
+    bench = Bench(args, ds, binary, binary_error)
+    calibration = None
+    if auto:
+        _log("calibrating: sluice without compute ...")
+        calibration = bench.sluice(0.0)[0]
+        rate = calibration["samples_per_s"]
+        compute_ms = args.batch / (rate / 2) * 1000.0
+        _log(f"sluice reads {rate:.0f} samples/s without compute; compute per batch set to {compute_ms:.2f} ms")
+
+    results: List[dict] = []
+    for name in ALL_LOADERS:
+        if name not in selected:
+            continue
+        _log(f"running {name} ...")
+        for r in getattr(bench, name)(compute_ms / 1000.0):
+            r.setdefault("compute_ms", compute_ms if name != "fio" else 0.0)
+            results.append(r)
+            if "skipped" not in r:
+                _log(f"  {name} {_variant(r)}: {r['samples_per_s']:.0f} samples/s, {r['mib_per_s']:.1f} MiB/s")
+
+    print(f"data set: {ds.files} files of {format_bytes(size)}"
+          f"{f' (stdev {format_bytes(stdev)})' if stdev else ''}, {format_bytes(ds.total_bytes)} in {ds.root}; "
+          f"batch {args.batch}, compute {compute_ms:.2f} ms/batch, {args.epochs} epoch(s), cold cache")
+    print(format_table(results))
+    if args.json:
+        doc = {"dataset": ds.describe(), "batch": args.batch, "compute_ms": compute_ms, "epochs": args.epochs,
+               "seed": args.seed, "results": results}
+        if calibration is not None:
+            doc["calibration"] = calibration
+        print(json.dumps(doc))
+    return 0

@@ -1,0 +1,594 @@
+"""The connection to a ``sluice-stage`` and the dataset handle built on it.
+
+::
+
+    import sluice
+
+    with sluice.Client("/run/sluice/stage.sock", job="resnet50") as client:
+        ds = client.dataset("imagenet")
+        for epoch in range(90):
+            for name, data in ds.epoch(epoch, seed=1234):
+                ...
+
+A :class:`Client` is one connection, and the protocol on it is strictly
+request/response, so a client is **not thread-safe**: use one per thread or
+per process (PyTorch ``DataLoader`` workers each open their own; the
+:mod:`sluice.torch` adapters do that for you). Using one from two threads at
+once raises ``RuntimeError`` rather than corrupting the stream, and using one
+in a forked child raises too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Iterator, List, Mapping, Optional, Tuple, Union
+
+from . import plan as _plan
+from . import protocol as p
+from .errors import (
+    ConnectionClosedError,
+    NoDatasetError,
+    ProtocolError,
+    SluiceError,
+    StageTimeoutError,
+    TooLargeError,
+    error_from_code,
+)
+
+__all__ = ["Client", "Dataset", "FileList", "PlanIterator", "parse_address"]
+
+#: Buffer of the socket file responses are read through. Measured with
+#: ``python -m sluice.bench receive``: 1 MiB lets 100 KiB samples be read
+#: with one copy each at ~15 us of CPU per sample.
+RECV_BUFFER = 1 << 20
+
+Address = Union[str, "os.PathLike[str]", Tuple[str, int]]
+
+#: Size of the block :func:`_prime_allocator` allocates and frees.
+_PRIME_BYTES = 16 << 20
+_primed_pid: Optional[int] = None
+
+
+def _prime_allocator() -> None:
+    """Raises glibc malloc's dynamic thresholds once per process.
+
+    Each sample arrives in a fresh ``bytes`` object of its own size. With
+    glibc's default thresholds a freed batch at the top of the heap is
+    returned to the kernel (trimmed) and the next batch faults the same
+    pages back in: for 100 KiB samples that is ~12 page faults and ~40 us of
+    system time per sample, more than the parsing itself. Freeing one
+    mmap-backed block makes glibc raise its mmap threshold to that block's
+    size and its trim threshold to twice it (see mallopt(3), "dynamic mmap
+    threshold"), so sample buffers stay mapped and are reused. Measured with
+    ``python -m sluice.bench receive``. Harmless elsewhere: on other
+    allocators it is one short-lived allocation.
+    """
+    global _primed_pid
+    if _primed_pid != os.getpid():
+        _primed_pid = os.getpid()
+        bytearray(_PRIME_BYTES)  # allocated with mmap, freed at once
+
+
+def parse_address(address: Address) -> Tuple[str, object]:
+    """Returns ``("unix", path)`` or ``("tcp", (host, port))`` for an address.
+
+    Accepted forms: a filesystem path (``/run/sluice.sock``, ``./s.sock``, any
+    string without a ``:``), ``unix:///path``, ``tcp://host:port``,
+    ``host:port``, ``[v6addr]:port``, or a ``(host, port)`` tuple.
+    """
+    if isinstance(address, tuple):
+        host, port = address
+        return "tcp", (host, _port(port, address))
+    if isinstance(address, os.PathLike):
+        return "unix", os.fspath(address)
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"a stage address must be a non-empty string, path or (host, port), got {address!r}")
+    if address.startswith("unix://"):
+        path = address[len("unix://"):]
+        if not path:
+            raise ValueError(f"{address!r} names no socket path; write unix:///path/to/stage.sock")
+        return "unix", path
+    if address.startswith("tcp://"):
+        return "tcp", _host_port(address[len("tcp://"):], address)
+    if "://" in address:
+        raise ValueError(f"unknown scheme in stage address {address!r}; use unix:///path or tcp://host:port")
+    if address.startswith(("/", ".", "~")) or ":" not in address:
+        return "unix", os.path.expanduser(address)
+    return "tcp", _host_port(address, address)
+
+
+def _host_port(text: str, original: str) -> Tuple[str, int]:
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"cannot read {original!r} as [ipv6]:port")
+        port = rest[1:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"cannot read {original!r} as host:port (e.g. 127.0.0.1:7300)")
+    return host, _port(port, original)
+
+
+def _port(port, original) -> int:
+    try:
+        value = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"the port in {original!r} is not a number") from None
+    if not 0 < value < 65536:
+        raise ValueError(f"the port in {original!r} must be in 1..65535")
+    return value
+
+
+class Client:
+    """One connection to a sluice stage.
+
+    Args:
+        address: where the stage listens (see :func:`parse_address`), or an
+            already connected stream ``socket.socket``.
+        job: the job this trainer belongs to (1 to 128 characters of
+            ``[A-Za-z0-9._-]``); the stage keeps plans, buffers and limits per
+            job.
+        labels: labels of the job (operators' policies select on them).
+        rank, world_size: this trainer's place in the job; a ``SHUFFLE``
+            plan is sharded with them.
+        timeout: seconds to wait for the stage on each socket operation
+            (``None``: wait as long as it takes). A timeout closes the
+            connection.
+
+    Sends ``HELLO`` on construction; the stage's answer is in
+    :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
+    Not thread-safe: one client per thread or process.
+    """
+
+    def __init__(
+        self,
+        address: Union[Address, socket.socket],
+        job: str,
+        labels: Optional[Mapping[str, str]] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+        self.job = job
+        self.labels = dict(labels or {})
+        self.rank = rank
+        self.world_size = world_size
+        self.address = address if not isinstance(address, socket.socket) else None
+        # Validate HELLO's fields before connecting, so a bad job name is a
+        # ValueError naming the field instead of a round trip.
+        hello = p.encode_hello(job, self.labels, rank, world_size)
+        _prime_allocator()
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
+        self._file = None
+        self._dataset: Optional[Dataset] = None
+        self._plan_generation = 0
+        try:
+            if isinstance(address, socket.socket):
+                self._sock.settimeout(timeout)
+            self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
+            welcome = self._call(hello, p.Welcome)
+        except BaseException:
+            self._abort()
+            raise
+        if welcome.version != p.PROTOCOL_VERSION:
+            self._abort()
+            raise ProtocolError(f"the stage answered HELLO with protocol version {welcome.version}; "
+                                f"this client speaks {p.PROTOCOL_VERSION}", fatal=True)
+        self.stage_id: str = welcome.stage_id
+        self.max_request_frame: int = welcome.max_request_frame
+        self.max_response_frame: int = welcome.max_response_frame
+
+    # -- public API ---------------------------------------------------------
+
+    def dataset(self, name: str) -> "Dataset":
+        """Opens dataset ``name`` on this connection and returns its handle.
+
+        Raises :class:`sluice.NoSuchDatasetError` when the stage does not
+        serve it. Opening a dataset detaches the connection from any plan
+        it was reading.
+        """
+        opened = self._call(p.encode_open(name), p.Opened)
+        self._plan_generation += 1
+        ds = Dataset(self, name, opened)
+        self._dataset = ds
+        return ds
+
+    def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """Reads file ``name`` of the currently open dataset.
+
+        See :meth:`Dataset.read`.
+        """
+        if self._dataset is None:
+            raise NoDatasetError("no dataset is open on this connection; call client.dataset(name) first")
+        return self._dataset.read(name, offset, length)
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is closed (by :meth:`close` or an error)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Says ``BYE`` and closes the connection. Calling it again does nothing."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            # A forked copy must not talk on its parent's connection.
+            self._abort()
+            return
+        try:
+            self._call(p.encode_bye(), p.Goodbye)
+        except (SluiceError, OSError):
+            pass
+        finally:
+            self._abort()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"stage {self.stage_id!r}"
+        return f"<sluice.Client job={self.job!r} rank={self.rank}/{self.world_size} {state}>"
+
+    # -- one request, one response -----------------------------------------
+
+    def _call(self, frame: bytes, expect: type) -> tuple:
+        """Sends one request frame and returns its answer, which must be of
+        message type ``expect``; raises the stage's ``ERROR`` as a
+        :class:`SluiceError`."""
+        if self._closed:
+            raise ConnectionClosedError("this sluice connection is closed; open a new Client", fatal=True)
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "this sluice.Client was opened in another process (pid "
+                f"{self._pid}); a forked process must open its own Client")
+        if len(frame) - 4 > getattr(self, "max_request_frame", p.MAX_REQUEST_FRAME):
+            raise ValueError(f"the request is {len(frame) - 4} bytes, over the stage's limit of "
+                             f"{self.max_request_frame}; send a shorter plan or name")
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this sluice.Client is in use by another thread; "
+                               "a connection is not thread-safe, open one Client per thread")
+        try:
+            try:
+                self._sock.sendall(frame)
+                msg = p.read_response(self._file, getattr(self, "max_response_frame", p.MAX_RESPONSE_FRAME))
+            except SluiceError:
+                # read_response's own errors (closed mid-frame, malformed).
+                self._abort()
+                raise
+            except socket.timeout:
+                self._abort()
+                raise StageTimeoutError("the stage did not answer within the client's timeout",
+                                        fatal=True) from None
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # The stage may have closed after sending a fatal ERROR;
+                # report that error rather than the broken pipe when we can.
+                msg = self._pending_error()
+                if msg is None:
+                    self._abort()
+                    raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
+            except OSError as e:
+                self._abort()
+                raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
+        finally:
+            self._lock.release()
+        if type(msg) is expect:
+            return msg
+        if type(msg) is p.Error:
+            if msg.fatal:
+                self._abort()
+            raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
+        self._abort()
+        raise ProtocolError(f"the stage answered with {type(msg).__name__.upper()} where "
+                            f"{expect.__name__.upper()} was expected", fatal=True)
+
+    def _pending_error(self):
+        try:
+            return p.read_response(self._file)
+        except (SluiceError, OSError):
+            return None
+
+    def _abort(self) -> None:
+        self._closed = True
+        for obj in (self._file, self._sock):
+            if obj is not None:
+                try:
+                    obj.close()
+                except OSError:
+                    pass
+
+
+def _connect(address: Address, timeout: Optional[float]) -> socket.socket:
+    kind, target = parse_address(address)
+    if kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        sock = None
+    try:
+        if kind == "unix":
+            sock.settimeout(timeout)
+            sock.connect(target)
+        else:
+            sock = socket.create_connection(target, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(timeout)
+    except FileNotFoundError:
+        if sock is not None:
+            sock.close()
+        raise ConnectionClosedError(
+            f"no stage socket at {target!r}: is sluice-stage running with --socket {target}?",
+            fatal=True) from None
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        where = target if kind == "unix" else "%s:%d" % target
+        raise ConnectionClosedError(f"cannot connect to the stage at {where}: {e.strerror or e}",
+                                    fatal=True) from None
+    return sock
+
+
+class FileList(Sequence):
+    """The dataset's files as ``(name, size)`` pairs, sorted by name bytes.
+
+    Fetched lazily from the stage with ``LIST``, one page of 65536 entries
+    at a time, and cached. ``files[i]`` is the file with index ``i``.
+    """
+
+    PAGE = p.MAX_LIST_LIMIT
+
+    def __init__(self, dataset: "Dataset") -> None:
+        self._ds = dataset
+        self._pages: dict = {}
+
+    def __len__(self) -> int:
+        return self._ds.file_count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"file index {i} out of range for {n} files")
+        page = self._pages.get(i // self.PAGE)
+        if page is None:
+            page = self._fetch(i // self.PAGE)
+        return page[i % self.PAGE]
+
+    def __iter__(self) -> Iterator[Tuple[str, int]]:
+        for k in range((len(self) + self.PAGE - 1) // self.PAGE):
+            page = self._pages.get(k) or self._fetch(k)
+            yield from page
+
+    def names(self) -> List[str]:
+        """Returns every file name, in index order."""
+        return [name for name, _ in self]
+
+    def _fetch(self, k: int) -> list:
+        ds = self._ds
+        files = ds._call(p.encode_list(k * self.PAGE, self.PAGE), p.Files)
+        expected = min(self.PAGE, ds.file_count - k * self.PAGE)
+        if files.total != ds.file_count or len(files.entries) != expected:
+            raise error_from_code(
+                p.ErrorCode.BAD_PLAN,
+                f"the stage's listing of {ds.name!r} changed: OPEN reported {ds.file_count} files, LIST "
+                f"reports {files.total} (page {k} has {len(files.entries)} entries, expected {expected}); "
+                "open the dataset again")
+        self._pages[k] = files.entries
+        return files.entries
+
+
+class Dataset:
+    """A dataset opened on a :class:`Client`.
+
+    Attributes: ``name``, ``file_count``, ``total_bytes``, ``digest`` (as
+    ``OPENED`` reported them) and ``files`` (a lazily fetched
+    :class:`FileList`). If another dataset was opened on the same client
+    since, this handle re-opens its own before each request.
+    """
+
+    def __init__(self, client: Client, name: str, opened: p.Opened) -> None:
+        self.client = client
+        self.name = name
+        self.file_count: int = opened.file_count
+        self.total_bytes: int = opened.total_bytes
+        self.digest: int = opened.digest
+        self.files = FileList(self)
+
+    def __len__(self) -> int:
+        return self.file_count
+
+    def __repr__(self) -> str:
+        return f"<sluice.Dataset {self.name!r} files={self.file_count} bytes={self.total_bytes}>"
+
+    def _call(self, frame: bytes, expect: type) -> tuple:
+        c = self.client
+        if c._dataset is not self:
+            opened = c._call(p.encode_open(self.name), p.Opened)
+            c._plan_generation += 1
+            c._dataset = self
+            if (opened.file_count, opened.digest) != (self.file_count, self.digest):
+                raise error_from_code(
+                    p.ErrorCode.BAD_PLAN,
+                    f"dataset {self.name!r} changed on the stage since it was opened "
+                    f"({self.file_count} -> {opened.file_count} files); open it again")
+        return c._call(frame, expect)
+
+    # -- plans --------------------------------------------------------------
+
+    def epoch(self, epoch: int, seed: int = 0, shuffle: bool = True, batch: int = 32,
+              on_error: str = "raise") -> "PlanIterator":
+        """Submits this rank's ``SHUFFLE`` plan for ``epoch`` and returns an
+        iterator of ``(name, data)`` in plan order.
+
+        The stage starts prefetching as soon as this returns. The order is
+        :func:`sluice.plan.shuffle_plan` of ``(file_count, seed, epoch,
+        shuffle)`` sharded by the client's rank and world size. Other
+        connections of the same job and rank that submit the same plan share
+        it: each entry is delivered to exactly one of them.
+
+        ``batch`` is how many samples one ``NEXT`` asks for (1..4096).
+        ``on_error``: ``"raise"`` raises a sample's :class:`SluiceError` from
+        ``next()`` (iterating on continues with the next sample);
+        ``"yield"`` yields ``(name, SluiceError)`` in its place.
+        """
+        frame = p.encode_plan_shuffle(epoch, seed, shuffle, self.file_count, self.digest)
+        return self._submit(frame, epoch, batch, on_error)
+
+    def plan_indices(self, indices: Sequence[int], epoch: int, batch: int = 32,
+                     on_error: str = "raise") -> "PlanIterator":
+        """Submits an explicit plan of file indices (not sharded; repeats
+        allowed) and returns an iterator of ``(name, data)`` in that order.
+        See :meth:`epoch` for ``batch`` and ``on_error``."""
+        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error)
+
+    def plan_names(self, names: Sequence[str], epoch: int, batch: int = 32,
+                   on_error: str = "raise") -> "PlanIterator":
+        """Submits an explicit plan of file names (not sharded; repeats
+        allowed) and returns an iterator of ``(name, data)`` in that order.
+        See :meth:`epoch` for ``batch`` and ``on_error``."""
+        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error)
+
+    def local_order(self, epoch: int, seed: int = 0, shuffle: bool = True) -> List[int]:
+        """Returns the file indices :meth:`epoch` delivers for this client's
+        rank, derived locally (no round trip)."""
+        c = self.client
+        return _plan.shuffle_plan(self.file_count, seed, epoch, shuffle, c.rank, c.world_size)
+
+    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str) -> "PlanIterator":
+        if on_error not in ("raise", "yield"):
+            raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
+        if not isinstance(batch, int) or not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
+            raise ValueError(f"batch must be an integer in 1..{p.MAX_SAMPLES_PER_NEXT}, got {batch!r}")
+        planned = self._call(frame, p.Planned)
+        self.client._plan_generation += 1
+        return PlanIterator(self, epoch, planned, batch, on_error == "yield")
+
+    # -- random access -------------------------------------------------------
+
+    def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """Returns ``length`` bytes of file ``name`` from ``offset`` (``None``:
+        to the end of the file).
+
+        A whole-file read of an entry of one of the job's active plans is
+        served from the stage's prefetch buffer and counts as that entry's
+        delivery. A file larger than one response frame is read in ranges
+        automatically. Raises :class:`sluice.NotFoundError`,
+        :class:`sluice.ForbiddenPathError`, :class:`sluice.SluiceIOError`, ...
+        """
+        if offset < 0 or (length is not None and length < 0):
+            raise ValueError(f"offset and length must be >= 0, got offset={offset} length={length}")
+        wire_length = p.READ_TO_END if length is None else length
+        try:
+            return self._call(p.encode_read(name, offset, wire_length), p.Data).data
+        except TooLargeError:
+            return self._read_ranges(name, offset, length)
+        except SluiceError as e:
+            if e.name is None:
+                e.name = name
+                e.args = (e._render(),)
+            raise
+
+    def _read_ranges(self, name: str, offset: int, length: Optional[int]) -> bytes:
+        # Leave room for the frame's own fields and any slack the stage keeps.
+        chunk = max(1 << 16, self.client.max_response_frame - (1 << 20))
+        parts = []
+        want = length
+        while want is None or want > 0:
+            n = chunk if want is None else min(chunk, want)
+            data = self._call(p.encode_read(name, offset, n), p.Data).data
+            parts.append(data)
+            offset += len(data)
+            if want is not None:
+                want -= len(data)
+            if len(data) < n:
+                break
+        return b"".join(parts)
+
+
+class PlanIterator:
+    """Iterates one submitted plan: ``(name, data)`` in plan order.
+
+    ``length`` is the plan's length (all of it, also when other connections
+    share it) and ``state`` how the stage took it
+    (:class:`sluice.protocol.PlanState`: created, joined, or already
+    complete). When other connections share the plan, this iterator yields
+    only the entries it claimed. Submitting another plan or opening another
+    dataset on the same client ends this iterator with an error.
+    """
+
+    def __init__(self, dataset: Dataset, epoch: int, planned: p.Planned, batch: int, yield_errors: bool):
+        self.dataset = dataset
+        self.epoch = epoch
+        self.length: int = planned.length
+        self.state = p.PlanState(planned.state) if planned.state in (0, 1, 2) else planned.state
+        self.delivered = 0
+        self._batch = batch
+        self._yield_errors = yield_errors
+        self._generation = dataset.client._plan_generation
+        self._pending: List[p.Sample] = []
+        self._next_pending = 0
+        self._end = False
+
+    def __iter__(self) -> "PlanIterator":
+        return self
+
+    def __next__(self) -> Tuple[str, Union[bytes, SluiceError]]:
+        while self._next_pending >= len(self._pending):
+            if self._end:
+                raise StopIteration
+            self._fill()
+        s = self._pending[self._next_pending]
+        self._next_pending += 1
+        self.delivered += 1
+        if s.status == 0:
+            return s.name, s.data
+        err = error_from_code(s.code, s.message, name=s.name)
+        if self._yield_errors:
+            return s.name, err
+        raise err
+
+    def samples(self) -> Iterator[p.Sample]:
+        """Yields the raw :class:`sluice.protocol.Sample` records (with their
+        plan positions), errors included, never raising for a sample."""
+        while True:
+            while self._next_pending < len(self._pending):
+                s = self._pending[self._next_pending]
+                self._next_pending += 1
+                self.delivered += 1
+                yield s
+            if self._end:
+                return
+            self._fill()
+
+    def _fill(self) -> None:
+        client = self.dataset.client
+        if client._plan_generation != self._generation or client._dataset is not self.dataset:
+            raise RuntimeError(
+                "this plan iterator was superseded: another plan was submitted or another dataset "
+                "opened on the same sluice.Client; use one Client per concurrent iterator")
+        got = client._call(p.encode_next(self._batch), p.Samples)
+        self._pending = got.samples
+        self._next_pending = 0
+        self._end = got.end
+        if not got.samples and not got.end:
+            raise ProtocolError("the stage answered NEXT with no samples and without the end flag",
+                                fatal=False)
+
+    def __repr__(self) -> str:
+        return (f"<sluice.PlanIterator dataset={self.dataset.name!r} epoch={self.epoch} "
+                f"length={self.length} delivered={self.delivered}>")

@@ -1,0 +1,312 @@
+"""PyTorch adapters: read a sluice dataset through a ``DataLoader``.
+
+Importing this module imports torch; ``import sluice`` alone does not.
+
+Two ways to use it:
+
+**Map-style** (works with any sampler, but pair it with
+:class:`SluiceSampler` to get prefetching)::
+
+    ds = SluiceDataset("/run/sluice/stage.sock", "imagenet", job="resnet50",
+                       transform=decode)
+    sampler = SluiceSampler(ds, seed=1234)          # ranks from torch.distributed
+    loader = DataLoader(ds, batch_size=256, sampler=sampler, num_workers=8)
+    for epoch in range(90):
+        sampler.set_epoch(epoch)                    # submits the epoch's plan
+        for names, images in loader:
+            ...
+
+The sampler hands the stage this rank's plan for the epoch when the
+``DataLoader`` starts iterating, so the stage prefetches in exactly the order
+the workers will ask; each worker's whole-file ``READ`` of a planned file is
+then served from the stage's buffer.
+
+**Iterable**: every worker joins the same plan and the stage hands each
+entry to exactly one of them::
+
+    ds = SluiceIterableDataset("/run/sluice/stage.sock", "imagenet",
+                               job="resnet50", seed=1234, transform=decode)
+    loader = DataLoader(ds, batch_size=256, num_workers=8)
+    for epoch in range(90):
+        ds.set_epoch(epoch)
+        for names, images in loader:
+            ...
+
+Both datasets yield ``(name, sample)`` pairs: ``sample`` is the file's
+bytes, or ``transform(bytes)`` when a transform is given. The name lets a
+transform-free pipeline derive labels from paths; the default collate turns
+a batch into ``[names, samples]``.
+
+Every process (the main one and each ``DataLoader`` worker) opens its own
+connection, lazily, on first use: datasets can be pickled and forked freely.
+With ``persistent_workers=True`` a worker keeps the copy of an iterable
+dataset it started with, so ``set_epoch`` in the main process does not reach
+it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator, Mapping, Optional, Tuple
+
+import torch.distributed as _dist
+import torch.utils.data as _data
+
+from . import plan as _plan
+from .client import Client, Dataset
+from .errors import ErrorCode, SluiceError, error_from_code
+from .protocol import PlanState
+
+__all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset"]
+
+
+def _distributed_place(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """Returns (rank, world_size): the given values, else torch.distributed's,
+    else (0, 1)."""
+    if rank is None or world_size is None:
+        initialized = _dist.is_available() and _dist.is_initialized()
+        if world_size is None:
+            world_size = _dist.get_world_size() if initialized else 1
+        if rank is None:
+            rank = _dist.get_rank() if initialized else 0
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return rank, world_size
+
+
+class _PerProcess:
+    """A lazily opened connection + dataset handle, one per process.
+
+    The connection is dropped when pickled, and reopened (not reused) after a
+    fork, so a ``DataLoader`` worker never talks on its parent's socket.
+    """
+
+    def __init__(self, address, dataset: str, job: str, labels, rank: int, world_size: int,
+                 timeout: Optional[float]) -> None:
+        self.address = address
+        self.dataset_name = dataset
+        self.job = job
+        self.labels = dict(labels or {})
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._pid: Optional[int] = None
+        self._client: Optional[Client] = None
+        self._dataset: Optional[Dataset] = None
+        self.expected_digest: Optional[int] = None
+
+    def get(self) -> Dataset:
+        if self._dataset is None or self._pid != os.getpid() or self._client.closed:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.close()
+            self._client = Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
+                                  world_size=self.world_size, timeout=self.timeout)
+            self._pid = os.getpid()
+            ds = self._client.dataset(self.dataset_name)
+            if self.expected_digest is not None and ds.digest != self.expected_digest:
+                self._client.close()
+                self._dataset = None
+                raise error_from_code(
+                    ErrorCode.BAD_PLAN,
+                    f"dataset {self.dataset_name!r} on the stage changed since this process's parent "
+                    f"listed it ({ds.file_count} files now); indices would name other files, so "
+                    "rebuild the dataset object")
+            self.expected_digest = ds.digest
+            self._dataset = ds
+        return self._dataset
+
+    def close(self) -> None:
+        if self._client is not None and self._pid == os.getpid():
+            self._client.close()
+        self._client = self._dataset = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_client"] = state["_dataset"] = state["_pid"] = None
+        return state
+
+
+def _apply(transform: Optional[Callable], name: str, data):
+    return (name, data if transform is None else transform(data))
+
+
+class SluiceDataset(_data.Dataset):
+    """A map-style dataset over the stage's file list.
+
+    Item ``i`` is ``(name, sample)`` for the file with index ``i`` (files
+    sorted by name bytes, as the stage lists them), where ``sample`` is the
+    file's bytes or ``transform(bytes)``. ``len()`` is the file count.
+
+    Args:
+        address: the stage's address (see :func:`sluice.parse_address`).
+        dataset: the dataset name the stage serves.
+        job: the job name; use the same one for the sampler and every rank.
+        labels: job labels for the stage's policies.
+        transform: applied to each file's bytes.
+        timeout: per-operation socket timeout in seconds (None: no limit).
+
+    Connects once in the constructor (to learn the file count) and then once
+    per process that reads.
+    """
+
+    def __init__(self, address, dataset: str, job: str, labels: Optional[Mapping[str, str]] = None,
+                 transform: Optional[Callable[[bytes], object]] = None,
+                 timeout: Optional[float] = None) -> None:
+        self.address = address
+        self.dataset = dataset
+        self.job = job
+        self.labels = dict(labels or {})
+        self.transform = transform
+        self.timeout = timeout
+        self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout)
+        ds = self._conn.get()
+        self.file_count: int = ds.file_count
+        self.total_bytes: int = ds.total_bytes
+        self.digest: int = ds.digest
+
+    def __len__(self) -> int:
+        return self.file_count
+
+    def __getitem__(self, index: int):
+        ds = self._conn.get()
+        name = ds.files[index][0]
+        return _apply(self.transform, name, ds.read(name))
+
+    def name(self, index: int) -> str:
+        """Returns the name of file ``index``."""
+        return self._conn.get().files[index][0]
+
+    def close(self) -> None:
+        """Closes this process's connection (it reopens on next use)."""
+        self._conn.close()
+
+
+class SluiceSampler(_data.Sampler):
+    """Yields this rank's indices of an epoch and tells the stage the plan.
+
+    ``__iter__`` submits the epoch's ``SHUFFLE`` plan for ``(job, rank,
+    epoch)`` over the sampler's own connection, so the stage starts
+    prefetching, and yields the same indices derived locally with
+    :func:`sluice.plan.shuffle_plan`. Call :meth:`set_epoch` before each
+    epoch, as with ``DistributedSampler``: an epoch whose plan was already
+    read in full is not prefetched again.
+
+    ``rank`` and ``world_size`` default to torch.distributed's when it is
+    initialized, else 0 and 1. ``len()`` is this rank's share.
+    """
+
+    def __init__(self, dataset: SluiceDataset, seed: int = 0, shuffle: bool = True,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        if not isinstance(dataset, SluiceDataset):
+            raise TypeError(f"SluiceSampler needs a SluiceDataset, got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank, self.world_size = _distributed_place(rank, world_size)
+        self.epoch = 0
+        self.plan_state: Optional[PlanState] = None
+        self._conn = _PerProcess(dataset.address, dataset.dataset, dataset.job, dataset.labels,
+                                 self.rank, self.world_size, dataset.timeout)
+        self._conn.expected_digest = dataset.digest
+        self._plan = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next ``__iter__`` plans."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        n, w = self.dataset.file_count, self.world_size
+        return n // w + (1 if self.rank < n % w else 0)
+
+    def __iter__(self) -> Iterator[int]:
+        ds = self._conn.get()
+        # Keeping the iterator keeps this connection attached to the plan, so
+        # the stage keeps its buffer until the epoch is read or a new plan
+        # replaces it.
+        self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle)
+        self.plan_state = self._plan.state
+        order = _plan.shuffle_plan(self.dataset.file_count, self.seed, self.epoch, self.shuffle,
+                                   self.rank, self.world_size)
+        if len(order) != self._plan.length:
+            raise error_from_code(ErrorCode.BAD_PLAN,
+                                  f"the stage planned {self._plan.length} entries for rank {self.rank} "
+                                  f"but the local derivation gives {len(order)}")
+        return iter(order)
+
+    def close(self) -> None:
+        """Closes the sampler's connection (the stage frees the plan's buffer)."""
+        self._plan = None
+        self._conn.close()
+
+
+class SluiceIterableDataset(_data.IterableDataset):
+    """Streams this rank's epoch in plan order; workers share one plan.
+
+    In every process that iterates it (each ``DataLoader`` worker, or the
+    main process with ``num_workers=0``) it connects, submits the ``SHUFFLE``
+    plan for ``(job, rank, epoch)`` (the first creates it, the others join)
+    and yields ``(name, sample)`` for the entries the stage hands it until the
+    plan ends. Across workers every entry comes exactly once; the order
+    within a worker follows the plan.
+
+    Args:
+        address, dataset, job, labels, transform, timeout: as for
+            :class:`SluiceDataset`.
+        seed, shuffle: the plan's shuffle (see :mod:`sluice.plan`).
+        rank, world_size: default to torch.distributed's, else 0 and 1.
+        batch: samples asked for per ``NEXT`` round trip.
+        on_error: ``"raise"`` (a failed sample raises in the worker) or
+            ``"yield"`` (it is yielded as ``(name, SluiceError)``).
+
+    Call :meth:`set_epoch` before each epoch; iterating an epoch that was
+    already read in full yields nothing in workers and raises in the main
+    process. ``len()`` is this rank's share (all workers together).
+    """
+
+    def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,
+                 rank: Optional[int] = None, world_size: Optional[int] = None, batch: int = 32,
+                 transform: Optional[Callable[[bytes], object]] = None,
+                 labels: Optional[Mapping[str, str]] = None, on_error: str = "raise",
+                 timeout: Optional[float] = None) -> None:
+        if on_error not in ("raise", "yield"):
+            raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
+        self.address = address
+        self.dataset = dataset
+        self.job = job
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank, self.world_size = _distributed_place(rank, world_size)
+        self.batch = batch
+        self.transform = transform
+        self.on_error = on_error
+        self.epoch = 0
+        self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout)
+        ds = self._conn.get()
+        self.file_count: int = ds.file_count
+        self.digest: int = ds.digest
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next iteration reads."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        n, w = self.file_count, self.world_size
+        return n // w + (1 if self.rank < n % w else 0)
+
+    def __iter__(self) -> Iterator[tuple]:
+        ds = self._conn.get()
+        it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
+                      on_error=self.on_error)
+        if it.state == PlanState.COMPLETE and _data.get_worker_info() is None:
+            raise RuntimeError(
+                f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
+                "call set_epoch(epoch) with a new epoch before iterating again")
+        transform = self.transform
+        for name, data in it:
+            if transform is not None and not isinstance(data, SluiceError):
+                data = transform(data)
+            yield name, data
+
+    def close(self) -> None:
+        """Closes this process's connection (it reopens on next use)."""
+        self._conn.close()

@@ -1,0 +1,220 @@
+"""The client's logic against the in-process fake stage (no Rust binary)."""
+
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+import sluice
+from sluice import protocol as p
+
+from fakestage import FakeStage
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = tmp_path / "data"
+    (root / "a" / "b").mkdir(parents=True)
+    files = {}
+    for i in range(23):
+        name = f"a/b/{i:03d}.bin" if i % 3 else f"{i:03d}.bin"
+        content = os.urandom(i * 37)
+        (root / name).write_bytes(content)
+        files[name] = content
+    return root, files
+
+
+@pytest.fixture
+def fake(tmp_path, data):
+    stage = FakeStage(str(tmp_path / "fake.sock"), {"d": str(data[0])})
+    yield stage
+    stage.close()
+
+
+def test_hello_open_list_read(fake, data):
+    root, files = data
+    with sluice.Client(fake.path, job="j", labels={"team": "t"}) as c:
+        assert c.stage_id == "fake" and c.max_response_frame == p.MAX_RESPONSE_FRAME
+        ds = c.dataset("d")
+        assert ds.file_count == len(files) and ds.total_bytes == sum(map(len, files.values()))
+        names = sorted(files, key=str.encode)
+        assert ds.files.names() == names
+        assert ds.files[-1] == (names[-1], len(files[names[-1]]))
+        assert ds.files[1:3] == [(n, len(files[n])) for n in names[1:3]]
+        with pytest.raises(IndexError):
+            ds.files[len(files)]
+        assert ds.read(names[5]) == files[names[5]]
+        assert c.read(names[5], 3, 4) == files[names[5]][3:7]
+        with pytest.raises(sluice.NotFoundError) as e:
+            ds.read("nope")
+        assert e.value.name == "nope" and "no such file" in e.value.message
+        assert not c.closed
+    assert c.closed
+
+
+def test_epoch_order_matches_local_derivation(fake, data):
+    _root, files = data
+    for rank in range(3):
+        with sluice.Client(fake.path, job="j", rank=rank, world_size=3) as c:
+            ds = c.dataset("d")
+            it = ds.epoch(4, seed=9, batch=5)
+            assert it.state == p.PlanState.CREATED and it.length == len(ds.local_order(4, seed=9))
+            got = list(it)
+            names = ds.files.names()
+            assert [n for n, _ in got] == [names[i] for i in ds.local_order(4, seed=9)]
+            assert all(files[n] == d for n, d in got)
+            again = ds.epoch(4, seed=9)
+            assert again.state == p.PlanState.COMPLETE and list(again) == []
+
+
+def test_sample_errors_raise_or_yield(fake, data):
+    root, files = data
+    with sluice.Client(fake.path, job="j") as c:
+        ds = c.dataset("d")
+        names = ds.files.names()
+        os.remove(root / names[2])
+        got, errors = [], []
+        it = ds.plan_indices([0, 1, 2, 3], epoch=0, batch=2)
+        while True:
+            try:
+                got.append(next(it)[0])
+            except StopIteration:
+                break
+            except sluice.SluiceError as e:
+                errors.append(e)
+        assert got == [names[0], names[1], names[3]]
+        assert len(errors) == 1 and errors[0].name == names[2] and errors[0].code_name == "NOT_FOUND"
+        out = list(ds.plan_names([names[2], names[4]], epoch=1, on_error="yield"))
+        assert isinstance(out[0][1], sluice.NotFoundError) and out[1] == (names[4], files[names[4]])
+
+
+def test_superseded_iterator_and_second_dataset_handle(fake, data):
+    with sluice.Client(fake.path, job="j") as c:
+        ds = c.dataset("d")
+        it = ds.epoch(0, batch=1)
+        next(it)
+        ds.epoch(1)
+        with pytest.raises(RuntimeError, match="superseded"):
+            list(it)
+        other = c.dataset("d")
+        # The first handle reopens its dataset before speaking.
+        assert ds.read(ds.files[0][0]) == other.read(other.files[0][0])
+
+
+def test_stage_errors_map_to_exceptions(fake):
+    with sluice.Client(fake.path, job="j") as c:
+        with pytest.raises(sluice.NoSuchDatasetError, match="no dataset named"):
+            c.dataset("missing")
+        with pytest.raises(sluice.NoDatasetError):
+            c.read("x")
+        ds = c.dataset("d")
+        with pytest.raises(sluice.BadPlanError):
+            ds.plan_indices([10**6], epoch=0)
+        with pytest.raises(sluice.ForbiddenPathError):
+            ds.read("../x")
+        with pytest.raises(ValueError, match="on_error"):
+            ds.epoch(0, on_error="ignore")
+        with pytest.raises(ValueError, match="batch"):
+            ds.epoch(0, batch=0)
+        assert ds.read(ds.files[0][0]) is not None  # still usable
+
+
+def test_fatal_error_closes_the_client(tmp_path, data):
+    stage = FakeStage(str(tmp_path / "s.sock"), {"d": str(data[0])},
+                      script={p.MsgType.OPEN: lambda: p.encode_error(1, "bad frame", True)})
+    try:
+        c = sluice.Client(stage.path, job="j")
+        with pytest.raises(sluice.BadFrameError) as e:
+            c.dataset("d")
+        assert e.value.fatal and c.closed
+        with pytest.raises(sluice.ConnectionClosedError, match="closed"):
+            c.dataset("d")
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("reply,error", [
+    (lambda: p.encode_planned(1, 0), sluice.ProtocolError),             # wrong answer type
+    (lambda: b"\x00\x00\x00\x02\x82\x00", sluice.ProtocolError),       # OPENED payload too short
+    (lambda: (b"\x00\x00\x00", True), sluice.ConnectionClosedError),   # half a header, then close
+    (lambda: (b"", True), sluice.ConnectionClosedError),                # no answer, close
+    (lambda: struct.pack(">IB", 2**31, 0x86), sluice.ProtocolError),    # over max_response_frame
+])
+def test_bad_responses_close_the_client(tmp_path, data, reply, error):
+    stage = FakeStage(str(tmp_path / "s.sock"), {"d": str(data[0])}, script={p.MsgType.OPEN: reply})
+    try:
+        c = sluice.Client(stage.path, job="j")
+        with pytest.raises(error):
+            c.dataset("d")
+        assert c.closed
+    finally:
+        stage.close()
+
+
+def test_timeout_closes_the_client(tmp_path):
+    path = str(tmp_path / "silent.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    try:
+        with pytest.raises(sluice.StageTimeoutError, match="timeout"):
+            sluice.Client(path, job="j", timeout=0.2)
+    finally:
+        srv.close()
+
+
+def test_client_refuses_threads_and_forks(fake):
+    c = sluice.Client(fake.path, job="j")
+    c._lock.acquire()
+    try:
+        with pytest.raises(RuntimeError, match="thread"):
+            c.dataset("d")
+    finally:
+        c._lock.release()
+    c._pid = -1  # as if we were a forked child
+    with pytest.raises(RuntimeError, match="another process"):
+        c.dataset("d")
+    c.close()  # a forked copy closes without speaking
+    assert c.closed
+
+
+def test_job_name_is_validated_before_connecting(fake):
+    with pytest.raises(ValueError, match="65535"):
+        sluice.Client(fake.path, job="x" * 70000)
+
+
+def test_big_read_falls_back_to_ranges(tmp_path):
+    root = tmp_path / "big"
+    root.mkdir()
+    content = os.urandom(3 * 1024 * 1024 + 17)
+    (root / "f").write_bytes(content)
+    stage = FakeStage(str(tmp_path / "s.sock"), {"d": str(root)}, max_response_frame=1 << 20)
+    try:
+        with sluice.Client(stage.path, job="j") as c:
+            ds = c.dataset("d")
+            assert ds.read("f") == content
+            assert ds.read("f", 5, 2 << 20) == content[5:5 + (2 << 20)]
+    finally:
+        stage.close()
+
+
+def test_concurrent_threads_with_own_clients(fake, data):
+    _root, files = data
+    errors = []
+
+    def worker(rank):
+        try:
+            with sluice.Client(fake.path, job="threads", rank=rank, world_size=4) as c:
+                for name, d in c.dataset("d").epoch(0):
+                    assert files[name] == d
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

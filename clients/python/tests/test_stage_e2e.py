@@ -1,0 +1,598 @@
+"""End to end against the real sluice-stage binary (see conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+import sluice
+from sluice import plan as splan
+from sluice import protocol as p
+
+from conftest import http_get, make_dataset, sorted_names
+
+
+def fnv1a_digest(entries):
+    """The listing digest as docs/protocol.md defines it."""
+    h = 0xCBF29CE484222325
+    for name, size in entries:
+        for b in name.encode() + b"\x00" + struct.pack(">Q", size):
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+class Raw:
+    """A hand-driven connection for sending arbitrary bytes."""
+
+    def __init__(self, path, timeout=10.0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.f = self.sock.makefile("rb")
+
+    def send(self, data: bytes):
+        self.sock.sendall(data)
+
+    def recv(self):
+        return p.read_response(self.f)
+
+    def call(self, frame):
+        self.send(frame)
+        return self.recv()
+
+    def hello(self, job="raw", rank=0, world_size=1):
+        msg = self.call(p.encode_hello(job, {}, rank, world_size))
+        assert isinstance(msg, p.Welcome), msg
+        return msg
+
+    def drain_until_closed(self, timeout=10.0) -> bytes:
+        """Reads until the stage closes the connection; returns what came."""
+        self.sock.settimeout(timeout)
+        chunks = []
+        while True:
+            try:
+                b = self.sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+
+    def close(self):
+        self.f.close()
+        self.sock.close()
+
+
+def expect_error_then_close(raw: Raw, code: int):
+    data = raw.drain_until_closed()
+    assert data, "the stage closed without an ERROR frame"
+    t, payload = p.split_frame(data, p.MAX_RESPONSE_FRAME)
+    msg = p.decode_response(t, payload)
+    assert isinstance(msg, p.Error) and msg.code == code and msg.fatal, msg
+    return msg
+
+
+# -- listing, bytes, digest ---------------------------------------------------
+
+
+def test_listing_bytes_and_digest(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="listing") as c:
+        assert c.max_request_frame == p.MAX_REQUEST_FRAME
+        assert c.max_response_frame == p.MAX_RESPONSE_FRAME
+        ds = c.dataset("d")
+        names = sorted_names(files)
+        assert ds.files.names() == names
+        assert list(ds.files) == [(n, len(files[n])) for n in names]
+        assert ds.file_count == len(files) and ds.total_bytes == sum(map(len, files.values()))
+        assert ds.digest == fnv1a_digest(list(ds.files))
+        for name in names:
+            assert ds.read(name) == files[name], name
+        # LIST paging with small limits, straight on the wire.
+        got = []
+        for off in range(0, len(names), 7):
+            page = ds._call(p.encode_list(off, 7), p.Files)
+            assert page.total == len(names)
+            got += [n for n, _ in page.entries]
+        assert got == names
+
+
+def test_epoch_order_and_bytes_match_the_local_plan(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    for world in (1, 3):
+        for rank in range(world):
+            with sluice.Client(stage.socket, job="order", rank=rank, world_size=world) as c:
+                ds = c.dataset("d")
+                for epoch, shuffle in ((0, True), (1, True), (2, False)):
+                    it = ds.epoch(epoch, seed=77, shuffle=shuffle, batch=5)
+                    expected = [names[i] for i in splan.shuffle_plan(len(names), 77, epoch, shuffle, rank, world)]
+                    assert it.length == len(expected) and it.state == p.PlanState.CREATED
+                    positions = []
+                    got = []
+                    for s in it.samples():
+                        positions.append(s.position)
+                        got.append(s.name)
+                        assert s.status == 0 and s.data == files[s.name], s.name
+                    assert got == expected
+                    assert positions == list(range(len(expected)))
+
+
+def test_explicit_plans(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    with sluice.Client(stage.socket, job="explicit") as c:
+        ds = c.dataset("d")
+        idx = [5, 0, 5, len(names) - 1, 3]
+        assert [(n, d) for n, d in ds.plan_indices(idx, epoch=0, batch=2)] == [(names[i], files[names[i]]) for i in idx]
+        pick = [names[9], names[2], names[9]]
+        assert list(ds.plan_names(pick, epoch=1)) == [(n, files[n]) for n in pick]
+        assert list(ds.plan_indices([], epoch=2)) == []
+        with pytest.raises(sluice.BadPlanError):
+            ds.plan_indices([len(names)], epoch=3)
+        # A name plan naming a file that is not listed is refused, or (the
+        # protocol allows either) delivers that entry as an error.
+        try:
+            out = list(ds.plan_names([names[0], "no/such.bin"], epoch=4, on_error="yield"))
+        except sluice.BadPlanError as e:
+            assert "no/such.bin" in e.message
+        else:
+            assert out[0] == (names[0], files[names[0]])
+            assert isinstance(out[1][1], sluice.SluiceError) and out[1][0] == "no/such.bin"
+
+
+def test_big_sample_is_sent_alone(stage_factory, tmp_path):
+    root = tmp_path / "big"
+    root.mkdir()
+    files = {"a.bin": os.urandom(1000), "big.bin": os.urandom(33 * 1024 * 1024 + 5), "c.bin": b"c"}
+    for n, d in files.items():
+        (root / n).write_bytes(d)
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="big") as c:
+        ds = c.dataset("d")
+        got = dict(ds.plan_names(["a.bin", "big.bin", "c.bin"], epoch=0, batch=3))
+        assert got == files
+        assert ds.read("big.bin", 33 * 1024 * 1024, 100) == files["big.bin"][33 * 1024 * 1024:][:100]
+
+
+# -- errors -----------------------------------------------------------------------
+
+
+def test_per_sample_errors_do_not_stop_the_epoch(stage_factory, dataset, tmp_path):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    deleted, to_dir, to_link = names[3], names[10], names[20]
+    with sluice.Client(stage.socket, job="errors") as c:
+        ds = c.dataset("d")
+        ds.files.names()
+        os.remove(root / deleted)
+        os.remove(root / to_dir)
+        os.mkdir(root / to_dir)
+        os.remove(root / to_link)
+        os.symlink(tmp_path / "nowhere", root / to_link)
+        got = {}
+        for name, value in ds.epoch(0, seed=1, batch=8, on_error="yield"):
+            assert name not in got
+            got[name] = value
+        assert set(got) == set(names)
+        for bad in (deleted, to_dir, to_link):
+            err = got[bad]
+            assert isinstance(err, sluice.SluiceError), (bad, err)
+            assert err.name == bad and err.message and not err.fatal
+            assert err.code in (sluice.ErrorCode.NOT_FOUND, sluice.ErrorCode.IO_ERROR,
+                                sluice.ErrorCode.FORBIDDEN_PATH), err
+        assert got[deleted].code == sluice.ErrorCode.NOT_FOUND
+        for name in set(names) - {deleted, to_dir, to_link}:
+            assert got[name] == files[name]
+        # With on_error="raise" the error surfaces from next() and iteration goes on.
+        it = ds.plan_names([names[0], deleted, names[1]], epoch=1)
+        assert next(it) == (names[0], files[names[0]])
+        with pytest.raises(sluice.NotFoundError) as e:
+            next(it)
+        assert e.value.name == deleted
+        assert next(it) == (names[1], files[names[1]])
+
+
+def test_read_ranges(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    name = max(files, key=lambda n: len(files[n]))
+    data = files[name]
+    with sluice.Client(stage.socket, job="ranges") as c:
+        ds = c.dataset("d")
+        assert ds.read(name, 0, 10) == data[:10]
+        assert ds.read(name, 1000) == data[1000:]
+        assert ds.read(name, 12345, 777) == data[12345:12345 + 777]
+        assert ds.read(name, len(data) - 5, 100) == data[-5:]
+        assert ds.read(name, len(data)) == b""
+        assert ds.read(name, 0, 0) == b""
+        empty = next(n for n in files if not files[n])
+        assert ds.read(empty) == b""
+        with pytest.raises(sluice.NotFoundError):
+            ds.read("missing.bin")
+        with pytest.raises((sluice.NotFoundError, sluice.SluiceIOError)):
+            ds.read("d0")  # a directory is not a file of the dataset
+
+
+@pytest.mark.parametrize("name", [
+    "../x", "/etc/passwd", "a/../../b", "d0/../../etc/passwd", "./f000.bin", "d0//f.bin", "..", "escape",
+    "escape-dir/passwd",
+])
+def test_forbidden_paths(stage_factory, dataset, tmp_path, name):
+    root, _files = dataset
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_bytes(b"secret")
+    (root / "escape").symlink_to(outside / "passwd")
+    (root / "escape-dir").symlink_to(outside)
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="paths") as c:
+        ds = c.dataset("d")
+        assert "escape" not in ds.files.names()
+        assert not any(n.startswith("escape-dir/") for n in ds.files.names())
+        with pytest.raises(sluice.ForbiddenPathError) as e:
+            ds.read(name)
+        assert e.value.code_name == "FORBIDDEN_PATH" and not e.value.fatal
+        with pytest.raises(sluice.SluiceError) as e:
+            list(ds.plan_names([name], epoch=0, on_error="raise"))
+        assert e.value.code in (sluice.ErrorCode.FORBIDDEN_PATH, sluice.ErrorCode.BAD_PLAN)
+        assert ds.read(ds.files[0][0]) is not None  # the connection goes on
+
+
+def test_symlink_inside_the_root_is_served(stage_factory, dataset):
+    root, files = dataset
+    target = sorted_names(files)[5]
+    (root / "inner-link.bin").symlink_to(root / target)
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="links") as c:
+        ds = c.dataset("d")
+        assert "inner-link.bin" in ds.files.names()
+        assert ds.read("inner-link.bin") == files[target]
+
+
+def test_request_errors(stage_factory, dataset):
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="reqerr") as c:
+        with pytest.raises(sluice.NoSuchDatasetError) as e:
+            c.dataset("nope")
+        assert "nope" in e.value.message and not e.value.fatal
+        with pytest.raises(sluice.NoDatasetError):
+            c._call(p.encode_list(0, 1), p.Files)
+        ds = c.dataset("d")
+        with pytest.raises(sluice.NoPlanError):
+            c._call(p.encode_next(1), p.Samples)
+        with pytest.raises(sluice.InvalidArgumentError):
+            c._call(p.encode_list(0, 0), p.Files)
+        with pytest.raises(sluice.InvalidArgumentError):
+            c._call(p.encode_next(0), p.Samples)
+        with pytest.raises(sluice.BadPlanError):
+            c._call(p.encode_plan_shuffle(0, 1, True, ds.file_count + 1, ds.digest), p.Planned)
+        with pytest.raises(sluice.BadPlanError):
+            c._call(p.encode_plan_shuffle(0, 1, True, ds.file_count, ds.digest ^ 1), p.Planned)
+        list(ds.epoch(5, seed=1, batch=1))  # still fine
+        ds.epoch(6, seed=1)
+    with sluice.Client(stage.socket, job="reqerr") as c2:
+        # While a plan is active, a different plan under the same
+        # (job, rank, epoch) is refused.
+        ds2 = c2.dataset("d")
+        it = ds2.epoch(7, seed=1)
+        with sluice.Client(stage.socket, job="reqerr") as c3:
+            with pytest.raises(sluice.PlanConflictError):
+                c3.dataset("d").epoch(7, seed=2)
+        assert len(list(it)) == ds2.file_count
+
+
+def test_hello_rules(stage_factory, dataset):
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    # A request before HELLO.
+    raw = Raw(stage.socket)
+    raw.send(p.encode_open("d"))
+    expect_error_then_close(raw, p.ErrorCode.OUT_OF_ORDER)
+    raw.close()
+    # A second HELLO.
+    raw = Raw(stage.socket)
+    raw.hello()
+    raw.send(p.encode_hello("raw"))
+    expect_error_then_close(raw, p.ErrorCode.OUT_OF_ORDER)
+    raw.close()
+    # An unsupported version.
+    raw = Raw(stage.socket)
+    raw.send(p.encode_hello("raw", version=2))
+    expect_error_then_close(raw, p.ErrorCode.UNSUPPORTED_VERSION)
+    raw.close()
+    # Impossible fields are refused without closing.
+    for frame in (p.encode_hello("bad job!"), p.encode_hello("j", rank=2, world_size=2),
+                  p.encode_hello("j", world_size=0), p.encode_hello("x" * 129)):
+        raw = Raw(stage.socket)
+        msg = raw.call(frame)
+        assert isinstance(msg, p.Error) and msg.code == p.ErrorCode.INVALID_ARGUMENT and not msg.fatal, msg
+        raw.close()
+    with pytest.raises(sluice.InvalidArgumentError):
+        sluice.Client(stage.socket, job="no spaces")
+    # BYE is answered with GOODBYE and the stage closes.
+    raw = Raw(stage.socket)
+    raw.hello()
+    assert isinstance(raw.call(p.encode_bye()), p.Goodbye)
+    assert raw.drain_until_closed() == b""
+    raw.close()
+
+
+# -- robustness ---------------------------------------------------------------------
+
+
+def _good_client_epoch(stage, files, job, result):
+    try:
+        with sluice.Client(stage.socket, job=job, timeout=60) as c:
+            got = {}
+            for name, data in c.dataset("d").epoch(0, seed=3, batch=4):
+                got[name] = data
+            result["ok"] = got == files
+    except Exception as e:  # reported by the test
+        result["error"] = e
+
+
+def test_garbage_clients_do_not_disturb_others(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    result = {}
+    good = threading.Thread(target=_good_client_epoch, args=(stage, files, "good", result))
+    good.start()
+
+    # A huge length prefix: FRAME_TOO_LARGE before any body is read.
+    raw = Raw(stage.socket)
+    raw.send(struct.pack(">IB", 0xFFFFFFF0, 1))
+    expect_error_then_close(raw, p.ErrorCode.FRAME_TOO_LARGE)
+    raw.close()
+    raw = Raw(stage.socket)
+    raw.hello()
+    raw.send(struct.pack(">IB", p.MAX_REQUEST_FRAME + 1, p.MsgType.READ))
+    expect_error_then_close(raw, p.ErrorCode.FRAME_TOO_LARGE)
+    raw.close()
+    # Random bytes: an ERROR or a plain close, never a hang or a crash.
+    rng = __import__("random").Random(5)
+    for i in range(20):
+        raw = Raw(stage.socket)
+        if i % 2:
+            raw.hello()
+        raw.send(rng.randbytes(rng.randrange(1, 2000)))
+        raw.sock.shutdown(socket.SHUT_WR)
+        data = raw.drain_until_closed()
+        if data:
+            # Whatever came back must be well-formed frames, the last an ERROR.
+            frames = []
+            while data:
+                (n,) = struct.unpack(">I", data[:4])
+                frames.append(p.decode_response(data[4], data[5:4 + n]))
+                data = data[4 + n:]
+            assert isinstance(frames[-1], p.Error), frames
+        raw.close()
+    # Malformed payloads that the stage must refuse as BAD_FRAME.
+    for frame in (
+        p.encode_frame(0x42, b""),                                 # unknown type
+        p.encode_frame(p.MsgType.OPEN, b"\x00\x05ab"),             # str past the end
+        p.encode_frame(p.MsgType.NEXT, b"\x00\x00\x00\x01\x00"),   # leftover byte
+        p.encode_frame(p.MsgType.OPEN, b"\x00\x02\xff\xfe"),       # bad UTF-8
+        b"\x00\x00\x00\x00",                                       # length 0
+    ):
+        raw = Raw(stage.socket)
+        raw.hello()
+        raw.send(frame)
+        msg = expect_error_then_close(raw, p.ErrorCode.BAD_FRAME)
+        assert msg.message
+        raw.close()
+    # A truncated frame, then close.
+    raw = Raw(stage.socket)
+    raw.hello()
+    raw.send(p.encode_read("f000.bin")[:-3])
+    raw.close()
+    # A client that connects and vanishes mid-plan.
+    c = sluice.Client(stage.socket, job="vanish")
+    it = c.dataset("d").epoch(0)
+    next(it)
+    c._abort()
+
+    good.join(120)
+    assert not good.is_alive(), "the well-behaved client did not finish its epoch"
+    assert result.get("ok"), result
+    assert stage.alive()
+    with sluice.Client(stage.socket, job="after") as c:
+        ds = c.dataset("d")
+        assert dict(ds.epoch(0)) == files
+
+
+# -- sharing ----------------------------------------------------------------------
+
+
+def test_connections_of_one_job_share_a_plan(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    for rank in range(2):
+        clients = [sluice.Client(stage.socket, job="shared", rank=rank, world_size=2) for _ in range(3)]
+        try:
+            its = [c.dataset("d").epoch(0, seed=11, batch=3) for c in clients]
+            assert its[0].state == p.PlanState.CREATED
+            assert all(it.state in (p.PlanState.JOINED, p.PlanState.COMPLETE) for it in its[1:])
+            expected = [names[i] for i in splan.shuffle_plan(len(names), 11, 0, True, rank, 2)]
+            gens = [it.samples() for it in its]
+            seen = {}
+            live = list(range(3))
+            while live:  # round robin over the three connections
+                for k in list(live):
+                    try:
+                        s = next(gens[k])
+                    except StopIteration:
+                        live.remove(k)
+                        continue
+                    assert s.position not in seen
+                    seen[s.position] = s
+                    assert s.name == expected[s.position] and s.data == files[s.name]
+            assert sorted(seen) == list(range(len(expected)))
+            # A latecomer joins the finished plan and gets nothing.
+            with sluice.Client(stage.socket, job="shared", rank=rank, world_size=2) as late:
+                it = late.dataset("d").epoch(0, seed=11)
+                assert it.state == p.PlanState.COMPLETE and list(it) == []
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_workers_in_threads_share_a_plan(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    got, errors = [], []
+    lock = threading.Lock()
+
+    def worker():
+        try:
+            with sluice.Client(stage.socket, job="threads") as c:
+                for name, data in c.dataset("d").epoch(3, seed=2, batch=2):
+                    with lock:
+                        got.append((name, data))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert sorted(n for n, _ in got) == sorted(files)
+    assert all(files[n] == d for n, d in got)
+
+
+def test_two_jobs_at_once(stage_factory, dataset, tmp_path):
+    root, files = dataset
+    root2 = tmp_path / "data2"
+    root2.mkdir()
+    files2 = make_dataset(root2, seed=9)
+    stage = stage_factory({"d": root, "e": root2})
+    results = {}
+
+    def job(name, ds_name, expected):
+        try:
+            with sluice.Client(stage.socket, job=name) as c:
+                ds = c.dataset(ds_name)
+                for epoch in range(2):
+                    assert dict(ds.epoch(epoch, seed=4)) == expected
+            results[name] = True
+        except Exception as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=job, args=("job-a", "d", files)),
+               threading.Thread(target=job, args=("job-b", "d", files)),
+               threading.Thread(target=job, args=("job-c", "e", files2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {"job-a": True, "job-b": True, "job-c": True}
+
+
+def test_whole_file_read_delivers_a_planned_entry(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    with sluice.Client(stage.socket, job="mapstyle") as planner, \
+            sluice.Client(stage.socket, job="mapstyle") as reader:
+        ds = planner.dataset("d")
+        it = ds.plan_indices([0, 1, 2, 3], epoch=0)
+        rd = reader.dataset("d")
+        assert rd.read(names[1]) == files[names[1]]
+        assert rd.read(names[2], 0, 3) == files[names[2]][:3]  # a range read delivers nothing
+        assert [n for n, _ in it] == [names[0], names[2], names[3]]
+
+
+def test_tcp_listener_and_metrics(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root}, tcp=True)
+    assert stage.tcp, stage.ready
+    with sluice.Client(f"tcp://{stage.tcp}", job="tcp") as c:
+        assert dict(c.dataset("d").epoch(0)) == files
+    with sluice.Client(stage.tcp, job="tcp2") as c:
+        name = sorted_names(files)[7]
+        assert c.dataset("d").read(name) == files[name]
+    body = http_get(stage.metrics, "/metrics")
+    assert "sluice_stage_" in body
+
+
+def test_socket_is_not_world_writable(stage_factory, dataset):
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    mode = os.stat(stage.socket).st_mode & 0o777
+    assert mode & 0o002 == 0, oct(mode)
+
+
+def test_sigterm_with_connected_clients(stage_factory, dataset):
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    c = sluice.Client(stage.socket, job="term")
+    it = c.dataset("d").epoch(0, batch=1)
+    next(it)
+    t = time.monotonic()
+    assert stage.stop() == 0
+    assert time.monotonic() - t < 10
+    with pytest.raises(sluice.SluiceError):
+        list(it)
+
+
+def test_limits_and_the_samples_frame_budget(stage_factory, tmp_path):
+    root = tmp_path / "mb"
+    root.mkdir()
+    for i in range(40):
+        (root / f"f{i:02d}.bin").write_bytes(bytes([i]) * (1 << 20))
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="limits") as c:
+        ds = c.dataset("d")
+        with pytest.raises(sluice.InvalidArgumentError):
+            c._call(p.encode_list(0, p.MAX_LIST_LIMIT + 1), p.Files)
+        assert c._call(p.encode_list(1000, 5), p.Files) == p.Files(40, [])
+        ds.plan_indices(list(range(40)), epoch=0)
+        with pytest.raises(sluice.InvalidArgumentError):
+            c._call(p.encode_next(p.MAX_SAMPLES_PER_NEXT + 1), p.Samples)
+        got = []
+        while True:
+            answer = c._call(p.encode_next(40), p.Samples)
+            assert sum(len(s.data) for s in answer.samples) <= 32 << 20
+            got += answer.samples
+            if answer.end:
+                break
+        assert [s.position for s in got] == list(range(40))
+        assert all(s.data == bytes([s.position]) * (1 << 20) for s in got)
+    raw = Raw(stage.socket)
+    for labels in ({f"k{i}": "v" for i in range(65)}, {"": "v"}, {"k" * 64: "v"}, {"k": "v" * 257}):
+        msg = raw.call(p.encode_hello("j", labels))
+        assert isinstance(msg, p.Error) and msg.code == p.ErrorCode.INVALID_ARGUMENT and not msg.fatal
+    raw.hello("j" * 128)
+    raw.close()
+
+
+def test_plan_ends_when_its_connections_are_gone(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    first = sluice.Client(stage.socket, job="gone")
+    it = first.dataset("d").epoch(0, batch=1)
+    next(it)
+    first.close()
+
+    def resubmitted():
+        with sluice.Client(stage.socket, job="gone") as c:
+            again = c.dataset("d").epoch(0)
+            # Joining a still-active plan must not consume it: leave at once.
+            return again.state == p.PlanState.CREATED and len(list(again)) == len(files)
+
+    from conftest import wait_for
+    wait_for(resubmitted, what="the abandoned plan to be dropped")

@@ -1,0 +1,133 @@
+"""The PyTorch adapters with real DataLoaders against the real stage.
+
+Skipped when torch does not import, except with ``CI=true``, where that is a
+failure: a silent skip in CI would hide that nothing was tested.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from conftest import in_ci, sorted_names
+
+try:
+    import torch  # noqa: F401
+    from torch.utils.data import DataLoader
+except ImportError as e:  # pragma: no cover - depends on the machine
+    if in_ci():
+        raise RuntimeError(f"CI=true but torch does not import ({e}); install clients/python[torch]") from e
+    pytest.skip(f"torch does not import ({e})", allow_module_level=True)
+
+import sluice
+from sluice import plan as splan
+from sluice import protocol as p
+from sluice.torch import SluiceDataset, SluiceIterableDataset, SluiceSampler
+
+WORLD = 2
+
+
+def _collect(loader):
+    out = []
+    for names, datas in loader:
+        out += list(zip(names, datas))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_map_style_with_sampler(stage_factory, dataset, workers):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    seen = []
+    for rank in range(WORLD):
+        ds = SluiceDataset(stage.socket, "d", job=f"map{workers}")
+        assert len(ds) == len(files)
+        sampler = SluiceSampler(ds, seed=5, rank=rank, world_size=WORLD)
+        assert len(sampler) == len(splan.shuffle_plan(len(files), 5, 3, True, rank, WORLD))
+        sampler.set_epoch(3)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)
+        got = _collect(loader)
+        # Order follows the plan (the DataLoader keeps sampler order).
+        expected = [names[i] for i in splan.shuffle_plan(len(files), 5, 3, True, rank, WORLD)]
+        assert [n for n, _ in got] == expected
+        assert sampler.plan_state == p.PlanState.CREATED
+        # The workers' whole-file reads delivered every entry of the
+        # sampler's plan, so the stage counts it as complete.
+        with sluice.Client(stage.socket, job=f"map{workers}", rank=rank, world_size=WORLD) as c:
+            assert c.dataset("d").epoch(3, seed=5).state == p.PlanState.COMPLETE
+        sampler.close()
+        ds.close()
+        seen += got
+    assert sorted(n for n, _ in seen) == sorted(files)
+    assert all(files[n] == d for n, d in seen)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    seen = []
+    for rank in range(WORLD):
+        ds = SluiceIterableDataset(stage.socket, "d", job=f"iter{workers}", seed=8, rank=rank,
+                                   world_size=WORLD, batch=3)
+        assert len(ds) == len(splan.shuffle_plan(len(files), 8, 0, True, rank, WORLD))
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            got = _collect(DataLoader(ds, batch_size=4, num_workers=workers))
+            share = {sorted_names(files)[i] for i in splan.shuffle_plan(len(files), 8, epoch, True, rank, WORLD)}
+            assert sorted(n for n, _ in got) == sorted(share), f"rank {rank} epoch {epoch}"
+            if epoch == 0:
+                seen += got
+        ds.close()
+    assert sorted(n for n, _ in seen) == sorted(files)
+    assert all(files[n] == d for n, d in seen)
+
+
+def test_transform_and_repeat_guard(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceIterableDataset(stage.socket, "d", job="xf", transform=len)
+    got = dict(iter(ds))
+    assert got == {n: len(d) for n, d in files.items()}
+    with pytest.raises(RuntimeError, match="set_epoch"):
+        list(iter(ds))
+    ds.set_epoch(1)
+    assert len(list(iter(ds))) == len(files)
+    m = SluiceDataset(stage.socket, "d", job="xf-map", transform=lambda b: b[:2])
+    name = sorted_names(files)[4]
+    assert m[4] == (name, files[name][:2]) and m.name(4) == name
+
+
+def test_datasets_pickle_without_their_connection(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="pickle")
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._conn._client is None
+    name = sorted_names(files)[0]
+    assert clone[0] == (name, files[name])
+    it = SluiceIterableDataset(stage.socket, "d", job="pickle2")
+    assert pickle.loads(pickle.dumps(it))._conn._client is None
+
+
+def test_forked_child_opens_its_own_connection(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="fork")
+    parent_client = ds._conn._client
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            ok = ds[1][1] == files[sorted_names(files)[1]] and ds._conn._client is not parent_client
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    # The parent's connection is untouched by the child.
+    assert ds[2][1] == files[sorted_names(files)[2]] and ds._conn._client is parent_client
