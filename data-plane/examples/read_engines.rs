@@ -6,6 +6,10 @@
 //! cargo run --release -p sluice-stage --example read_engines -- DIR [FILES]
 //! ```
 //!
+//! Environment: `ENGINES=threads,direct,io_uring` (which to run), `COUNTS=1,4,16`
+//! (threads or queue depths), `SHUFFLE=1` (read in a pseudo-random order, as
+//! an epoch plan does, instead of sorted by name).
+//!
 //! Every run first evicts the files from the page cache with
 //! `posix_fadvise(DONTNEED)`, then reports files/s, MiB/s and the CPU time
 //! the process used per file. docs/data-plane.md records the results.
@@ -15,15 +19,15 @@
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use io_uring::{IoUring, opcode, types};
 
-fn files(dir: &PathBuf, limit: usize) -> Vec<(PathBuf, usize)> {
+fn files(dir: &Path, limit: usize) -> Vec<(PathBuf, usize)> {
     let mut out = Vec::new();
-    let mut stack = vec![dir.clone()];
+    let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).expect("read_dir") {
             let e = e.expect("entry");
@@ -37,6 +41,16 @@ fn files(dir: &PathBuf, limit: usize) -> Vec<(PathBuf, usize)> {
     }
     out.sort();
     out.truncate(limit);
+    if std::env::var_os("SHUFFLE").is_some() {
+        // A fixed pseudo-random order (xorshift), like an epoch's plan.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in (1..out.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            out.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+    }
     out
 }
 
@@ -193,11 +207,24 @@ fn main() {
         "{:<16} {:>10} {:>10} {:>14}",
         "engine", "files/s", "MiB/s", "cpu us/file"
     );
-    let configs: Vec<(&str, usize)> = [1, 4, 8, 16, 32, 64]
-        .iter()
-        .map(|&n| ("threads", n))
-        .chain([1, 4, 8, 16, 32, 64].iter().map(|&n| ("direct", n)))
-        .chain([1, 4, 8, 16, 32, 64].iter().map(|&n| ("io_uring", n)))
+    let counts: Vec<usize> = std::env::var("COUNTS")
+        .map(|c| {
+            c.split(',')
+                .map(|n| n.parse().expect("COUNTS is a list of numbers"))
+                .collect()
+        })
+        .unwrap_or_else(|_| vec![1, 4, 8, 16, 32, 64]);
+    let engines = std::env::var("ENGINES").unwrap_or_else(|_| "threads,direct,io_uring".into());
+    let configs: Vec<(&str, usize)> = engines
+        .split(',')
+        .flat_map(|e| {
+            let engine = match e {
+                "threads" => "threads",
+                "direct" => "direct",
+                _ => "io_uring",
+            };
+            counts.iter().map(move |&n| (engine, n))
+        })
         .collect();
     for (engine, n) in configs {
         evict(&files);

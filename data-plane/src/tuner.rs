@@ -36,7 +36,13 @@ const FULL: f64 = 0.75;
 /// Ticks the "ahead" state must hold before shrinking.
 const AHEAD_TICKS: u32 = 5;
 /// Ticks an unfruitful reader count stays the ceiling.
-const CEILING_TICKS: u32 = 25;
+const CEILING_TICKS: u32 = 10;
+/// Windows a probe is measured over (after its settle window): one window
+/// is too noisy on shared storage to condemn a reader count.
+const PROBE_WINDOWS: u32 = 2;
+/// A probe gaining this much means reads still scale about linearly with
+/// readers: the next step doubles instead of adding half.
+const LINEAR_GAIN: f64 = 1.4;
 /// Gain a probe must show to be kept.
 const PROBE_GAIN: f64 = 1.05;
 /// Consumption the buffer should hold when shrinking, in seconds.
@@ -123,7 +129,8 @@ pub struct Change {
 #[derive(Debug, Clone, Copy)]
 struct Probe {
     from: u32,
-    reads_per_s: f64,
+    baseline: f64,
+    windows: u32,
 }
 
 /// Per-job tuner state.
@@ -136,6 +143,10 @@ pub struct Tuner {
     ceiling: Option<(u32, u32)>,
     ahead_ticks: u32,
     settle: bool,
+    /// Reads and seconds observed since the last change (its steady rate).
+    steady: (u64, f64),
+    /// Throughput gain of the last successful probe.
+    last_gain: f64,
 }
 
 impl Tuner {
@@ -148,6 +159,8 @@ impl Tuner {
             ceiling: None,
             ahead_ticks: 0,
             settle: false,
+            steady: (0, 0.0),
+            last_gain: 2.0,
         }
     }
 
@@ -192,12 +205,22 @@ impl Tuner {
         let occupancy = obs.buffer_used as f64 / self.buffer.max(1) as f64;
         let throttled = obs.throttled.as_secs_f64() / (secs * f64::from(self.readers));
 
-        if let Some(probe) = self.probe.take()
-            && reads_per_s < probe.reads_per_s * PROBE_GAIN
-            && stall > STALL_HIGH
-        {
-            self.ceiling = Some((probe.from, CEILING_TICKS));
-            return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
+        self.steady.0 += obs.reads;
+        self.steady.1 += secs;
+        let steady_rate = self.steady.0 as f64 / self.steady.1;
+        if let Some(probe) = self.probe.as_mut() {
+            probe.windows += 1;
+            if probe.windows < PROBE_WINDOWS {
+                return None;
+            }
+            let probe = self.probe.take().expect("checked above");
+            let gain = steady_rate / probe.baseline.max(f64::MIN_POSITIVE);
+            if gain < PROBE_GAIN && stall > STALL_HIGH {
+                self.ceiling = Some((probe.from, CEILING_TICKS));
+                self.last_gain = 0.0;
+                return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
+            }
+            self.last_gain = gain;
         }
         if throttled > 0.3 {
             self.ahead_ticks = 0;
@@ -213,13 +236,19 @@ impl Tuner {
                 return self.apply(self.readers, buffer, Reason::BufferBound);
             }
             let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
+            let step = if self.last_gain >= LINEAR_GAIN {
+                self.readers
+            } else {
+                (self.readers / 2).max(1)
+            };
             let grown = self
                 .bounds
-                .clamp_readers((self.readers + (self.readers / 2).max(1)).min(ceiling));
+                .clamp_readers((self.readers + step).min(ceiling));
             if grown > self.readers {
                 self.probe = Some(Probe {
                     from: self.readers,
-                    reads_per_s,
+                    baseline: steady_rate,
+                    windows: 0,
                 });
                 return self.apply(grown, self.buffer, Reason::Starved);
             }
@@ -263,6 +292,7 @@ impl Tuner {
         self.readers = readers;
         self.buffer = buffer;
         self.settle = true;
+        self.steady = (0, 0.0);
         Some(Change {
             readers,
             buffer,
@@ -326,8 +356,14 @@ mod tests {
     #[test]
     fn a_probe_that_does_not_pay_off_is_undone() {
         let mut t = Tuner::new(bounds(), 16, 64 * MIB);
+        t.last_gain = 1.0;
         assert_eq!(t.observe(&starved_window(16, 16)).unwrap().readers, 24);
         t.observe(&starved_window(24, 16)); // settle window
+        assert_eq!(
+            t.observe(&starved_window(24, 16)),
+            None,
+            "a probe is judged over two windows"
+        );
         let change = t.observe(&starved_window(24, 16)).unwrap();
         assert_eq!((change.readers, change.reason), (16, Reason::ProbeFailed));
         // It does not probe above the ceiling right away.
