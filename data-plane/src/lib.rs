@@ -146,60 +146,16 @@ impl Stage {
             .instrument(info_span!("tuner")),
         );
 
-        let accept_unix = {
-            let (engine, stage_id, cancel, tracker) = (
-                Arc::clone(&engine),
-                Arc::clone(&stage_id),
-                cancel.clone(),
-                tracker.clone(),
-            );
-            async move {
-                while let Some(accepted) = cancel.run_until_cancelled(unix.accept()).await {
-                    match accepted {
-                        Ok((stream, _)) => {
-                            widen_send_buffer(&socket2::SockRef::from(&stream));
-                            tracker.spawn(
-                                server::serve(
-                                    Arc::clone(&engine),
-                                    Arc::clone(&stage_id),
-                                    stream,
-                                    cancel.clone(),
-                                )
-                                .instrument(info_span!("trainer", via = "unix")),
-                            );
-                        }
-                        Err(e) => accept_failed(&e).await,
-                    }
-                }
-            }
+        let ctx = Accepting {
+            engine: Arc::clone(&engine),
+            stage_id,
+            cancel: cancel.clone(),
+            tracker: tracker.clone(),
         };
-        let accept_tcp = {
-            let (engine, stage_id, cancel, tracker) = (
-                Arc::clone(&engine),
-                Arc::clone(&stage_id),
-                cancel.clone(),
-                tracker.clone(),
-            );
-            async move {
-                let Some(tcp) = tcp else { return };
-                while let Some(accepted) = cancel.run_until_cancelled(tcp.accept()).await {
-                    match accepted {
-                        Ok((stream, peer)) => {
-                            let _ = stream.set_nodelay(true);
-                            widen_send_buffer(&socket2::SockRef::from(&stream));
-                            tracker.spawn(
-                                server::serve(
-                                    Arc::clone(&engine),
-                                    Arc::clone(&stage_id),
-                                    stream,
-                                    cancel.clone(),
-                                )
-                                .instrument(info_span!("trainer", %peer)),
-                            );
-                        }
-                        Err(e) => accept_failed(&e).await,
-                    }
-                }
+        let accept_unix = ctx.clone().run(Listener::Unix(unix));
+        let accept_tcp = async {
+            if let Some(tcp) = tcp {
+                ctx.clone().run(Listener::Tcp(tcp)).await;
             }
         };
         tokio::join!(accept_unix, accept_tcp);
@@ -217,6 +173,62 @@ impl Stage {
             Ok(result) => result.context("serving /metrics"),
             Err(e) => bail!("the metrics server task failed: {e}"),
         }
+    }
+}
+
+/// A listener trainers connect through.
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+/// What every accepted connection is served with.
+#[derive(Clone)]
+struct Accepting {
+    engine: Arc<Engine>,
+    stage_id: Arc<str>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl Accepting {
+    /// Accepts trainers until cancelled, one task per connection.
+    async fn run(self, listener: Listener) {
+        loop {
+            let accepted = match &listener {
+                Listener::Unix(l) => self
+                    .cancel
+                    .run_until_cancelled(l.accept())
+                    .await
+                    .map(|r| r.map(|(s, _)| self.serve(s, "unix".to_owned()))),
+                Listener::Tcp(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
+                    r.map(|(s, peer)| {
+                        let _ = s.set_nodelay(true);
+                        self.serve(s, peer.to_string());
+                    })
+                }),
+            };
+            match accepted {
+                None => return,
+                Some(Ok(())) => {}
+                Some(Err(e)) => accept_failed(&e).await,
+            }
+        }
+    }
+
+    fn serve<S>(&self, stream: S, peer: String)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + std::os::fd::AsFd + Send + 'static,
+    {
+        widen_send_buffer(&socket2::SockRef::from(&stream));
+        let task = server::serve(
+            Arc::clone(&self.engine),
+            Arc::clone(&self.stage_id),
+            stream,
+            self.cancel.clone(),
+        );
+        self.tracker
+            .spawn(task.instrument(info_span!("trainer", %peer)));
     }
 }
 

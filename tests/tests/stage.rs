@@ -151,6 +151,12 @@ fn hello(job: &str) -> Request {
     }
 }
 
+fn open(dataset: &str) -> Request {
+    Request::Open {
+        dataset: dataset.into(),
+    }
+}
+
 fn error_code(frame: &(u8, Vec<u8>)) -> u16 {
     assert_eq!(
         frame.0, 0xEE,
@@ -164,16 +170,7 @@ fn error_code(frame: &(u8, Vec<u8>)) -> u16 {
 fn good_epoch(stage: &Stage, job: &str, files: usize) {
     let mut s = stage.connect();
     assert_eq!(request(&mut s, &hello(job)).0, 0x81);
-    assert_eq!(
-        request(
-            &mut s,
-            &Request::Open {
-                dataset: "train".into()
-            }
-        )
-        .0,
-        0x82
-    );
+    assert_eq!(request(&mut s, &open("train")).0, 0x82);
     let order: Vec<u32> = (0..files as u32).rev().collect();
     let planned = request(
         &mut s,
@@ -280,25 +277,8 @@ fn garbage_ends_only_the_offending_connection() {
         };
         assert_eq!(error_code(&request(&mut s, &bad_rank)), 5);
         assert_eq!(request(&mut s, &hello("x")).0, 0x81);
-        assert_eq!(
-            error_code(&request(
-                &mut s,
-                &Request::Open {
-                    dataset: "nope".into()
-                }
-            )),
-            10
-        );
-        assert_eq!(
-            request(
-                &mut s,
-                &Request::Open {
-                    dataset: "train".into()
-                }
-            )
-            .0,
-            0x82
-        );
+        assert_eq!(error_code(&request(&mut s, &open("nope"))), 10);
+        assert_eq!(request(&mut s, &open("train")).0, 0x82);
         let escape = Request::Read {
             name: "../../etc/passwd".into(),
             offset: 0,
