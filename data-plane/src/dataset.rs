@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::protocol::{ErrorCode, ProtocolError};
-use crate::storage::{Chunk, direct_unsupported, io_error, read_direct, read_range};
+use crate::storage::{
+    Chunk, direct_footprint, direct_unsupported, io_error, read_direct, read_range,
+};
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
@@ -154,6 +156,15 @@ impl Dataset {
             ));
         }
         Ok(canonical)
+    }
+
+    /// Bytes a prefetched file of `size` bytes holds in the buffer.
+    pub fn footprint(&self, size: u64) -> u64 {
+        if self.direct.load(Ordering::Relaxed) {
+            direct_footprint(size)
+        } else {
+            size
+        }
     }
 
     /// Reads the whole file `name` for prefetching: direct I/O when enabled

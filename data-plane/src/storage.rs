@@ -38,18 +38,26 @@ struct Pool {
     bytes: usize,
 }
 
-/// Returns an initialised buffer of at least `len` bytes (and at most twice
-/// that, so a small sample does not pin a large buffer).
+/// Returns the length of the buffer a direct read of a `size`-byte file
+/// uses: the file rounded up to a size class (at most 1/8 larger, so buffers
+/// of similar samples are interchangeable in the pool), one block to notice a
+/// file that grew, and one block of slack to align the window. This is what
+/// the engine reserves, so the buffer budget counts exactly what is held.
+pub fn direct_footprint(size: u64) -> u64 {
+    let window = size as usize + ALIGN;
+    let highest_bit = 1usize << (usize::BITS - 1 - window.leading_zeros());
+    let granule = (highest_bit / 8).max(ALIGN);
+    (window.div_ceil(granule) * granule + ALIGN) as u64
+}
+
+/// Returns an initialised buffer of exactly `len` bytes, reused if the pool
+/// has one.
 fn take_buffer(len: usize) -> Vec<u8> {
     {
         let mut pool = POOL
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(i) = pool
-            .buffers
-            .iter()
-            .rposition(|b| b.len() >= len && b.len() <= 2 * len)
-        {
+        if let Some(i) = pool.buffers.iter().rposition(|b| b.len() == len) {
             let buf = pool.buffers.swap_remove(i);
             pool.bytes -= buf.len();
             return buf;
@@ -104,7 +112,7 @@ impl Chunk {
 
     /// Bytes of memory this chunk holds (what the buffer budget counts).
     pub fn footprint(&self) -> u64 {
-        self.buf.capacity().max(self.buf.len()) as u64
+        self.buf.capacity() as u64
     }
 }
 
@@ -184,10 +192,8 @@ pub fn read_direct(path: &Path) -> io::Result<Chunk> {
     if size > MAX_FILE_BYTES {
         return Err(too_large(size));
     }
-    // Room for the file rounded up to the alignment, one more block to notice
-    // a file that grew, and slack to align the window inside the vector.
-    let window = (size as usize).div_ceil(ALIGN) * ALIGN + ALIGN;
-    let mut buf = take_buffer(window + ALIGN);
+    let mut buf = take_buffer(direct_footprint(size) as usize);
+    let window = buf.len() - ALIGN;
     let start = buf.as_ptr().align_offset(ALIGN);
     let mut len = 0;
     loop {
@@ -227,10 +233,27 @@ mod tests {
             match read_direct(&path) {
                 Ok(chunk) => {
                     assert_eq!(&*chunk, &data[..], "size {size}");
-                    assert!(chunk.footprint() >= size as u64);
+                    assert_eq!(
+                        chunk.footprint(),
+                        direct_footprint(size as u64),
+                        "what is reserved is what is held"
+                    );
                 }
                 Err(e) => assert!(direct_unsupported(&e), "{e}"),
             }
+        }
+    }
+
+    #[test]
+    fn footprints_are_aligned_and_close_to_the_size() {
+        for size in [0u64, 1, 4096, 100 * 1024, 110_000, 2_700_000, 140 << 20] {
+            let f = direct_footprint(size);
+            assert_eq!(f % ALIGN as u64, 0);
+            assert!(f >= size + 2 * ALIGN as u64 - 1, "{size}: {f}");
+            assert!(
+                f as f64 <= (size + 2 * ALIGN as u64) as f64 * 1.125 + ALIGN as f64,
+                "{size}: {f}"
+            );
         }
     }
 

@@ -16,7 +16,7 @@
 //! - **Ahead** (no stall and a nearly full buffer for a second): the consumer
 //!   is compute-bound. Shrink readers to what Little's law says sustains the
 //!   consumer's rate (reads/s x read latency, with 50% headroom) and shrink the
-//!   buffer toward half a second of consumption.
+//!   buffer toward a quarter second of consumption.
 //! - **Throttled**: the limiter, not the readers, sets the pace; readers are
 //!   trimmed to what the allowed rate needs.
 //!
@@ -46,7 +46,7 @@ const LINEAR_GAIN: f64 = 1.4;
 /// Gain a probe must show to be kept.
 const PROBE_GAIN: f64 = 1.05;
 /// Consumption the buffer should hold when shrinking, in seconds.
-const LEAD_SECONDS: f64 = 0.5;
+const LEAD_SECONDS: f64 = 0.25;
 
 /// Limits the tuner stays within (settings may change them at any time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -397,8 +397,8 @@ mod tests {
         let (readers, buffer) = *trace.last().unwrap();
         assert!(readers <= 3, "{trace:?}");
         assert!(
-            (50 * MIB..256 * MIB).contains(&buffer),
-            "keeps half a second of lead: {trace:?}"
+            (25 * MIB..256 * MIB).contains(&buffer),
+            "keeps a quarter second of lead: {trace:?}"
         );
         // Demand comes back: it grows again (never latched off).
         let starved = starved_window(readers, 16);

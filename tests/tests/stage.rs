@@ -369,3 +369,45 @@ fn a_second_stage_cannot_steal_a_live_socket() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("already serving"));
     good_epoch(&stage, "still-here", 3);
 }
+
+/// Polls `f` until it returns true or the deadline passes.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn memory_used(stage: &Stage) -> u64 {
+    let metrics = stage.http_get("/metrics");
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("sluice_stage_memory_used_bytes "))
+        .expect("memory gauge exported");
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_consumer_that_leaves_mid_epoch_frees_its_buffer() {
+    let stage = Stage::start(
+        200,
+        &["--memory-budget", "2MiB", "--initial-buffer", "2MiB"],
+    );
+    let mut s = stage.connect();
+    assert_eq!(request(&mut s, &hello("leaver")).0, 0x81);
+    assert_eq!(request(&mut s, &open("train")).0, 0x82);
+    let plan = Request::Plan {
+        epoch: 0,
+        spec: PlanSpec::Indices((0..200).collect()),
+    };
+    assert_eq!(request(&mut s, &plan).0, 0x84);
+    assert_eq!(request(&mut s, &Request::Next { max_samples: 1 }).0, 0x85);
+    // The readers fill the buffer ahead of the consumer, up to the budget.
+    eventually("the buffer to fill", || memory_used(&stage) > 1 << 20);
+    assert!(memory_used(&stage) <= 2 << 20, "the node budget holds");
+    drop(s);
+    eventually("the buffer to be freed", || memory_used(&stage) == 0);
+    // The job is still served afterwards.
+    good_epoch(&stage, "leaver", 200);
+}

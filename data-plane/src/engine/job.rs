@@ -883,7 +883,7 @@ impl JobState {
         for (waiting, _, id) in candidates {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
-            let size = plan.size_of(pos);
+            let size = plan.dataset.footprint(plan.size_of(pos));
             let empty = plan.reserved == 0;
             let fits = self.reserved + size <= capacity && plan.reserved + size <= share;
             if !(fits || waiting || empty) {
