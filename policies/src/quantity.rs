@@ -124,23 +124,40 @@ fn scale(
         .map_err(|_| QuantityError::new(kind, input, "the number is too large"))
 }
 
-/// Formats `value` with the largest IEC unit that divides it exactly.
+/// Formats `value` with the unit that writes it exactly in the fewest
+/// digits, preferring IEC on a tie: `1GiB`, `1500MB`, `1000B`... so that
+/// canonical documents stay readable.
 fn format_bytes(value: u64, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let digits = |n: u64| n.checked_ilog10().unwrap_or(0);
+    let mut best = (value, "B");
     for (unit, factor) in [
         ("TiB", 1u64 << 40),
         ("GiB", 1 << 30),
         ("MiB", 1 << 20),
         ("KiB", 1 << 10),
+        ("TB", 1_000_000_000_000),
+        ("GB", 1_000_000_000),
+        ("MB", 1_000_000),
+        ("kB", 1_000),
     ] {
-        if value >= factor && value.is_multiple_of(factor) {
-            return write!(f, "{}{unit}", value / factor);
+        if value >= factor
+            && value.is_multiple_of(factor)
+            && digits(value / factor) < digits(best.0)
+        {
+            best = (value / factor, unit);
         }
     }
-    write!(f, "{value}B")
+    write!(f, "{}{}", best.0, best.1)
 }
 
 macro_rules! quantity_type {
     ($name:ident, $kind:literal, $expecting:literal) => {
+        quantity_type!($name, $kind, $expecting, |v: u64| Ok::<_, QuantityError>(
+            $name(v)
+        ));
+    };
+    // `$number` decides what a bare YAML/JSON number means.
+    ($name:ident, $kind:literal, $expecting:literal, $number:expr) => {
         impl FromStr for $name {
             type Err = QuantityError;
             fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -163,12 +180,12 @@ macro_rules! quantity_type {
                         f.write_str($expecting)
                     }
                     fn visit_u64<E: de::Error>(self, v: u64) -> Result<$name, E> {
-                        Ok($name(v))
+                        ($number)(v).map_err(E::custom)
                     }
                     fn visit_i64<E: de::Error>(self, v: i64) -> Result<$name, E> {
-                        u64::try_from(v)
-                            .map($name)
-                            .map_err(|_| E::custom(concat!($kind, " cannot be negative")))
+                        let v = u64::try_from(v)
+                            .map_err(|_| E::custom(concat!($kind, " cannot be negative")))?;
+                        self.visit_u64(v)
                     }
                     fn visit_str<E: de::Error>(self, v: &str) -> Result<$name, E> {
                         $name::parse(v).map_err(E::custom)
@@ -274,7 +291,13 @@ impl OpsRate {
 
 impl fmt::Display for OpsRate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ops/s", self.0)
+        match self.0 {
+            v if v >= 1_000_000 && v.is_multiple_of(1_000_000) => {
+                write!(f, "{}M ops/s", v / 1_000_000)
+            }
+            v if v >= 1_000 && v.is_multiple_of(1_000) => write!(f, "{}k ops/s", v / 1_000),
+            v => write!(f, "{v} ops/s"),
+        }
     }
 }
 
@@ -282,6 +305,64 @@ quantity_type!(
     OpsRate,
     "operation rate",
     "an operation rate such as 20k ops/s"
+);
+
+/// A duration in whole milliseconds, written `100ms`, `1.5s` or `2s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Millis(pub u64);
+
+impl Millis {
+    /// Parses `100ms`, `1.5s` or `2 s`. A bare number is refused: it could
+    /// mean either unit.
+    pub fn parse(input: &str) -> Result<Self, QuantityError> {
+        let trimmed = input.trim();
+        let (number, factor) = if let Some(n) = trimmed.strip_suffix("ms") {
+            (n, 1)
+        } else if let Some(n) = trimmed.strip_suffix('s') {
+            (n, 1000)
+        } else {
+            return Err(QuantityError::new(
+                "duration",
+                input,
+                "write a unit: `ms` or `s`, for example `100ms` or `1.5s`",
+            ));
+        };
+        let units: &[(&str, u64)] = &[("", factor)];
+        scale(
+            "duration",
+            number.trim_end(),
+            units,
+            "write for example `100ms` or `1.5s`",
+        )
+        .map(Self)
+        .map_err(|e| QuantityError {
+            input: input.to_owned(),
+            reason: e.reason.replace("bytes", "milliseconds"),
+            ..e
+        })
+    }
+
+    /// Returns the duration.
+    pub fn duration(self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.0)
+    }
+}
+
+impl fmt::Display for Millis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 >= 1000 && self.0.is_multiple_of(1000) {
+            write!(f, "{}s", self.0 / 1000)
+        } else {
+            write!(f, "{}ms", self.0)
+        }
+    }
+}
+
+quantity_type!(
+    Millis,
+    "duration",
+    "a duration such as 100ms or 2s",
+    |v: u64| { Millis::parse(&v.to_string()) }
 );
 
 #[cfg(test)]
@@ -350,9 +431,45 @@ mod tests {
         );
     }
 
+    #[test]
+    fn durations() {
+        assert_eq!(Millis::parse("100ms").unwrap().0, 100);
+        assert_eq!(Millis::parse("1.5s").unwrap().0, 1500);
+        assert_eq!(Millis::parse("2 s").unwrap().0, 2000);
+        assert!(
+            Millis::parse("100")
+                .unwrap_err()
+                .to_string()
+                .contains("write a unit")
+        );
+        assert!(
+            Millis::parse("0.5ms")
+                .unwrap_err()
+                .to_string()
+                .contains("whole number of milliseconds")
+        );
+        assert_eq!(Millis(2000).to_string(), "2s");
+        assert_eq!(Millis(1500).to_string(), "1500ms");
+    }
+
+    #[test]
+    fn display_prefers_the_shortest_exact_unit() {
+        assert_eq!(ByteSize(1 << 30).to_string(), "1GiB");
+        assert_eq!(ByteSize(1_500_000_000).to_string(), "1500MB");
+        assert_eq!(ByteSize(1000).to_string(), "1kB");
+        assert_eq!(ByteSize(1024).to_string(), "1KiB");
+        assert_eq!(ByteSize(1234).to_string(), "1234B");
+        assert_eq!(ByteSize(0).to_string(), "0B");
+        assert_eq!(ByteRate(3 << 29).to_string(), "1536MiB/s");
+        assert_eq!(OpsRate(20_000).to_string(), "20k ops/s");
+        assert_eq!(OpsRate(2_000_000).to_string(), "2M ops/s");
+        assert_eq!(OpsRate(1_500).to_string(), "1500 ops/s");
+    }
+
     proptest! {
         #[test]
         fn display_round_trips(v in any::<u64>()) {
+            prop_assert_eq!(Millis::parse(&Millis(v).to_string()).unwrap(), Millis(v));
             let size = ByteSize(v);
             prop_assert_eq!(ByteSize::parse(&size.to_string()).unwrap(), size);
             let rate = ByteRate(v);
