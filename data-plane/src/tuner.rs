@@ -147,6 +147,8 @@ pub struct Tuner {
     steady: (u64, f64),
     /// Throughput gain of the last successful probe.
     last_gain: f64,
+    /// Consecutive windows with stalls although the buffer was full.
+    full_stalls: u32,
 }
 
 impl Tuner {
@@ -161,6 +163,7 @@ impl Tuner {
             settle: false,
             steady: (0, 0.0),
             last_gain: 2.0,
+            full_stalls: 0,
         }
     }
 
@@ -232,9 +235,17 @@ impl Tuner {
         if stall > STALL_HIGH {
             self.ahead_ticks = 0;
             if occupancy >= FULL {
+                // Twice in a row: a single window can hold both the stall of
+                // a new plan's first batch and the buffer filling after it.
+                self.full_stalls += 1;
+                if self.full_stalls < 2 {
+                    return None;
+                }
+                self.full_stalls = 0;
                 let buffer = self.bounds.clamp_buffer(self.buffer + self.buffer / 2);
                 return self.apply(self.readers, buffer, Reason::BufferBound);
             }
+            self.full_stalls = 0;
             let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
             let step = if self.last_gain >= LINEAR_GAIN {
                 self.readers
@@ -254,6 +265,7 @@ impl Tuner {
             }
             return None;
         }
+        self.full_stalls = 0;
         if stall < STALL_LOW && occupancy >= FULL {
             self.ahead_ticks += 1;
             if self.ahead_ticks >= AHEAD_TICKS {
@@ -412,6 +424,7 @@ mod tests {
             buffer_used: 16 * MIB,
             ..starved_window(8, 8)
         };
+        assert_eq!(t.observe(&obs), None, "one window is not enough");
         let change = t.observe(&obs).unwrap();
         assert_eq!(
             (change.reason, change.buffer),

@@ -11,18 +11,23 @@
                 ...
 
 A :class:`Client` is one connection, and the protocol on it is strictly
-request/response, so a client is **not thread-safe**: use one per thread or
-per process (PyTorch ``DataLoader`` workers each open their own; the
-:mod:`sluice.torch` adapters do that for you). Using one from two threads at
-once raises ``RuntimeError`` rather than corrupting the stream, and using one
-in a forked child raises too.
+request/response: one request is outstanding at a time. Each exchange holds
+the client's lock, so threads may share a client (their requests take turns)
+and a plan iterator's prefetch thread keeps receiving the next batches while
+the training loop computes, with ``client.read(...)`` from another thread
+slotting in between its ``NEXT`` requests. For parallel reads open one client
+per thread or process (PyTorch ``DataLoader`` workers each open their own;
+the :mod:`sluice.torch` adapters do that for you). Using a client in a forked
+child raises ``RuntimeError``: a child must open its own.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -39,6 +44,10 @@ from .errors import (
 )
 
 __all__ = ["Client", "Dataset", "FileList", "PlanIterator", "parse_address"]
+
+#: Batches a plan iterator receives ahead of the caller by default (see
+#: :meth:`Dataset.epoch`).
+DEFAULT_PREFETCH = 2
 
 #: Buffer of the socket file responses are read through. Measured with
 #: ``python -m sluice.bench receive``: 1 MiB lets 100 KiB samples be read
@@ -123,6 +132,43 @@ def _port(port, original) -> int:
     return value
 
 
+#: Clients of this process, for the fork hooks below.
+_live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_held_at_fork: list = []
+#: Socket files a forked child must never close (see Client.close).
+_fork_orphans: list = []
+#: Longest a fork waits for an exchange in progress on another thread.
+FORK_WAIT_S = 10.0
+
+
+def _before_fork() -> None:
+    # Wait until no exchange is in progress, so the child's copy of every
+    # connection is between frames: closing it there must take the socket
+    # file's internal lock, which a thread that does not exist in the child
+    # could otherwise hold forever (logging does the same for its handlers).
+    pid = os.getpid()
+    for c in list(_live_clients):
+        if c._pid == pid and not c._closed and c._lock.acquire(timeout=FORK_WAIT_S):
+            _held_at_fork.append(c)
+
+
+def _after_fork_parent() -> None:
+    while _held_at_fork:
+        _held_at_fork.pop()._lock.release()
+
+
+def _after_fork_child() -> None:
+    while _held_at_fork:
+        c = _held_at_fork.pop()
+        c._lock.release()
+        c._fork_safe = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                        after_in_child=_after_fork_child)
+
+
 class Client:
     """One connection to a sluice stage.
 
@@ -141,7 +187,9 @@ class Client:
 
     Sends ``HELLO`` on construction; the stage's answer is in
     :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
-    Not thread-safe: one client per thread or process.
+    Every request/response exchange holds the client's lock, so threads may
+    share it (their requests are serialised); a forked child must open its
+    own.
     """
 
     def __init__(
@@ -167,7 +215,14 @@ class Client:
         hello = p.encode_hello(job, self.labels, rank, world_size)
         _prime_allocator()
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        # Held for each request/response exchange (and across the few
+        # exchanges that must not be split, e.g. re-OPEN + request). An RLock
+        # so that a held section may call _call.
+        self._lock = threading.RLock()
+        # Prefetch threads of this client's plan iterators, woken on close.
+        self._prefetchers: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+        # Set in a forked child when the fork hook saw this connection idle.
+        self._fork_safe = False
         self._closed = False
         self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
         self._file = None
@@ -188,6 +243,7 @@ class Client:
         self.stage_id: str = welcome.stage_id
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
+        _live_clients.add(self)
 
     # -- public API ---------------------------------------------------------
 
@@ -198,10 +254,12 @@ class Client:
         serve it. Opening a dataset detaches the connection from any plan
         it was reading.
         """
-        opened = self._call(p.encode_open(name), p.Opened)
-        self._plan_generation += 1
-        ds = Dataset(self, name, opened)
-        self._dataset = ds
+        self._check_process()
+        with self._lock:
+            opened = self._call(p.encode_open(name), p.Opened)
+            self._plan_generation += 1
+            ds = Dataset(self, name, opened)
+            self._dataset = ds
         return ds
 
     def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> bytes:
@@ -219,19 +277,40 @@ class Client:
         return self._closed
 
     def close(self) -> None:
-        """Says ``BYE`` and closes the connection. Calling it again does nothing."""
+        """Says ``BYE`` and closes the connection. Calling it again does nothing.
+
+        Waits for an exchange in progress on another thread (a plan
+        iterator's prefetch thread finishing its ``NEXT``) first; iterators
+        of this client then end with :class:`sluice.ConnectionClosedError`
+        after the batches they already received, and their threads exit.
+        """
         if self._closed:
             return
         if os.getpid() != self._pid:
-            # A forked copy must not talk on its parent's connection.
-            self._abort()
+            # A forked copy must not talk on its parent's connection (nor
+            # shut it down: the parent still uses it). Its socket file is
+            # closed only when the fork hook saw the connection idle: else a
+            # parent thread held the file's internal lock at the fork, and
+            # the file is kept (never closed) rather than deadlock on it.
+            self._closed = True
+            if self._fork_safe:
+                self._close_socket(shutdown=False)
+            else:
+                _fork_orphans.append(self._file)
+                self._file = None
+                self._close_socket(shutdown=False)
             return
-        try:
-            self._call(p.encode_bye(), p.Goodbye)
-        except (SluiceError, OSError):
-            pass
-        finally:
-            self._abort()
+        with self._lock:
+            try:
+                if not self._closed:
+                    self._call(p.encode_bye(), p.Goodbye)
+            except (SluiceError, OSError):
+                pass
+            finally:
+                self._abort()
+        me = threading.current_thread()
+        for pf in list(self._prefetchers):
+            pf.join(timeout=10.0, unless=me)
 
     def __enter__(self) -> "Client":
         return self
@@ -245,23 +324,27 @@ class Client:
 
     # -- one request, one response -----------------------------------------
 
-    def _call(self, frame: bytes, expect: type) -> tuple:
-        """Sends one request frame and returns its answer, which must be of
-        message type ``expect``; raises the stage's ``ERROR`` as a
-        :class:`SluiceError`."""
-        if self._closed:
-            raise ConnectionClosedError("this sluice connection is closed; open a new Client", fatal=True)
+    def _check_process(self) -> None:
         if os.getpid() != self._pid:
             raise RuntimeError(
                 "this sluice.Client was opened in another process (pid "
                 f"{self._pid}); a forked process must open its own Client")
+
+    def _call(self, frame: bytes, expect: type) -> tuple:
+        """Sends one request frame and returns its answer, which must be of
+        message type ``expect``; raises the stage's ``ERROR`` as a
+        :class:`SluiceError`. Holds the client's lock for the exchange."""
+        if self._closed:
+            raise ConnectionClosedError("this sluice connection is closed; open a new Client", fatal=True)
+        # Before the lock: a thread of the parent may have held it at fork().
+        self._check_process()
         if len(frame) - 4 > getattr(self, "max_request_frame", p.MAX_REQUEST_FRAME):
             raise ValueError(f"the request is {len(frame) - 4} bytes, over the stage's limit of "
                              f"{self.max_request_frame}; send a shorter plan or name")
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this sluice.Client is in use by another thread; "
-                               "a connection is not thread-safe, open one Client per thread")
-        try:
+        with self._lock:
+            if self._closed:  # closed while this thread waited for the lock
+                raise ConnectionClosedError("this sluice connection is closed; open a new Client",
+                                            fatal=True)
             try:
                 self._sock.sendall(frame)
                 msg = p.read_response(self._file, getattr(self, "max_response_frame", p.MAX_RESPONSE_FRAME))
@@ -280,29 +363,43 @@ class Client:
                 if msg is None:
                     self._abort()
                     raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
-            except OSError as e:
+            except (OSError, ValueError) as e:
+                # ValueError: the file was closed under us (by _abort on
+                # another thread, e.g. a test's or a signal handler's).
                 self._abort()
                 raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
-        finally:
-            self._lock.release()
-        if type(msg) is expect:
-            return msg
-        if type(msg) is p.Error:
-            if msg.fatal:
-                self._abort()
-            raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
-        self._abort()
-        raise ProtocolError(f"the stage answered with {type(msg).__name__.upper()} where "
-                            f"{expect.__name__.upper()} was expected", fatal=True)
+            if type(msg) is expect:
+                return msg
+            if type(msg) is p.Error:
+                if msg.fatal:
+                    self._abort()
+                raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
+            self._abort()
+            raise ProtocolError(f"the stage answered with {type(msg).__name__.upper()} where "
+                                f"{expect.__name__.upper()} was expected", fatal=True)
 
     def _pending_error(self):
         try:
             return p.read_response(self._file)
-        except (SluiceError, OSError):
+        except (SluiceError, OSError, ValueError):
             return None
 
     def _abort(self) -> None:
+        """Marks the client closed, closes the socket and wakes the prefetch
+        threads (they report the closed connection to their iterators)."""
         self._closed = True
+        self._close_socket(shutdown=True)
+        for pf in list(getattr(self, "_prefetchers", ())):
+            pf.wake()
+
+    def _close_socket(self, shutdown: bool) -> None:
+        if shutdown and self._sock is not None:
+            # Wakes a thread blocked in a receive on this socket (only a
+            # caller that bypassed the lock can leave one).
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for obj in (self._file, self._sock):
             if obj is not None:
                 try:
@@ -417,6 +514,13 @@ class Dataset:
 
     def _call(self, frame: bytes, expect: type) -> tuple:
         c = self.client
+        c._check_process()
+        with c._lock:  # re-OPEN and the request are not split by another thread
+            self._reopen_if_needed()
+            return c._call(frame, expect)
+
+    def _reopen_if_needed(self) -> None:
+        c = self.client
         if c._dataset is not self:
             opened = c._call(p.encode_open(self.name), p.Opened)
             c._plan_generation += 1
@@ -426,12 +530,11 @@ class Dataset:
                     p.ErrorCode.BAD_PLAN,
                     f"dataset {self.name!r} changed on the stage since it was opened "
                     f"({self.file_count} -> {opened.file_count} files); open it again")
-        return c._call(frame, expect)
 
     # -- plans --------------------------------------------------------------
 
     def epoch(self, epoch: int, seed: int = 0, shuffle: bool = True, batch: int = 32,
-              on_error: str = "raise") -> "PlanIterator":
+              on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits this rank's ``SHUFFLE`` plan for ``epoch`` and returns an
         iterator of ``(name, data)`` in plan order.
 
@@ -445,23 +548,32 @@ class Dataset:
         ``on_error``: ``"raise"`` raises a sample's :class:`SluiceError` from
         ``next()`` (iterating on continues with the next sample);
         ``"yield"`` yields ``(name, SluiceError)`` in its place.
+
+        ``prefetch``: how many batches a background thread receives ahead of
+        the caller (default 2). From the first ``next()`` on, that thread
+        sends the ``NEXT`` requests and receives and parses the answers while
+        the training loop computes, so the loop does not spend its own time
+        receiving data the stage already holds. ``0`` receives each batch in
+        the caller's ``next()`` (no thread). Errors reach the caller in plan
+        order either way. Close the iterator (:meth:`PlanIterator.close`, a
+        ``with`` block, or dropping it) to stop the thread early.
         """
         frame = p.encode_plan_shuffle(epoch, seed, shuffle, self.file_count, self.digest)
-        return self._submit(frame, epoch, batch, on_error)
+        return self._submit(frame, epoch, batch, on_error, prefetch)
 
     def plan_indices(self, indices: Sequence[int], epoch: int, batch: int = 32,
-                     on_error: str = "raise") -> "PlanIterator":
+                     on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits an explicit plan of file indices (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
-        See :meth:`epoch` for ``batch`` and ``on_error``."""
-        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error)
+        See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
+        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error, prefetch)
 
     def plan_names(self, names: Sequence[str], epoch: int, batch: int = 32,
-                   on_error: str = "raise") -> "PlanIterator":
+                   on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits an explicit plan of file names (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
-        See :meth:`epoch` for ``batch`` and ``on_error``."""
-        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error)
+        See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
+        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error, prefetch)
 
     def local_order(self, epoch: int, seed: int = 0, shuffle: bool = True) -> List[int]:
         """Returns the file indices :meth:`epoch` delivers for this client's
@@ -469,14 +581,22 @@ class Dataset:
         c = self.client
         return _plan.shuffle_plan(self.file_count, seed, epoch, shuffle, c.rank, c.world_size)
 
-    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str) -> "PlanIterator":
+    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str, prefetch: int) -> "PlanIterator":
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(batch, int) or not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
             raise ValueError(f"batch must be an integer in 1..{p.MAX_SAMPLES_PER_NEXT}, got {batch!r}")
-        planned = self._call(frame, p.Planned)
-        self.client._plan_generation += 1
-        return PlanIterator(self, epoch, planned, batch, on_error == "yield")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
+        c = self.client
+        c._check_process()
+        # PLAN and the new generation are one step: a prefetch thread of an
+        # older iterator must never send NEXT for this plan.
+        with c._lock:
+            self._reopen_if_needed()
+            planned = c._call(frame, p.Planned)
+            c._plan_generation += 1
+            return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch)
 
     # -- random access -------------------------------------------------------
 
@@ -529,20 +649,33 @@ class PlanIterator:
     complete). When other connections share the plan, this iterator yields
     only the entries it claimed. Submitting another plan or opening another
     dataset on the same client ends this iterator with an error.
+
+    With ``prefetch`` > 0 a background thread (started by the first
+    ``next()``) keeps up to ``prefetch`` batches received ahead. A failure of
+    a ``NEXT`` exchange (a stage error, a lost connection, a superseded plan)
+    is raised by ``next()`` after the batches received before it, and again
+    by every later ``next()``. :meth:`close` (or leaving a ``with`` block, or
+    dropping the iterator) stops the thread once its exchange in progress is
+    done; the client stays usable. Batches received but not consumed are
+    dropped, as are those of a synchronous iterator left half-read.
     """
 
-    def __init__(self, dataset: Dataset, epoch: int, planned: p.Planned, batch: int, yield_errors: bool):
+    def __init__(self, dataset: Dataset, epoch: int, planned: p.Planned, batch: int, yield_errors: bool,
+                 prefetch: int = 0):
         self.dataset = dataset
         self.epoch = epoch
         self.length: int = planned.length
         self.state = p.PlanState(planned.state) if planned.state in (0, 1, 2) else planned.state
         self.delivered = 0
+        self.prefetch = prefetch
         self._batch = batch
         self._yield_errors = yield_errors
         self._generation = dataset.client._plan_generation
         self._pending: List[p.Sample] = []
         self._next_pending = 0
         self._end = False
+        self._failure: Optional[BaseException] = None
+        self._prefetcher: Optional[_Prefetcher] = None
 
     def __iter__(self) -> "PlanIterator":
         return self
@@ -575,20 +708,197 @@ class PlanIterator:
                 return
             self._fill()
 
+    def close(self) -> None:
+        """Stops iterating: later ``next()`` calls raise ``StopIteration``.
+
+        With prefetching, stops the thread and waits for its exchange in
+        progress (one ``NEXT``) to finish, so the client can be used at once.
+        The entries it claimed but the caller did not take are not delivered
+        again. Calling it again does nothing.
+        """
+        self._end = True
+        self._pending = []
+        self._next_pending = 0
+        pf = self._prefetcher
+        if pf is not None and os.getpid() == self.dataset.client._pid:
+            pf.stop()
+            pf.join(unless=threading.current_thread())
+
+    def __enter__(self) -> "PlanIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Abandoned (break out of a for loop, garbage collected): let the
+        # prefetch thread go. It holds no reference to this iterator.
+        pf = getattr(self, "_prefetcher", None)
+        if pf is not None:
+            try:
+                if os.getpid() == pf.pid:
+                    pf.stop()
+            except Exception:  # interpreter shutdown
+                pass
+
     def _fill(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         client = self.dataset.client
-        if client._plan_generation != self._generation or client._dataset is not self.dataset:
-            raise RuntimeError(
-                "this plan iterator was superseded: another plan was submitted or another dataset "
-                "opened on the same sluice.Client; use one Client per concurrent iterator")
-        got = client._call(p.encode_next(self._batch), p.Samples)
+        if self.prefetch <= 0:
+            got = self._exchange()
+        else:
+            client._check_process()
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(self._exchange_fn(), self.prefetch, client)
+            try:
+                got = self._prefetcher.take()
+            except BaseException as e:
+                self._failure = e
+                raise
+            if got is None:  # stopped
+                self._end = True
+                self._pending = []
+                self._next_pending = 0
+                return
         self._pending = got.samples
         self._next_pending = 0
         self._end = got.end
-        if not got.samples and not got.end:
-            raise ProtocolError("the stage answered NEXT with no samples and without the end flag",
-                                fatal=False)
+
+    def _exchange_fn(self):
+        """Returns a callable doing one NEXT exchange that holds no
+        reference to this iterator (the prefetch thread runs it)."""
+        client = self.dataset.client
+        dataset = self.dataset
+        generation = self._generation
+        frame = p.encode_next(self._batch)
+
+        def exchange() -> p.Samples:
+            return _next_exchange(client, dataset, generation, frame)
+
+        return exchange
+
+    def _exchange(self) -> p.Samples:
+        return _next_exchange(self.dataset.client, self.dataset, self._generation, p.encode_next(self._batch))
 
     def __repr__(self) -> str:
+        mode = f"prefetch={self.prefetch}" if self.prefetch else "synchronous"
         return (f"<sluice.PlanIterator dataset={self.dataset.name!r} epoch={self.epoch} "
-                f"length={self.length} delivered={self.delivered}>")
+                f"length={self.length} delivered={self.delivered} {mode}>")
+
+
+def _next_exchange(client: Client, dataset: Dataset, generation: int, frame: bytes) -> p.Samples:
+    """One ``NEXT`` for the plan of ``generation``: the check that the plan
+    is still the connection's and the request are one locked step."""
+    client._check_process()
+    with client._lock:
+        if client._plan_generation != generation or client._dataset is not dataset:
+            raise RuntimeError(
+                "this plan iterator was superseded: another plan was submitted or another dataset "
+                "opened on the same sluice.Client; use one Client per concurrent iterator")
+        got = client._call(frame, p.Samples)
+    if not got.samples and not got.end:
+        raise ProtocolError("the stage answered NEXT with no samples and without the end flag",
+                            fatal=False)
+    return got
+
+
+class _Failed:
+    """A queue entry: the exchange failed with ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Prefetcher:
+    """The background thread of a prefetching :class:`PlanIterator`.
+
+    Runs ``exchange()`` (one ``NEXT``) whenever fewer than ``depth`` answers
+    are waiting, and queues each answer (or the exception that ended it) for
+    :meth:`take`. Ends after the plan's last batch, the first failure, or
+    :meth:`stop`. It never holds its condition while talking to the stage,
+    and holds no reference to the iterator, so an abandoned iterator is
+    collected and its ``__del__`` stops the thread.
+    """
+
+    def __init__(self, exchange, depth: int, client: Client) -> None:
+        self._exchange = exchange
+        self._depth = depth
+        self._client = client  # for client._closed only
+        self.pid = os.getpid()
+        # Reentrant: a garbage collection on the holding thread may run an
+        # iterator's __del__, which calls stop().
+        self._cond = threading.Condition(threading.RLock())
+        self._items: collections.deque = collections.deque()
+        self._stopped = False
+        self._done = False
+        client._prefetchers.add(self)
+        self.thread = threading.Thread(target=self._run, name="sluice-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cond, items = self._cond, self._items
+        try:
+            while True:
+                with cond:
+                    while (not self._stopped and len(items) >= self._depth
+                           and not self._client._closed):
+                        cond.wait()
+                    if self._stopped:
+                        return
+                try:
+                    got = self._exchange()
+                except BaseException as e:  # delivered to the consumer, in order
+                    self._put(_Failed(e))
+                    return
+                self._put(got)
+                if got.end:
+                    return
+        finally:
+            with cond:
+                self._done = True
+                cond.notify_all()
+            self._exchange = None  # drop the client/dataset references early
+
+    def _put(self, item) -> None:
+        with self._cond:
+            if not self._stopped:
+                self._items.append(item)
+                self._cond.notify_all()
+
+    def take(self) -> Optional[p.Samples]:
+        """Returns the next answer (waiting for it), raises the failure that
+        ended the thread, or returns None once stopped."""
+        with self._cond:
+            while not self._items:
+                if self._stopped:
+                    return None
+                if self._done:
+                    raise RuntimeError("the sluice prefetch thread ended without an answer")
+                self._cond.wait()
+            item = self._items.popleft()
+            self._cond.notify_all()
+        if type(item) is _Failed:
+            raise item.error
+        return item
+
+    def wake(self) -> None:
+        """Lets a thread waiting for room re-check the client (closed)."""
+        if os.getpid() != self.pid:
+            return
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Asks the thread to end (after its exchange in progress) and drops
+        the queued answers."""
+        with self._cond:
+            self._stopped = True
+            self._items.clear()
+            self._cond.notify_all()
+
+    def join(self, timeout: Optional[float] = None, unless: Optional[threading.Thread] = None) -> None:
+        if self.thread is not unless and os.getpid() == self.pid:
+            self.thread.join(timeout)

@@ -53,7 +53,7 @@ import torch.distributed as _dist
 import torch.utils.data as _data
 
 from . import plan as _plan
-from .client import Client, Dataset
+from .client import DEFAULT_PREFETCH, Client, Dataset
 from .errors import ErrorCode, SluiceError, error_from_code
 from .protocol import PlanState
 
@@ -223,7 +223,9 @@ class SluiceSampler(_data.Sampler):
         # Keeping the iterator keeps this connection attached to the plan, so
         # the stage keeps its buffer until the epoch is read or a new plan
         # replaces it.
-        self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle)
+        # prefetch=0: this iterator is never read (the workers' READs deliver
+        # the entries); a prefetch thread would claim them with NEXT.
+        self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, prefetch=0)
         self.plan_state = self._plan.state
         order = _plan.shuffle_plan(self.dataset.file_count, self.seed, self.epoch, self.shuffle,
                                    self.rank, self.world_size)
@@ -257,6 +259,9 @@ class SluiceIterableDataset(_data.IterableDataset):
         batch: samples asked for per ``NEXT`` round trip.
         on_error: ``"raise"`` (a failed sample raises in the worker) or
             ``"yield"`` (it is yielded as ``(name, SluiceError)``).
+        prefetch: batches a background thread of each iterating process
+            receives ahead (see :meth:`sluice.Dataset.epoch`); 0 receives
+            them in ``next()``.
 
     Call :meth:`set_epoch` before each epoch; iterating an epoch that was
     already read in full yields nothing in workers and raises in the main
@@ -267,9 +272,12 @@ class SluiceIterableDataset(_data.IterableDataset):
                  rank: Optional[int] = None, world_size: Optional[int] = None, batch: int = 32,
                  transform: Optional[Callable[[bytes], object]] = None,
                  labels: Optional[Mapping[str, str]] = None, on_error: str = "raise",
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, prefetch: int = DEFAULT_PREFETCH) -> None:
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
+        self.prefetch = prefetch
         self.address = address
         self.dataset = dataset
         self.job = job
@@ -296,16 +304,19 @@ class SluiceIterableDataset(_data.IterableDataset):
     def __iter__(self) -> Iterator[tuple]:
         ds = self._conn.get()
         it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
-                      on_error=self.on_error)
+                      on_error=self.on_error, prefetch=self.prefetch)
         if it.state == PlanState.COMPLETE and _data.get_worker_info() is None:
             raise RuntimeError(
                 f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
                 "call set_epoch(epoch) with a new epoch before iterating again")
         transform = self.transform
-        for name, data in it:
-            if transform is not None and not isinstance(data, SluiceError):
-                data = transform(data)
-            yield name, data
+        # The iterator's prefetch thread stops when this generator is closed
+        # (the DataLoader drops it, or the loop breaks).
+        with it:
+            for name, data in it:
+                if transform is not None and not isinstance(data, SluiceError):
+                    data = transform(data)
+                yield name, data
 
     def close(self) -> None:
         """Closes this process's connection (it reopens on next use)."""

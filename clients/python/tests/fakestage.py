@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 from sluice import plan as splan
 from sluice import protocol as p
@@ -40,15 +41,20 @@ class FakeStage:
     """Serves ``datasets`` (name -> directory) on ``path`` until closed.
 
     ``script`` optionally maps a request type to a callable returning raw
-    bytes to send instead of the normal answer (to test bad responses), or
-    ``(bytes, True)`` to close the connection after sending them.
+    bytes to send instead of the normal answer (to test bad responses),
+    ``(bytes, True)`` to close the connection after sending them, or None to
+    answer normally. ``next_delay`` seconds pass before each ``NEXT`` answer.
+    ``requests`` records the type of every request received, in order.
     """
 
-    def __init__(self, path, datasets, max_response_frame=p.MAX_RESPONSE_FRAME, script=None):
+    def __init__(self, path, datasets, max_response_frame=p.MAX_RESPONSE_FRAME, script=None,
+                 next_delay=0.0):
         self.path = path
         self.datasets = datasets
         self.max_response_frame = max_response_frame
         self.script = script or {}
+        self.next_delay = next_delay
+        self.requests = []
         self.plans = {}  # (job, rank, epoch) -> dict
         self.lock = threading.Lock()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -81,13 +87,17 @@ class FakeStage:
                     conn.sendall(p.encode_error(2, "frame too large", True))
                     return
                 payload = f.read(length - 1)
+                self.requests.append(t)
                 if t in self.script:
                     out = self.script[t]()
-                    close = isinstance(out, tuple)
-                    conn.sendall(out[0] if close else out)
-                    if close:
-                        return
-                    continue
+                    if out is not None:
+                        close = isinstance(out, tuple)
+                        conn.sendall(out[0] if close else out)
+                        if close:
+                            return
+                        continue
+                if t == p.MsgType.NEXT and self.next_delay:
+                    time.sleep(self.next_delay)
                 try:
                     msg = p.decode_request(t, payload)
                 except p.FrameError as e:

@@ -4,6 +4,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -165,17 +166,29 @@ def test_timeout_closes_the_client(tmp_path):
         srv.close()
 
 
-def test_client_refuses_threads_and_forks(fake):
+def test_threads_take_turns_and_forks_are_refused(fake):
     c = sluice.Client(fake.path, job="j")
-    c._lock.acquire()
-    try:
-        with pytest.raises(RuntimeError, match="thread"):
-            c.dataset("d")
-    finally:
-        c._lock.release()
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with c._lock:
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.monotonic()
+    ds = c.dataset("d")  # waits for the other thread's exchange, then goes on
+    assert time.monotonic() - t0 >= 0.25 and ds.file_count > 0
+    t.join()
     c._pid = -1  # as if we were a forked child
     with pytest.raises(RuntimeError, match="another process"):
         c.dataset("d")
+    with pytest.raises(RuntimeError, match="another process"):
+        ds.read(ds.files[0][0])
     c.close()  # a forked copy closes without speaking
     assert c.closed
 

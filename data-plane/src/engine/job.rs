@@ -79,7 +79,10 @@ struct JobState {
 struct Work {
     plan: u64,
     pos: u32,
+    /// Buffer bytes reserved for the result.
     size: u64,
+    /// The file's listed size: what the limiter charges.
+    file_bytes: u64,
     name: String,
     dataset: Arc<Dataset>,
     metrics: DatasetMetrics,
@@ -241,7 +244,21 @@ impl Job {
             memory,
             metrics,
         });
-        info!(job = %id, readers = job.lock().readers_target, "job started");
+        {
+            let st = job.lock();
+            let labels = [id];
+            job.metrics.buffer_used.with_label_values(&labels).set(0);
+            job.metrics
+                .buffer_capacity
+                .with_label_values(&labels)
+                .set(st.effective_capacity(&job.memory) as i64);
+            job.metrics
+                .reader_threads
+                .with_label_values(&labels)
+                .set(i64::from(st.readers_target));
+            job.metrics.readers_active.with_label_values(&labels).set(0);
+            info!(job = %id, readers = st.readers_target, "job started");
+        }
         job
     }
 
@@ -355,7 +372,7 @@ impl Job {
     /// Reads one committed entry and hands the result to its plan.
     fn fetch(&self, work: Work) {
         self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
-        self.throttle(work.size);
+        self.throttle(work.file_bytes);
         let start = Instant::now();
         let data = work.dataset.read_whole(&work.name);
         self.count_read(&work.metrics, start.elapsed(), &data);
@@ -883,7 +900,8 @@ impl JobState {
         for (waiting, _, id) in candidates {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
-            let size = plan.dataset.footprint(plan.size_of(pos));
+            let file_bytes = plan.size_of(pos);
+            let size = plan.dataset.footprint(file_bytes);
             let empty = plan.reserved == 0;
             let fits = self.reserved + size <= capacity && plan.reserved + size <= share;
             if !(fits || waiting || empty) {
@@ -908,6 +926,7 @@ impl JobState {
                 plan: id,
                 pos,
                 size,
+                file_bytes,
                 name,
                 dataset,
                 metrics: m,

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner} ...``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 _SUBCOMMANDS = {
     "prefetch": "training-loop throughput, cold cache: naive, threadpool, torch, sluice, fio",
     "receive": "micro benchmark of the client's receive path",
+    "limiter": "does the stage's rate and ops limiter hold its target (cold, no compute)",
+    "tuner": "fixed reader counts vs the auto-tuner from 1 reader, then a compute-bound phase",
 }
 
 
@@ -22,6 +24,10 @@ def main(argv=None) -> int:
         return 0
     if argv[0] == "prefetch":
         from .prefetch import main as run
+    elif argv[0] == "limiter":
+        from .limiter import main as run
+    elif argv[0] == "tuner":
+        from .tuner import main as run
     else:
         from .receive import main as run
     return run(argv[1:])

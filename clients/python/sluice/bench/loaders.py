@@ -13,14 +13,13 @@ import collections
 import concurrent.futures
 import itertools
 import resource
-import tempfile
 import time
 from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 from .. import plan as splan
-from ..client import Client
+from ..client import DEFAULT_PREFETCH
+from .common import stage_session
 from .dataset import BenchDataset
-from .stage import StageProcess
 
 __all__ = ["LoopResult", "train_loop", "run_naive", "run_threadpool", "run_torch", "run_sluice"]
 
@@ -187,34 +186,22 @@ class SluiceRun(NamedTuple):
 
 
 def run_sluice(ds: BenchDataset, batch: int, epochs: int, compute_s: float, seed: int, binary: str,
-               stage_memory: str, stage_args: Sequence[str]) -> SluiceRun:
-    """Starts a stage serving the data set and reads each epoch's plan through it."""
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        stage = StageProcess.start(binary, f"{tmp}/stage.sock", {"bench": ds.root},
-                                   ["--memory-budget", stage_memory, *stage_args],
-                                   stderr_path=f"{tmp}/stage.stderr")
-        try:
-            client = Client(stage.socket, job="bench")
-            dataset = client.dataset("bench")
-            if dataset.file_count != ds.files:
-                raise RuntimeError(f"the stage lists {dataset.file_count} files in {ds.root}, "
-                                   f"the data set has {ds.files}")
+               stage_memory: str, stage_args: Sequence[str], prefetch: int = DEFAULT_PREFETCH) -> SluiceRun:
+    """Starts a stage serving the data set and reads each epoch's plan through it
+    (``prefetch`` batches received ahead by the client's thread; 0: none)."""
+    with stage_session(binary, ds, stage_memory, stage_args) as s:
+        stage, dataset = s.stage, s.dataset
 
-            def batches(epoch: int) -> Batches:
-                it = dataset.epoch(epoch, seed=seed, batch=batch)
+        def batches(epoch: int) -> Batches:
+            with dataset.epoch(epoch, seed=seed, batch=batch, prefetch=prefetch) as it:
                 while True:
                     out = [data for _name, data in itertools.islice(it, batch)]
                     if not out:
                         return
                     yield out
 
-            stage_cpu0 = stage.cpu_seconds()
-            result = train_loop(batches, epochs, compute_s, extra_cpu=stage.cpu_seconds)
-            peak = stage.peak_rss_bytes()
-            stage_cpu = stage.cpu_seconds() - stage_cpu0
-            client.close()
-        finally:
-            code = stage.stop()
-        if code != 0:
-            raise RuntimeError(f"sluice-stage exited with status {code} on SIGTERM\n{stage.stderr_tail()}")
-        return SluiceRun(result, peak, stage_cpu)
+        stage_cpu0 = stage.cpu_seconds()
+        result = train_loop(batches, epochs, compute_s, extra_cpu=stage.cpu_seconds)
+        peak = stage.peak_rss_bytes()
+        stage_cpu = stage.cpu_seconds() - stage_cpu0
+    return SluiceRun(result, peak, stage_cpu)

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import List, Optional
 
 from . import loaders
-from .dataset import evict, prepare
+from .common import add_dataset_args, add_stage_args, load_dataset, log
+from .dataset import evict
 from .fio import fio_available, run_fio
 from .stage import StageStartError, find_stage_binary
-from .units import format_bytes, parse_bytes
+from .units import format_bytes
 
 ALL_LOADERS = ("naive", "threadpool", "torch", "sluice", "fio")
 THREADS = (4, 8, 16, 32)
@@ -38,13 +37,7 @@ FIO_DEPTHS = (1, 16, 64)
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sluice.bench prefetch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", type=int, default=5000, help="number of files (default 5000)")
-    ap.add_argument("--size", default="100KiB", help="mean file size, e.g. 100KiB, 2.7MB (default 100KiB)")
-    ap.add_argument("--size-stdev", default="0", help="standard deviation of file sizes (default 0)")
-    ap.add_argument("--dir", default=None,
-                    help="where the data set lives (default bench-out/<files>x<size>[-sd<stdev>])")
-    ap.add_argument("--seed", type=int, default=0, help="shuffle seed of every epoch's order (default 0)")
-    ap.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
+    add_dataset_args(ap, files=5000)
     ap.add_argument("--compute-ms", default="0",
                     help="emulated compute per batch in ms, or 'auto' (half of sluice's no-compute rate)")
     ap.add_argument("--epochs", type=int, default=1, help="epochs per loader run (default 1)")
@@ -54,17 +47,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="thread counts of the threadpool loader (default 4,8,16,32)")
     ap.add_argument("--torch-workers", default=",".join(map(str, TORCH_WORKERS)),
                     help="num_workers values of the torch loader (default 1,2,4)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage (default target/release)")
-    ap.add_argument("--stage-memory", default="1GiB", help="the stage's --memory-budget (default 1GiB)")
-    ap.add_argument("--stage-arg", action="append", default=[],
-                    help="extra argument for sluice-stage (repeatable), e.g. --stage-arg=--readers=8")
     ap.add_argument("--fio-runtime", type=int, default=60, help="cap on each fio run in seconds (default 60)")
-    ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of all results")
+    add_stage_args(ap)
     return ap
 
 
-def _log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
+_log = log
 
 
 class Bench:
@@ -110,9 +98,10 @@ class Bench:
             return [{"loader": "sluice", "skipped": self.binary_error}]
         self._cold()
         run = loaders.run_sluice(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed,
-                                 self.binary, self.args.stage_memory, self.args.stage_arg)
-        return [{"loader": "sluice", **run.result.as_dict(), "peak_rss_bytes": run.peak_rss_bytes,
-                 "stage_cpu_s": run.stage_cpu_s}]
+                                 self.binary, self.args.stage_memory, self.args.stage_arg,
+                                 self.args.prefetch)
+        return [{"loader": "sluice", "prefetch": self.args.prefetch, **run.result.as_dict(),
+                 "peak_rss_bytes": run.peak_rss_bytes, "stage_cpu_s": run.stage_cpu_s}]
 
     def fio(self, compute_s: float) -> List[dict]:
         if not fio_available():
@@ -147,7 +136,8 @@ def _mark_best(results: List[dict]) -> List[dict]:
 
 
 def _variant(r: dict) -> str:
-    for key, label in (("threads", "threads"), ("workers", "workers"), ("iodepth", "qd")):
+    for key, label in (("threads", "threads"), ("workers", "workers"), ("iodepth", "qd"),
+                       ("prefetch", "prefetch")):
         if key in r:
             return f"{label}={r[key]}"
     return ""
@@ -174,27 +164,18 @@ def format_table(results: List[dict]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        size = parse_bytes(args.size)
-        stdev = parse_bytes(args.size_stdev)
-        parse_bytes(args.stage_memory)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
     selected = [x.strip() for x in args.loaders.split(",") if x.strip()]
     unknown = set(selected) - set(ALL_LOADERS)
     if unknown:
         raise SystemExit(f"error: unknown loader(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_LOADERS)}")
-    if args.batch < 1 or args.epochs < 1:
-        raise SystemExit("error: --batch and --epochs must be >= 1")
+    if args.epochs < 1:
+        raise SystemExit("error: --epochs must be >= 1")
     auto = args.compute_ms.strip().lower() == "auto"
     if not auto:
         try:
             compute_ms = float(args.compute_ms)
         except ValueError:
             raise SystemExit(f"error: --compute-ms must be a number of milliseconds or 'auto', got {args.compute_ms!r}") from None
-    if args.dir is None:
-        suffix = f"-sd{format_bytes(stdev)}" if stdev else ""
-        args.dir = os.path.join("bench-out", f"{args.files}x{format_bytes(size)}{suffix}")
 
     binary, binary_error = None, None
     if "sluice" in selected or auto:
@@ -205,7 +186,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if auto:
                 raise SystemExit(f"error: --compute-ms auto measures sluice first: {e}") from None
 
-    ds = prepare(args.dir, args.files, size, stdev, log=_log)
+    ds = load_dataset(args)
+    size, stdev = ds.size, ds.size_stdev
     bench = Bench(args, ds, binary, binary_error)
     calibration = None
     if auto:
