@@ -261,3 +261,21 @@ def test_tuner_wiring_on_a_tiny_set(tmp_path):
     assert "time_to_90pct_s" in doc["tuning"] and doc["compute_bound"]["compute_ms"] > 0
     assert trace.read_text().startswith("t,phase,readers,buffer_bytes,samples_per_s")
     assert "phase b" in out
+
+
+def test_median_of_rounds_keeps_each_loaders_median_run():
+    from sluice.bench.prefetch import median_of_rounds
+
+    runs = [
+        {"loader": "naive", "samples_per_s": 10.0},
+        {"loader": "threadpool", "threads": 4, "samples_per_s": 40.0},
+        {"loader": "naive", "samples_per_s": 30.0},
+        {"loader": "threadpool", "threads": 4, "samples_per_s": 20.0},
+        {"loader": "naive", "samples_per_s": 20.0},
+        {"loader": "threadpool", "threads": 4, "samples_per_s": 30.0},
+        {"loader": "torch", "skipped": "torch does not import"},
+    ]
+    out = median_of_rounds(runs)
+    assert [(r["loader"], r.get("samples_per_s")) for r in out] == [
+        ("naive", 20.0), ("threadpool", 30.0), ("torch", None)]
+    assert out[0]["runs"] == [10.0, 30.0, 20.0]

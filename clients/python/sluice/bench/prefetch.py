@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compute-ms", default="0",
                     help="emulated compute per batch in ms, or 'auto' (half of sluice's no-compute rate)")
     ap.add_argument("--epochs", type=int, default=1, help="epochs per loader run (default 1)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of every loader, run in turn; each loader's median run is reported (default 1)")
     ap.add_argument("--loaders", default=",".join(ALL_LOADERS),
                     help=f"comma-separated subset of {','.join(ALL_LOADERS)} (default all)")
     ap.add_argument("--threads", default=",".join(map(str, THREADS)),
@@ -126,6 +128,27 @@ def _ints(text: str) -> List[int]:
     return values
 
 
+def median_of_rounds(runs: List[dict]) -> List[dict]:
+    """Folds repeated runs of each (loader, variant) into its median run.
+
+    Rounds run every loader in turn, so slow and fast periods of shared
+    storage fall on all loaders alike; the median of each is reported, with
+    every run's samples/s kept in ``runs``."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["loader"], _variant(r)), []).append(r)
+    results = []
+    for group in groups.values():
+        ran = sorted((r for r in group if "skipped" not in r), key=lambda r: r["samples_per_s"])
+        if not ran:
+            results.append(group[0])
+            continue
+        median = dict(ran[(len(ran) - 1) // 2])
+        median["runs"] = [round(r["samples_per_s"], 1) for r in group if "skipped" not in r]
+        results.append(median)
+    return results
+
+
 def _mark_best(results: List[dict]) -> List[dict]:
     ran = [r for r in results if "skipped" not in r]
     if ran:
@@ -170,6 +193,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"error: unknown loader(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_LOADERS)}")
     if args.epochs < 1:
         raise SystemExit("error: --epochs must be >= 1")
+    if args.repeat < 1:
+        raise SystemExit("error: --repeat must be >= 1")
     auto = args.compute_ms.strip().lower() == "auto"
     if not auto:
         try:
@@ -197,16 +222,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         compute_ms = args.batch / (rate / 2) * 1000.0
         _log(f"sluice reads {rate:.0f} samples/s without compute; compute per batch set to {compute_ms:.2f} ms")
 
-    results: List[dict] = []
-    for name in ALL_LOADERS:
-        if name not in selected:
-            continue
-        _log(f"running {name} ...")
-        for r in getattr(bench, name)(compute_ms / 1000.0):
-            r.setdefault("compute_ms", compute_ms if name != "fio" else 0.0)
-            results.append(r)
-            if "skipped" not in r:
-                _log(f"  {name} {_variant(r)}: {r['samples_per_s']:.0f} samples/s, {r['mib_per_s']:.1f} MiB/s")
+    runs: List[dict] = []
+    for round_ in range(args.repeat):
+        for name in ALL_LOADERS:
+            if name not in selected:
+                continue
+            _log(f"running {name} (round {round_ + 1} of {args.repeat}) ...")
+            for r in getattr(bench, name)(compute_ms / 1000.0):
+                r.setdefault("compute_ms", compute_ms if name != "fio" else 0.0)
+                runs.append(r)
+                if "skipped" not in r:
+                    _log(f"  {name} {_variant(r)}: {r['samples_per_s']:.0f} samples/s, {r['mib_per_s']:.1f} MiB/s")
+    results = median_of_rounds(runs)
+    for name in ("threadpool", "torch", "fio"):
+        _mark_best([r for r in results if r["loader"] == name])
 
     print(f"data set: {ds.files} files of {format_bytes(size)}"
           f"{f' (stdev {format_bytes(stdev)})' if stdev else ''}, {format_bytes(ds.total_bytes)} in {ds.root}; "
