@@ -58,7 +58,7 @@ pub struct Args {
     /// Most readers the tuner may use per job [default: 64].
     #[arg(long, env = "SLUICE_MAX_READERS")]
     pub max_readers: Option<u32>,
-    /// Readers a new job starts with [default: 4].
+    /// Readers a new job starts with [default: 16].
     #[arg(long, env = "SLUICE_INITIAL_READERS")]
     pub initial_readers: Option<u32>,
     /// Smallest buffer the tuner may give a job [default: 4MiB].
@@ -236,7 +236,7 @@ impl StageConfig {
         let initial_readers = fixed
             .or(args.initial_readers)
             .or(file.readers.initial)
-            .unwrap_or(4.clamp(min_readers, max_readers));
+            .unwrap_or(16.clamp(min_readers, max_readers));
         if !(min_readers..=max_readers).contains(&initial_readers) {
             return err(format!(
                 "initial readers {initial_readers} is outside the bounds {min_readers}..{max_readers}"

@@ -26,7 +26,7 @@
 use std::time::Duration;
 
 /// How often the tuner looks.
-pub const TICK: Duration = Duration::from_millis(200);
+pub const TICK: Duration = Duration::from_millis(100);
 /// Stall fraction above which consumers are considered starved.
 const STALL_HIGH: f64 = 0.05;
 /// Stall fraction below which consumers are considered fed.
@@ -34,9 +34,9 @@ const STALL_LOW: f64 = 0.01;
 /// Buffer occupancy regarded as full.
 const FULL: f64 = 0.75;
 /// Ticks the "ahead" state must hold before shrinking.
-const AHEAD_TICKS: u32 = 5;
+const AHEAD_TICKS: u32 = 10;
 /// Ticks an unfruitful reader count stays the ceiling.
-const CEILING_TICKS: u32 = 10;
+const CEILING_TICKS: u32 = 20;
 /// Windows a probe is measured over (after its settle window): one window
 /// is too noisy on shared storage to condemn a reader count.
 const PROBE_WINDOWS: u32 = 2;
@@ -357,7 +357,7 @@ mod tests {
     fn grows_from_one_reader_to_the_device_limit_and_stops() {
         let mut t = Tuner::new(bounds(), 1, 64 * MIB);
         let trace = run(&mut t, |r| starved_window(r, 16), 40);
-        // Within 5 s (25 ticks) it is at 90% of the best count and stays.
+        // Within 25 ticks (2.5 s) it is at 90% of the best count and stays.
         assert!(trace[24] >= 15, "{trace:?}");
         assert!(
             trace[24..].iter().all(|&r| (15..=24).contains(&r)),
