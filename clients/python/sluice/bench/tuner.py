@@ -12,7 +12,7 @@ b. **tuning**: a stage with ``--initial-readers 1`` (tuner on) serves epochs
    ``sluice_stage_delivered_samples_total``); the result is the time from
    the plan's submission until the consumer's rolling 0.5 s throughput first
    reaches 90% of the best fixed rate (target: 5 s; the tuner ticks every
-   200 ms).
+   100 ms).
 c. **compute-bound**: the same stage then serves another epoch to a loop
    that computes ``--compute-ms`` per batch (default: what makes the loop
    need ``--compute-fraction`` = 1/4 of the best rate); the tuner should
