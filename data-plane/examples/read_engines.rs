@@ -1,12 +1,13 @@
 //! Compares ways of reading many small whole files from a cold page cache:
-//! a pool of threads doing blocking reads (what the stage uses) against one
-//! thread driving io_uring (open, read, close chained per file).
+//! a pool of threads doing blocking reads, buffered or `O_DIRECT` (what the
+//! stage uses), against one thread driving io_uring, either for open, read
+//! and close chained per file or for the reads only.
 //!
 //! ```text
 //! cargo run --release -p sluice-stage --example read_engines -- DIR [FILES]
 //! ```
 //!
-//! Environment: `ENGINES=threads,direct,io_uring` (which to run), `COUNTS=1,4,16`
+//! Environment: `ENGINES=threads,direct,io_uring,uring_reads` (which to run), `COUNTS=1,4,16`
 //! (threads or queue depths), `SHUFFLE=1` (read in a pseudo-random order, as
 //! an epoch plan does, instead of sorted by name).
 //!
@@ -191,6 +192,54 @@ fn uring(files: &[(PathBuf, usize)], depth: usize) -> usize {
     bytes
 }
 
+/// One thread: opens each file itself (O_DIRECT), submits only the read to
+/// io_uring, keeps `depth` reads in flight, closes on completion.
+fn uring_reads(files: &[(PathBuf, usize)], depth: usize) -> usize {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut ring = IoUring::new((depth * 2).next_power_of_two() as u32).expect("io_uring");
+    let mut slots: Vec<Option<(OwnedFd, Vec<u8>)>> = (0..files.len()).map(|_| None).collect();
+    let (mut next, mut done, mut bytes, mut in_flight) = (0usize, 0usize, 0usize, 0usize);
+    while done < files.len() {
+        while in_flight < depth && next < files.len() {
+            let (path, size) = &files[next];
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .expect("open");
+            let len = size.div_ceil(4096) * 4096 + 4096;
+            let mut buf = vec![0u8; len + 4096];
+            let off = buf.as_ptr().align_offset(4096);
+            let read = opcode::Read::new(
+                types::Fd(file.as_raw_fd()),
+                buf[off..].as_mut_ptr(),
+                len as u32,
+            )
+            .build()
+            .user_data(next as u64);
+            slots[next] = Some((file.into(), buf));
+            // SAFETY: the buffer and fd live in `slots` until the completion.
+            unsafe { ring.submission().push(&read).expect("sq full") };
+            next += 1;
+            in_flight += 1;
+        }
+        ring.submit_and_wait(1).expect("submit");
+        let completions: Vec<(u64, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (i, result) in completions {
+            assert!(result >= 0, "read of file {i} failed: {result}");
+            bytes += result as usize;
+            slots[i as usize] = None;
+            done += 1;
+            in_flight -= 1;
+        }
+    }
+    bytes
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let dir = PathBuf::from(args.next().expect("usage: read_engines DIR [FILES]"));
@@ -221,6 +270,7 @@ fn main() {
             let engine = match e {
                 "threads" => "threads",
                 "direct" => "direct",
+                "uring_reads" => "uring_reads",
                 _ => "io_uring",
             };
             counts.iter().map(move |&n| (engine, n))
@@ -232,6 +282,7 @@ fn main() {
         let bytes = match engine {
             "threads" => threads(&files, n),
             "direct" => threads_direct(&files, n),
+            "uring_reads" => uring_reads(&files, n),
             _ => uring(&files, n),
         };
         let (wall, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
