@@ -246,17 +246,7 @@ impl Job {
         });
         {
             let st = job.lock();
-            let labels = [id];
-            job.metrics.buffer_used.with_label_values(&labels).set(0);
-            job.metrics
-                .buffer_capacity
-                .with_label_values(&labels)
-                .set(st.effective_capacity(&job.memory) as i64);
-            job.metrics
-                .reader_threads
-                .with_label_values(&labels)
-                .set(i64::from(st.readers_target));
-            job.metrics.readers_active.with_label_values(&labels).set(0);
+            job.publish_gauges(&st);
             info!(job = %id, readers = st.readers_target, "job started");
         }
         job
@@ -811,21 +801,21 @@ impl Job {
                 self.work.notify_all();
             }
         }
+        self.publish_gauges(&st);
+    }
+
+    /// Sets the job's gauges from its state.
+    fn publish_gauges(&self, st: &JobState) {
         let id = [self.id.as_str()];
-        self.metrics
-            .buffer_used
-            .with_label_values(&id)
-            .set(st.reserved as i64);
-        self.metrics
-            .buffer_capacity
+        let m = &self.metrics;
+        m.buffer_used.with_label_values(&id).set(st.reserved as i64);
+        m.buffer_capacity
             .with_label_values(&id)
             .set(st.effective_capacity(&self.memory) as i64);
-        self.metrics
-            .reader_threads
+        m.reader_threads
             .with_label_values(&id)
             .set(i64::from(st.readers_target));
-        self.metrics
-            .readers_active
+        m.readers_active
             .with_label_values(&id)
             .set(i64::from(self.stats.active_readers.load(Ordering::Relaxed)));
     }
