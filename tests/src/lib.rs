@@ -1,34 +1,35 @@
 //! Support for the end-to-end tests in `tests/`: locating (and building) the
 //! workspace's binaries so the tests run the real programs.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Once;
+use std::sync::Mutex;
 
-/// Returns the path of the workspace binary `name`, building every binary of
-/// the workspace once per test process so the tests never run a stale one.
+/// Returns the path of the workspace binary `name`, building it once per
+/// test process so the tests never run a stale one (`cargo test` builds
+/// only libraries of other packages).
 pub fn binary(name: &str) -> PathBuf {
-    static BUILD: Once = Once::new();
+    static BUILT: Mutex<Option<HashSet<String>>> = Mutex::new(None);
     // target/<profile>/deps/<test-exe> -> target/<profile>
     let exe = std::env::current_exe().expect("the test executable has a path");
     let profile_dir = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("tests run from target/<profile>/deps");
-    BUILD.call_once(|| {
+    let mut built = BUILT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if built.get_or_insert_with(HashSet::new).insert(name.to_owned()) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = Command::new(cargo);
-        build
-            .args(["build", "--workspace", "--bins"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        // From the workspace root, where every package's binaries are visible.
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        build.args(["build", "--bin", name]).current_dir(root);
         if profile_dir.ends_with("release") {
             build.arg("--release");
         }
-        let status = build
-            .status()
-            .expect("running cargo build for the end-to-end tests");
-        assert!(status.success(), "building the workspace binaries failed");
-    });
+        let status = build.status().expect("running cargo build for the end-to-end tests");
+        assert!(status.success(), "building {name} failed");
+    }
     let path = profile_dir.join(name);
     assert!(path.exists(), "{} was not built", path.display());
     path

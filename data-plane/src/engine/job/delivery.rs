@@ -1,0 +1,359 @@
+//! Handing a job's plans to trainers: creating and joining plans, claiming
+//! entries for `NEXT` and `READ`, waiting for them, and returning their
+//! bytes to the budget once written.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::debug;
+
+use super::{Job, PlanState};
+use crate::dataset::{Dataset, Listing};
+use crate::engine::plan_run::{PlanKey, PlanRun};
+use crate::metrics::DatasetMetrics;
+use crate::protocol::{ErrorCode, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
+use crate::storage::{Chunk, io_error, read_range};
+
+/// A connection's attachment to a plan; detaches on drop.
+#[derive(Debug)]
+pub struct PlanHandle {
+    job: Arc<Job>,
+    id: Option<u64>,
+    pub length: u32,
+}
+
+/// What `NEXT` returns: the samples, whether the plan is exhausted, and the
+/// buffer bytes they hold until written out.
+#[derive(Debug)]
+pub struct NextBatch {
+    pub samples: Vec<Sample>,
+    pub end: bool,
+    pub reservation: Reservation,
+}
+
+/// Buffer bytes held by data on its way to a trainer; released on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    job: Arc<Job>,
+    plan: u64,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.job.release(self.plan, self.bytes);
+        }
+    }
+}
+
+impl Job {
+    /// Returns `bytes` of a delivered batch to the buffer and the node budget.
+    pub(super) fn release(&self, plan: u64, bytes: u64) {
+        let mut st = self.lock();
+        st.reserved -= bytes;
+        if let Some(p) = st.plans.get_mut(&plan) {
+            p.reserved -= bytes;
+        }
+        self.memory.release(bytes);
+        drop(st);
+        self.work.notify_all();
+    }
+
+    /// Creates the plan `key` or joins the identical one already active.
+    pub fn attach_plan(
+        self: &Arc<Self>,
+        key: PlanKey,
+        fingerprint: u64,
+        dataset: Arc<Dataset>,
+        listing: Arc<Listing>,
+        files: Vec<u32>,
+    ) -> Result<(PlanHandle, PlanState), ProtocolError> {
+        let length = files.len() as u32;
+        let handle = |id| PlanHandle {
+            job: Arc::clone(self),
+            id,
+            length,
+        };
+        let mut st = self.lock();
+        if let Some(&id) = st.by_key.get(&key) {
+            let plan = st.plans.get_mut(&id).expect("by_key points at a live plan");
+            if plan.fingerprint != fingerprint || plan.dataset.name != dataset.name {
+                return Err(ProtocolError::new(
+                    ErrorCode::PlanConflict,
+                    format!(
+                        "job `{}` already has a different active plan for rank {} epoch {}; submit the same plan to share it, or use another epoch number",
+                        self.id, key.rank, key.epoch
+                    ),
+                ));
+            }
+            plan.attached += 1;
+            return Ok((handle(Some(id)), PlanState::Joined));
+        }
+        if let Some(i) = st.completed.iter().position(|(k, _)| *k == key) {
+            if st.completed[i].1 == fingerprint {
+                return Ok((handle(None), PlanState::AlreadyComplete));
+            }
+            st.completed.remove(i);
+        }
+        let id = st.next_id;
+        st.next_id += 1;
+        let mut plan = PlanRun::new(id, key, fingerprint, dataset, listing, files);
+        plan.attached = 1;
+        let complete = plan.remaining == 0;
+        st.plans.insert(id, plan);
+        st.by_key.insert(key, id);
+        if complete {
+            st.finish_plan(id);
+        }
+        self.ensure_readers(&mut st);
+        drop(st);
+        self.work.notify_all();
+        debug!(job = %self.id, rank = key.rank, epoch = key.epoch, length, "plan created");
+        Ok((handle(Some(id)), PlanState::Created))
+    }
+
+    pub(super) fn detach(&self, id: u64) {
+        let mut st = self.lock();
+        let Some(plan) = st.plans.get_mut(&id) else {
+            return;
+        };
+        plan.attached -= 1;
+        if plan.attached > 0 {
+            return;
+        }
+        let plan = st.plans.remove(&id).expect("present");
+        st.by_key.remove(&plan.key);
+        // In-flight reads release their own bytes when they find the plan gone.
+        let buffered = plan.buffered_bytes();
+        st.reserved -= buffered;
+        self.memory.release(buffered);
+        drop(st);
+        self.work.notify_all();
+        debug!(job = %self.id, rank = plan.key.rank, epoch = plan.key.epoch, freed = buffered, "plan abandoned");
+    }
+
+    /// Claims the next entries of the plan and waits until they are fetched.
+    pub async fn next(self: &Arc<Self>, handle: &PlanHandle, max: usize) -> NextBatch {
+        let empty = |end| NextBatch {
+            samples: Vec::new(),
+            end,
+            reservation: Reservation {
+                job: Arc::clone(self),
+                plan: 0,
+                bytes: 0,
+            },
+        };
+        let Some(id) = handle.id else {
+            return empty(true);
+        };
+        let (positions, metrics, waiting) = {
+            let mut st = self.lock();
+            let Some(plan) = st.plans.get_mut(&id) else {
+                return empty(true);
+            };
+            let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET);
+            let waiting = plan.consumer_waiting();
+            let dataset = plan.dataset.name.clone();
+            (positions, self.dataset_metrics(&mut st, &dataset), waiting)
+        };
+        if positions.is_empty() {
+            return empty(true);
+        }
+        if waiting {
+            // A claimed entry nobody fetches yet may go past the buffer cap:
+            // make sure a reader looks.
+            self.work.notify_one();
+        }
+        // The connection holds the plan, so it cannot be dropped under us.
+        let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics).await else {
+            return empty(true);
+        };
+        self.count_delivered(&metrics, &samples);
+        NextBatch {
+            samples,
+            end,
+            reservation: Reservation {
+                job: Arc::clone(self),
+                plan: id,
+                bytes,
+            },
+        }
+    }
+
+    /// Waits until every claimed position is fetched, then takes them.
+    /// Returns the samples, whether the plan is exhausted, and their bytes;
+    /// `None` if the plan was dropped meanwhile (every attached connection
+    /// left, which a map-style `READ` does not hold off).
+    async fn wait_for(
+        &self,
+        id: u64,
+        positions: &[u32],
+        metrics: &DatasetMetrics,
+    ) -> Option<(Vec<Sample>, bool, u64)> {
+        let start = Instant::now();
+        let mut waited = false;
+        loop {
+            let wake = {
+                let mut st = self.lock();
+                let plan = st.plans.get_mut(&id)?;
+                match positions.iter().find(|p| !plan.fetched.contains_key(p)) {
+                    // Wait for the first missing entry only: one wake-up per
+                    // gap instead of one per fetched entry.
+                    Some(&missing) => Arc::clone(plan.waiters.entry(missing).or_default()),
+                    None => {
+                        let mut bytes = 0;
+                        let mut samples = Vec::with_capacity(positions.len());
+                        for &p in positions {
+                            if let Some(fetched) = plan.fetched.remove(&p) {
+                                bytes += fetched.reserved;
+                                samples.push(Sample {
+                                    position: p,
+                                    name: plan.name_of(p).to_owned(),
+                                    data: fetched.data,
+                                });
+                            }
+                        }
+                        plan.remaining -= positions.len();
+                        let end = plan.exhausted();
+                        if plan.remaining == 0 {
+                            st.finish_plan(id);
+                        }
+                        drop(st);
+                        if waited {
+                            self.count_stall(metrics, start.elapsed());
+                        }
+                        return Some((samples, end, bytes));
+                    }
+                }
+            };
+            waited = true;
+            // notify_one leaves a permit if it fired before we got here.
+            wake.notified().await;
+        }
+    }
+
+    /// Serves a whole-file `READ` of `name` from an active plan of this job
+    /// when one still has it undelivered: from the buffer, by waiting for the
+    /// reader already fetching it, or by reading it now in its place.
+    /// Returns `None` when no plan holds the name.
+    pub async fn read_planned(
+        self: &Arc<Self>,
+        dataset: &str,
+        name: &str,
+    ) -> Option<(Sample, Reservation)> {
+        enum Claimed {
+            Buffered(u64, u32, DatasetMetrics),
+            Direct(u64, u32, DatasetMetrics, Arc<Dataset>),
+        }
+        let claimed = {
+            let mut st = self.lock();
+            let found = st.plans.values_mut().find_map(|plan| {
+                if plan.dataset.name != dataset {
+                    return None;
+                }
+                let file = plan.listing.position(name)?;
+                let pos = plan.claim_file(file)?;
+                let started = std::mem::replace(&mut plan.entries[pos as usize].started, true);
+                Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
+            });
+            let (id, pos, started, ds) = found?;
+            let m = self.dataset_metrics(&mut st, dataset);
+            if started {
+                Claimed::Buffered(id, pos, m)
+            } else {
+                Claimed::Direct(id, pos, m, ds)
+            }
+        };
+        match claimed {
+            Claimed::Buffered(id, pos, m) => {
+                // None: the plan was abandoned meanwhile; the caller reads directly.
+                let (mut samples, _, bytes) = self.wait_for(id, &[pos], &m).await?;
+                self.count_delivered(&m, &samples);
+                let sample = samples.pop()?;
+                Some((
+                    sample,
+                    Reservation {
+                        job: Arc::clone(self),
+                        plan: id,
+                        bytes,
+                    },
+                ))
+            }
+            Claimed::Direct(id, pos, m, ds) => {
+                let job = Arc::clone(self);
+                let owned = name.to_owned();
+                let metrics = m.clone();
+                let data = tokio::task::spawn_blocking(move || {
+                    job.read_now(&ds, &owned, 0, TO_END, &metrics)
+                })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ProtocolError::new(
+                        ErrorCode::IoError,
+                        format!("read task failed: {e}"),
+                    ))
+                });
+                let sample = Sample {
+                    position: pos,
+                    name: name.to_owned(),
+                    data,
+                };
+                {
+                    let mut st = self.lock();
+                    if let Some(plan) = st.plans.get_mut(&id) {
+                        plan.remaining -= 1;
+                        if plan.remaining == 0 {
+                            st.finish_plan(id);
+                        }
+                    }
+                }
+                self.count_delivered(&m, std::slice::from_ref(&sample));
+                Some((
+                    sample,
+                    Reservation {
+                        job: Arc::clone(self),
+                        plan: id,
+                        bytes: 0,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Reads straight from storage (random access outside any plan), under
+    /// the job's limiter and counted like any storage read. Blocking.
+    pub fn read_now(
+        &self,
+        dataset: &Dataset,
+        name: &str,
+        offset: u64,
+        length: u64,
+        m: &DatasetMetrics,
+    ) -> Result<Chunk, ProtocolError> {
+        let path = dataset.resolve(name)?;
+        let size = std::fs::metadata(&path)
+            .map(|meta| meta.len().saturating_sub(offset).min(length))
+            .unwrap_or(0);
+        self.throttle(size);
+        let start = Instant::now();
+        let data = read_range(&path, offset, length).map_err(|e| io_error(name, &e));
+        self.count_read(m, start.elapsed(), &data);
+        data
+    }
+}
+
+impl PlanHandle {
+    /// Whether this handle joined a plan that had already been delivered.
+    pub fn is_complete(&self) -> bool {
+        self.id.is_none()
+    }
+}
+
+impl Drop for PlanHandle {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.job.detach(id);
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! A job's reader threads: pick the next entry to fetch, reserve its bytes,
+//! wait for the limiter, read, and park the result in its plan.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{Job, JobState, MEMORY_RECHECK};
+use crate::dataset::Dataset;
+use crate::engine::Memory;
+use crate::engine::plan_run::Fetched;
+use crate::metrics::{DatasetMetrics, Metrics};
+use crate::storage::Chunk;
+
+/// A fetch a reader has committed to.
+pub(super) struct Work {
+    plan: u64,
+    pos: u32,
+    /// Buffer bytes reserved for the result.
+    size: u64,
+    /// The file's listed size: what the limiter charges.
+    file_bytes: u64,
+    name: String,
+    dataset: Arc<Dataset>,
+    metrics: DatasetMetrics,
+}
+
+/// Why a reader found nothing to do.
+pub(super) enum Idle {
+    NoWork,
+    NoMemory,
+}
+
+impl Job {
+    /// Starts reader threads until the target count runs.
+    pub(super) fn ensure_readers(self: &Arc<Self>, st: &mut JobState) {
+        while !st.stopped && st.readers_running < st.readers_target {
+            let job = Arc::clone(self);
+            let spawned = std::thread::Builder::new()
+                .name(format!(
+                    "reader-{}",
+                    self.id.chars().take(8).collect::<String>()
+                ))
+                .spawn(move || job.reader_loop());
+            match spawned {
+                Ok(_) => st.readers_running += 1,
+                Err(e) => {
+                    tracing::error!(job = %self.id, error = %e, "cannot start a reader thread");
+                    break;
+                }
+            }
+        }
+        self.metrics
+            .reader_threads
+            .with_label_values(&[&self.id])
+            .set(i64::from(st.readers_target));
+    }
+
+    fn reader_loop(self: Arc<Self>) {
+        loop {
+            let work = {
+                let mut st = self.lock();
+                loop {
+                    if st.stopped || st.readers_running > st.readers_target {
+                        st.readers_running -= 1;
+                        return;
+                    }
+                    match st.pick_work(&self.memory, &self.metrics, &self.id) {
+                        Ok(work) => break work,
+                        Err(Idle::NoWork) => st = self.work.wait(st).expect("job lock poisoned"),
+                        Err(Idle::NoMemory) => {
+                            st = self
+                                .work
+                                .wait_timeout(st, MEMORY_RECHECK)
+                                .expect("job lock poisoned")
+                                .0;
+                        }
+                    }
+                }
+            };
+            self.fetch(work);
+        }
+    }
+
+    /// Reads one committed entry and hands the result to its plan.
+    fn fetch(&self, work: Work) {
+        self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
+        self.throttle(work.file_bytes);
+        let start = Instant::now();
+        let data = work.dataset.read_whole(&work.name);
+        self.count_read(&work.metrics, start.elapsed(), &data);
+        self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
+
+        let actual = data.as_ref().map_or(0, Chunk::footprint);
+        let mut st = self.lock();
+        let Some(plan) = st.plans.get_mut(&work.plan) else {
+            // The plan was dropped while we read (every consumer left).
+            st.reserved -= work.size;
+            self.memory.release(work.size);
+            drop(st);
+            self.work.notify_one();
+            return;
+        };
+        plan.reserved = plan.reserved - work.size + actual;
+        plan.fetched.insert(
+            work.pos,
+            Fetched {
+                data,
+                reserved: actual,
+            },
+        );
+        if let Some(waiter) = plan.waiters.remove(&work.pos) {
+            waiter.notify_one();
+        }
+        st.reserved = st.reserved - work.size + actual;
+        self.memory.adjust(work.size, actual);
+        drop(st);
+        if actual < work.size {
+            self.work.notify_one();
+        }
+    }
+
+    /// Waits for the limiter to allow a read of `bytes`, counting the wait.
+    pub(super) fn throttle(&self, bytes: u64) {
+        let waited = self.limiter.acquire_blocking(bytes);
+        if !waited.is_zero() {
+            self.stats
+                .throttled_ns
+                .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+            self.throttled_metric.inc_by(waited.as_secs_f64());
+        }
+    }
+}
+
+impl JobState {
+    /// Picks the next entry to fetch and reserves its bytes: first in plans a
+    /// consumer is waiting on, then in the plan holding the least.
+    pub(super) fn pick_work(
+        &mut self,
+        memory: &Memory,
+        metrics: &Metrics,
+        job: &str,
+    ) -> Result<Work, Idle> {
+        let capacity = self.effective_capacity(memory);
+        let mut candidates: Vec<(bool, u64, u64)> = self
+            .plans
+            .values_mut()
+            .filter_map(|p| {
+                p.next_unstarted()
+                    .map(|_| (p.consumer_waiting(), p.reserved, p.id))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(Idle::NoWork);
+        }
+        candidates.sort_unstable_by_key(|&(waiting, reserved, id)| (!waiting, reserved, id));
+        let share = capacity / candidates.len() as u64;
+        let mut blocked_on_memory = false;
+        for (waiting, _, id) in candidates {
+            let plan = self.plans.get_mut(&id).expect("candidate exists");
+            let pos = plan.next_unstarted().expect("candidate has work");
+            let file_bytes = plan.size_of(pos);
+            let size = plan.dataset.footprint(file_bytes);
+            let empty = plan.reserved == 0;
+            let fits = self.reserved + size <= capacity && plan.reserved + size <= share;
+            if !(fits || waiting || empty) {
+                continue;
+            }
+            if !memory.try_reserve(size, empty) {
+                blocked_on_memory = true;
+                continue;
+            }
+            plan.entries[pos as usize].started = true;
+            plan.reserved += size;
+            self.reserved += size;
+            let name = plan.name_of(pos).to_owned();
+            let dataset = Arc::clone(&plan.dataset);
+            let ds_name = dataset.name.clone();
+            let m = self
+                .datasets
+                .entry(ds_name.clone())
+                .or_insert_with(|| metrics.dataset(job, &ds_name))
+                .clone();
+            return Ok(Work {
+                plan: id,
+                pos,
+                size,
+                file_bytes,
+                name,
+                dataset,
+                metrics: m,
+            });
+        }
+        Err(if blocked_on_memory {
+            Idle::NoMemory
+        } else {
+            Idle::NoWork
+        })
+    }
+}
