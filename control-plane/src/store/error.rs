@@ -1,0 +1,152 @@
+//! [`StoreError`]: everything the store can fail with.
+
+/// An error from the store. Database failures keep the `sqlx` error as their
+/// [`source`](std::error::Error::source); print the whole chain (`{:#}` with
+/// anyhow) to see the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database URL names no backend the store has.
+    #[error(
+        "unsupported database url `{url}`: write sqlite://PATH (created if absent) \
+         or postgres://USER@HOST:PORT/DATABASE"
+    )]
+    UnsupportedUrl {
+        /// The URL, password removed.
+        url: String,
+    },
+    /// The database could not be opened or created.
+    #[error("cannot open the {backend} store at `{url}`")]
+    Open {
+        /// `sqlite` or `postgres`.
+        backend: &'static str,
+        /// The URL, password removed.
+        url: String,
+        /// Why.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The schema could not be brought up to date.
+    #[error("cannot migrate the {backend} store schema")]
+    Migrate {
+        /// `sqlite` or `postgres`.
+        backend: &'static str,
+        /// Why.
+        #[source]
+        source: sqlx::migrate::MigrateError,
+    },
+    /// A delete named a policy that does not exist (never applied, or
+    /// already deleted).
+    #[error("{kind} `{name}` does not exist")]
+    PolicyNotFound {
+        /// The kind asked for.
+        kind: String,
+        /// The name asked for.
+        name: String,
+    },
+    /// An operation named a stage that never said hello.
+    #[error("stage `{id}` is not known: a stage must say hello before anything is recorded for it")]
+    StageNotFound {
+        /// The stage id asked for.
+        id: String,
+    },
+    /// An argument the store refuses (empty name, version out of range).
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// Which argument.
+        field: &'static str,
+        /// What is wrong and what would be right.
+        reason: String,
+    },
+    /// The connection holding the leader lease is gone (or did not answer
+    /// in time): another controller may be leader now.
+    #[error("the leader lease was lost")]
+    LeadershipLost {
+        /// Why, when the database said.
+        #[source]
+        source: Option<sqlx::Error>,
+    },
+    /// A stored value the store cannot read back.
+    #[error("the stored {what} is corrupt: {reason}")]
+    Corrupt {
+        /// Which value.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The database failed while doing `op`.
+    #[error("database error while {op}")]
+    Database {
+        /// What the store was doing (`applying policies`).
+        op: &'static str,
+        /// The database's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+/// Returns a `map_err` adapter that names the operation that failed.
+pub(super) fn db(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |source| StoreError::Database { op, source }
+}
+
+/// Returns `Ok` when an update touched a stage row, else that the stage is
+/// unknown.
+pub(super) fn found(rows: u64, stage: &str) -> Result<(), StoreError> {
+    if rows == 0 {
+        Err(StoreError::StageNotFound {
+            id: stage.to_owned(),
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// Returns the version an `UPDATE stages ... RETURNING` gave, or that the
+/// stage is unknown when it updated no row.
+pub(super) fn stage_version(version: Option<i64>, stage: &str) -> Result<u64, StoreError> {
+    let version = version.ok_or_else(|| StoreError::StageNotFound {
+        id: stage.to_owned(),
+    })?;
+    super::rows::to_u64("settings version", version)
+}
+
+/// Maps a foreign key violation on a stage id to [`StoreError::StageNotFound`].
+pub(super) fn unknown_stage(e: sqlx::Error, stage: &str, op: &'static str) -> StoreError {
+    match e.as_database_error() {
+        Some(d) if d.is_foreign_key_violation() => StoreError::StageNotFound {
+            id: stage.to_owned(),
+        },
+        _ => db(op)(e),
+    }
+}
+
+/// Returns `url` with any password replaced by `***`, for messages and logs.
+pub(super) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    match rest[..at].split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn redact_hides_only_the_password() {
+        assert_eq!(
+            redact("postgres://u:secret@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite://sluice.db"), "sqlite://sluice.db");
+        assert_eq!(redact("sqlite:sluice.db"), "sqlite:sluice.db");
+    }
+}

@@ -1,0 +1,122 @@
+//! The leader lease: which controller replica pushes settings.
+//!
+//! # HA plan
+//!
+//! With SQLite there is one controller replica and it is always the leader.
+//!
+//! With Postgres, every replica opens the same database; the leader is the
+//! one holding a session-level advisory lock ([`LOCK_KEY`], taken with
+//! `pg_try_advisory_lock`) on a connection of its own, outside the pool, so
+//! the lock lives exactly as long as that session:
+//!
+//! - Standbys call [`Store::try_acquire_leadership`](super::Store) every few
+//!   seconds. They run no control loop and push no settings, and their
+//!   `/readyz` fails, so the Kubernetes Service sends stages and `sluicectl`
+//!   to the leader only.
+//! - The leader calls [`Leadership::check`] every tick with a timeout shorter
+//!   than the tick. An error means the session is gone or unreachable:
+//!   the leader stops pushing at once, drops the lease, and becomes a standby.
+//! - When a leader dies or is partitioned from Postgres, the server ends its
+//!   session (on TCP reset at once, otherwise after the server's keepalive
+//!   or `tcp_user_timeout`), which frees the lock for a standby.
+//! - A new leader reloads desired settings from the store and re-pushes;
+//!   stages reconnect to it through the Service once it turns ready.
+//!   Settings versions come from the database counter, so they keep
+//!   increasing across leaders. Provided a stage refuses a version at or
+//!   below the one it runs (a rule the stage side must keep), a deposed
+//!   leader that pushes once more before its next check cannot roll a
+//!   stage back.
+//!
+//! Left for later: a server-side `tcp_user_timeout` / keepalive setting
+//! recommendation for the Helm chart, and fencing writes with the lease
+//! (today only settings pushes are fenced, by versions).
+
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection};
+
+use super::StoreError;
+use super::error::db;
+
+/// The advisory lock key every sluice controller contends for: "sluice" in
+/// ASCII, then 1.
+pub const LOCK_KEY: i64 = 0x736c_7569_6365_0001;
+
+/// Proof of leadership while held. Dropping it gives the lease up (for
+/// Postgres, by closing its session); [`Leadership::release`] does so
+/// promptly and waits for it.
+pub struct Leadership {
+    inner: Inner,
+}
+
+enum Inner {
+    /// SQLite: a single replica, leader for as long as it runs.
+    Embedded,
+    /// Postgres: the session holding the advisory lock.
+    Postgres(PgConnection),
+}
+
+impl std::fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.inner {
+            Inner::Embedded => "embedded",
+            Inner::Postgres(_) => "postgres advisory lock",
+        };
+        f.debug_struct("Leadership").field("lease", &kind).finish()
+    }
+}
+
+impl Leadership {
+    pub(super) fn embedded() -> Self {
+        Self {
+            inner: Inner::Embedded,
+        }
+    }
+
+    /// Takes the lease on `conn` (a connection of its own, never returned to
+    /// a pool) if no other session holds it.
+    pub(super) async fn try_acquire(mut conn: PgConnection) -> Result<Option<Self>, StoreError> {
+        let acquired: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(LOCK_KEY)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(db("trying the leader lease"))?;
+        if acquired {
+            Ok(Some(Self {
+                inner: Inner::Postgres(conn),
+            }))
+        } else {
+            // Closing is best effort: the session held nothing.
+            let _ = conn.close().await;
+            Ok(None)
+        }
+    }
+
+    /// Checks that the lease is still held: the session holding it answers
+    /// within `timeout`. Fails with [`StoreError::LeadershipLost`] otherwise;
+    /// the caller must then stop acting as leader.
+    pub async fn check(&mut self, timeout: Duration) -> Result<(), StoreError> {
+        let Inner::Postgres(conn) = &mut self.inner else {
+            return Ok(());
+        };
+        match tokio::time::timeout(timeout, conn.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::LeadershipLost { source: Some(e) }),
+            Err(_elapsed) => Err(StoreError::LeadershipLost { source: None }),
+        }
+    }
+
+    /// Gives the lease up now, so a standby can take over without waiting
+    /// for this session to end.
+    pub async fn release(self) -> Result<(), StoreError> {
+        let Inner::Postgres(mut conn) = self.inner else {
+            return Ok(());
+        };
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(LOCK_KEY)
+            .execute(&mut conn)
+            .await
+            .map_err(db("releasing the leader lease"))?;
+        conn.close().await.map_err(db("releasing the leader lease"))
+    }
+}

@@ -1,0 +1,458 @@
+//! The SQLite backend: one file in WAL mode (readers never wait for the
+//! writer), for a single controller replica. Transactions that write start
+//! with `BEGIN IMMEDIATE`, taking the write lock before their first read, so
+//! two writers queue on the busy timeout instead of one failing with
+//! `SQLITE_BUSY` when it upgrades from reader to writer.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{SqlSafeStr, SqlitePool, SqliteTransaction};
+
+use super::StoreError;
+use super::error::{db, found, redact, stage_version, unknown_stage};
+use super::model::{
+    Applied, Event, JobRecord, JobSighting, NewEvent, PolicyDocument, PolicyRevision, StageHello,
+    StageRecord, StageState,
+};
+use super::revision::{self, ApplyPlan, HeadRow};
+use super::rows::{self, EventRow, JobRow, PolicyRow, StageRow};
+
+/// How long a writer waits for another writer's transaction to finish.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Every stage `SELECT` lists these columns, in [`StageRow`] order.
+macro_rules! stage_columns {
+    () => {
+        "id, node, labels, state, first_seen_ms, last_seen_ms, desired_version, \
+         desired_settings, acked_version, nack_version, nack_reason"
+    };
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct SqliteStore {
+    pool: SqlitePool,
+}
+
+fn migrator() -> Migrator {
+    let initial = include_str!("../../migrations/sqlite/0001_initial.sql");
+    Migrator::with_migrations(vec![Migration::new(
+        1,
+        "initial".into(),
+        MigrationType::Simple,
+        initial.into_sql_str(),
+        false,
+    )])
+}
+
+impl SqliteStore {
+    pub(super) async fn open(url: &str) -> Result<Self, StoreError> {
+        let open_err = |source| StoreError::Open {
+            backend: "sqlite",
+            url: redact(url),
+            source,
+        };
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(open_err)?
+            .create_if_missing(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        // An in-memory database lives as long as its last connection and
+        // cannot use WAL: keep exactly one connection, forever.
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let pool = if in_memory {
+            SqlitePoolOptions::new()
+                .min_connections(1)
+                .max_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(options)
+                .await
+        } else {
+            // synchronous stays FULL (the default): an accepted policy must
+            // survive a power cut, and writes are rare.
+            let options = options.journal_mode(SqliteJournalMode::Wal);
+            SqlitePoolOptions::new()
+                .max_connections(4)
+                .connect_with(options)
+                .await
+        }
+        .map_err(open_err)?;
+        migrator()
+            .run(&pool)
+            .await
+            .map_err(|source| StoreError::Migrate {
+                backend: "sqlite",
+                source,
+            })?;
+        Ok(Self { pool })
+    }
+
+    pub(super) async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn begin_write(
+        &self,
+        op: &'static str,
+    ) -> Result<SqliteTransaction<'static>, StoreError> {
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(db(op))
+    }
+
+    pub(super) async fn apply_policies(
+        &self,
+        docs: &[PolicyDocument],
+    ) -> Result<Vec<Applied>, StoreError> {
+        const OP: &str = "applying policies";
+        let mut tx = self.begin_write(OP).await?;
+        let now = rows::now_millis();
+        let mut applied = Vec::with_capacity(docs.len());
+        for doc in docs {
+            // Checked inside the transaction: a bad document rolls back
+            // the ones written before it (the test suite relies on this).
+            doc.validate()?;
+            let plan = ApplyPlan::new(
+                head(&mut tx, &doc.kind, &doc.name, OP).await?,
+                &doc.canonical,
+            );
+            if plan.writes() {
+                insert_revision(&mut tx, doc, plan.revision, Some(&doc.canonical), now, OP).await?;
+            }
+            applied.push(plan.applied(doc)?);
+        }
+        tx.commit().await.map_err(db(OP))?;
+        Ok(applied)
+    }
+
+    pub(super) async fn delete_policy(&self, kind: &str, name: &str) -> Result<u64, StoreError> {
+        const OP: &str = "deleting a policy";
+        let mut tx = self.begin_write(OP).await?;
+        let revision = revision::delete_revision(head(&mut tx, kind, name, OP).await?, kind, name)?;
+        let doc = PolicyDocument::new(kind, name, "");
+        insert_revision(&mut tx, &doc, revision, None, rows::now_millis(), OP).await?;
+        tx.commit().await.map_err(db(OP))?;
+        rows::to_u64("policy revision", revision)
+    }
+
+    pub(super) async fn current_policies(&self) -> Result<Vec<PolicyRevision>, StoreError> {
+        let rows: Vec<PolicyRow> = sqlx::query_as(
+            "SELECT p.kind, p.name, p.revision, p.canonical, p.created_ms
+             FROM policy_revisions p
+             WHERE p.canonical IS NOT NULL
+               AND p.revision = (SELECT MAX(h.revision) FROM policy_revisions h
+                                 WHERE h.kind = p.kind AND h.name = p.name)
+             ORDER BY p.kind, p.name",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("listing policies"))?;
+        rows.into_iter().map(rows::policy_from_row).collect()
+    }
+
+    pub(super) async fn policy_history(
+        &self,
+        kind: &str,
+        name: &str,
+    ) -> Result<Vec<PolicyRevision>, StoreError> {
+        let rows: Vec<PolicyRow> = sqlx::query_as(
+            "SELECT kind, name, revision, canonical, created_ms FROM policy_revisions
+             WHERE kind = $1 AND name = $2 ORDER BY revision",
+        )
+        .bind(kind)
+        .bind(name)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("reading a policy's history"))?;
+        rows.into_iter().map(rows::policy_from_row).collect()
+    }
+
+    pub(super) async fn stage_hello(
+        &self,
+        hello: &StageHello,
+        now_ms: i64,
+    ) -> Result<StageRecord, StoreError> {
+        let running = rows::to_i64("running version", hello.running_version)?;
+        let row: StageRow = sqlx::query_as(concat!(
+            "INSERT INTO stages (id, node, labels, state, first_seen_ms, last_seen_ms,
+                                 settings_version, acked_version)
+             VALUES ($1, $2, $3, 'connected', $4, $4, $5, NULLIF($5, 0))
+             ON CONFLICT (id) DO UPDATE SET
+                 node = excluded.node, labels = excluded.labels, state = 'connected',
+                 last_seen_ms = excluded.last_seen_ms,
+                 settings_version = MAX(settings_version, excluded.settings_version),
+                 acked_version = excluded.acked_version
+             RETURNING ",
+            stage_columns!()
+        ))
+        .bind(&hello.id)
+        .bind(&hello.node)
+        .bind(rows::labels_to_json(&hello.labels))
+        .bind(now_ms)
+        .bind(running)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db("recording a stage hello"))?;
+        rows::stage_from_row(row)
+    }
+
+    pub(super) async fn set_stage_state(
+        &self,
+        id: &str,
+        state: StageState,
+        seen_ms: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE stages SET state = $2, last_seen_ms = COALESCE($3, last_seen_ms) WHERE id = $1",
+        )
+        .bind(id)
+        .bind(state.as_str())
+        .bind(seen_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(db("recording a stage's state"))?;
+        found(done.rows_affected(), id)
+    }
+
+    pub(super) async fn next_settings_version(&self, stage: &str) -> Result<u64, StoreError> {
+        let version: Option<i64> = sqlx::query_scalar(
+            "UPDATE stages SET settings_version = settings_version + 1 WHERE id = $1
+             RETURNING settings_version",
+        )
+        .bind(stage)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db("allocating a settings version"))?;
+        stage_version(version, stage)
+    }
+
+    pub(super) async fn set_desired_settings(
+        &self,
+        stage: &str,
+        document: &str,
+    ) -> Result<u64, StoreError> {
+        // Every right-hand side reads the row as it was before the update.
+        let version: Option<i64> = sqlx::query_scalar(
+            "UPDATE stages SET settings_version = settings_version + 1,
+                               desired_version = settings_version + 1,
+                               desired_settings = $2
+             WHERE id = $1 RETURNING desired_version",
+        )
+        .bind(stage)
+        .bind(document)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db("recording desired settings"))?;
+        stage_version(version, stage)
+    }
+
+    pub(super) async fn record_ack(&self, stage: &str, version: i64) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE stages SET acked_version = $2,
+                 nack_reason  = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_reason END,
+                 nack_version = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_version END
+             WHERE id = $1",
+        )
+        .bind(stage)
+        .bind(version)
+        .execute(&self.pool)
+        .await
+        .map_err(db("recording an ack"))?;
+        found(done.rows_affected(), stage)
+    }
+
+    pub(super) async fn record_nack(
+        &self,
+        stage: &str,
+        version: i64,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        let done =
+            sqlx::query("UPDATE stages SET nack_version = $2, nack_reason = $3 WHERE id = $1")
+                .bind(stage)
+                .bind(version)
+                .bind(reason)
+                .execute(&self.pool)
+                .await
+                .map_err(db("recording a nack"))?;
+        found(done.rows_affected(), stage)
+    }
+
+    pub(super) async fn stages(&self) -> Result<Vec<StageRecord>, StoreError> {
+        let rows: Vec<StageRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            stage_columns!(),
+            " FROM stages ORDER BY id"
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("listing stages"))?;
+        rows.into_iter().map(rows::stage_from_row).collect()
+    }
+
+    pub(super) async fn stage(&self, id: &str) -> Result<Option<StageRecord>, StoreError> {
+        let row: Option<StageRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            stage_columns!(),
+            " FROM stages WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db("reading a stage"))?;
+        row.map(rows::stage_from_row).transpose()
+    }
+
+    pub(super) async fn upsert_job(
+        &self,
+        sighting: &JobSighting,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        const OP: &str = "recording a job";
+        let mut tx = self.begin_write(OP).await?;
+        sqlx::query(
+            "INSERT INTO jobs (id, labels, first_seen_ms, last_seen_ms) VALUES ($1, $2, $3, $3)
+             ON CONFLICT (id) DO UPDATE SET labels = excluded.labels,
+                                            last_seen_ms = excluded.last_seen_ms",
+        )
+        .bind(&sighting.job)
+        .bind(rows::labels_to_json(&sighting.labels))
+        .bind(now_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        sqlx::query(
+            "INSERT INTO job_stages (job_id, stage_id, last_seen_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (job_id, stage_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms",
+        )
+        .bind(&sighting.job)
+        .bind(&sighting.stage)
+        .bind(now_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| unknown_stage(e, &sighting.stage, OP))?;
+        tx.commit().await.map_err(db(OP))
+    }
+
+    pub(super) async fn jobs(&self) -> Result<Vec<JobRecord>, StoreError> {
+        const OP: &str = "listing jobs";
+        // One read transaction: the jobs and their links from one snapshot.
+        let mut tx = self.pool.begin().await.map_err(db(OP))?;
+        let rows: Vec<JobRow> =
+            sqlx::query_as("SELECT id, labels, first_seen_ms, last_seen_ms FROM jobs ORDER BY id")
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        let links: Vec<(String, String)> =
+            sqlx::query_as("SELECT job_id, stage_id FROM job_stages ORDER BY job_id, stage_id")
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        tx.commit().await.map_err(db(OP))?;
+        rows::jobs_with_stages(rows, links)
+    }
+
+    pub(super) async fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        const OP: &str = "reading a job";
+        let mut tx = self.pool.begin().await.map_err(db(OP))?;
+        let row: Option<JobRow> = sqlx::query_as(
+            "SELECT id, labels, first_seen_ms, last_seen_ms FROM jobs WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        let stages: Vec<String> = sqlx::query_scalar(
+            "SELECT stage_id FROM job_stages WHERE job_id = $1 ORDER BY stage_id",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        tx.commit().await.map_err(db(OP))?;
+        row.map(|row| rows::job_from_row(row, stages)).transpose()
+    }
+
+    pub(super) async fn append_event(&self, event: &NewEvent) -> Result<u64, StoreError> {
+        let seq: i64 = sqlx::query_scalar(
+            "INSERT INTO events (kind, subject, message, unix_millis) VALUES ($1, $2, $3, $4)
+             RETURNING seq",
+        )
+        .bind(&event.kind)
+        .bind(&event.subject)
+        .bind(&event.message)
+        .bind(event.unix_millis)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db("appending an event"))?;
+        rows::to_u64("event seq", seq)
+    }
+
+    pub(super) async fn events_since(
+        &self,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<Event>, StoreError> {
+        let rows: Vec<EventRow> = sqlx::query_as(
+            "SELECT seq, kind, subject, message, unix_millis FROM events
+             WHERE seq > $1 ORDER BY seq LIMIT $2",
+        )
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("reading events"))?;
+        rows.into_iter().map(rows::event_from_row).collect()
+    }
+
+    pub(super) async fn latest_event_seq(&self) -> Result<u64, StoreError> {
+        let seq: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM events")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("reading the latest event seq"))?;
+        rows::to_u64("event seq", seq)
+    }
+}
+
+async fn head(
+    tx: &mut SqliteTransaction<'static>,
+    kind: &str,
+    name: &str,
+    op: &'static str,
+) -> Result<Option<HeadRow>, StoreError> {
+    sqlx::query_as(
+        "SELECT revision, canonical FROM policy_revisions
+         WHERE kind = $1 AND name = $2 ORDER BY revision DESC LIMIT 1",
+    )
+    .bind(kind)
+    .bind(name)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(db(op))
+}
+
+async fn insert_revision(
+    tx: &mut SqliteTransaction<'static>,
+    doc: &PolicyDocument,
+    revision: i64,
+    canonical: Option<&str>,
+    now_ms: i64,
+    op: &'static str,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO policy_revisions (kind, name, revision, canonical, created_ms)
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&doc.kind)
+    .bind(&doc.name)
+    .bind(revision)
+    .bind(canonical)
+    .bind(now_ms)
+    .execute(&mut **tx)
+    .await
+    .map_err(db(op))?;
+    Ok(())
+}
