@@ -83,6 +83,25 @@ pub struct Args {
     /// buffered reads where the file system refuses it) [default: true].
     #[arg(long, env = "SLUICE_DIRECT_IO")]
     pub direct_io: Option<bool>,
+    /// The controller's gRPC address, e.g. `http://controller:7070`; without
+    /// it the stage runs standalone on its own configuration.
+    #[arg(long, env = "SLUICE_CONTROLLER")]
+    pub controller: Option<String>,
+    /// The node this stage runs on, as the controller shows it [default: the
+    /// host name].
+    #[arg(long, env = "SLUICE_NODE")]
+    pub node: Option<String>,
+    /// A label for the controller, as KEY=VALUE (repeatable;
+    /// comma-separated in the environment variable).
+    #[arg(long = "label", env = "SLUICE_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("`{s}` is not KEY=VALUE, e.g. `zone=eu-1`")),
+    }
 }
 
 fn parse_dataset(s: &str) -> Result<(String, PathBuf), String> {
@@ -111,6 +130,13 @@ pub struct StageFile {
     pub memory_budget: Option<ByteSize>,
     /// Prefetch with O_DIRECT (default true).
     pub direct_io: Option<bool>,
+    /// The controller's gRPC address.
+    pub controller: Option<String>,
+    /// The node name.
+    pub node: Option<String>,
+    /// Labels for the controller.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
     /// Datasets by name: `imagenet: /data/imagenet`.
     #[serde(default)]
     pub datasets: BTreeMap<String, PathBuf>,
@@ -174,6 +200,9 @@ pub struct StageConfig {
     pub datasets: Vec<(String, PathBuf)>,
     pub direct_io: bool,
     pub job: JobSettings,
+    pub controller: Option<String>,
+    pub node: String,
+    pub labels: BTreeMap<String, String>,
 }
 
 /// Why a configuration was refused.
@@ -289,6 +318,16 @@ impl StageConfig {
             return err("the burst window must be 1 ms to 60 s".into());
         }
         let stage_id = args.stage_id.or(file.stage_id).unwrap_or_else(hostname);
+        let mut labels = file.labels;
+        labels.extend(args.labels);
+        let controller = args.controller.or(file.controller);
+        if let Some(url) = &controller
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            return err(format!(
+                "controller address `{url}` needs a scheme: write `http://{url}`"
+            ));
+        }
         Ok(Self {
             stage_id,
             socket: args
@@ -303,6 +342,9 @@ impl StageConfig {
             memory_budget,
             datasets,
             direct_io: args.direct_io.or(file.direct_io).unwrap_or(true),
+            controller,
+            node: args.node.or(file.node).unwrap_or_else(hostname),
+            labels,
             job: JobSettings {
                 bounds: Bounds {
                     min_readers,

@@ -20,6 +20,7 @@ pub use plan_run::PlanKey;
 
 use crate::dataset::Dataset;
 use crate::metrics::Metrics;
+use crate::settings::StageSettings;
 use crate::token_bucket::Limits;
 use crate::tuner::Bounds;
 
@@ -99,7 +100,11 @@ pub struct Engine {
     datasets: HashMap<String, Arc<Dataset>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     memory: Arc<Memory>,
-    defaults: Mutex<JobSettings>,
+    /// Settings from the stage's own configuration.
+    base: JobSettings,
+    /// The controller's last accepted push, kept while it is unreachable
+    /// (fail-static).
+    pushed: Mutex<Option<Arc<StageSettings>>>,
     metrics: Arc<Metrics>,
 }
 
@@ -118,7 +123,8 @@ impl Engine {
                 .collect(),
             jobs: Mutex::new(HashMap::new()),
             memory: Arc::new(Memory::new(memory_budget)),
-            defaults: Mutex::new(defaults),
+            base: defaults,
+            pushed: Mutex::new(None),
             metrics,
         })
     }
@@ -150,7 +156,7 @@ impl Engine {
             .or_insert_with(|| {
                 self.memory.jobs.fetch_add(1, Ordering::Relaxed);
                 self.metrics.jobs.inc();
-                let defaults = *self.defaults.lock().expect("defaults lock");
+                let defaults = self.settings_for(id);
                 Job::start(
                     id,
                     labels.clone(),
@@ -162,6 +168,44 @@ impl Engine {
             .clone();
         job.set_labels(labels);
         job::JobHandle::new(job)
+    }
+
+    /// Returns the settings job `id` runs with now.
+    fn settings_for(&self, id: &str) -> JobSettings {
+        match self.pushed.lock().expect("settings lock").as_ref() {
+            Some(pushed) => pushed.resolve(id, self.base),
+            None => self.base,
+        }
+    }
+
+    /// Applies a push from the controller to every job, current and future,
+    /// or refuses all of it (nothing changes) with the reason.
+    pub fn apply_settings(&self, settings: StageSettings) -> Result<(), String> {
+        settings.validate(self.memory.budget())?;
+        let version = settings.version;
+        let current = self.settings_version();
+        if version < current {
+            // A controller that lost its lease may still be pushing.
+            return Err(format!(
+                "version {version} is older than version {current} in force"
+            ));
+        }
+        let settings = Arc::new(settings);
+        *self.pushed.lock().expect("settings lock") = Some(Arc::clone(&settings));
+        for job in self.jobs() {
+            job.apply_settings(settings.resolve(job.id(), self.base));
+        }
+        self.metrics.settings_version.set(version as i64);
+        Ok(())
+    }
+
+    /// The version of the controller's settings in force (0: none yet).
+    pub fn settings_version(&self) -> u64 {
+        self.pushed
+            .lock()
+            .expect("settings lock")
+            .as_ref()
+            .map_or(0, |s| s.version)
     }
 
     /// Returns every job known now.

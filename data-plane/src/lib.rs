@@ -15,6 +15,8 @@ pub mod metrics;
 pub mod plan;
 pub mod protocol;
 pub mod server;
+pub mod session;
+pub mod settings;
 pub mod storage;
 pub mod token_bucket;
 pub mod tuner;
@@ -51,6 +53,7 @@ pub struct Stage {
     unix: UnixListener,
     tcp: Option<TcpListener>,
     http: TcpListener,
+    controller: Option<(String, session::Identity)>,
 }
 
 /// The addresses a bound stage listens on (printed as its ready line).
@@ -83,6 +86,14 @@ impl Stage {
             .await
             .with_context(|| format!("binding the metrics listener on {}", config.metrics_addr))?;
         let engine = Engine::new(datasets, config.memory_budget, config.job, Metrics::new());
+        let controller = config.controller.map(|url| {
+            let identity = session::Identity {
+                stage_id: config.stage_id.clone(),
+                node: config.node,
+                labels: config.labels,
+            };
+            (url, identity)
+        });
         Ok(Self {
             engine,
             stage_id: config.stage_id.into(),
@@ -90,6 +101,7 @@ impl Stage {
             unix,
             tcp,
             http,
+            controller,
         })
     }
 
@@ -115,8 +127,13 @@ impl Stage {
             unix,
             tcp,
             http,
+            controller,
         } = self;
         let tracker = TaskTracker::new();
+        if let Some((url, identity)) = controller {
+            let session = session::run(Arc::clone(&engine), url, identity, cancel.clone());
+            tokio::spawn(session.instrument(info_span!("controller")));
+        }
 
         let app = http::router(Arc::clone(&engine));
         let http_cancel = cancel.clone();

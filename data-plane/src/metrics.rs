@@ -39,6 +39,9 @@ pub struct Metrics {
     pub memory_budget: IntGauge,
     pub memory_used: IntGauge,
     pub jobs: IntGauge,
+    pub settings_version: IntGauge,
+    pub controller_connected: IntGauge,
+    pub settings_rejected: IntCounter,
 }
 
 /// The handles one (job, dataset) pair updates on the hot path.
@@ -179,6 +182,22 @@ impl Metrics {
                 "Bytes reserved across all jobs' prefetch buffers.",
             ),
             jobs: scalar("sluice_stage_jobs", "Jobs the stage currently knows."),
+            settings_version: scalar(
+                "sluice_stage_settings_version",
+                "Version of the controller's settings in force (0: none).",
+            ),
+            controller_connected: scalar(
+                "sluice_stage_controller_connected",
+                "1 while the session with the controller is up.",
+            ),
+            settings_rejected: register(
+                &r,
+                IntCounter::new(
+                    "sluice_stage_settings_rejected_total",
+                    "Settings pushes the stage refused (Nack).",
+                )
+                .expect("valid metric"),
+            ),
             registry: r,
         })
     }

@@ -17,8 +17,13 @@ pub fn binary(name: &str) -> PathBuf {
         .parent()
         .and_then(|deps| deps.parent())
         .expect("tests run from target/<profile>/deps");
-    let mut built = BUILT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if built.get_or_insert_with(HashSet::new).insert(name.to_owned()) {
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if built
+        .get_or_insert_with(HashSet::new)
+        .insert(name.to_owned())
+    {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = Command::new(cargo);
         // From the workspace root, where every package's binaries are visible.
@@ -27,7 +32,9 @@ pub fn binary(name: &str) -> PathBuf {
         if profile_dir.ends_with("release") {
             build.arg("--release");
         }
-        let status = build.status().expect("running cargo build for the end-to-end tests");
+        let status = build
+            .status()
+            .expect("running cargo build for the end-to-end tests");
         assert!(status.success(), "building {name} failed");
     }
     let path = profile_dir.join(name);

@@ -1,0 +1,168 @@
+//! The stage's session with the controller (`--controller URL`): one
+//! `StageService.Session` stream carrying hello and telemetry up and
+//! versioned settings down, each answered with an ack or a nack.
+//!
+//! Fail-static: when the controller is unreachable the stage keeps the last
+//! settings it accepted and keeps serving trainers; it reconnects with capped
+//! exponential backoff and jitter, and says in its hello which settings
+//! version it runs, so a restarted controller knows what is in force.
+
+mod convert;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluice_proto::StageServiceClient;
+use sluice_proto::v1::{
+    Ack, ControllerMessage, Hello, Nack, StageMessage, controller_message, stage_message,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::engine::Engine;
+
+/// How often telemetry goes up.
+pub const TELEMETRY_INTERVAL: Duration = Duration::from_secs(1);
+/// First reconnection delay; doubled per failure up to [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// A session that lasted this long resets the backoff.
+const STABLE_SESSION: Duration = Duration::from_secs(10);
+
+/// Who this stage is, as its hello tells the controller.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub stage_id: String,
+    pub node: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Why a session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("the controller URL `{url}` is invalid: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("connecting to the controller: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    #[error("the controller refused the session: {0}")]
+    Refused(#[from] tonic::Status),
+    #[error("the controller closed the session")]
+    Closed,
+}
+
+/// Keeps a session with the controller at `url` until `cancel` fires,
+/// reconnecting after every failure.
+pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: CancellationToken) {
+    let mut backoff = MIN_BACKOFF;
+    loop {
+        let started = tokio::time::Instant::now();
+        let result = cancel
+            .run_until_cancelled(session(&engine, &url, &identity))
+            .await;
+        engine.metrics().controller_connected.set(0);
+        match result {
+            None => return,
+            Some(Err(e @ SessionError::BadUrl { .. })) => {
+                tracing::error!(error = %e, "no controller session: fix --controller");
+                return;
+            }
+            Some(Err(e)) => {
+                warn!(error = %e, retry_in = ?backoff, "controller session ended; keeping the last settings")
+            }
+            Some(Ok(())) => {}
+        }
+        if started.elapsed() >= STABLE_SESSION {
+            backoff = MIN_BACKOFF;
+        }
+        let delay = jittered(backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        if cancel
+            .run_until_cancelled(tokio::time::sleep(delay))
+            .await
+            .is_none()
+        {
+            return;
+        }
+    }
+}
+
+/// A delay between half and all of `backoff`, so stages that lost the same
+/// controller do not reconnect in lockstep.
+fn jittered(backoff: Duration) -> Duration {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    backoff.mul_f64(0.5 + f64::from(nanos % 1000) / 2000.0)
+}
+
+/// One session: connect, hello, then telemetry every second and an answer
+/// to every settings push, until either side ends it.
+async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result<(), SessionError> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| SessionError::BadUrl {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5));
+    let channel = endpoint.connect().await?;
+    let (tx, rx) = mpsc::channel::<StageMessage>(16);
+    let send = |kind| StageMessage { kind: Some(kind) };
+    tx.send(send(stage_message::Kind::Hello(hello(engine, identity))))
+        .await
+        .map_err(|_| SessionError::Closed)?;
+    let mut inbound = StageServiceClient::new(channel)
+        .session(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    info!(%url, version = engine.settings_version(), "controller session up");
+    engine.metrics().controller_connected.set(1);
+    let mut ticker = tokio::time::interval(TELEMETRY_INTERVAL);
+    loop {
+        let reply = tokio::select! {
+            _ = ticker.tick() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
+            message = inbound.message() => {
+                let Some(ControllerMessage { kind: Some(controller_message::Kind::Settings(pushed)) }) = message? else {
+                    return Err(SessionError::Closed);
+                };
+                let version = pushed.version;
+                match convert::settings(pushed).and_then(|s| engine.apply_settings(s)) {
+                    Ok(()) => {
+                        info!(version, "settings applied");
+                        send(stage_message::Kind::Ack(Ack { version }))
+                    }
+                    Err(reason) => {
+                        warn!(version, %reason, "settings refused; keeping the ones in force");
+                        engine.metrics().settings_rejected.inc();
+                        send(stage_message::Kind::Nack(Nack { version, reason }))
+                    }
+                }
+            }
+        };
+        tx.send(reply).await.map_err(|_| SessionError::Closed)?;
+    }
+}
+
+fn hello(engine: &Engine, identity: &Identity) -> Hello {
+    Hello {
+        stage_id: identity.stage_id.clone(),
+        node: identity.node.clone(),
+        labels: identity.labels.clone().into_iter().collect(),
+        capabilities: vec![
+            "prefetch".into(),
+            "qos".into(),
+            "tuner".into(),
+            "direct-io".into(),
+        ],
+        settings_version: engine.settings_version(),
+        datasets: engine.dataset_names(),
+        memory_budget_bytes: engine.memory().budget(),
+        reader_budget: 0,
+        software_version: env!("CARGO_PKG_VERSION").into(),
+    }
+}

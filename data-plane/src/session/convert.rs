@@ -1,0 +1,109 @@
+//! Wire types of the session to and from the stage's domain types: the one
+//! place that knows both.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluice_proto::v1;
+
+use crate::engine::{Engine, JobSnapshot};
+use crate::settings::{JobOverrides, StageSettings};
+
+/// The stage's telemetry now.
+pub fn telemetry(engine: &Engine) -> v1::Telemetry {
+    v1::Telemetry {
+        unix_millis: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64),
+        settings_version: engine.settings_version(),
+        memory_used_bytes: engine.memory().used(),
+        jobs: engine.snapshot().into_iter().map(job_telemetry).collect(),
+    }
+}
+
+fn job_telemetry(s: JobSnapshot) -> v1::JobTelemetry {
+    v1::JobTelemetry {
+        job: s.job,
+        labels: s.labels.into_iter().collect(),
+        delivered_bytes: s.delivered_bytes,
+        delivered_samples: s.delivered_samples,
+        storage_reads: s.storage_reads,
+        storage_read_bytes: s.storage_read_bytes,
+        read_seconds: s.read_seconds,
+        stall_seconds: s.stall_seconds,
+        throttled_seconds: s.throttled_seconds,
+        errors: s.errors,
+        buffer_used_bytes: s.buffer_used_bytes,
+        buffer_capacity_bytes: s.buffer_capacity_bytes,
+        readers: s.readers,
+        active_readers: s.active_readers,
+        connections: s.connections as u32,
+        plans: s.plans as u32,
+        bytes_per_second: s.bytes_per_second_limit,
+        ops_per_second: s.ops_per_second_limit,
+        read_latency: None,
+    }
+}
+
+/// Converts a push; refuses fields that cannot be honoured as given.
+pub fn settings(pushed: v1::Settings) -> Result<StageSettings, String> {
+    let mut jobs = std::collections::HashMap::new();
+    for entry in pushed.jobs {
+        let overrides = overrides(entry.settings.unwrap_or_default());
+        if jobs.insert(entry.job.clone(), overrides).is_some() {
+            return Err(format!("job `{}` appears twice", entry.job));
+        }
+    }
+    Ok(StageSettings {
+        version: pushed.version,
+        defaults: pushed.defaults.map(overrides),
+        jobs,
+    })
+}
+
+/// Zero in a bound or the burst means "keep the stage's own value".
+fn overrides(s: v1::JobSettings) -> JobOverrides {
+    let pair = |min: u64, max: u64| (min != 0 || max != 0).then_some((min, max));
+    JobOverrides {
+        bytes_per_s: s.bytes_per_second,
+        ops_per_s: s.ops_per_second,
+        burst: (s.burst_millis != 0).then(|| Duration::from_millis(u64::from(s.burst_millis))),
+        tuner: s.tuner,
+        readers: pair(u64::from(s.min_readers), u64::from(s.max_readers))
+            .map(|(a, b)| (a as u32, b as u32)),
+        buffer: pair(s.min_buffer_bytes, s.max_buffer_bytes),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pushes_convert_and_duplicates_are_refused() {
+        let job = |name: &str, bytes| v1::JobSettingsEntry {
+            job: name.into(),
+            settings: Some(v1::JobSettings {
+                bytes_per_second: Some(bytes),
+                min_readers: 2,
+                max_readers: 8,
+                ..Default::default()
+            }),
+        };
+        let pushed = v1::Settings {
+            version: 7,
+            defaults: None,
+            jobs: vec![job("a", 100)],
+        };
+        let s = settings(pushed).unwrap();
+        assert_eq!(s.version, 7);
+        assert_eq!(s.jobs["a"].bytes_per_s, Some(100));
+        assert_eq!(s.jobs["a"].readers, Some((2, 8)));
+        assert_eq!(s.jobs["a"].buffer, None, "zero bounds keep the stage's");
+        let twice = v1::Settings {
+            version: 8,
+            defaults: None,
+            jobs: vec![job("a", 1), job("a", 2)],
+        };
+        assert!(settings(twice).unwrap_err().contains("twice"));
+    }
+}

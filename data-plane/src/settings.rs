@@ -1,0 +1,243 @@
+//! Settings the controller pushes: per-job overrides of the stage's own
+//! configuration (QoS limits, tuner on/off, reader and buffer bounds), with a
+//! version. A push is a complete snapshot: jobs it does not name get its
+//! `defaults`, or the stage's configuration when it has none.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::config::MAX_READERS;
+use crate::engine::JobSettings;
+use crate::tuner::Bounds;
+
+/// Longest burst window a push may set.
+const MAX_BURST: Duration = Duration::from_secs(60);
+
+/// What the controller decided for one job (or for every unnamed job).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobOverrides {
+    /// Storage bytes/s; `None` is unlimited.
+    pub bytes_per_s: Option<u64>,
+    /// Storage reads/s; `None` is unlimited.
+    pub ops_per_s: Option<u64>,
+    /// Limiter burst window; `None` keeps the stage's.
+    pub burst: Option<Duration>,
+    /// Tuner on or off; `None` keeps the stage's choice.
+    pub tuner: Option<bool>,
+    /// Reader bounds (min, max); `None` keeps the stage's.
+    pub readers: Option<(u32, u32)>,
+    /// Buffer bounds in bytes (min, max); `None` keeps the stage's.
+    pub buffer: Option<(u64, u64)>,
+}
+
+/// One versioned push from the controller.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StageSettings {
+    pub version: u64,
+    pub defaults: Option<JobOverrides>,
+    pub jobs: HashMap<String, JobOverrides>,
+}
+
+impl StageSettings {
+    /// Checks every override against what this stage can do; the reason
+    /// names the job and the value, for the controller's Nack.
+    pub fn validate(&self, memory_budget: u64) -> Result<(), String> {
+        if let Some(defaults) = &self.defaults {
+            defaults
+                .validate(memory_budget)
+                .map_err(|e| format!("defaults: {e}"))?;
+        }
+        let mut jobs: Vec<_> = self.jobs.iter().collect();
+        jobs.sort_by_key(|(name, _)| name.as_str());
+        for (job, overrides) in jobs {
+            if job.is_empty() {
+                return Err("a job entry has an empty job id".into());
+            }
+            overrides
+                .validate(memory_budget)
+                .map_err(|e| format!("job `{job}`: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Returns the settings job `job` runs with on top of `base`.
+    pub fn resolve(&self, job: &str, base: JobSettings) -> JobSettings {
+        match self.jobs.get(job).or(self.defaults.as_ref()) {
+            Some(overrides) => overrides.apply_to(base),
+            None => base,
+        }
+    }
+}
+
+impl JobOverrides {
+    fn validate(&self, memory_budget: u64) -> Result<(), String> {
+        if self.bytes_per_s == Some(0) || self.ops_per_s == Some(0) {
+            return Err("a limit of 0 would stop every read; leave it unset for unlimited".into());
+        }
+        if let Some(burst) = self.burst
+            && (burst.is_zero() || burst > MAX_BURST)
+        {
+            return Err(format!("burst window {burst:?} is outside 1 ms to 60 s"));
+        }
+        if let Some((min, max)) = self.readers
+            && (min == 0 || min > max || max > MAX_READERS)
+        {
+            return Err(format!(
+                "reader bounds {min}..{max} are impossible: need 1 <= min <= max <= {MAX_READERS}"
+            ));
+        }
+        if let Some((min, max)) = self.buffer {
+            if min > max {
+                return Err(format!(
+                    "buffer bounds {min}..{max} bytes are impossible: min is above max"
+                ));
+            }
+            if max > memory_budget {
+                return Err(format!(
+                    "buffer maximum of {max} bytes exceeds this stage's memory budget of {memory_budget} bytes"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Lays these overrides over `base`. Limits are replaced outright (an
+    /// unset limit means unlimited: a push is a complete decision).
+    pub fn apply_to(&self, base: JobSettings) -> JobSettings {
+        let mut s = base;
+        s.limits.bytes_per_s = self.bytes_per_s;
+        s.limits.ops_per_s = self.ops_per_s;
+        if let Some(burst) = self.burst {
+            s.limits.burst = burst;
+        }
+        if let Some(tuner) = self.tuner {
+            s.tuner = tuner;
+        }
+        let (min_readers, max_readers) = self
+            .readers
+            .unwrap_or((base.bounds.min_readers, base.bounds.max_readers));
+        let (min_buffer, max_buffer) = self
+            .buffer
+            .unwrap_or((base.bounds.min_buffer, base.bounds.max_buffer));
+        s.bounds = Bounds {
+            min_readers,
+            max_readers,
+            min_buffer,
+            max_buffer,
+        };
+        s.initial_readers = s.bounds.clamp_readers(base.initial_readers);
+        s.initial_buffer = s.bounds.clamp_buffer(base.initial_buffer);
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token_bucket::Limits;
+
+    const MIB: u64 = 1 << 20;
+
+    fn base() -> JobSettings {
+        JobSettings {
+            bounds: Bounds {
+                min_readers: 1,
+                max_readers: 64,
+                min_buffer: 4 * MIB,
+                max_buffer: 1024 * MIB,
+            },
+            initial_readers: 16,
+            initial_buffer: 64 * MIB,
+            tuner: true,
+            limits: Limits {
+                bytes_per_s: Some(500 * MIB),
+                ..Limits::default()
+            },
+        }
+    }
+
+    #[test]
+    fn named_jobs_then_defaults_then_the_stage_config() {
+        let mut settings = StageSettings {
+            version: 3,
+            ..Default::default()
+        };
+        assert_eq!(settings.resolve("a", base()), base());
+        settings.defaults = Some(JobOverrides {
+            ops_per_s: Some(100),
+            ..Default::default()
+        });
+        settings.jobs.insert(
+            "a".into(),
+            JobOverrides {
+                bytes_per_s: Some(200 * MIB),
+                tuner: Some(false),
+                readers: Some((2, 8)),
+                ..Default::default()
+            },
+        );
+        let a = settings.resolve("a", base());
+        assert_eq!(
+            (a.limits.bytes_per_s, a.limits.ops_per_s),
+            (Some(200 * MIB), None)
+        );
+        assert!(!a.tuner);
+        assert_eq!(
+            (
+                a.bounds.min_readers,
+                a.bounds.max_readers,
+                a.initial_readers
+            ),
+            (2, 8, 8)
+        );
+        let b = settings.resolve("b", base());
+        assert_eq!(
+            (b.limits.bytes_per_s, b.limits.ops_per_s),
+            (None, Some(100)),
+            "a push replaces limits"
+        );
+        assert_eq!(b.bounds, base().bounds);
+    }
+
+    #[test]
+    fn impossible_overrides_are_refused_with_the_job_named() {
+        let bad = |o: JobOverrides| {
+            let mut s = StageSettings::default();
+            s.jobs.insert("train".into(), o);
+            s.validate(256 * MIB).unwrap_err()
+        };
+        assert!(
+            bad(JobOverrides {
+                readers: Some((9, 2)),
+                ..Default::default()
+            })
+            .contains("job `train`: reader bounds 9..2")
+        );
+        assert!(
+            bad(JobOverrides {
+                buffer: Some((0, 512 * MIB)),
+                ..Default::default()
+            })
+            .contains("memory budget")
+        );
+        assert!(
+            bad(JobOverrides {
+                ops_per_s: Some(0),
+                ..Default::default()
+            })
+            .contains("limit of 0")
+        );
+        assert!(
+            bad(JobOverrides {
+                burst: Some(Duration::ZERO),
+                ..Default::default()
+            })
+            .contains("burst")
+        );
+        let ok = StageSettings {
+            defaults: Some(JobOverrides::default()),
+            ..Default::default()
+        };
+        assert!(ok.validate(256 * MIB).is_ok());
+    }
+}

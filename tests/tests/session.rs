@@ -1,0 +1,362 @@
+//! The stage's controller session, end to end: the real `sluice-stage`
+//! binary against a scripted controller (a real tonic server in the test).
+//! Hello, settings applied and acknowledged, bad settings refused with a
+//! reason, telemetry carrying the version in force, fail-static when the
+//! controller goes away, and reconnection when it comes back.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_proto::v1::{
+    ControllerMessage, JobSettings, JobSettingsEntry, Settings, StageMessage, controller_message,
+    stage_message,
+};
+use sluice_proto::{StageService, StageServiceServer};
+use sluice_stage::protocol::Request as Frame;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status, Streaming};
+
+/// The sending half of a session's response stream.
+type Push = mpsc::Sender<Result<ControllerMessage, Status>>;
+
+/// A controller that reports every stage message to the test and lets the
+/// test push settings down the current session.
+#[derive(Clone, Default)]
+struct Scripted {
+    seen: Arc<Mutex<Option<mpsc::UnboundedSender<StageMessage>>>>,
+    push: Arc<Mutex<Option<Push>>>,
+}
+
+#[tonic::async_trait]
+impl StageService for Scripted {
+    type SessionStream = ReceiverStream<Result<ControllerMessage, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<StageMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = request.into_inner();
+        let seen = self.seen.lock().unwrap().clone().expect("test listens");
+        tokio::spawn(async move {
+            while let Ok(Some(message)) = inbound.message().await {
+                let _ = seen.send(message);
+            }
+        });
+        let (tx, rx) = mpsc::channel(8);
+        *self.push.lock().unwrap() = Some(tx);
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+struct Controller {
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn serve(controller: Scripted, listener: tokio::net::TcpListener) -> Controller {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(StageServiceServer::new(controller))
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("the scripted controller serves");
+    });
+    Controller {
+        stop: Some(stop),
+        task,
+    }
+}
+
+impl Controller {
+    /// Stops serving and ends the open session, as a dying controller would.
+    async fn kill(mut self, controller: &Scripted) {
+        controller.push.lock().unwrap().take();
+        let _ = self.stop.take().unwrap().send(());
+        self.task.abort();
+        let _ = self.task.await;
+    }
+}
+
+/// Waits for the next stage message that `pick` accepts, skipping others.
+async fn next<T>(
+    seen: &mut mpsc::UnboundedReceiver<StageMessage>,
+    mut pick: impl FnMut(stage_message::Kind) -> Option<T>,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let message = seen.recv().await.expect("the session is open");
+            if let Some(found) = message.kind.and_then(&mut pick) {
+                return found;
+            }
+        }
+    })
+    .await
+    .expect("the stage answered in time")
+}
+
+async fn push(controller: &Scripted, settings: Settings) {
+    let tx = controller
+        .push
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("a session is open");
+    tx.send(Ok(ControllerMessage {
+        kind: Some(controller_message::Kind::Settings(settings)),
+    }))
+    .await
+    .expect("the session takes the push");
+}
+
+fn job_settings(job: &str, settings: JobSettings) -> JobSettingsEntry {
+    JobSettingsEntry {
+        job: job.into(),
+        settings: Some(settings),
+    }
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Says HELLO as a trainer of `job` and returns the open connection.
+fn trainer(socket: &std::path::Path, job: &str) -> UnixStream {
+    let mut s = UnixStream::connect(socket).unwrap();
+    let hello = Frame::Hello {
+        version: 1,
+        job: job.into(),
+        labels: Default::default(),
+        rank: 0,
+        world_size: 1,
+    };
+    s.write_all(&hello.encode()).unwrap();
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[4], 0x81, "WELCOME");
+    let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
+    s.read_exact(&mut rest).unwrap();
+    s
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_flow_fail_static_and_reconnect() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let controller = Scripted::default();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    *controller.seen.lock().unwrap() = Some(seen_tx);
+    let server = serve(controller.clone(), listener).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    std::fs::write(dir.path().join("data/a.bin"), b"abc").unwrap();
+    let socket = dir.path().join("stage.sock");
+    let mut child = Command::new(sluice_tests::binary("sluice-stage"))
+        .args([
+            "--socket",
+            socket.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--stage-id",
+            "stage-e2e",
+        ])
+        .args([
+            "--node",
+            "node-a",
+            "--label",
+            "zone=z1",
+            "--memory-budget",
+            "64MiB",
+        ])
+        .arg(format!(
+            "--dataset=train={}",
+            dir.path().join("data").display()
+        ))
+        .arg(format!("--controller=http://{addr}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _stage = KillOnDrop(child);
+    let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let metrics = ready["metrics"].as_str().unwrap().to_owned();
+
+    let hello = next(&mut seen, |k| match k {
+        stage_message::Kind::Hello(h) => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        (
+            hello.stage_id.as_str(),
+            hello.node.as_str(),
+            hello.settings_version
+        ),
+        ("stage-e2e", "node-a", 0)
+    );
+    assert_eq!(hello.labels.get("zone").map(String::as_str), Some("z1"));
+    assert_eq!(hello.datasets, ["train"]);
+    assert_eq!(hello.memory_budget_bytes, 64 << 20);
+
+    let _trainer = tokio::task::spawn_blocking({
+        let socket = socket.clone();
+        move || trainer(&socket, "e2e")
+    })
+    .await
+    .unwrap();
+    let limited = JobSettings {
+        bytes_per_second: Some(1 << 20),
+        ops_per_second: Some(500),
+        ..Default::default()
+    };
+    push(
+        &controller,
+        Settings {
+            version: 1,
+            defaults: None,
+            jobs: vec![job_settings("e2e", limited)],
+        },
+    )
+    .await;
+    let acked = next(&mut seen, |k| match k {
+        stage_message::Kind::Ack(a) => Some(a.version),
+        stage_message::Kind::Nack(n) => panic!("valid settings refused: {}", n.reason),
+        _ => None,
+    })
+    .await;
+    assert_eq!(acked, 1);
+    let telemetry = next(&mut seen, |k| match k {
+        stage_message::Kind::Telemetry(t) if t.settings_version == 1 => Some(t),
+        _ => None,
+    })
+    .await;
+    let job = telemetry
+        .jobs
+        .iter()
+        .find(|j| j.job == "e2e")
+        .expect("the job is reported");
+    assert_eq!(
+        (job.bytes_per_second, job.ops_per_second),
+        (Some(1 << 20), Some(500))
+    );
+
+    // Impossible settings: refused with a reason, nothing changes.
+    let impossible = JobSettings {
+        min_readers: 9,
+        max_readers: 2,
+        ..Default::default()
+    };
+    push(
+        &controller,
+        Settings {
+            version: 2,
+            defaults: None,
+            jobs: vec![job_settings("e2e", impossible)],
+        },
+    )
+    .await;
+    let (version, reason) = next(&mut seen, |k| match k {
+        stage_message::Kind::Nack(n) => Some((n.version, n.reason)),
+        stage_message::Kind::Ack(a) => panic!("impossible settings acknowledged: {}", a.version),
+        _ => None,
+    })
+    .await;
+    assert_eq!(version, 2);
+    assert!(
+        reason.contains("job `e2e`") && reason.contains("reader bounds 9..2"),
+        "{reason}"
+    );
+    // A push older than the version in force (a deposed controller) too.
+    push(
+        &controller,
+        Settings {
+            version: 0,
+            defaults: None,
+            jobs: vec![],
+        },
+    )
+    .await;
+    let reason = next(&mut seen, |k| match k {
+        stage_message::Kind::Nack(n) if n.version == 0 => Some(n.reason),
+        stage_message::Kind::Ack(a) => panic!("a stale push acknowledged: {}", a.version),
+        _ => None,
+    })
+    .await;
+    assert!(reason.contains("older than version 1"), "{reason}");
+
+    // The controller goes away: the stage keeps its settings and serves.
+    server.kill(&controller).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let jobs = tokio::task::spawn_blocking({
+        let metrics = metrics.clone();
+        move || http_get(&metrics, "/api/v1/jobs")
+    })
+    .await
+    .unwrap();
+    assert!(
+        jobs.contains(r#""bytes_per_second_limit":1048576"#),
+        "{jobs}"
+    );
+    let new_trainer = tokio::task::spawn_blocking({
+        let socket = socket.clone();
+        move || trainer(&socket, "newcomer")
+    })
+    .await;
+    assert!(
+        new_trainer.is_ok(),
+        "trainers are served without a controller"
+    );
+
+    // It comes back on the same address: the stage reconnects and says
+    // which settings it runs.
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let server = serve(controller.clone(), listener).await;
+    let hello = next(&mut seen, |k| match k {
+        stage_message::Kind::Hello(h) => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(hello.settings_version, 1);
+    let metrics_text = tokio::task::spawn_blocking(move || http_get(&metrics, "/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        metrics_text.contains("sluice_stage_settings_version 1"),
+        "{metrics_text}"
+    );
+    assert!(
+        metrics_text.contains("sluice_stage_settings_rejected_total 2"),
+        "{metrics_text}"
+    );
+    server.kill(&controller).await;
+}
