@@ -181,7 +181,7 @@ impl Engine {
     /// Applies a push from the controller to every job, current and future,
     /// or refuses all of it (nothing changes) with the reason.
     pub fn apply_settings(&self, settings: StageSettings) -> Result<(), String> {
-        settings.validate(self.memory.budget())?;
+        settings.validate(self.base, self.memory.budget())?;
         let version = settings.version;
         let current = self.settings_version();
         if version < current {

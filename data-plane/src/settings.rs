@@ -24,10 +24,14 @@ pub struct JobOverrides {
     pub burst: Option<Duration>,
     /// Tuner on or off; `None` keeps the stage's choice.
     pub tuner: Option<bool>,
-    /// Reader bounds (min, max); `None` keeps the stage's.
-    pub readers: Option<(u32, u32)>,
-    /// Buffer bounds in bytes (min, max); `None` keeps the stage's.
-    pub buffer: Option<(u64, u64)>,
+    /// Fewest readers; `None` keeps the stage's.
+    pub min_readers: Option<u32>,
+    /// Most readers; `None` keeps the stage's.
+    pub max_readers: Option<u32>,
+    /// Smallest buffer in bytes; `None` keeps the stage's.
+    pub min_buffer: Option<u64>,
+    /// Largest buffer in bytes; `None` keeps the stage's.
+    pub max_buffer: Option<u64>,
 }
 
 /// One versioned push from the controller.
@@ -41,10 +45,10 @@ pub struct StageSettings {
 impl StageSettings {
     /// Checks every override against what this stage can do; the reason
     /// names the job and the value, for the controller's Nack.
-    pub fn validate(&self, memory_budget: u64) -> Result<(), String> {
+    pub fn validate(&self, base: JobSettings, memory_budget: u64) -> Result<(), String> {
         if let Some(defaults) = &self.defaults {
             defaults
-                .validate(memory_budget)
+                .validate(base, memory_budget)
                 .map_err(|e| format!("defaults: {e}"))?;
         }
         let mut jobs: Vec<_> = self.jobs.iter().collect();
@@ -54,7 +58,7 @@ impl StageSettings {
                 return Err("a job entry has an empty job id".into());
             }
             overrides
-                .validate(memory_budget)
+                .validate(base, memory_budget)
                 .map_err(|e| format!("job `{job}`: {e}"))?;
         }
         Ok(())
@@ -70,7 +74,8 @@ impl StageSettings {
 }
 
 impl JobOverrides {
-    fn validate(&self, memory_budget: u64) -> Result<(), String> {
+    /// Checks the settings these overrides give on top of `base`.
+    fn validate(&self, base: JobSettings, memory_budget: u64) -> Result<(), String> {
         if self.bytes_per_s == Some(0) || self.ops_per_s == Some(0) {
             return Err("a limit of 0 would stop every read; leave it unset for unlimited".into());
         }
@@ -79,24 +84,24 @@ impl JobOverrides {
         {
             return Err(format!("burst window {burst:?} is outside 1 ms to 60 s"));
         }
-        if let Some((min, max)) = self.readers
-            && (min == 0 || min > max || max > MAX_READERS)
-        {
+        let b = self.apply_to(base).bounds;
+        if b.min_readers == 0 || b.min_readers > b.max_readers || b.max_readers > MAX_READERS {
             return Err(format!(
-                "reader bounds {min}..{max} are impossible: need 1 <= min <= max <= {MAX_READERS}"
+                "reader bounds {}..{} are impossible: need 1 <= min <= max <= {MAX_READERS}",
+                b.min_readers, b.max_readers
             ));
         }
-        if let Some((min, max)) = self.buffer {
-            if min > max {
-                return Err(format!(
-                    "buffer bounds {min}..{max} bytes are impossible: min is above max"
-                ));
-            }
-            if max > memory_budget {
-                return Err(format!(
-                    "buffer maximum of {max} bytes exceeds this stage's memory budget of {memory_budget} bytes"
-                ));
-            }
+        if b.min_buffer > b.max_buffer {
+            return Err(format!(
+                "buffer bounds {}..{} bytes are impossible: min is above max",
+                b.min_buffer, b.max_buffer
+            ));
+        }
+        if b.max_buffer > memory_budget {
+            return Err(format!(
+                "buffer maximum of {} bytes exceeds this stage's memory budget of {memory_budget} bytes",
+                b.max_buffer
+            ));
         }
         Ok(())
     }
@@ -113,17 +118,11 @@ impl JobOverrides {
         if let Some(tuner) = self.tuner {
             s.tuner = tuner;
         }
-        let (min_readers, max_readers) = self
-            .readers
-            .unwrap_or((base.bounds.min_readers, base.bounds.max_readers));
-        let (min_buffer, max_buffer) = self
-            .buffer
-            .unwrap_or((base.bounds.min_buffer, base.bounds.max_buffer));
         s.bounds = Bounds {
-            min_readers,
-            max_readers,
-            min_buffer,
-            max_buffer,
+            min_readers: self.min_readers.unwrap_or(base.bounds.min_readers),
+            max_readers: self.max_readers.unwrap_or(base.bounds.max_readers),
+            min_buffer: self.min_buffer.unwrap_or(base.bounds.min_buffer),
+            max_buffer: self.max_buffer.unwrap_or(base.bounds.max_buffer),
         };
         s.initial_readers = s.bounds.clamp_readers(base.initial_readers);
         s.initial_buffer = s.bounds.clamp_buffer(base.initial_buffer);
@@ -172,7 +171,8 @@ mod tests {
             JobOverrides {
                 bytes_per_s: Some(200 * MIB),
                 tuner: Some(false),
-                readers: Some((2, 8)),
+                min_readers: Some(2),
+                max_readers: Some(8),
                 ..Default::default()
             },
         );
@@ -204,18 +204,19 @@ mod tests {
         let bad = |o: JobOverrides| {
             let mut s = StageSettings::default();
             s.jobs.insert("train".into(), o);
-            s.validate(256 * MIB).unwrap_err()
+            s.validate(base(), 256 * MIB).unwrap_err()
         };
         assert!(
             bad(JobOverrides {
-                readers: Some((9, 2)),
+                min_readers: Some(9),
+                max_readers: Some(2),
                 ..Default::default()
             })
             .contains("job `train`: reader bounds 9..2")
         );
         assert!(
             bad(JobOverrides {
-                buffer: Some((0, 512 * MIB)),
+                max_buffer: Some(512 * MIB),
                 ..Default::default()
             })
             .contains("memory budget")
@@ -238,6 +239,28 @@ mod tests {
             defaults: Some(JobOverrides::default()),
             ..Default::default()
         };
-        assert!(ok.validate(256 * MIB).is_ok());
+        assert!(ok.validate(base(), 1024 * MIB).is_ok());
+        // One bound alone is laid over the stage's own other bound.
+        let mut one = StageSettings::default();
+        one.jobs.insert(
+            "j".into(),
+            JobOverrides {
+                min_buffer: Some(4 * MIB),
+                ..Default::default()
+            },
+        );
+        assert!(one.validate(base(), 1024 * MIB).is_ok());
+        one.jobs.insert(
+            "j".into(),
+            JobOverrides {
+                min_readers: Some(100),
+                ..Default::default()
+            },
+        );
+        assert!(
+            one.validate(base(), 1024 * MIB)
+                .unwrap_err()
+                .contains("100..64")
+        );
     }
 }

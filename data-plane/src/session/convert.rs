@@ -60,17 +60,19 @@ pub fn settings(pushed: v1::Settings) -> Result<StageSettings, String> {
     })
 }
 
-/// Zero in a bound or the burst means "keep the stage's own value".
+/// Zero in a bound or the burst means "keep the stage's own value", each
+/// on its own.
 fn overrides(s: v1::JobSettings) -> JobOverrides {
-    let pair = |min: u64, max: u64| (min != 0 || max != 0).then_some((min, max));
+    let set = |v: u64| (v != 0).then_some(v);
     JobOverrides {
         bytes_per_s: s.bytes_per_second,
         ops_per_s: s.ops_per_second,
-        burst: (s.burst_millis != 0).then(|| Duration::from_millis(u64::from(s.burst_millis))),
+        burst: set(u64::from(s.burst_millis)).map(Duration::from_millis),
         tuner: s.tuner,
-        readers: pair(u64::from(s.min_readers), u64::from(s.max_readers))
-            .map(|(a, b)| (a as u32, b as u32)),
-        buffer: pair(s.min_buffer_bytes, s.max_buffer_bytes),
+        min_readers: (s.min_readers != 0).then_some(s.min_readers),
+        max_readers: (s.max_readers != 0).then_some(s.max_readers),
+        min_buffer: set(s.min_buffer_bytes),
+        max_buffer: set(s.max_buffer_bytes),
     }
 }
 
@@ -97,8 +99,15 @@ mod tests {
         let s = settings(pushed).unwrap();
         assert_eq!(s.version, 7);
         assert_eq!(s.jobs["a"].bytes_per_s, Some(100));
-        assert_eq!(s.jobs["a"].readers, Some((2, 8)));
-        assert_eq!(s.jobs["a"].buffer, None, "zero bounds keep the stage's");
+        assert_eq!(
+            (s.jobs["a"].min_readers, s.jobs["a"].max_readers),
+            (Some(2), Some(8))
+        );
+        assert_eq!(
+            (s.jobs["a"].min_buffer, s.jobs["a"].max_buffer),
+            (None, None),
+            "zero bounds keep the stage's"
+        );
         let twice = v1::Settings {
             version: 8,
             defaults: None,
