@@ -4,13 +4,14 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Exit codes, shown at the end of `sluicectl --help`.
 const EXIT_CODES: &str = "\
 Exit codes:
   0  ok
-  1  the command found an error (for validate: an invalid policy)
+  1  the command found an error: an invalid policy, a request the
+     controller refused, a controller that cannot be reached
   2  usage: an unknown flag, a missing argument, a path that cannot be read";
 
 /// What `validate` reads and checks, shown by `sluicectl validate --help`.
@@ -76,12 +77,150 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// What `apply` does, shown by `sluicectl apply --help`.
+const APPLY_ABOUT: &str = "\
+Send policy documents to the controller, all in one request.
+
+Reads -f arguments as validate does. The controller stores all documents or
+none: on an invalid document nothing changes, each problem is printed on
+standard error as FILE:LINE:COLUMN: message, and the exit code is 1. On
+success one line per document says what happened, for example
+`pool/shared-nfs created (revision 1)`.";
+
+/// `--filename` in `apply --help`.
+const APPLY_FILENAME_HELP: &str = "\
+A policy file (any name), a directory (its *.yaml and *.yml files),
+or - for standard input. Repeat -f to apply several in one request.";
+
+/// What `top` shows, shown by `sluicectl top --help`.
+const TOP_ABOUT: &str = "\
+A live view of the jobs and stages, redrawn every second: per job the
+throughput, the time its trainers stall, the rate limit in force and why;
+per stage the settings version it acknowledged. Ctrl-C quits.";
+
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Check policy files offline, without a controller
     #[command(long_about = VALIDATE_ABOUT, after_help = VALIDATE_EXIT_CODES)]
     Validate(ValidateArgs),
+    /// Apply policy files to the controller
+    #[command(long_about = APPLY_ABOUT)]
+    Apply(ApplyArgs),
+    /// Delete a policy
+    #[command(subcommand)]
+    Delete(DeleteTarget),
+    /// List pools, policies, jobs or stages
+    Get(GetArgs),
+    /// Show one job, stage or pool in detail
+    #[command(subcommand)]
+    Describe(DescribeTarget),
+    /// Watch jobs and stages live
+    #[command(long_about = TOP_ABOUT)]
+    Top(TopArgs),
+}
+
+/// Arguments of `sluicectl apply`.
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    /// A file, a directory, or - (stdin); repeatable
+    #[arg(
+        short = 'f',
+        long = "filename",
+        value_name = "FILE|DIR|-",
+        required = true,
+        long_help = APPLY_FILENAME_HELP
+    )]
+    pub files: Vec<PathBuf>,
+
+    /// Show what would change without storing anything
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// What `sluicectl delete` deletes.
+#[derive(Debug, Subcommand)]
+pub enum DeleteTarget {
+    /// Delete a policy of any kind by name
+    Policy {
+        /// The policy's metadata.name
+        name: String,
+    },
+    /// Delete a StoragePool policy
+    Pool {
+        /// The pool's metadata.name
+        name: String,
+    },
+}
+
+/// Arguments of `sluicectl get`.
+#[derive(Debug, Args)]
+pub struct GetArgs {
+    /// What to list
+    #[arg(value_enum)]
+    pub what: Listing,
+
+    /// Output format: a table for people, json or yaml for scripts
+    #[arg(
+        short = 'o',
+        long,
+        value_enum,
+        value_name = "FORMAT",
+        default_value_t = Format::Table
+    )]
+    pub output: Format,
+}
+
+/// The collections `get` lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Listing {
+    /// Storage pools and how they are shared
+    Pools,
+    /// Stored policies, current revision of each
+    Policies,
+    /// Jobs some stage reports
+    Jobs,
+    /// Stages, connected or lost
+    Stages,
+}
+
+/// How `get` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Aligned columns, 80 wide
+    Table,
+    /// A JSON array, stable for scripts
+    Json,
+    /// The same as YAML
+    Yaml,
+}
+
+/// What `sluicectl describe` shows.
+#[derive(Debug, Subcommand)]
+pub enum DescribeTarget {
+    /// A job: policy, limits, settings in force and per stage
+    Job {
+        /// The job's id
+        name: String,
+    },
+    /// A stage: state, settings versions, jobs
+    Stage {
+        /// The stage's id
+        name: String,
+    },
+    /// A pool: capacity, allocation, jobs
+    Pool {
+        /// The pool's name
+        name: String,
+    },
+}
+
+/// Arguments of `sluicectl top`.
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Print one frame, without clearing the screen, and exit
+    #[arg(long)]
+    pub once: bool,
 }
 
 /// Arguments of `sluicectl validate`.

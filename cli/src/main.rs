@@ -3,11 +3,23 @@
 //! `main` only parses the command line and hands each subcommand to its
 //! module; every subcommand returns an [`Exit`], the one place where exit
 //! codes are decided (0 ok, 1 the command found an error, 2 usage).
+//! `validate` works offline; every other subcommand talks to the
+//! controller's `AdminService` at `--server` (see `client`) and prints the
+//! answer as a table, a description, or JSON/YAML (see `view`).
 
+mod apply;
 mod args;
+mod client;
+mod delete;
+mod describe;
 mod exit;
+mod get;
+mod human;
 mod input;
+mod table;
+mod top;
 mod validate;
+mod view;
 
 use std::process::ExitCode;
 
@@ -32,6 +44,11 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Validate(args) => validate::run(&args),
+        Command::Apply(args) => apply::run(&cli.server, &args),
+        Command::Delete(target) => delete::run(&cli.server, &target),
+        Command::Get(args) => get::run(&cli.server, &args),
+        Command::Describe(target) => describe::run(&cli.server, &target),
+        Command::Top(args) => top::run(&cli.server, &args),
     }
     .into()
 }

@@ -88,7 +88,7 @@ pub fn check(sources: &[Source]) -> Result<Summary, Vec<String>> {
 
 /// Returns the source's text, or where it stops being UTF-8 (line and
 /// column in characters, as the policy errors count them).
-fn decode(source: &Source) -> Result<&str, Vec<String>> {
+pub fn decode(source: &Source) -> Result<&str, Vec<String>> {
     let e = match std::str::from_utf8(&source.bytes) {
         Ok(text) => return Ok(text),
         Err(e) => e,

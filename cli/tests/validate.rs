@@ -255,14 +255,18 @@ fn a_wrong_command_line_exits_2_with_usage() {
         &[][..],
         &["validate"],
         &["validate", "-f", "static-split.yaml", "--frobnicate"],
-        &["apply", "-f", "static-split.yaml"],
+        &["apply"],
+        &["get", "nodes"],
+        &["describe", "job"],
         &["validate", "-f", "-", "-f", "-"],
     ] {
         let run = sluicectl(here, args, "");
         assert_eq!(run.code, 2, "{args:?}: {}", run.stderr);
         assert_eq!(run.stdout, "", "{args:?}");
         assert!(
-            run.stderr.contains("Usage: sluicectl") || run.stderr.starts_with("sluicectl: "),
+            run.stderr.contains("Usage: sluicectl")
+                || run.stderr.starts_with("sluicectl: ")
+                || run.stderr.starts_with("error: invalid value"),
             "{args:?}: {}",
             run.stderr
         );

@@ -1,0 +1,245 @@
+//! The connection to the controller's `AdminService`, and how its failures
+//! read: one line for a controller that cannot be reached, the
+//! controller's own message for a request it refused.
+
+use std::error::Error as _;
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use sluice_proto::AdminServiceClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+use crate::exit::Exit;
+
+/// How long to wait for the TCP connection before giving up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one request may take. Generous: an apply stores revisions.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A client of the controller at one address.
+pub type Admin = AdminServiceClient<Channel>;
+
+/// Why a command could not get its answer from the controller.
+#[derive(Debug)]
+pub enum CallError {
+    /// `--server` is not an address like `http://HOST:PORT`: a usage
+    /// error.
+    BadAddress { server: String },
+    /// No connection: nobody listening, a name that does not resolve, a
+    /// dropped connection, or a server that is not the controller.
+    Unreachable { server: String, reason: String },
+    /// The controller answered with an error.
+    Refused(Status),
+}
+
+impl CallError {
+    /// Builds the error for a failed call: a transport failure is
+    /// `Unreachable`, anything else is the controller refusing.
+    pub fn from_status(server: &str, status: Status) -> Self {
+        let unreachable = |reason: String| Self::Unreachable {
+            server: server.to_owned(),
+            reason,
+        };
+        match status.code() {
+            Code::Unavailable => unreachable(match status.source() {
+                Some(source) => deepest_reason(source),
+                None => status.message().to_owned(),
+            }),
+            // Something answered, but not the AdminService: a stage, the
+            // controller's HTTP port, some other server.
+            Code::Unimplemented => unreachable(format!(
+                "the server there does not serve sluice's admin API ({}); \
+                 give the controller's gRPC address",
+                status.code().description()
+            )),
+            Code::Unknown if status.message().starts_with("grpc-status header missing") => {
+                unreachable(format!(
+                    "the server there does not speak gRPC ({}); \
+                     give the controller's gRPC address",
+                    status.message()
+                ))
+            }
+            _ => Self::Refused(status),
+        }
+    }
+
+    /// Returns the lines to print on standard error. A refused request
+    /// with INVALID_ARGUMENT carries `FILE:LINE:COLUMN: message` lines,
+    /// printed as they are; everything else is one `sluicectl:` line.
+    pub fn lines(&self) -> Vec<String> {
+        match self {
+            Self::Refused(status) if status.code() == Code::InvalidArgument => status
+                .message()
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(str::to_owned)
+                .collect(),
+            _ => vec![format!("sluicectl: {self}")],
+        }
+    }
+
+    /// Returns the exit code: a malformed `--server` is a usage error
+    /// (2), anything else an error (1).
+    pub fn exit(&self) -> Exit {
+        match self {
+            Self::BadAddress { .. } => Exit::Usage,
+            _ => Exit::Failed,
+        }
+    }
+}
+
+impl fmt::Display for CallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BadAddress { server } => write!(
+                f,
+                "--server `{server}` is not an address like http://127.0.0.1:7070"
+            ),
+            Self::Unreachable { server, reason } => {
+                write!(f, "cannot reach the controller at {server}: {reason}")
+            }
+            Self::Refused(status) => {
+                let message = status.message().trim();
+                if message.is_empty() {
+                    let code = status.code().description();
+                    write!(f, "the controller answered: {code}")
+                } else {
+                    // Several lines would break "one line per error".
+                    f.write_str(&message.replace('\n', "; "))
+                }
+            }
+        }
+    }
+}
+
+/// Connects to the controller at `server` (`http://host:port`).
+pub async fn connect(server: &str) -> Result<Admin, CallError> {
+    let unreachable = |reason: String| CallError::Unreachable {
+        server: server.to_owned(),
+        reason,
+    };
+    let bad_address = || CallError::BadAddress {
+        server: server.to_owned(),
+    };
+    if !(server.starts_with("http://") || server.starts_with("https://")) {
+        return Err(bad_address());
+    }
+    let endpoint = Endpoint::from_shared(server.to_owned())
+        .map_err(|_| bad_address())?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .timeout(REQUEST_TIMEOUT);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| unreachable(deepest_reason(&e)))?;
+    Ok(AdminServiceClient::new(channel))
+}
+
+/// Connects, then runs one request; a failure of either is a [`CallError`].
+pub async fn call<T, F, Fut>(server: &str, request: F) -> Result<T, CallError>
+where
+    F: FnOnce(Admin) -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    let admin = connect(server).await?;
+    request(admin)
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| CallError::from_status(server, s))
+}
+
+/// Runs `future` on a small runtime of its own: the commands make a few
+/// requests in a row, so one thread is plenty.
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("building a single-threaded tokio runtime")
+        .block_on(future)
+}
+
+/// Prints a call error on standard error and returns its exit code.
+pub fn report(error: &CallError) -> Exit {
+    for line in error.lines() {
+        eprintln!("{line}");
+    }
+    error.exit()
+}
+
+/// The innermost cause of an error, as a person reads it: "Connection
+/// refused" rather than "transport error", without " (os error 111)".
+fn deepest_reason(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut deepest = error;
+    while let Some(source) = deepest.source() {
+        deepest = source;
+    }
+    let text = deepest.to_string();
+    let text = match text.rfind(" (os error ") {
+        Some(at) if text.ends_with(')') => text[..at].to_owned(),
+        _ => text,
+    };
+    if text.is_empty() {
+        error.to_string()
+    } else {
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_argument_lines_are_printed_as_they_are() {
+        let status = Status::invalid_argument(
+            "a.yaml:8:3: unknown field `wieght`\nb.yaml:18:16: bad unit\n",
+        );
+        let error = CallError::from_status("http://x:1", status);
+        assert_eq!(
+            error.lines(),
+            [
+                "a.yaml:8:3: unknown field `wieght`",
+                "b.yaml:18:16: bad unit"
+            ]
+        );
+    }
+
+    #[test]
+    fn other_refusals_are_one_line() {
+        let error = CallError::from_status("http://x:1", Status::not_found("no job `x`"));
+        assert_eq!(error.lines(), ["sluicectl: no job `x`"]);
+        let error = CallError::from_status("http://x:1", Status::internal(""));
+        assert_eq!(error.lines().len(), 1);
+    }
+
+    #[test]
+    fn a_server_that_is_not_the_controller_is_unreachable() {
+        let error = CallError::from_status("http://x:1", Status::unimplemented(""));
+        assert!(matches!(error, CallError::Unreachable { .. }), "{error}");
+        let not_grpc = Status::unknown("grpc-status header missing, mapped from HTTP 404");
+        let error = CallError::from_status("http://x:1", not_grpc);
+        assert!(error.to_string().contains("does not speak gRPC"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn an_address_without_a_scheme_is_a_usage_error() {
+        let error = connect("localhost:7070").await.unwrap_err();
+        assert_eq!(error.exit(), Exit::Usage);
+        assert_eq!(
+            error.lines(),
+            ["sluicectl: --server `localhost:7070` is not an address like http://127.0.0.1:7070"]
+        );
+    }
+
+    #[test]
+    fn unavailable_is_unreachable() {
+        let error = CallError::from_status("http://x:1", Status::unavailable("gone"));
+        assert_eq!(
+            error.to_string(),
+            "cannot reach the controller at http://x:1: gone"
+        );
+    }
+}

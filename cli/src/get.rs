@@ -1,0 +1,279 @@
+//! `sluicectl get pools|policies|jobs|stages`: one list request, printed
+//! as an 80-column table, or as a JSON or YAML array of the [`view`]
+//! structs for scripts.
+//!
+//! [`view`]: crate::view
+
+use serde::Serialize;
+use sluice_proto::v1;
+
+use crate::args::{Format, GetArgs, Listing};
+use crate::client::{self, CallError};
+use crate::exit::Exit;
+use crate::human;
+use crate::table::{Column, TERMINAL_WIDTH, Table};
+use crate::view::{JobView, PolicyView, PoolView, StageView};
+
+/// Runs `get`: asks the controller, prints on stdout.
+pub fn run(server: &str, args: &GetArgs) -> Exit {
+    match client::block_on(fetch(server, args.what)) {
+        Ok(listed) => {
+            print!("{}", listed.render(args.output, human::now_millis()));
+            Exit::Ok
+        }
+        Err(e) => client::report(&e),
+    }
+}
+
+/// One listing, converted to our own views.
+#[derive(Debug)]
+pub enum Listed {
+    Pools(Vec<PoolView>),
+    Policies(Vec<PolicyView>),
+    Jobs(Vec<JobView>),
+    Stages(Vec<StageView>),
+}
+
+/// Asks the controller for one listing.
+pub async fn fetch(server: &str, what: Listing) -> Result<Listed, CallError> {
+    let mut admin = client::connect(server).await?;
+    let failed = |s| CallError::from_status(server, s);
+    let listed = match what {
+        Listing::Pools => {
+            let pools = admin.list_pools(v1::ListPoolsRequest {}).await;
+            Listed::Pools(views(pools.map_err(failed)?.into_inner().pools))
+        }
+        Listing::Policies => {
+            let request = v1::ListPoliciesRequest {
+                include_history: false,
+            };
+            let policies = admin.list_policies(request).await.map_err(failed)?;
+            Listed::Policies(views(policies.into_inner().policies))
+        }
+        Listing::Jobs => {
+            let jobs = admin.list_jobs(v1::ListJobsRequest {}).await;
+            Listed::Jobs(views(jobs.map_err(failed)?.into_inner().jobs))
+        }
+        Listing::Stages => {
+            let stages = admin.list_stages(v1::ListStagesRequest {}).await;
+            Listed::Stages(views(stages.map_err(failed)?.into_inner().stages))
+        }
+    };
+    Ok(listed)
+}
+
+fn views<T, V: From<T>>(items: Vec<T>) -> Vec<V> {
+    items.into_iter().map(V::from).collect()
+}
+
+impl Listed {
+    /// Returns the text to print, ending in a newline.
+    pub fn render(&self, format: Format, now_millis: i64) -> String {
+        match self {
+            Self::Pools(v) => render(v, format, || pools_table(v)),
+            Self::Policies(v) => render(v, format, || policies_table(v, now_millis)),
+            Self::Jobs(v) => render(v, format, || jobs_table(v)),
+            Self::Stages(v) => render(v, format, || stages_table(v, now_millis)),
+        }
+    }
+}
+
+fn render<T: Serialize>(items: &[T], format: Format, table: impl FnOnce() -> Table) -> String {
+    match format {
+        Format::Json => {
+            // Serializing plain structs of strings and numbers cannot fail.
+            let mut text = serde_json::to_string_pretty(items).unwrap_or_default();
+            text.push('\n');
+            text
+        }
+        Format::Yaml => serde_yaml_ng::to_string(items).unwrap_or_default(),
+        Format::Table => {
+            let mut text = table().render(TERMINAL_WIDTH).join("\n");
+            text.push('\n');
+            text
+        }
+    }
+}
+
+/// `NAME SHARING CAPACITY ALLOCATED THROUGHPUT JOBS`.
+pub fn pools_table(pools: &[PoolView]) -> Table {
+    let mut t = Table::new(&[
+        Column::text("NAME"),
+        Column::text("SHARING"),
+        Column::whole("CAPACITY"),
+        Column::whole("ALLOCATED"),
+        Column::whole("THROUGHPUT"),
+        Column::whole("JOBS"),
+    ]);
+    for p in pools {
+        t.row(vec![
+            p.name.clone(),
+            human::or_dash(&p.sharing),
+            human::limit(p.bandwidth_bytes_per_second),
+            human::rate(p.allocated_bytes_per_second as f64),
+            human::rate(p.throughput_bytes_per_second),
+            p.jobs.len().to_string(),
+        ]);
+    }
+    t
+}
+
+/// `KIND NAME REVISION AGE`.
+pub fn policies_table(policies: &[PolicyView], now_millis: i64) -> Table {
+    let mut t = Table::new(&[
+        Column::whole("KIND"),
+        Column::text("NAME"),
+        Column::whole("REVISION"),
+        Column::whole("AGE"),
+    ]);
+    for p in policies {
+        let revision = if p.deleted {
+            format!("{} (deleted)", p.revision)
+        } else {
+            p.revision.to_string()
+        };
+        t.row(vec![
+            p.kind.clone(),
+            p.name.clone(),
+            revision,
+            human::age(p.created_unix_millis, now_millis),
+        ]);
+    }
+    t
+}
+
+/// `ID POLICY POOL THROUGHPUT STALL LIMIT STAGES`.
+pub fn jobs_table(jobs: &[JobView]) -> Table {
+    let mut t = Table::new(&[
+        Column::text("ID"),
+        Column::text("POLICY"),
+        Column::text("POOL"),
+        Column::whole("THROUGHPUT"),
+        Column::whole("STALL"),
+        Column::whole("LIMIT"),
+        Column::whole("STAGES"),
+    ]);
+    for j in jobs {
+        let limit = j.settings.as_ref().and_then(|s| s.bytes_per_second);
+        t.row(vec![
+            j.id.clone(),
+            j.policy.clone().unwrap_or_else(|| "-".into()),
+            j.pool.clone().unwrap_or_else(|| "-".into()),
+            human::rate(j.throughput_bytes_per_second),
+            human::percent(j.stall_fraction),
+            human::limit(limit),
+            j.stages.len().to_string(),
+        ]);
+    }
+    t
+}
+
+/// `ID NODE STATE DESIRED ACKED SYNC JOBS SEEN`.
+pub fn stages_table(stages: &[StageView], now_millis: i64) -> Table {
+    let mut t = Table::new(&[
+        Column::text("ID"),
+        Column::text("NODE"),
+        Column::whole("STATE"),
+        Column::whole("DESIRED"),
+        Column::whole("ACKED"),
+        Column::whole("SYNC"),
+        Column::whole("JOBS"),
+        Column::whole("SEEN"),
+    ]);
+    for s in stages {
+        t.row(vec![
+            s.id.clone(),
+            s.node.clone(),
+            s.state.to_owned(),
+            s.desired_version.to_string(),
+            s.acked_version.to_string(),
+            sync_word(s).to_owned(),
+            s.jobs.len().to_string(),
+            human::age(s.last_seen_unix_millis, now_millis),
+        ]);
+    }
+    t
+}
+
+/// `yes` when the desired version is acknowledged, `nacked` when the
+/// stage rejected a later one, `pending` while it has not answered.
+pub fn sync_word(stage: &StageView) -> &'static str {
+    if stage.in_sync {
+        "yes"
+    } else if stage.last_nack.is_some() {
+        "nacked"
+    } else {
+        "pending"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sluice_proto::v1;
+
+    use super::*;
+
+    fn stage(id: &str, desired: u64, acked: u64) -> StageView {
+        StageView::from(v1::Stage {
+            id: id.into(),
+            node: "node-a".into(),
+            state: v1::StageState::Connected as i32,
+            desired_version: desired,
+            acked_version: acked,
+            last_seen_unix_millis: 1_000,
+            jobs: vec!["a".into(), "b".into()],
+            ..v1::Stage::default()
+        })
+    }
+
+    #[test]
+    fn the_stages_table_reads_as_documented() {
+        let table = Listed::Stages(vec![stage("node-a-0", 3, 3), stage("node-a-1", 4, 3)]);
+        assert_eq!(
+            table.render(Format::Table, 5_000),
+            "\
+ID        NODE    STATE      DESIRED  ACKED  SYNC     JOBS  SEEN
+node-a-0  node-a  connected  3        3      yes      2     4s
+node-a-1  node-a  connected  4        3      pending  2     4s
+"
+        );
+    }
+
+    #[test]
+    fn long_names_still_fit_80_columns() {
+        let long = "a-stage-id-that-goes-on-and-on-".repeat(4);
+        let listed = Listed::Stages(vec![stage(&long, 12_345, 12_344)]);
+        let text = listed.render(Format::Table, 5_000);
+        for line in text.lines() {
+            assert!(line.chars().count() <= 80, "{line:?}");
+        }
+        let job = JobView::from(v1::Job {
+            id: long.clone(),
+            policy: long.clone(),
+            pool: long,
+            throughput_bytes_per_second: 1e12,
+            stall_fraction: 1.0,
+            stages: vec![v1::JobStage::default(); 3],
+            ..v1::Job::default()
+        });
+        let text = Listed::Jobs(vec![job]).render(Format::Table, 0);
+        for line in text.lines() {
+            assert!(line.chars().count() <= 80, "{line:?}");
+        }
+    }
+
+    #[test]
+    fn json_is_an_array_and_yaml_the_same_data() {
+        let listed = Listed::Stages(vec![stage("s", 1, 1)]);
+        let json: serde_json::Value =
+            serde_json::from_str(&listed.render(Format::Json, 0)).unwrap();
+        let yaml: serde_json::Value =
+            serde_yaml_ng::from_str(&listed.render(Format::Yaml, 0)).unwrap();
+        assert_eq!(json, yaml);
+        assert_eq!(json.as_array().unwrap().len(), 1);
+        assert_eq!(json[0]["state"], "connected");
+
+        let empty = Listed::Policies(Vec::new());
+        assert_eq!(empty.render(Format::Json, 0), "[]\n");
+    }
+}

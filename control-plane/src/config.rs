@@ -1,0 +1,144 @@
+//! The controller's configuration: command-line flags, each also readable
+//! from an `SLUICE_*` environment variable, validated into a
+//! [`ControllerConfig`] that cannot be invalid.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use sluice_policy::Millis;
+
+/// The controller's flags.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "sluice-controller", version, about = "The sluice controller")]
+pub struct Args {
+    /// Address of the gRPC server (stage sessions and the admin API).
+    #[arg(long, env = "SLUICE_GRPC_ADDR", default_value = "127.0.0.1:7070")]
+    pub grpc_addr: String,
+    /// Address of the HTTP server (REST view, /metrics, /healthz, /readyz).
+    #[arg(long, env = "SLUICE_HTTP_ADDR", default_value = "127.0.0.1:7080")]
+    pub http_addr: String,
+    /// The store: `sqlite://PATH` (created if absent) or `postgres://...`.
+    #[arg(
+        long,
+        env = "SLUICE_DATABASE_URL",
+        default_value = "sqlite://sluice.db"
+    )]
+    pub database_url: String,
+    /// How often the control loop recomputes and pushes settings (`1s`, `500ms`).
+    #[arg(long, env = "SLUICE_TICK", default_value = "1s")]
+    pub tick: String,
+    /// A stage silent this long is marked lost (`5s`).
+    #[arg(long, env = "SLUICE_STAGE_TIMEOUT", default_value = "5s")]
+    pub stage_timeout: String,
+    /// Policy file or directory of `*.yaml`/`*.yml` files applied at start.
+    #[arg(long, env = "SLUICE_POLICIES")]
+    pub policies: Option<PathBuf>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// Where the gRPC server listens.
+    pub grpc_addr: SocketAddr,
+    /// Where the HTTP server listens.
+    pub http_addr: SocketAddr,
+    /// The store's URL.
+    pub database_url: String,
+    /// The control loop's period.
+    pub tick: Duration,
+    /// Silence after which a stage is marked lost.
+    pub stage_timeout: Duration,
+    /// Policies applied at start.
+    pub policies: Option<PathBuf>,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[error("{flag}: {reason}")]
+pub struct ConfigError {
+    /// The flag at fault.
+    pub flag: &'static str,
+    /// What is wrong and what to write instead.
+    pub reason: String,
+}
+
+impl ControllerConfig {
+    /// Validates parsed flags.
+    pub fn from_args(args: Args) -> Result<Self, ConfigError> {
+        Ok(Self {
+            grpc_addr: addr("--grpc-addr", &args.grpc_addr)?,
+            http_addr: addr("--http-addr", &args.http_addr)?,
+            database_url: args.database_url,
+            tick: duration("--tick", &args.tick)?,
+            stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
+            policies: args.policies,
+        })
+    }
+
+    /// Returns a configuration for tests: ephemeral ports, the given store,
+    /// a fast tick.
+    pub fn for_tests(database_url: impl Into<String>) -> Self {
+        Self {
+            grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            database_url: database_url.into(),
+            tick: Duration::from_millis(200),
+            stage_timeout: Duration::from_secs(3),
+            policies: None,
+        }
+    }
+}
+
+fn addr(flag: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {
+    value.parse().map_err(|_| ConfigError {
+        flag,
+        reason: format!("`{value}` is not an address: write IP:PORT, for example 127.0.0.1:7070"),
+    })
+}
+
+fn duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
+    let millis = Millis::parse(value).map_err(|e| ConfigError {
+        flag,
+        reason: e.to_string(),
+    })?;
+    if millis.0 == 0 {
+        return Err(ConfigError {
+            flag,
+            reason: format!("`{value}` is zero: write a positive duration such as `1s`"),
+        });
+    }
+    Ok(millis.duration())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<ControllerConfig, ConfigError> {
+        let args = std::iter::once("sluice-controller").chain(extra.iter().copied());
+        ControllerConfig::from_args(Args::try_parse_from(args).unwrap())
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.grpc_addr.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.http_addr.to_string(), "127.0.0.1:7080");
+        assert_eq!(c.database_url, "sqlite://sluice.db");
+        assert_eq!(c.tick, Duration::from_secs(1));
+        assert_eq!(c.stage_timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let e = parse(&["--tick", "0s"]).unwrap_err();
+        assert_eq!(e.flag, "--tick");
+        let e = parse(&["--stage-timeout", "5"]).unwrap_err();
+        assert_eq!(e.flag, "--stage-timeout");
+        let e = parse(&["--grpc-addr", "localhost"]).unwrap_err();
+        assert_eq!(e.flag, "--grpc-addr");
+        assert_eq!(parse(&["--tick", "250ms"]).unwrap().tick.as_millis(), 250);
+    }
+}

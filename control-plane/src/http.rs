@@ -1,0 +1,118 @@
+//! The HTTP surface: a read-only REST view (`GET /api/v1/{stages,jobs,
+//! pools,policies}`), `POST /api/v1/policies` (a YAML body), `/metrics`
+//! (Prometheus text), `/healthz` and `/readyz`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, RawQuery, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Serialize;
+
+use crate::error::ApiError;
+use crate::policies::{self, Source};
+use crate::state::Shared;
+use crate::views;
+
+/// The largest policy body accepted.
+const MAX_BODY: usize = 4 << 20;
+
+/// Returns the router over the shared state.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/v1/stages", get(stages))
+        .route("/api/v1/jobs", get(jobs))
+        .route("/api/v1/pools", get(pools))
+        .route("/api/v1/policies", get(list_policies).post(apply_policies))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(shared)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, text) = self.http();
+        let mut text = text;
+        text.push('\n');
+        (
+            status,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            text,
+        )
+            .into_response()
+    }
+}
+
+fn json<T: Serialize>(result: Result<T, ApiError>) -> Response {
+    match result {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        shared.metrics.render(),
+    )
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    if shared.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "starting\n")
+    }
+}
+
+async fn stages(State(shared): State<Arc<Shared>>) -> Response {
+    json(views::stages(&shared).await)
+}
+
+async fn jobs(State(shared): State<Arc<Shared>>) -> Response {
+    json(views::jobs(&shared).await)
+}
+
+async fn pools(State(shared): State<Arc<Shared>>) -> Response {
+    json(views::pools(&shared).await)
+}
+
+/// Returns the value of `key` in a query string (no percent-decoding:
+/// the values used here are plain words).
+fn param<'a>(query: &'a Option<String>, key: &str) -> Option<&'a str> {
+    query
+        .as_deref()?
+        .split('&')
+        .filter_map(|pair| pair.split_once('=').or(Some((pair, "true"))))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v)
+}
+
+/// `GET /api/v1/policies[?history=true]`.
+async fn list_policies(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> Response {
+    let history = param(&q, "history") == Some("true");
+    json(views::policies(&shared, history).await)
+}
+
+/// `POST /api/v1/policies[?dry_run=true][&source=NAME]` with a YAML body;
+/// errors are named after `source` (default `body`).
+async fn apply_policies(
+    State(shared): State<Arc<Shared>>,
+    RawQuery(q): RawQuery,
+    body: String,
+) -> Response {
+    let source = Source {
+        name: param(&q, "source").unwrap_or("body").to_owned(),
+        yaml: body,
+    };
+    let dry_run = param(&q, "dry_run") == Some("true");
+    json(policies::apply(&shared, vec![source], dry_run).await)
+}

@@ -1,0 +1,64 @@
+//! `sluice-controller` binary: parse the configuration, bind, print the
+//! ready line, serve until SIGTERM or SIGINT (a second signal exits at once).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use sluice_controller::{Args, Controller, ControllerConfig};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let config = match ControllerConfig::from_args(Args::parse()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("sluice-controller: invalid configuration: {e}");
+            return ExitCode::from(64);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("building the tokio runtime");
+    match runtime.block_on(run(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice-controller: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: ControllerConfig) -> anyhow::Result<()> {
+    // Handlers first: a signal right after the ready line shuts down cleanly.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let controller = Controller::bind(config).await?;
+    let addrs = controller.addresses()?;
+    let ready = serde_json::json!({
+        "event": "ready",
+        "grpc": addrs.grpc.to_string(),
+        "http": addrs.http.to_string(),
+    });
+    println!("{ready}");
+    tracing::info!(grpc = %addrs.grpc, http = %addrs.http, "controller ready");
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::info!("signal received: shutting down (a second signal exits at once)");
+        on_signal.cancel();
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        std::process::exit(130);
+    });
+    controller.run(cancel).await
+}

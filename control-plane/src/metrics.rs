@@ -1,0 +1,96 @@
+//! The controller's Prometheus metrics (`sluice_controller_*`).
+
+use prometheus::{Encoder, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+
+/// Every metric the controller exports, registered in its own registry.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Stages by state (`connected`, `lost`).
+    pub stages: IntGaugeVec,
+    /// Settings versions pushed to stages.
+    pub settings_pushes: IntCounter,
+    /// Settings versions stages acknowledged.
+    pub acks: IntCounter,
+    /// Settings versions stages rejected.
+    pub nacks: IntCounter,
+    /// Policy revisions this controller stored (applies and deletes).
+    pub policy_revisions: IntCounter,
+    /// Jobs known to the controller.
+    pub jobs: IntGauge,
+    /// Live policies (pools and job policies).
+    pub policies: IntGauge,
+}
+
+impl Metrics {
+    /// Returns the metrics, registered.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let stages = IntGaugeVec::new(
+            Opts::new(
+                "sluice_controller_stages",
+                "Stages known to the controller, by state",
+            ),
+            &["state"],
+        )
+        .expect("valid metric");
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric");
+        let m = Self {
+            settings_pushes: counter(
+                "sluice_controller_settings_pushes_total",
+                "Settings versions pushed to stages",
+            ),
+            acks: counter(
+                "sluice_controller_settings_acks_total",
+                "Settings versions acknowledged by stages",
+            ),
+            nacks: counter(
+                "sluice_controller_settings_nacks_total",
+                "Settings versions rejected by stages",
+            ),
+            policy_revisions: counter(
+                "sluice_controller_policy_revisions_total",
+                "Policy revisions stored by this controller (applies and deletes)",
+            ),
+            jobs: gauge("sluice_controller_jobs", "Jobs known to the controller"),
+            policies: gauge("sluice_controller_policies", "Live policies"),
+            stages,
+            registry,
+        };
+        let collectors: [Box<dyn prometheus::core::Collector>; 7] = [
+            Box::new(m.stages.clone()),
+            Box::new(m.settings_pushes.clone()),
+            Box::new(m.acks.clone()),
+            Box::new(m.nacks.clone()),
+            Box::new(m.policy_revisions.clone()),
+            Box::new(m.jobs.clone()),
+            Box::new(m.policies.clone()),
+        ];
+        for c in collectors {
+            m.registry.register(c).expect("metric names are unique");
+        }
+        m
+    }
+
+    /// Sets the stage gauges.
+    pub fn set_stages(&self, connected: usize, lost: usize) {
+        self.stages
+            .with_label_values(&["connected"])
+            .set(connected as i64);
+        self.stages.with_label_values(&["lost"]).set(lost as i64);
+    }
+
+    /// Returns the Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,223 @@
+//! Policy changes, shared by the admin API, the HTTP view and start-up:
+//! parse and validate against the in-memory [`PolicySet`], store all or
+//! nothing, swap the set, and ask the control loop to recompute.
+
+use std::path::Path;
+
+use serde::Serialize;
+use sluice_policy::{Kind, Policy, PolicyErrors, PolicySet, parse_documents};
+
+use crate::error::ApiError;
+use crate::state::{Shared, read_policies};
+use crate::store::{ApplyOutcome, PolicyDocument, StoreError};
+
+/// One source of documents: its name (for error locations) and its text.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub name: String,
+    pub yaml: String,
+}
+
+/// What an apply did (or would do) to one document.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeView {
+    pub kind: String,
+    pub name: String,
+    pub revision: u64,
+    pub outcome: String,
+    pub source: String,
+}
+
+/// Loads the store's current policies into the set.
+pub async fn load(shared: &Shared) -> Result<(), String> {
+    let stored = shared
+        .store
+        .current_policies()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut docs = Vec::new();
+    let mut errors = PolicyErrors::default();
+    for p in &stored {
+        let source = format!("stored:{}/{}@r{}", p.kind, p.name, p.revision);
+        match parse_documents(&source, p.canonical.as_deref().unwrap_or_default()) {
+            Ok(d) => docs.extend(d),
+            Err(e) => errors.0.extend(e),
+        }
+    }
+    if !errors.0.is_empty() {
+        return Err(errors.to_string());
+    }
+    let set = PolicySet::from_documents(docs).map_err(|e| e.to_string())?;
+    shared.metrics.policies.set(stored.len() as i64);
+    *shared
+        .policies
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = set;
+    Ok(())
+}
+
+/// Validates `sources` against the current set and, unless `dry_run`,
+/// stores them and makes them current. All or nothing.
+pub async fn apply(
+    shared: &Shared,
+    sources: Vec<Source>,
+    dry_run: bool,
+) -> Result<Vec<ChangeView>, ApiError> {
+    let _serial = shared.policy_changes.lock().await;
+    let mut docs: Vec<(String, Policy)> = Vec::new();
+    let mut errors = PolicyErrors::default();
+    for s in &sources {
+        match parse_documents(&s.name, &s.yaml) {
+            Ok(d) => docs.extend(d.into_iter().map(|p| (s.name.clone(), p))),
+            Err(e) => errors.0.extend(e),
+        }
+    }
+    if !errors.0.is_empty() {
+        return Err(ApiError::Invalid(errors.to_string()));
+    }
+    let policies: Vec<Policy> = docs.iter().map(|(_, p)| p.clone()).collect();
+    let (next, _) = read_policies(shared)
+        .apply(policies)
+        .map_err(|e| ApiError::Invalid(e.to_string()))?;
+    let stored: Vec<PolicyDocument> = docs
+        .iter()
+        .map(|(_, p)| PolicyDocument::new(p.kind().as_str(), p.name(), p.canonical()))
+        .collect();
+    let results = if dry_run {
+        preview(shared, &stored).await?
+    } else {
+        shared
+            .store
+            .apply_policies(&stored)
+            .await?
+            .into_iter()
+            .map(|a| (a.revision, a.outcome))
+            .collect()
+    };
+    let changes: Vec<ChangeView> = docs
+        .iter()
+        .zip(results)
+        .map(|((source, p), (revision, outcome))| ChangeView {
+            kind: p.kind().as_str().to_owned(),
+            name: p.name().to_owned(),
+            revision,
+            outcome: outcome.to_string(),
+            source: source.clone(),
+        })
+        .collect();
+    if dry_run {
+        return Ok(changes);
+    }
+    let live = next.pools().count() + next.job_policies().count();
+    *shared
+        .policies
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+    shared.metrics.policies.set(live as i64);
+    for c in changes.iter().filter(|c| c.outcome != "unchanged") {
+        shared.metrics.policy_revisions.inc();
+        let message = format!(
+            "{}/{} {} as revision {} from {}",
+            c.kind, c.name, c.outcome, c.revision, c.source
+        );
+        shared
+            .event("policy.applied", format!("{}/{}", c.kind, c.name), message)
+            .await;
+    }
+    shared.recompute.notify_one();
+    Ok(changes)
+}
+
+/// Returns the revision and outcome each document would get.
+async fn preview(
+    shared: &Shared,
+    docs: &[PolicyDocument],
+) -> Result<Vec<(u64, ApplyOutcome)>, StoreError> {
+    let mut out = Vec::new();
+    for d in docs {
+        let history = shared.store.policy_history(&d.kind, &d.name).await?;
+        let result = match history.last() {
+            Some(last) if last.canonical.as_deref() == Some(d.canonical.as_str()) => {
+                (last.revision, ApplyOutcome::Unchanged)
+            }
+            Some(last) if last.canonical.is_some() => (last.revision + 1, ApplyOutcome::Updated),
+            Some(last) => (last.revision + 1, ApplyOutcome::Created),
+            None => (1, ApplyOutcome::Created),
+        };
+        out.push(result);
+    }
+    Ok(out)
+}
+
+/// Deletes a policy; `kind` may be empty when the name is unambiguous.
+/// Returns the revision recording the delete.
+pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<u64, ApiError> {
+    let _serial = shared.policy_changes.lock().await;
+    let kind = resolve_kind(&read_policies(shared), kind, name)?;
+    let next = read_policies(shared)
+        .delete(kind, name)
+        .map_err(|e| match e {
+            sluice_policy::DeleteError::NotFound { .. } => ApiError::NotFound(e.to_string()),
+            other => ApiError::Conflict(other.to_string()),
+        })?;
+    let revision = shared.store.delete_policy(kind.as_str(), name).await?;
+    let live = next.pools().count() + next.job_policies().count();
+    *shared
+        .policies
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+    shared.metrics.policies.set(live as i64);
+    shared.metrics.policy_revisions.inc();
+    let subject = format!("{kind}/{name}");
+    let message = format!("{subject} deleted as revision {revision}");
+    shared.event("policy.deleted", subject, message).await;
+    shared.recompute.notify_one();
+    Ok(revision)
+}
+
+fn resolve_kind(set: &PolicySet, kind: &str, name: &str) -> Result<Kind, ApiError> {
+    if !kind.is_empty() {
+        return kind.parse::<Kind>().map_err(|_| {
+            ApiError::Invalid(format!(
+                "unknown kind `{kind}`: write StoragePool or JobPolicy"
+            ))
+        });
+    }
+    let pool = set.pool(name).is_some();
+    let policy = set.job_policy(name).is_some();
+    match (pool, policy) {
+        (true, false) => Ok(Kind::StoragePool),
+        (false, true) => Ok(Kind::JobPolicy),
+        (true, true) => Err(ApiError::Invalid(format!(
+            "both a StoragePool and a JobPolicy are named `{name}`: say which kind"
+        ))),
+        (false, false) => Err(ApiError::NotFound(format!("no policy is named `{name}`"))),
+    }
+}
+
+/// Reads a policy file, or every `*.yaml`/`*.yml` file of a directory in
+/// name order, as sources.
+pub fn read_sources(path: &Path) -> std::io::Result<Vec<Source>> {
+    let mut files = Vec::new();
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            let p = entry?.path();
+            let ext = p.extension().and_then(|e| e.to_str());
+            if matches!(ext, Some("yaml" | "yml")) {
+                files.push(p);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(path.to_owned());
+    }
+    files
+        .into_iter()
+        .map(|f| {
+            Ok(Source {
+                name: f.display().to_string(),
+                yaml: std::fs::read_to_string(&f)?,
+            })
+        })
+        .collect()
+}

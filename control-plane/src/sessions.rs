@@ -1,0 +1,321 @@
+//! `sluice.v1.StageService`: one task per stage session. Hello records the
+//! stage and re-pushes its desired settings when it runs another version;
+//! telemetry is kept in memory (jobs are recorded in the store); acks and
+//! nacks are recorded with an event. A failing session ends only itself.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_proto::StageService;
+use sluice_proto::v1::{self, ControllerMessage, StageMessage, controller_message, stage_message};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::compute::{JobSettings, StageSettings};
+use crate::state::{HelloInfo, JobSample, SessionHandle, Shared, Telemetry, lock, now_ms};
+use crate::store::{JobSighting, Labels, StageHello};
+
+/// Messages queued per session before pushes to it are dropped (a stage
+/// that does not read its stream cannot hold the control loop up).
+const DOWNSTREAM_DEPTH: usize = 16;
+
+/// How often a job a stage keeps reporting is recorded again in the store
+/// (its `last_seen`); new jobs and label changes are recorded at once.
+const JOB_REFRESH: Duration = Duration::from_secs(30);
+
+/// The StageService implementation.
+#[derive(Debug, Clone)]
+pub struct Sessions {
+    shared: Arc<Shared>,
+}
+
+impl Sessions {
+    /// Returns the service over the shared state.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+}
+
+#[tonic::async_trait]
+impl StageService for Sessions {
+    type SessionStream = ReceiverStream<Result<ControllerMessage, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<StageMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = request.into_inner();
+        let hello = match inbound.message().await? {
+            Some(StageMessage {
+                kind: Some(stage_message::Kind::Hello(h)),
+            }) => h,
+            _ => return Err(Status::invalid_argument("a session must open with a hello")),
+        };
+        if hello.stage_id.is_empty() {
+            return Err(Status::invalid_argument(
+                "hello.stage_id is empty: set --stage-id",
+            ));
+        }
+        let (tx, rx) = mpsc::channel(DOWNSTREAM_DEPTH);
+        let session = SessionHandle {
+            id: self.shared.next_session_id(),
+            tx,
+        };
+        let stage = hello.stage_id.clone();
+        opened(&self.shared, hello, session.clone()).await?;
+        let shared = self.shared.clone();
+        let span = info_span!("session", stage = %stage);
+        tokio::spawn(
+            async move {
+                loop {
+                    // At shutdown, dropping the inbound half resets the
+                    // stream, so the server can drain.
+                    let next = tokio::select! {
+                        next = inbound.message() => next,
+                        () = shared.shutdown.cancelled() => break,
+                    };
+                    match next {
+                        Ok(Some(message)) => handle(&shared, &stage, message).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            debug!(error = %e, "session stream failed");
+                            break;
+                        }
+                    }
+                }
+                closed(&shared, &stage, session.id);
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Records a hello and decides what the stage must be sent.
+async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Result<(), Status> {
+    let stage = hello.stage_id.clone();
+    let running = hello.settings_version;
+    let record = StageHello {
+        id: stage.clone(),
+        node: hello.node.clone(),
+        labels: hello.labels.clone(),
+        running_version: running,
+    };
+    shared
+        .store
+        .stage_hello(&record, now_ms())
+        .await
+        .map_err(crate::error::status)?;
+    let desired = lock(&shared.desired).get(&stage).cloned();
+    let known = desired.as_ref().map_or(0, |d| d.version);
+    let resend = desired.filter(|d| d.version > running);
+    let was_lost = shared.with_live(&stage, |live| {
+        let was_lost = live.lost || live.session.is_none();
+        live.session = Some(session.clone());
+        live.hello = HelloInfo {
+            software_version: hello.software_version,
+            capabilities: hello.capabilities,
+            datasets: hello.datasets,
+            memory_budget_bytes: hello.memory_budget_bytes,
+        };
+        // The last telemetry stays until the next one: clearing it would
+        // make the stage's jobs look gone to the other stages for a tick.
+        live.last_heard = Instant::now();
+        live.lost = false;
+        // A version the controller never published (or a newer one than it
+        // knows): publish a fresh one over it.
+        live.force_push = running != known && resend.is_none();
+        was_lost
+    });
+    if let Some(d) = resend {
+        push(&session, d.version, &d.settings);
+        info!(
+            stage,
+            version = d.version,
+            running,
+            "re-pushed the desired settings"
+        );
+    }
+    if was_lost {
+        let message = format!("stage {stage} connected (running version {running})");
+        shared
+            .event("stage.connected", format!("stage/{stage}"), message)
+            .await;
+    }
+    shared.recompute.notify_one();
+    Ok(())
+}
+
+/// Forgets a session that ended (a newer one of the same stage stays).
+fn closed(shared: &Shared, stage: &str, session: u64) {
+    let mut live = lock(&shared.live);
+    if let Some(l) = live.get_mut(stage)
+        && l.session.as_ref().is_some_and(|s| s.id == session)
+    {
+        l.session = None;
+    }
+    info!(stage, "session closed");
+}
+
+async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
+    let subject = format!("stage/{stage}");
+    match message.kind {
+        Some(stage_message::Kind::Telemetry(t)) => telemetry(shared, stage, t).await,
+        Some(stage_message::Kind::Ack(a)) => {
+            heard(shared, stage);
+            shared.metrics.acks.inc();
+            if let Err(e) = shared.store.record_ack(stage, a.version).await {
+                warn!(error = %e, "cannot record an ack");
+            }
+            let message = format!("stage {stage} applied settings version {}", a.version);
+            shared.event("settings.acked", subject, message).await;
+        }
+        Some(stage_message::Kind::Nack(n)) => {
+            heard(shared, stage);
+            shared.metrics.nacks.inc();
+            if let Err(e) = shared.store.record_nack(stage, n.version, &n.reason).await {
+                warn!(error = %e, "cannot record a nack");
+            }
+            let message = format!(
+                "stage {stage} rejected settings version {}: {}",
+                n.version, n.reason
+            );
+            shared.event("settings.nacked", subject, message).await;
+        }
+        Some(stage_message::Kind::Hello(_)) | None => {
+            warn!("ignored a second hello or an empty message");
+        }
+    }
+}
+
+fn heard(shared: &Shared, stage: &str) {
+    shared.with_live(stage, |l| l.last_heard = Instant::now());
+}
+
+async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
+    let snapshot = from_proto(t);
+    let (was_lost, due) = shared.with_live(stage, |l| {
+        let was_lost = l.lost;
+        // Jobs the store has not heard about from this stage lately (or
+        // whose labels changed): telemetry comes every second, the store
+        // does not need every sighting.
+        let due: Vec<(String, Labels)> = snapshot
+            .jobs
+            .iter()
+            .filter(|(job, s)| {
+                l.recorded_jobs
+                    .get(*job)
+                    .is_none_or(|(labels, at)| *labels != s.labels || at.elapsed() >= JOB_REFRESH)
+            })
+            .map(|(job, s)| (job.clone(), s.labels.clone()))
+            .collect();
+        l.previous = l.telemetry.replace(snapshot);
+        l.last_heard = Instant::now();
+        l.lost = false;
+        (was_lost, due)
+    });
+    let now = now_ms();
+    if let Err(e) = shared.store.mark_stage_seen(stage, now).await {
+        warn!(error = %e, "cannot mark the stage seen");
+    }
+    if was_lost {
+        let message = format!("stage {stage} reports again");
+        shared
+            .event("stage.connected", format!("stage/{stage}"), message)
+            .await;
+    }
+    for (job, labels) in due {
+        let sighting = JobSighting {
+            job: job.clone(),
+            labels,
+            stage: stage.to_owned(),
+        };
+        if let Err(e) = shared.store.upsert_job(&sighting, now).await {
+            warn!(error = %e, job, "cannot record a job");
+            continue;
+        }
+        shared.with_live(stage, |l| {
+            let entry = (sighting.labels, Instant::now());
+            l.recorded_jobs.insert(job.clone(), entry);
+        });
+        let new = lock(&shared.known_jobs).insert(job.clone());
+        if new {
+            shared.metrics.jobs.inc();
+            let message = format!("job {job} appeared on stage {stage}");
+            shared
+                .event("job.appeared", format!("job/{job}"), message)
+                .await;
+        }
+    }
+}
+
+/// Sends settings down a session without waiting: a full or closed
+/// session drops the push (the stage gets the desired version again when
+/// it reconnects). Returns whether the push was queued.
+pub fn push(session: &SessionHandle, version: u64, settings: &StageSettings) -> bool {
+    let message = ControllerMessage {
+        kind: Some(controller_message::Kind::Settings(to_proto(
+            version, settings,
+        ))),
+    };
+    session.tx.try_send(Ok(message)).is_ok()
+}
+
+fn from_proto(t: v1::Telemetry) -> Telemetry {
+    let jobs = t
+        .jobs
+        .into_iter()
+        .map(|j| {
+            let sample = JobSample {
+                labels: j.labels,
+                delivered_bytes: j.delivered_bytes,
+                delivered_samples: j.delivered_samples,
+                stall_seconds: j.stall_seconds,
+                connections: j.connections,
+            };
+            (j.job, sample)
+        })
+        .collect();
+    Telemetry {
+        unix_millis: t.unix_millis,
+        settings_version: t.settings_version,
+        memory_used_bytes: t.memory_used_bytes,
+        jobs,
+    }
+}
+
+/// Returns the wire form of one stage's settings.
+pub fn to_proto(version: u64, settings: &StageSettings) -> v1::Settings {
+    let jobs = settings
+        .jobs
+        .iter()
+        .map(|(job, s)| v1::JobSettingsEntry {
+            job: job.clone(),
+            settings: Some(job_to_proto(s)),
+        })
+        .collect();
+    v1::Settings {
+        version,
+        defaults: None,
+        jobs,
+    }
+}
+
+/// Returns the wire form of one job's settings.
+pub fn job_to_proto(s: &JobSettings) -> v1::JobSettings {
+    v1::JobSettings {
+        bytes_per_second: s.bytes_per_second,
+        ops_per_second: s.ops_per_second,
+        burst_millis: s.burst_millis,
+        tuner: s.tuner,
+        min_readers: s.min_readers,
+        max_readers: s.max_readers,
+        min_buffer_bytes: s.min_buffer_bytes,
+        max_buffer_bytes: s.max_buffer_bytes,
+        policy: s.policy.clone(),
+        pool: s.pool.clone(),
+        reason: s.reason.clone(),
+    }
+}

@@ -1,0 +1,313 @@
+//! The controller's read model: stages, jobs, pools and policies as
+//! operators see them, assembled from the store, the live sessions and the
+//! policy set. The admin API converts these to protobuf, the HTTP view
+//! serialises them as JSON.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::compute::JobSettings;
+use crate::error::ApiError;
+use crate::state::{LiveStage, Shared, lock, read_policies};
+use crate::store::{JobRecord, Labels, PolicyRevision, StageRecord};
+
+/// A stage's last rejection.
+#[derive(Debug, Clone, Serialize)]
+pub struct NackView {
+    pub version: u64,
+    pub reason: String,
+}
+
+/// One stage.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageView {
+    pub id: String,
+    pub node: String,
+    pub labels: Labels,
+    /// `connected` or `lost`.
+    pub state: &'static str,
+    pub desired_version: u64,
+    pub acked_version: u64,
+    pub last_nack: Option<NackView>,
+    pub last_seen_unix_millis: i64,
+    pub jobs: Vec<String>,
+    pub software_version: String,
+    pub capabilities: Vec<String>,
+    pub datasets: Vec<String>,
+    pub memory_budget_bytes: u64,
+    pub memory_used_bytes: u64,
+}
+
+/// One job on one stage.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobStageView {
+    pub stage_id: String,
+    pub settings: Option<JobSettings>,
+    pub acked: bool,
+    pub throughput_bytes_per_second: f64,
+    pub stall_fraction: f64,
+}
+
+/// What a job's policy declares.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LimitsView {
+    pub guarantee_bytes_per_second: Option<u64>,
+    pub limit_bytes_per_second: Option<u64>,
+    pub guarantee_ops_per_second: Option<u64>,
+    pub limit_ops_per_second: Option<u64>,
+    pub weight: u32,
+    pub priority: i32,
+}
+
+/// One job across its stages.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobView {
+    pub id: String,
+    pub labels: Labels,
+    pub policy: String,
+    pub pool: String,
+    pub stages: Vec<JobStageView>,
+    pub throughput_bytes_per_second: f64,
+    pub throughput_samples_per_second: f64,
+    pub stall_fraction: f64,
+    pub limits: Option<LimitsView>,
+}
+
+/// One storage pool.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolView {
+    pub name: String,
+    pub bandwidth_bytes_per_second: Option<u64>,
+    pub ops_per_second: Option<u64>,
+    pub sharing: String,
+    pub allocated_bytes_per_second: u64,
+    pub allocated_ops_per_second: u64,
+    pub throughput_bytes_per_second: f64,
+    pub jobs: Vec<String>,
+}
+
+/// One policy revision.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyView {
+    pub kind: String,
+    pub name: String,
+    pub revision: u64,
+    pub yaml: String,
+    pub json: String,
+    pub created_unix_millis: i64,
+    pub deleted: bool,
+}
+
+/// Returns every stage, by id.
+pub async fn stages(shared: &Shared) -> Result<Vec<StageView>, ApiError> {
+    let records = shared.store.stages().await?;
+    let live = lock(&shared.live);
+    Ok(records
+        .into_iter()
+        .map(|r| {
+            let l = live.get(&r.id);
+            stage_view(r, l)
+        })
+        .collect())
+}
+
+/// Returns one stage.
+pub async fn stage(shared: &Shared, id: &str) -> Result<StageView, ApiError> {
+    let record = shared.store.stage(id).await?;
+    let record = record.ok_or_else(|| ApiError::NotFound(format!("no stage has id `{id}`")))?;
+    let live = lock(&shared.live);
+    Ok(stage_view(record, live.get(id)))
+}
+
+fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
+    let lost = live.map_or(r.state == crate::store::StageState::Lost, |l| l.lost);
+    let hello = live.map(|l| l.hello.clone()).unwrap_or_default();
+    let telemetry = live.and_then(|l| l.telemetry.as_ref());
+    StageView {
+        desired_version: r.desired_version().unwrap_or(0),
+        acked_version: r.acked_version.unwrap_or(0),
+        last_nack: r.last_nack.map(|n| NackView {
+            version: n.version,
+            reason: n.reason,
+        }),
+        state: if lost { "lost" } else { "connected" },
+        last_seen_unix_millis: r.last_seen_ms,
+        jobs: telemetry
+            .map(|t| t.jobs.keys().cloned().collect())
+            .unwrap_or_default(),
+        memory_used_bytes: telemetry.map_or(0, |t| t.memory_used_bytes),
+        software_version: hello.software_version,
+        capabilities: hello.capabilities,
+        datasets: hello.datasets,
+        memory_budget_bytes: hello.memory_budget_bytes,
+        id: r.id,
+        node: r.node,
+        labels: r.labels,
+    }
+}
+
+/// Returns every job, by id.
+pub async fn jobs(shared: &Shared) -> Result<Vec<JobView>, ApiError> {
+    let records = shared.store.jobs().await?;
+    let acked = acked_versions(shared).await?;
+    Ok(records
+        .into_iter()
+        .map(|r| job_view(shared, r, &acked))
+        .collect())
+}
+
+/// Returns one job.
+pub async fn job(shared: &Shared, id: &str) -> Result<JobView, ApiError> {
+    let record = shared.store.job(id).await?;
+    let record = record.ok_or_else(|| ApiError::NotFound(format!("no job has id `{id}`")))?;
+    let acked = acked_versions(shared).await?;
+    Ok(job_view(shared, record, &acked))
+}
+
+async fn acked_versions(shared: &Shared) -> Result<BTreeMap<String, u64>, ApiError> {
+    let stages = shared.store.stages().await?;
+    Ok(stages
+        .into_iter()
+        .map(|s| (s.id, s.acked_version.unwrap_or(0)))
+        .collect())
+}
+
+/// Bytes/s, samples/s and stall fraction of `job` on one stage, from its
+/// last two snapshots.
+fn rates(live: Option<&LiveStage>, job: &str) -> (f64, f64, f64) {
+    let Some((now, before)) =
+        live.and_then(|l| Some((l.telemetry.as_ref()?, l.previous.as_ref()?)))
+    else {
+        return (0.0, 0.0, 0.0);
+    };
+    let (Some(a), Some(b)) = (now.jobs.get(job), before.jobs.get(job)) else {
+        return (0.0, 0.0, 0.0);
+    };
+    let secs = (now.unix_millis - before.unix_millis) as f64 / 1000.0;
+    if secs <= 0.0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let bytes = a.delivered_bytes.saturating_sub(b.delivered_bytes) as f64 / secs;
+    let samples = a.delivered_samples.saturating_sub(b.delivered_samples) as f64 / secs;
+    let stall =
+        (a.stall_seconds - b.stall_seconds).max(0.0) / secs / f64::from(a.connections.max(1));
+    (bytes, samples, stall.min(1.0))
+}
+
+fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> JobView {
+    // Lock order everywhere: live, then policies, then desired.
+    let live = lock(&shared.live);
+    let policies = read_policies(shared);
+    let policy = policies.policy_for_job(&r.labels);
+    let desired = lock(&shared.desired);
+    let mut stages = Vec::new();
+    let (mut bytes, mut samples, mut stall) = (0.0, 0.0, 0.0f64);
+    for stage in &r.stages {
+        let (b, s, st) = rates(live.get(stage), &r.id);
+        let d = desired.get(stage);
+        bytes += b;
+        samples += s;
+        stall = stall.max(st);
+        stages.push(JobStageView {
+            stage_id: stage.clone(),
+            settings: d.and_then(|d| d.settings.jobs.get(&r.id).cloned()),
+            acked: d.is_some_and(|d| acked.get(stage).copied().unwrap_or(0) >= d.version),
+            throughput_bytes_per_second: b,
+            stall_fraction: st,
+        });
+    }
+    let limits = policy.map(|p| {
+        let spec = p.spec();
+        LimitsView {
+            guarantee_bytes_per_second: spec.guarantee.bandwidth.map(|b| b.bytes_per_second()),
+            limit_bytes_per_second: spec.limit.bandwidth.map(|b| b.bytes_per_second()),
+            guarantee_ops_per_second: spec.guarantee.ops.map(|o| o.per_second()),
+            limit_ops_per_second: spec.limit.ops.map(|o| o.per_second()),
+            weight: spec.weight,
+            priority: spec.priority,
+        }
+    });
+    JobView {
+        policy: policy.map(|p| p.name().to_owned()).unwrap_or_default(),
+        pool: policy.map(|p| p.spec().pool.clone()).unwrap_or_default(),
+        id: r.id,
+        labels: r.labels,
+        stages,
+        throughput_bytes_per_second: bytes,
+        throughput_samples_per_second: samples,
+        stall_fraction: stall,
+        limits,
+    }
+}
+
+/// Returns every pool, by name.
+pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
+    let jobs = jobs(shared).await?;
+    let policies = read_policies(shared);
+    let pools = policies.pools().map(|p| {
+        let mine: Vec<&JobView> = jobs.iter().filter(|j| j.pool == p.name()).collect();
+        let limit = |f: fn(&LimitsView) -> Option<u64>| {
+            mine.iter()
+                .filter_map(|j| j.limits.as_ref().and_then(f))
+                .sum()
+        };
+        let sharing = serde_json::to_value(p.spec().sharing)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        PoolView {
+            name: p.name().to_owned(),
+            bandwidth_bytes_per_second: Some(p.spec().capacity.bandwidth.bytes_per_second()),
+            ops_per_second: p.spec().capacity.ops.map(|o| o.per_second()),
+            sharing,
+            allocated_bytes_per_second: limit(|l| l.limit_bytes_per_second),
+            allocated_ops_per_second: limit(|l| l.limit_ops_per_second),
+            throughput_bytes_per_second: mine.iter().map(|j| j.throughput_bytes_per_second).sum(),
+            jobs: mine.iter().map(|j| j.id.clone()).collect(),
+        }
+    });
+    Ok(pools.collect())
+}
+
+/// Returns one pool.
+pub async fn pool(shared: &Shared, name: &str) -> Result<PoolView, ApiError> {
+    pools(shared)
+        .await?
+        .into_iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| ApiError::NotFound(format!("no StoragePool is named `{name}`")))
+}
+
+/// Returns the live policies, or (with `history`) every revision of them.
+/// Policies deleted for good are not listed: the store has no query for
+/// them yet.
+pub async fn policies(shared: &Shared, history: bool) -> Result<Vec<PolicyView>, ApiError> {
+    let current = shared.store.current_policies().await?;
+    if !history {
+        return Ok(current.into_iter().map(policy_view).collect());
+    }
+    let mut out = Vec::new();
+    for p in current {
+        let revisions = shared.store.policy_history(&p.kind, &p.name).await?;
+        out.extend(revisions.into_iter().map(policy_view));
+    }
+    Ok(out)
+}
+
+fn policy_view(p: PolicyRevision) -> PolicyView {
+    let json = p.canonical.clone().unwrap_or_default();
+    let yaml = serde_json::from_str::<serde_json::Value>(&json)
+        .ok()
+        .and_then(|v| serde_yaml_ng::to_string(&v).ok())
+        .unwrap_or_default();
+    PolicyView {
+        deleted: p.is_tombstone(),
+        kind: p.kind,
+        name: p.name,
+        revision: p.revision,
+        yaml,
+        json,
+        created_unix_millis: p.created_ms,
+    }
+}

@@ -1,0 +1,655 @@
+//! The controller library on ephemeral ports against a scripted stage (a
+//! tonic client in the test): settings computed from policies and pushed,
+//! nacks and acks recorded, desired settings re-pushed to a stage that
+//! reconnects running an older version, dry runs, deletes, pools and the
+//! event watch.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use sluice_controller::{Controller, ControllerConfig};
+use sluice_proto::v1::{
+    self as pb, ApplyOutcome, ApplyPoliciesRequest, DeletePolicyRequest, GetStageRequest,
+    ListPoliciesRequest, ListPoolsRequest, PolicySource, StageMessage, WatchEventsRequest,
+    controller_message, stage_message,
+};
+use sluice_proto::{AdminServiceClient, StageServiceClient};
+use sqlx::{Connection, PgConnection};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+const POLICY: &str = "
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: shared}
+spec: {capacity: {bandwidth: 1GB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: vision}
+spec:
+  selector: {matchLabels: {team: vision}}
+  pool: shared
+  limit: {bandwidth: 100MB/s, ops: 2k ops/s}
+  prefetch: {readers: {min: 2, max: 8}, buffer: {min: 8MiB, max: 64MiB}}
+";
+
+struct Running {
+    grpc: String,
+    http: String,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// A fresh store: a SQLite file, or a database of its own on the server
+/// named by `SLUICE_TEST_POSTGRES_URL` (`None`: skip, except in CI).
+async fn store_url(backend: &str, dir: &std::path::Path, test: &str) -> Option<String> {
+    if backend == "sqlite" {
+        return Some(format!("sqlite://{}", dir.join("c.db").display()));
+    }
+    let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "SLUICE_TEST_POSTGRES_URL must be set in CI"
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: skipping {test} on postgres: SLUICE_TEST_POSTGRES_URL is not set"
+        );
+        return None;
+    };
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mut name = format!("sluice_ctl_{}_{stamp}_{test}", std::process::id());
+    name.truncate(63);
+    let mut admin = PgConnection::connect(&server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    admin.close().await.ok();
+    let (base, _) = server.rsplit_once('/').expect("a URL with a database");
+    Some(format!("{base}/{name}"))
+}
+
+/// Drops the database a Postgres test created (after its controller
+/// stopped); nothing for SQLite.
+async fn drop_postgres_database(url: &str) {
+    let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let Some((_, name)) = url.rsplit_once('/').filter(|_| url.starts_with("postgres")) else {
+        return;
+    };
+    let mut admin = PgConnection::connect(&server).await.unwrap();
+    let drop = format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    admin.close().await.ok();
+}
+
+async fn start(url: &str) -> Running {
+    let mut config = ControllerConfig::for_tests(url);
+    config.stage_timeout = Duration::from_secs(1);
+    let controller = Controller::bind(config).await.unwrap();
+    let addrs = controller.addresses().unwrap();
+    let (grpc, http) = (addrs.grpc.to_string(), addrs.http.to_string());
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(controller.run(cancel.clone()));
+    Running {
+        grpc,
+        http,
+        cancel,
+        task,
+    }
+}
+
+/// A scripted stage session.
+struct Session {
+    up: mpsc::Sender<StageMessage>,
+    down: Streaming<pb::ControllerMessage>,
+}
+
+async fn session(grpc: &str, running_version: u64) -> Session {
+    let mut client = StageServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    let (up, rx) = mpsc::channel(8);
+    let hello = pb::Hello {
+        stage_id: "stage-1".into(),
+        node: "node-1".into(),
+        settings_version: running_version,
+        memory_budget_bytes: 1 << 30,
+        ..Default::default()
+    };
+    up.send(message(stage_message::Kind::Hello(hello)))
+        .await
+        .unwrap();
+    let down = client
+        .session(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let s = Session { up, down };
+    s.report().await;
+    s
+}
+
+fn message(kind: stage_message::Kind) -> StageMessage {
+    StageMessage { kind: Some(kind) }
+}
+
+impl Session {
+    /// Sends one telemetry snapshot: job `train` with `team: vision`.
+    async fn report(&self) {
+        let job = pb::JobTelemetry {
+            job: "train".into(),
+            labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
+            connections: 1,
+            ..Default::default()
+        };
+        let t = pb::Telemetry {
+            unix_millis: 1,
+            jobs: vec![job],
+            ..Default::default()
+        };
+        self.up
+            .send(message(stage_message::Kind::Telemetry(t)))
+            .await
+            .unwrap();
+    }
+
+    async fn settings(&mut self) -> pb::Settings {
+        let next = tokio::time::timeout(Duration::from_secs(10), self.down.message());
+        let m = next
+            .await
+            .expect("settings in time")
+            .unwrap()
+            .expect("open");
+        let Some(controller_message::Kind::Settings(s)) = m.kind else {
+            panic!("not settings: {m:?}")
+        };
+        s
+    }
+
+    async fn send(&self, kind: stage_message::Kind) {
+        self.up.send(message(kind)).await.unwrap();
+    }
+}
+
+async fn eventually<T, Fut: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    mut check: impl FnMut() -> Fut,
+) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn stage(admin: &mut AdminServiceClient<Channel>) -> pb::Stage {
+    let request = GetStageRequest {
+        id: "stage-1".into(),
+    };
+    admin.get_stage(request).await.unwrap().into_inner()
+}
+
+fn apply_request(yaml: &str, dry_run: bool) -> ApplyPoliciesRequest {
+    ApplyPoliciesRequest {
+        sources: vec![PolicySource {
+            name: "p.yaml".into(),
+            yaml: yaml.into(),
+        }],
+        dry_run,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_flow_on_sqlite() {
+    settings_flow("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_flow_on_postgres() {
+    settings_flow("postgres").await;
+}
+
+/// Settings flow from policy to stage, with nacks, acks and re-push.
+async fn settings_flow(backend: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(url) = store_url(backend, dir.path(), "settings_flow").await else {
+        return;
+    };
+    let c = start(&url).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let applied = admin
+        .apply_policies(apply_request(POLICY, false))
+        .await
+        .unwrap();
+    let outcomes: Vec<i32> = applied
+        .into_inner()
+        .changes
+        .iter()
+        .map(|c| c.outcome)
+        .collect();
+    assert_eq!(outcomes, [ApplyOutcome::Created as i32; 2]);
+
+    let mut s = session(&c.grpc, 0).await;
+    let pushed = s.settings().await;
+    let job = pushed.jobs[0].settings.clone().unwrap();
+    assert_eq!(pushed.jobs[0].job, "train");
+    assert_eq!(
+        (job.bytes_per_second, job.ops_per_second),
+        (Some(100_000_000), Some(2000))
+    );
+    assert_eq!((job.min_readers, job.max_readers), (2, 8));
+    assert_eq!(
+        (job.min_buffer_bytes, job.max_buffer_bytes),
+        (8 << 20, 64 << 20)
+    );
+    assert_eq!(
+        (job.policy.as_str(), job.pool.as_str()),
+        ("vision", "shared")
+    );
+
+    // A nack is recorded and shown; a later ack clears it.
+    let nack = pb::Nack {
+        version: pushed.version,
+        reason: "no thanks".into(),
+    };
+    s.send(stage_message::Kind::Nack(nack)).await;
+    let shown = eventually("the nack", || {
+        let mut admin = admin.clone();
+        async move { stage(&mut admin).await.last_nack }
+    })
+    .await;
+    assert_eq!(
+        (shown.version, shown.reason.as_str()),
+        (pushed.version, "no thanks")
+    );
+    s.send(stage_message::Kind::Ack(pb::Ack {
+        version: pushed.version,
+    }))
+    .await;
+    eventually("the ack", || {
+        let mut admin = admin.clone();
+        async move {
+            let st = stage(&mut admin).await;
+            (st.acked_version == pushed.version && st.last_nack.is_none()).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(stage(&mut admin).await.desired_version, pushed.version);
+
+    // Reconnecting with an older version gets the desired one at once.
+    drop(s);
+    let mut s = session(&c.grpc, 0).await;
+    let again = s.settings().await;
+    assert_eq!(
+        (again.version, again.jobs.clone()),
+        (pushed.version, pushed.jobs.clone())
+    );
+    s.send(stage_message::Kind::Ack(pb::Ack {
+        version: again.version,
+    }))
+    .await;
+
+    // A restarted controller on the same store: the stage comes back
+    // running the desired version, and nothing new is published for it.
+    drop(s);
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    let c = start(&url).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let mut s = session(&c.grpc, pushed.version).await;
+    let quiet = tokio::time::timeout(Duration::from_millis(1500), s.down.message()).await;
+    assert!(quiet.is_err(), "pushed again after a restart: {quiet:?}");
+    let st = stage(&mut admin).await;
+    assert_eq!(
+        (st.desired_version, st.acked_version),
+        (pushed.version, pushed.version)
+    );
+
+    // A dry run stores nothing.
+    let changed = POLICY.replace("100MB/s", "200MB/s");
+    let dry = admin
+        .apply_policies(apply_request(&changed, true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(dry.dry_run);
+    let vision = dry.changes.iter().find(|c| c.name == "vision").unwrap();
+    assert_eq!(
+        (vision.revision, vision.outcome),
+        (2, ApplyOutcome::Updated as i32)
+    );
+    let list = admin
+        .list_policies(ListPoliciesRequest {
+            include_history: true,
+        })
+        .await;
+    assert!(
+        list.unwrap()
+            .into_inner()
+            .policies
+            .iter()
+            .all(|p| p.revision == 1)
+    );
+
+    // Pools list their jobs; a pool in use cannot go; deleting the policy
+    // pushes settings without the job.
+    let pools = admin
+        .list_pools(ListPoolsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .pools;
+    assert_eq!(pools[0].jobs, ["train"]);
+    assert_eq!(pools[0].allocated_bytes_per_second, 100_000_000);
+    let in_use = DeletePolicyRequest {
+        kind: "pool".into(),
+        name: "shared".into(),
+    };
+    let refused = admin.delete_policy(in_use).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    let delete = DeletePolicyRequest {
+        kind: String::new(),
+        name: "vision".into(),
+    };
+    let revision = admin
+        .delete_policy(delete)
+        .await
+        .unwrap()
+        .into_inner()
+        .revision;
+    assert_eq!(revision, 2);
+    let emptied = s.settings().await;
+    assert!(
+        emptied.version > pushed.version && emptied.jobs.is_empty(),
+        "{emptied:?}"
+    );
+
+    // The watch replays stored events, in order.
+    let mut events = admin
+        .watch_events(WatchEventsRequest { since_seq: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut kinds = Vec::new();
+    while !kinds.contains(&"policy.deleted".to_owned()) {
+        let e = tokio::time::timeout(Duration::from_secs(10), events.message()).await;
+        kinds.push(e.expect("events in time").unwrap().unwrap().kind);
+    }
+    for kind in [
+        "policy.applied",
+        "stage.connected",
+        "settings.pushed",
+        "settings.nacked",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == kind),
+            "{kind} missing from {kinds:?}"
+        );
+    }
+
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    drop_postgres_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_policies_are_refused_with_locations_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let bad = POLICY.replace("pool: shared", "pool: missing");
+    let refused = admin
+        .apply_policies(apply_request(&bad, false))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().starts_with("p.yaml:"),
+        "{}",
+        refused.message()
+    );
+    let list = admin
+        .list_policies(ListPoliciesRequest {
+            include_history: true,
+        })
+        .await;
+    assert!(list.unwrap().into_inner().policies.is_empty());
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+/// One HTTP/1.1 request; returns the whole response.
+async fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // A refused oversized body may close the connection early.
+    let _ = s.write_all(body.as_bytes()).await;
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_view_applies_lists_and_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let ok = http(&c.http, "POST", "/api/v1/policies?source=web.yaml", POLICY).await;
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    assert!(ok.contains(r#""outcome":"created""#), "{ok}");
+    let bad = POLICY.replace("100MB/s", "100 parsecs");
+    let refused = http(&c.http, "POST", "/api/v1/policies", &bad).await;
+    assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+    assert!(
+        refused.contains("text/plain") && refused.contains("\r\n\r\nbody:"),
+        "{refused}"
+    );
+    let huge = "#".repeat(5 << 20);
+    let too_big = http(&c.http, "POST", "/api/v1/policies", &huge).await;
+    assert!(
+        too_big.starts_with("HTTP/1.1 413"),
+        "{}",
+        &too_big[..too_big.len().min(200)]
+    );
+
+    let policies = http(&c.http, "GET", "/api/v1/policies?history=true", "").await;
+    assert!(policies.contains(r#""name":"vision""#), "{policies}");
+    let pools = http(&c.http, "GET", "/api/v1/pools", "").await;
+    assert!(
+        pools.contains(r#""name":"shared""#) && pools.contains(r#""sharing":"weighted-fair""#),
+        "{pools}"
+    );
+    assert!(
+        http(&c.http, "GET", "/api/v1/jobs", "")
+            .await
+            .ends_with("[]")
+    );
+    assert!(
+        http(&c.http, "GET", "/api/v1/stages", "")
+            .await
+            .ends_with("[]")
+    );
+    let metrics = http(&c.http, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("sluice_controller_policy_revisions_total 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sluice_controller_policies 2"),
+        "{metrics}"
+    );
+    assert!(
+        http(&c.http, "GET", "/healthz", "")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    assert!(
+        http(&c.http, "GET", "/readyz", "")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_controller_on_one_postgres_is_refused_the_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(url) = store_url("postgres", dir.path(), "second_controller").await else {
+        return;
+    };
+    let c = start(&url).await;
+    let refused = Controller::bind(ControllerConfig::for_tests(url.as_str()))
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{refused:#}").contains("leader lease"),
+        "{refused:#}"
+    );
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    // Released at shutdown: the next controller gets it.
+    let next = start(&url).await;
+    next.cancel.cancel();
+    next.task.await.unwrap().unwrap();
+    drop_postgres_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_given_at_start_are_applied_once_and_reloaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = store_url("sqlite", dir.path(), "").await.unwrap();
+    let file = dir.path().join("static.yaml");
+    std::fs::write(&file, POLICY).unwrap();
+    for _ in 0..2 {
+        let mut config = ControllerConfig::for_tests(url.as_str());
+        config.policies = Some(file.clone());
+        let controller = Controller::bind(config).await.unwrap();
+        let grpc = controller.addresses().unwrap().grpc;
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(controller.run(cancel.clone()));
+        let mut admin = AdminServiceClient::connect(format!("http://{grpc}"))
+            .await
+            .unwrap();
+        let list = admin
+            .list_policies(ListPoliciesRequest {
+                include_history: true,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .policies;
+        // The second start applies an identical file: no new revision.
+        let names: Vec<(String, u64)> = list.into_iter().map(|p| (p.name, p.revision)).collect();
+        assert_eq!(names, [("vision".to_owned(), 1), ("shared".to_owned(), 1)]);
+        cancel.cancel();
+        task.await.unwrap().unwrap();
+    }
+    // A broken file stops the start with its location.
+    std::fs::write(&file, "kind: [").unwrap();
+    let mut config = ControllerConfig::for_tests(url.as_str());
+    config.policies = Some(file.clone());
+    let e = Controller::bind(config).await.unwrap_err();
+    assert!(format!("{e:#}").contains("static.yaml:2:1: "), "{e:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misbehaving_stage_does_not_hold_up_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let url = format!("http://{}", c.grpc);
+
+    // A session that does not open with a hello is refused.
+    let mut client = StageServiceClient::connect(url.clone()).await.unwrap();
+    let (up, rx) = mpsc::channel(1);
+    let t = pb::Telemetry::default();
+    up.send(message(stage_message::Kind::Telemetry(t)))
+        .await
+        .unwrap();
+    let refused = client.session(ReceiverStream::new(rx)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+
+    // A stage that never reads its pushes, next to one that does.
+    let mut stuck_client = StageServiceClient::connect(url).await.unwrap();
+    let (stuck_up, rx) = mpsc::channel(8);
+    let hello = pb::Hello {
+        stage_id: "stuck".into(),
+        memory_budget_bytes: 1 << 30,
+        ..Default::default()
+    };
+    stuck_up
+        .send(message(stage_message::Kind::Hello(hello)))
+        .await
+        .unwrap();
+    let _stuck_down = stuck_client.session(ReceiverStream::new(rx)).await.unwrap();
+    let mut good = session(&c.grpc, 0).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    // Many jobs with long ids make each push to the stuck stage ~35 KB, so
+    // 120 of them overflow HTTP/2 flow control and the session's queue.
+    let jobs: Vec<pb::JobTelemetry> = std::iter::once("train".to_owned())
+        .chain((0..100).map(|n| format!("{n:0>250}")))
+        .map(|job| pb::JobTelemetry {
+            job,
+            labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
+            ..Default::default()
+        })
+        .collect();
+    // Reported once: the stuck stage is soon marked lost, but its session
+    // stays open and keeps being pushed to.
+    let t = pb::Telemetry {
+        jobs,
+        ..Default::default()
+    };
+    stuck_up
+        .send(message(stage_message::Kind::Telemetry(t)))
+        .await
+        .unwrap();
+    for i in 1..=120u64 {
+        good.report().await;
+        let rate = (100 + i) * 1_000_000;
+        let yaml = POLICY.replace("100MB/s", &format!("{}MB/s", 100 + i));
+        admin
+            .apply_policies(apply_request(&yaml, false))
+            .await
+            .unwrap();
+        // The good stage gets every change: the whole limit, or half of it
+        // while the stuck stage still counts as serving the job.
+        loop {
+            let s = good.settings().await;
+            let got = s.jobs[0].settings.as_ref().unwrap().bytes_per_second;
+            if got == Some(rate) || got == Some(rate / 2) {
+                break;
+            }
+        }
+    }
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}

@@ -1,0 +1,481 @@
+//! The controller end to end: the real `sluice-controller` and
+//! `sluice-stage` binaries on ephemeral ports. Policies applied over gRPC
+//! reach both stages and are acknowledged; a malformed policy is refused
+//! with `file:line:column` and changes nothing; a killed stage is marked
+//! lost; a restarted controller restores its state from the store and the
+//! stages converge to the same versions.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sluice_proto::AdminServiceClient;
+use sluice_proto::v1::{
+    ApplyPoliciesRequest, GetJobRequest, ListPoliciesRequest, ListStagesRequest, PolicySource,
+    Stage, StageState,
+};
+use sluice_stage::protocol::Request as Frame;
+use tonic::transport::Channel;
+
+const POLICY: &str = "
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: shared}
+spec: {capacity: {bandwidth: 1GB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: vision}
+spec:
+  selector: {matchLabels: {team: vision}}
+  pool: shared
+  limit: {bandwidth: 100MB/s}
+";
+
+const MALFORMED: &str = "apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: broken}
+spec:
+  selector: {matchLabels: {team: vision}}
+  pool: shared
+  limitt: {bandwidth: 1MB/s}
+";
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a binary and returns it with its JSON ready line.
+fn start(mut command: Command) -> (KillOnDrop, serde_json::Value) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        // SLUICE_TEST_LOGS=1 shows the processes' logs.
+        .stderr(if std::env::var_os("SLUICE_TEST_LOGS").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
+        .spawn()
+        .expect("the binary starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready = serde_json::from_str(&line).unwrap_or_else(|e| panic!("ready line {line:?}: {e}"));
+    (KillOnDrop(child), ready)
+}
+
+struct RunningController {
+    _process: KillOnDrop,
+    grpc: String,
+    http: String,
+}
+
+fn controller(db: &Path, grpc_addr: &str) -> RunningController {
+    let mut c = Command::new(sluice_tests::binary("sluice-controller"));
+    c.args(["--grpc-addr", grpc_addr, "--http-addr", "127.0.0.1:0"])
+        .arg(format!("--database-url=sqlite://{}", db.display()))
+        .args(["--tick", "200ms", "--stage-timeout", "2s"]);
+    let (process, ready) = start(c);
+    RunningController {
+        _process: process,
+        grpc: ready["grpc"].as_str().unwrap().to_owned(),
+        http: ready["http"].as_str().unwrap().to_owned(),
+    }
+}
+
+struct RunningStage {
+    process: KillOnDrop,
+    socket: PathBuf,
+}
+
+fn stage(dir: &Path, id: &str, grpc: &str) -> RunningStage {
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("a.bin"), b"abc").unwrap();
+    let socket = dir.join(format!("{id}.sock"));
+    let mut c = Command::new(sluice_tests::binary("sluice-stage"));
+    c.args([
+        "--socket",
+        socket.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+    .args(["--stage-id", id, "--node", id, "--memory-budget", "256MiB"])
+    .arg(format!("--dataset=train={}", data.display()))
+    .arg(format!("--controller=http://{grpc}"));
+    let (process, _) = start(c);
+    RunningStage { process, socket }
+}
+
+/// Says HELLO as a trainer of `job` (labels `team: vision`) and returns the
+/// open connection.
+fn trainer(socket: &Path, job: &str) -> UnixStream {
+    let mut s = UnixStream::connect(socket).unwrap();
+    let hello = Frame::Hello {
+        version: 1,
+        job: job.into(),
+        labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
+        rank: 0,
+        world_size: 1,
+    };
+    s.write_all(&hello.encode()).unwrap();
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[4], 0x81, "WELCOME");
+    let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
+    s.read_exact(&mut rest).unwrap();
+    s
+}
+
+fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+async fn admin(grpc: &str) -> AdminServiceClient<Channel> {
+    AdminServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap()
+}
+
+async fn stages(client: &mut AdminServiceClient<Channel>) -> Vec<Stage> {
+    client
+        .list_stages(ListStagesRequest {})
+        .await
+        .map(|r| r.into_inner().stages)
+        .unwrap_or_default()
+}
+
+/// Polls `check` until it returns `Some`, failing after `limit`.
+async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until both stages are connected, report `job`, and run what the
+/// controller wants (desired == acked, nonzero); returns their versions.
+async fn converged(client: &mut AdminServiceClient<Channel>, job: &str) -> BTreeMap<String, u64> {
+    eventually(
+        "both stages to ack the settings",
+        Duration::from_secs(30),
+        || {
+            let mut client = client.clone();
+            async move {
+                let list = stages(&mut client).await;
+                if std::env::var_os("SLUICE_TEST_LOGS").is_some() {
+                    eprintln!("{list:?}");
+                }
+                let ok = list.len() == 2
+                    && list.iter().all(|s| {
+                        s.state == StageState::Connected as i32
+                            && s.jobs.iter().any(|j| j == job)
+                            && s.desired_version > 0
+                            && s.desired_version == s.acked_version
+                    });
+                ok.then(|| {
+                    list.iter()
+                        .map(|s| (s.id.clone(), s.acked_version))
+                        .collect()
+                })
+            }
+        },
+    )
+    .await
+}
+
+async fn apply(
+    client: &mut AdminServiceClient<Channel>,
+    name: &str,
+    yaml: &str,
+) -> Result<(), tonic::Status> {
+    let request = ApplyPoliciesRequest {
+        sources: vec![PolicySource {
+            name: name.into(),
+            yaml: yaml.into(),
+        }],
+        dry_run: false,
+    };
+    client.apply_policies(request).await.map(|_| ())
+}
+
+/// Bytes per second pushed for `job` on each stage, by stage id (empty
+/// while the controller does not know the job yet).
+async fn job_limits(
+    client: &mut AdminServiceClient<Channel>,
+    job: &str,
+) -> BTreeMap<String, Option<u64>> {
+    let Ok(job) = client.get_job(GetJobRequest { id: job.into() }).await else {
+        return BTreeMap::new();
+    };
+    job.into_inner()
+        .stages
+        .into_iter()
+        .map(|s| (s.stage_id, s.settings.and_then(|s| s.bytes_per_second)))
+        .collect()
+}
+
+/// Waits until each of the two stages runs `per_stage` bytes/s for `job`.
+async fn limits_become(client: &AdminServiceClient<Channel>, job: &str, per_stage: u64) {
+    eventually(
+        "the job's limit on both stages",
+        Duration::from_secs(10),
+        || {
+            let mut client = client.clone();
+            async move {
+                let l = job_limits(&mut client, job).await;
+                (l.len() == 2 && l.values().all(|v| *v == Some(per_stage))).then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    let a = stage(dir.path(), "stage-a", &c.grpc);
+    let mut b = stage(dir.path(), "stage-b", &c.grpc);
+    let _ta = trainer(&a.socket, "resnet");
+    let _tb = trainer(&b.socket, "resnet");
+    let mut client = admin(&c.grpc).await;
+
+    apply(&mut client, "policy.yaml", POLICY).await.unwrap();
+    let versions = converged(&mut client, "resnet").await;
+    limits_become(&client, "resnet", 50_000_000).await;
+
+    // A malformed policy: refused with file:line:column, nothing changes.
+    let before = client
+        .list_policies(ListPoliciesRequest {
+            include_history: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let refused = apply(&mut client, "bad.yaml", MALFORMED).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().starts_with("bad.yaml:7:3: "),
+        "{}",
+        refused.message()
+    );
+    let after = client
+        .list_policies(ListPoliciesRequest {
+            include_history: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(before, after);
+    assert_eq!(after.policies.len(), 2);
+    assert_eq!(converged(&mut client, "resnet").await, versions);
+
+    // The same over HTTP, plus the read-only views and metrics.
+    let response = http(
+        &c.http,
+        "POST",
+        "/api/v1/policies?source=web.yaml",
+        MALFORMED,
+    );
+    assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+    assert!(response.contains("web.yaml:7:3: "), "{response}");
+    let response = http(&c.http, "GET", "/api/v1/stages", "");
+    assert!(
+        response.contains(r#""id":"stage-a""#) && response.contains(r#""state":"connected""#),
+        "{response}"
+    );
+    let response = http(&c.http, "GET", "/metrics", "");
+    assert!(
+        response.contains("sluice_controller_stages{state=\"connected\"} 2"),
+        "{response}"
+    );
+    assert!(
+        response.contains("sluice_controller_settings_acks_total"),
+        "{response}"
+    );
+    assert!(http(&c.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200"));
+
+    // A stage killed: marked lost within the timeout, and the job's whole
+    // limit goes to the stage that still serves it.
+    b.process.0.kill().unwrap();
+    b.process.0.wait().unwrap();
+    eventually("stage-b to be marked lost", Duration::from_secs(6), || {
+        let mut client = client.clone();
+        async move {
+            let list = stages(&mut client).await;
+            list.iter()
+                .any(|s| s.id == "stage-b" && s.state == StageState::Lost as i32)
+                .then_some(())
+        }
+    })
+    .await;
+    eventually(
+        "stage-a to get the whole limit",
+        Duration::from_secs(10),
+        || {
+            let mut client = client.clone();
+            async move {
+                let l = job_limits(&mut client, "resnet").await;
+                (l.get("stage-a") == Some(&Some(100_000_000))).then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_controller_restores_state_and_stages_converge_to_the_same_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let first = controller(&db, "127.0.0.1:0");
+    let grpc = first.grpc.clone();
+    let a = stage(dir.path(), "stage-a", &grpc);
+    let b = stage(dir.path(), "stage-b", &grpc);
+    let _ta = trainer(&a.socket, "resnet");
+    let _tb = trainer(&b.socket, "resnet");
+    let mut client = admin(&grpc).await;
+    apply(&mut client, "policy.yaml", POLICY).await.unwrap();
+    limits_become(&client, "resnet", 50_000_000).await;
+    let versions = converged(&mut client, "resnet").await;
+
+    drop(first);
+    let second = controller(&db, &grpc);
+    let mut client = admin(&second.grpc).await;
+    let policies = client
+        .list_policies(ListPoliciesRequest {
+            include_history: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(policies.policies.len(), 2);
+    assert_eq!(converged(&mut client, "resnet").await, versions);
+    limits_become(&client, "resnet", 50_000_000).await;
+    assert_eq!(converged(&mut client, "resnet").await, versions);
+}
+
+/// From calling `ApplyPolicies` to both stages acknowledging settings
+/// that carry the new limit: 20 applies with 2 stages. Prints the median
+/// and the worst (`--nocapture` shows them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_to_ack_latency_over_twenty_applies() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    let a = stage(dir.path(), "stage-a", &c.grpc);
+    let b = stage(dir.path(), "stage-b", &c.grpc);
+    let _ta = trainer(&a.socket, "resnet");
+    let _tb = trainer(&b.socket, "resnet");
+    let mut client = admin(&c.grpc).await;
+    apply(&mut client, "policy.yaml", POLICY).await.unwrap();
+    converged(&mut client, "resnet").await;
+    let mut times = Vec::new();
+    for i in 1..=20u64 {
+        let rate = 100 + 2 * i;
+        let yaml = POLICY.replace("100MB/s", &format!("{rate}MB/s"));
+        let started = Instant::now();
+        apply(&mut client, "policy.yaml", &yaml).await.unwrap();
+        let per_stage = Some(rate * 1_000_000 / 2);
+        loop {
+            let list = stages(&mut client).await;
+            let acked =
+                list.len() == 2 && list.iter().all(|s| s.desired_version == s.acked_version);
+            if acked
+                && job_limits(&mut client, "resnet")
+                    .await
+                    .values()
+                    .all(|v| *v == per_stage)
+            {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "apply {i} not acknowledged"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        times.push(started.elapsed());
+    }
+    times.sort();
+    println!(
+        "apply -> both stages acked, 20 applies, 2 stages: median {:?}, worst {:?}",
+        times[times.len() / 2],
+        times[times.len() - 1]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_flags_exit_64_and_sigterm_shuts_down_cleanly() {
+    let bin = sluice_tests::binary("sluice-controller");
+    let status = Command::new(&bin)
+        .args(["--tick", "soon"])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(64));
+
+    // With a stage session and an event watch open: both are endless
+    // streams, and shutdown must still finish.
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    let _stage = stage(dir.path(), "stage-a", &c.grpc);
+    let mut client = admin(&c.grpc).await;
+    eventually("the stage to connect", Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { (stages(&mut client).await.len() == 1).then_some(()) }
+    })
+    .await;
+    let _watch = client
+        .watch_events(sluice_proto::v1::WatchEventsRequest { since_seq: 0 })
+        .await
+        .unwrap();
+    let mut process = c._process;
+    let pid = process.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = process.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the controller did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+    // Drained, not cut off by the drain timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+}
