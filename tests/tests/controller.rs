@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use sluice_proto::AdminServiceClient;
 use sluice_proto::v1::{
-    ApplyPoliciesRequest, GetJobRequest, ListPoliciesRequest, ListStagesRequest, PolicySource,
-    Stage, StageState,
+    ApplyPoliciesRequest, GetJobRequest, ListJobsRequest, ListPoliciesRequest, ListStagesRequest,
+    PolicySource, Stage, StageState,
 };
 use sluice_stage::protocol::Request as Frame;
 use tonic::transport::Channel;
@@ -382,53 +382,88 @@ async fn restarted_controller_restores_state_and_stages_converge_to_the_same_ver
     assert_eq!(converged(&mut client, "resnet").await, versions);
 }
 
-/// From calling `ApplyPolicies` to both stages acknowledging settings
-/// that carry the new limit: 20 applies with 2 stages. Prints the median
-/// and the worst (`--nocapture` shows them).
+/// Runs `sluicectl --server http://GRPC ARGS...` and returns (exit code,
+/// stdout, stderr).
+fn sluicectl(grpc: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(sluice_tests::binary("sluicectl"))
+        .arg(format!("--server=http://{grpc}"))
+        .args(args)
+        .output()
+        .expect("sluicectl runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// What an operator does: `sluicectl apply`, then `sluicectl get stages -o
+/// json` until both stages acknowledged the new version; a malformed file
+/// exits 1 with its location and changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn apply_to_ack_latency_over_twenty_applies() {
+async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
     let a = stage(dir.path(), "stage-a", &c.grpc);
     let b = stage(dir.path(), "stage-b", &c.grpc);
     let _ta = trainer(&a.socket, "resnet");
     let _tb = trainer(&b.socket, "resnet");
-    let mut client = admin(&c.grpc).await;
-    apply(&mut client, "policy.yaml", POLICY).await.unwrap();
-    converged(&mut client, "resnet").await;
-    let mut times = Vec::new();
-    for i in 1..=20u64 {
-        let rate = 100 + 2 * i;
-        let yaml = POLICY.replace("100MB/s", &format!("{rate}MB/s"));
-        let started = Instant::now();
-        apply(&mut client, "policy.yaml", &yaml).await.unwrap();
-        let per_stage = Some(rate * 1_000_000 / 2);
-        loop {
-            let list = stages(&mut client).await;
-            let acked =
-                list.len() == 2 && list.iter().all(|s| s.desired_version == s.acked_version);
-            if acked
-                && job_limits(&mut client, "resnet")
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(&policy, POLICY).unwrap();
+    let grpc = c.grpc.clone();
+    let stages_json = move || {
+        let (code, out, err) = sluicectl(&grpc, &["get", "stages", "-o", "json"]);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<Vec<serde_json::Value>>(&out).expect("a JSON array")
+    };
+    // Both stages have reported the job before the policy arrives.
+    let client = admin(&c.grpc).await;
+    eventually(
+        "both stages to report the job",
+        Duration::from_secs(15),
+        || {
+            let mut client = client.clone();
+            async move {
+                let jobs = client
+                    .list_jobs(ListJobsRequest {})
                     .await
-                    .values()
-                    .all(|v| *v == per_stage)
-            {
-                break;
+                    .ok()?
+                    .into_inner()
+                    .jobs;
+                jobs.iter()
+                    .any(|j| j.id == "resnet" && j.stages.len() == 2)
+                    .then_some(())
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "apply {i} not acknowledged"
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        },
+    )
+    .await;
+    for round in 1..=3u64 {
+        let rate = 100 + round;
+        std::fs::write(&policy, POLICY.replace("100MB/s", &format!("{rate}MB/s"))).unwrap();
+        let (code, out, err) = sluicectl(&c.grpc, &["apply", "-f", policy.to_str().unwrap()]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("jobpolicy/vision"), "{out}");
+        let per_stage = Some(rate * 1_000_000 / 2);
+        limits_become(&client, "resnet", per_stage.unwrap()).await;
+        let stages = stages_json();
+        assert_eq!(stages.len(), 2, "{stages:?}");
+        for s in &stages {
+            assert_eq!(s["state"], "connected");
+            assert!(s["acked_version"].as_u64().unwrap() >= 1);
+            assert_eq!(s["acked_version"], s["desired_version"], "{s}");
         }
-        times.push(started.elapsed());
     }
-    times.sort();
-    println!(
-        "apply -> both stages acked, 20 applies, 2 stages: median {:?}, worst {:?}",
-        times[times.len() / 2],
-        times[times.len() - 1]
+    let (_, before, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, MALFORMED).unwrap();
+    let (code, out, err) = sluicectl(&c.grpc, &["apply", "-f", bad.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("bad.yaml:") && err.lines().all(|l| l.contains(':')),
+        "{err}"
     );
+    let (_, after, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
+    assert_eq!(before, after, "a refused apply changes nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
