@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply} ...``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ _SUBCOMMANDS = {
     "receive": "micro benchmark of the client's receive path",
     "limiter": "does the stage's rate and ops limiter hold its target (cold, no compute)",
     "tuner": "fixed reader counts vs the auto-tuner from 1 reader, then a compute-bound phase",
+    "apply": "time from sluicectl apply until every stage acknowledged the new settings",
 }
 
 
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
         from .limiter import main as run
     elif argv[0] == "tuner":
         from .tuner import main as run
+    elif argv[0] == "apply":
+        from .apply import main as run
     else:
         from .receive import main as run
     return run(argv[1:])

@@ -1,0 +1,268 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "sluice.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Prefix of every resource name: <release>-<chart> unless overridden. */}}
+{{- define "sluice.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels common to every resource. */}}
+{{- define "sluice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component; call with (dict "ctx" $ "component" "stage"). */}}
+{{- define "sluice.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Image reference; call with (dict "ctx" $ "image" .Values.stage.image). */}}
+{{- define "sluice.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{- define "sluice.controller.fullname" -}}
+{{- printf "%s-controller" (include "sluice.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sluice.stage.fullname" -}}
+{{- printf "%s-stage" (include "sluice.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sluice.controller.serviceAccountName" -}}
+{{- if .Values.controller.serviceAccount.create }}
+{{- default (include "sluice.controller.fullname" .) .Values.controller.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.controller.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.stage.serviceAccountName" -}}
+{{- if .Values.stage.daemonset.serviceAccount.create }}
+{{- default (include "sluice.stage.fullname" .) .Values.stage.daemonset.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.stage.daemonset.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Controller replicas: SQLite has exactly one writer. */}}
+{{- define "sluice.controller.replicas" -}}
+{{- if eq (include "sluice.store.type" .) "sqlite" }}1{{ else }}{{ .Values.controller.replicas | int }}{{ end }}
+{{- end }}
+
+{{/* The store type, validated. */}}
+{{- define "sluice.store.type" -}}
+{{- $t := .Values.store.type }}
+{{- if not (has $t (list "sqlite" "postgres")) }}
+{{- fail (printf "store.type must be sqlite or postgres, not %q" $t) }}
+{{- end }}
+{{- $t }}
+{{- end }}
+
+{{/* Secret holding the Postgres URL. */}}
+{{- define "sluice.postgres.secretName" -}}
+{{- if .Values.store.postgres.existingSecret }}
+{{- .Values.store.postgres.existingSecret }}
+{{- else if .Values.store.postgres.url }}
+{{- printf "%s-postgres" (include "sluice.controller.fullname" .) }}
+{{- else }}
+{{- fail "store.type postgres needs store.postgres.existingSecret (a Secret with the postgres:// URL) or store.postgres.url" }}
+{{- end }}
+{{- end }}
+
+{{/* ConfigMap of policies, empty when there is none. */}}
+{{- define "sluice.policies.configMap" -}}
+{{- if .Values.policies.existingConfigMap }}
+{{- .Values.policies.existingConfigMap }}
+{{- else if .Values.policies.files }}
+{{- printf "%s-policies" (include "sluice.controller.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Secrets of the TLS material. */}}
+{{- define "sluice.tls.controllerSecret" -}}
+{{- required "tls.enabled needs tls.controllerSecret (a Secret with tls.crt, tls.key and ca.crt)" .Values.tls.controllerSecret }}
+{{- end }}
+
+{{- define "sluice.tls.stageSecret" -}}
+{{- default (include "sluice.tls.controllerSecret" .) .Values.tls.stageSecret }}
+{{- end }}
+
+{{/* TLS flags, shared by both daemons. */}}
+{{- define "sluice.tls.args" -}}
+- --tls-cert={{ .Values.tls.mountPath }}/tls.crt
+- --tls-key={{ .Values.tls.mountPath }}/tls.key
+- --tls-ca={{ .Values.tls.mountPath }}/ca.crt
+{{- end }}
+
+{{/* The controller URL stages connect to. */}}
+{{- define "sluice.controller.url" -}}
+{{- printf "%s://%s.%s.svc:%d" (ternary "https" "http" .Values.tls.enabled) (include "sluice.controller.fullname" .) .Release.Namespace (.Values.controller.grpcPort | int) }}
+{{- end }}
+
+{{/*
+The stage container, shared by the DaemonSet and the sidecar example.
+Call with (dict "ctx" $ "name" "stage" "stageId" <env source>).
+The caller provides the volumes: socket, datasets (dataset-<name>), tls.
+*/}}
+{{- define "sluice.stage.container" -}}
+{{- $ctx := .ctx }}
+{{- $v := $ctx.Values.stage }}
+- name: {{ .name }}
+  image: {{ include "sluice.image" (dict "ctx" $ctx "image" $v.image) }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- with .restartPolicy }}
+  restartPolicy: {{ . }}
+  {{- end }}
+  args:
+    - --socket=/run/sluice/stage.sock
+    - --metrics-addr=0.0.0.0:{{ $v.metricsPort }}
+    - --memory-budget={{ $v.memoryBudget }}
+    - --direct-io={{ $v.directIO }}
+    {{- range $v.datasets }}
+    - --dataset={{ .name }}=/data/{{ .name }}
+    {{- end }}
+    {{- if $v.tcp.enabled }}
+    - --listen=0.0.0.0:{{ $v.tcp.port }}
+    {{- end }}
+    {{- with $v.rateLimit }}
+    - --rate-limit={{ . }}
+    {{- end }}
+    {{- with $v.opsLimit }}
+    - --ops-limit={{ . }}
+    {{- end }}
+    {{- with $v.readers.fixed }}
+    - --readers={{ . }}
+    {{- end }}
+    {{- with $v.readers.min }}
+    - --min-readers={{ . }}
+    {{- end }}
+    {{- with $v.readers.max }}
+    - --max-readers={{ . }}
+    {{- end }}
+    {{- with $v.readers.initial }}
+    - --initial-readers={{ . }}
+    {{- end }}
+    {{- with $v.buffer.min }}
+    - --min-buffer={{ . }}
+    {{- end }}
+    {{- with $v.buffer.max }}
+    - --max-buffer={{ . }}
+    {{- end }}
+    {{- with $v.buffer.initial }}
+    - --initial-buffer={{ . }}
+    {{- end }}
+    {{- range $k, $val := $v.labels }}
+    - --label={{ $k }}={{ $val }}
+    {{- end }}
+    {{- range $k, $val := .labels }}
+    - --label={{ $k }}={{ $val }}
+    {{- end }}
+    {{- if $ctx.Values.controller.enabled }}
+    - --controller={{ include "sluice.controller.url" $ctx }}
+    {{- end }}
+    {{- if $ctx.Values.tls.enabled }}
+    {{- include "sluice.tls.args" $ctx | nindent 4 }}
+    {{- end }}
+    {{- with $v.extraArgs }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    - name: SLUICE_LOG
+      value: {{ $v.logLevel | quote }}
+    - name: SLUICE_NODE
+      valueFrom:
+        fieldRef:
+          fieldPath: spec.nodeName
+    - name: SLUICE_STAGE_ID
+      valueFrom:
+        fieldRef:
+          fieldPath: {{ .stageIdField }}
+    {{- with $v.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: metrics
+      containerPort: {{ $v.metricsPort }}
+      protocol: TCP
+    {{- if $v.tcp.enabled }}
+    - name: trainers
+      containerPort: {{ $v.tcp.port }}
+      protocol: TCP
+    {{- end }}
+  {{- if .startupProbe }}
+  startupProbe:
+    httpGet:
+      path: /readyz
+      port: metrics
+    periodSeconds: 1
+    failureThreshold: 60
+  {{- end }}
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: metrics
+    periodSeconds: {{ $v.livenessProbe.periodSeconds }}
+    failureThreshold: {{ $v.livenessProbe.failureThreshold }}
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: metrics
+    periodSeconds: {{ $v.readinessProbe.periodSeconds }}
+    failureThreshold: {{ $v.readinessProbe.failureThreshold }}
+  resources:
+    {{- toYaml $v.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: socket
+      mountPath: /run/sluice
+    {{- range $v.datasets }}
+    - name: dataset-{{ .name }}
+      mountPath: /data/{{ .name }}
+      readOnly: true
+    {{- end }}
+    {{- if $ctx.Values.tls.enabled }}
+    - name: tls
+      mountPath: {{ $ctx.Values.tls.mountPath }}
+      readOnly: true
+    {{- end }}
+{{- end }}
+
+{{/* The datasets' volumes. */}}
+{{- define "sluice.stage.datasetVolumes" -}}
+{{- range .Values.stage.datasets }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .name) }}
+{{- fail (printf "stage.datasets: name %q must be lowercase letters, digits and '-' (it names a volume)" .name) }}
+{{- end }}
+- name: dataset-{{ .name }}
+  {{- if .volume }}
+  {{- toYaml .volume | nindent 2 }}
+  {{- else }}
+  hostPath:
+    path: {{ required (printf "stage.datasets: %s needs hostPath or volume" .name) .hostPath }}
+    type: Directory
+  {{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,271 @@
+"""Renders, lints and validates the Helm chart (run by scripts/check-helm).
+
+For each scenario (a values file under tests/helm/): render the chart with
+Helm's own engine (helm-python-sdk), lint it strictly, validate every
+rendered Kubernetes object with `kubernetes-validate --strict` and the
+prometheus-operator objects against tests/helm/crd-schemas/, then check a
+few properties the schemas cannot see. Values that must be refused are
+checked to fail rendering, and every value must be documented in
+values.yaml and the chart's README. Prints one line per check and a
+summary; exits 1 if anything failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = Path(os.environ.get("SLUICE_HELM_CHART", ROOT / "helm" / "sluice"))
+HERE = Path(__file__).resolve().parent
+KUBE_VERSIONS = os.environ.get("SLUICE_HELM_KUBE_VERSIONS", "1.31.0,1.37.0").split(",")
+NAMESPACE = "sluice"
+
+SCENARIOS = {
+    "default": None,
+    "ha": "values-ha.yaml",
+    "sidecar": "values-sidecar.yaml",
+    "tls": "values-tls.yaml",
+    "monitoring": "values-monitoring.yaml",
+}
+
+# Values the chart must refuse, with a piece of the message it must give.
+MUST_FAIL = {
+    "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
+    "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
+    "tls without a secret": ({"tls": {"enabled": True}}, "tls.controllerSecret"),
+    "dataset without a path": ({"stage": {"datasets": [{"name": "x"}]}}, "needs hostPath or volume"),
+    "policy file name": ({"policies": {"files": {"pools.txt": "x: 1"}}}, "must end in .yaml"),
+    "misspelled value (values.schema.json)": ({"store": {"typ": "postgres"}}, "additional properties 'typ' not allowed"),
+    "port out of range (values.schema.json)": ({"controller": {"grpcPort": 70000}}, "/controller/grpcPort"),
+}
+
+CRD_SCHEMAS = {
+    "ServiceMonitor": HERE / "crd-schemas" / "servicemonitor.json",
+    "PrometheusRule": HERE / "crd-schemas" / "prometheusrule.json",
+}
+
+results: list[tuple[str, bool, str]] = []
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    results.append((name, ok, detail))
+    print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail and not ok else ''}")
+
+
+def load_values(file: str | None) -> dict | None:
+    if file is None:
+        return None
+    return helm.values_from_yaml((HERE / file).read_text())
+
+
+def render(values: dict | None) -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name="sluice", namespace=NAMESPACE, is_install=True)
+
+
+def objects(manifests: dict[str, str]) -> list[tuple[str, dict]]:
+    out = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt") or not text.strip():
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                out.append((path, doc))
+    return out
+
+
+def lint(scenario: str, values: dict | None) -> None:
+    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE,
+                       kube_version="v" + KUBE_VERSIONS[0])
+    # Severity 1 is INFO (e.g. "icon is recommended"); warnings and errors fail.
+    bad = [m for m in report.get("messages", []) if m.get("severity", 0) >= 2]
+    bad_text = [f"{m['path']}: {m['error']}" for m in bad] + list(report.get("errors") or [])
+    record(f"{scenario}: helm lint --strict", not bad_text, "; ".join(bad_text))
+
+
+def kube_validate(scenario: str, objs: list[tuple[str, dict]], tmp: Path) -> None:
+    files = []
+    for i, (path, obj) in enumerate(objs):
+        if obj.get("kind") in CRD_SCHEMAS:
+            continue
+        f = tmp / f"{scenario}-{i:02d}-{obj['kind'].lower()}.yaml"
+        f.write_text(yaml.safe_dump(obj))
+        files.append(str(f))
+    cmd = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "--quiet"]
+    for v in KUBE_VERSIONS:
+        cmd += ["-k", v]
+    proc = subprocess.run(cmd + files, capture_output=True, text=True)
+    out = (proc.stdout + proc.stderr).strip()
+    # A WARN means no schema was found for a kind: that would pass silently.
+    problems = [l for l in out.splitlines() if l.split(" ", 1)[0] in ("ERROR", "WARN", "FATAL")]
+    ok = proc.returncode == 0 and not problems
+    record(f"{scenario}: kubernetes-validate --strict ({len(files)} objects, "
+           f"k8s {', '.join(KUBE_VERSIONS)})", ok, "\n    ".join(problems or [out]))
+
+
+def crd_validate(scenario: str, objs: list[tuple[str, dict]]) -> None:
+    for path, obj in objs:
+        schema_file = CRD_SCHEMAS.get(obj.get("kind"))
+        if schema_file is None:
+            continue
+        schema = json.loads(schema_file.read_text())
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}"
+                  for e in jsonschema.Draft202012Validator(schema).iter_errors(obj)]
+        record(f"{scenario}: {obj['kind']}/{obj['metadata']['name']} schema", not errors,
+               "; ".join(errors))
+
+
+def sluicectl() -> str | None:
+    """The sluicectl binary, if one is built (this script never builds it)."""
+    bin_dir = os.environ.get("SLUICE_BIN_DIR")
+    for c in ([Path(bin_dir) / "sluicectl"] if bin_dir else []) + [
+            ROOT / "target" / "debug" / "sluicectl", ROOT / "target" / "release" / "sluicectl"]:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return None
+
+
+def policies_validate(scenario: str, objs: list[tuple[str, dict]], tmp: Path) -> None:
+    """The policy files the chart ships to the controller pass `sluicectl validate`."""
+    for _, obj in objs:
+        if obj["kind"] != "ConfigMap" or not obj["metadata"]["name"].endswith("-policies"):
+            continue
+        tool = sluicectl()
+        if tool is None:
+            print(f"skip {scenario}: policies (no sluicectl built; set SLUICE_BIN_DIR)")
+            return
+        d = tmp / f"{scenario}-policies"
+        d.mkdir()
+        for name, text in obj["data"].items():
+            (d / name).write_text(text)
+        proc = subprocess.run([tool, "validate", "-f", str(d)], capture_output=True, text=True)
+        record(f"{scenario}: sluicectl validate of the policies ConfigMap", proc.returncode == 0,
+               (proc.stdout + proc.stderr).strip())
+
+
+def pod_specs(objs):
+    for _, obj in objs:
+        spec = obj.get("spec", {})
+        if obj["kind"] in ("Deployment", "DaemonSet", "Job"):
+            yield obj, spec["template"]["spec"]
+
+
+def properties(scenario: str, objs: list[tuple[str, dict]], values: dict | None) -> None:
+    """What schemas cannot see: hardening, probes, cross-references."""
+    problems = []
+    kinds = {}
+    for _, obj in objs:
+        kinds.setdefault(obj["kind"], []).append(obj)
+    for obj, pod in pod_specs(objs):
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c.get("securityContext", {})
+            if not sc.get("readOnlyRootFilesystem"):
+                problems.append(f"{where} {c['name']}: root file system is writable")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where} {c['name']}: privilege escalation allowed")
+            if "limits" not in c.get("resources", {}):
+                problems.append(f"{where} {c['name']}: no resource limits")
+            for m in c.get("volumeMounts", []):
+                if m["name"] not in volumes:
+                    problems.append(f"{where} {c['name']}: mounts unknown volume {m['name']}")
+            is_daemon = c["name"] in ("controller", "stage", "sluice-stage")
+            if is_daemon and not (c.get("livenessProbe") and c.get("readinessProbe")):
+                problems.append(f"{where} {c['name']}: missing probes")
+    deployments = [d for d in kinds.get("Deployment", [])]
+    store = ((values or {}).get("store") or {}).get("type", "sqlite")
+    want = ((values or {}).get("controller") or {}).get("replicas", 1) if store == "postgres" else 1
+    for d in deployments:
+        if d["spec"]["replicas"] != want:
+            problems.append(f"controller replicas {d['spec']['replicas']}, want {want}")
+    services = {s["metadata"]["name"]: s for s in kinds.get("Service", [])}
+    for sm in kinds.get("ServiceMonitor", []):
+        sel = sm["spec"]["selector"]["matchLabels"]
+        ports = {p["name"] for s in services.values()
+                 if sel.items() <= s["metadata"]["labels"].items() for p in s["spec"]["ports"]}
+        for ep in sm["spec"]["endpoints"]:
+            if ep["port"] not in ports:
+                problems.append(f"ServiceMonitor {sm['metadata']['name']}: no Service port {ep['port']}")
+    record(f"{scenario}: hardening, probes and references", not problems, "; ".join(problems))
+
+
+def documented_values() -> None:
+    """Every value has a `# --` comment (on itself or a parent) in values.yaml
+    and a row in the chart's README."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    documented, stack, pending = set(), [], False
+    for line in lines:
+        s = line.strip()
+        if s.startswith("# -- "):
+            pending = True
+            continue
+        if s.startswith("#") or not s:
+            continue
+        m = re.match(r"^( *)([A-Za-z0-9_]+):", line)
+        if not m or s.startswith("- "):
+            pending = False
+            continue
+        stack = stack[: len(m.group(1)) // 2] + [m.group(2)]
+        if pending:
+            documented.add(".".join(stack))
+        pending = False
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def leaves(v, path):
+        if isinstance(v, dict) and v:
+            for k, sub in v.items():
+                yield from leaves(sub, path + [k])
+        else:
+            yield ".".join(path)
+
+    undocumented = [p for p in leaves(values, [])
+                    if not any(p == d or p.startswith(d + ".") for d in documented)]
+    record("values.yaml: every value has a comment", not undocumented,
+           ", ".join(undocumented))
+    readme = (CHART / "README.md").read_text()
+    missing = sorted(d for d in documented if f"| `{d}` |" not in readme)
+    record("README.md: every value in the table", not missing, ", ".join(missing))
+
+
+def main() -> int:
+    print(f"helm {helm.helm_sdk_version()} (helm-python-sdk {helm.__version__}), chart {CHART}")
+    with tempfile.TemporaryDirectory(prefix="sluice-helm-") as tmp:
+        for scenario, file in SCENARIOS.items():
+            values = load_values(file)
+            try:
+                manifests = render(values)
+            except helm.HelmError as e:
+                record(f"{scenario}: render", False, str(e))
+                continue
+            objs = objects(manifests)
+            record(f"{scenario}: render ({len(objs)} objects)", bool(objs), "nothing rendered")
+            lint(scenario, values)
+            kube_validate(scenario, objs, Path(tmp))
+            crd_validate(scenario, objs)
+            policies_validate(scenario, objs, Path(tmp))
+            properties(scenario, objs, values)
+    documented_values()
+    for name, (values, message) in MUST_FAIL.items():
+        try:
+            render(values)
+            record(f"refused: {name}", False, "rendered without an error")
+        except helm.HelmError as e:
+            record(f"refused: {name}", message in str(e), f"unexpected error: {e}")
+    failed = sum(1 for _, ok, _ in results if not ok)
+    print(f"helm checks: {len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
