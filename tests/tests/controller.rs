@@ -96,6 +96,7 @@ fn controller(db: &Path, grpc_addr: &str) -> RunningController {
 struct RunningStage {
     process: KillOnDrop,
     socket: PathBuf,
+    metrics: String,
 }
 
 fn stage(dir: &Path, id: &str, grpc: &str) -> RunningStage {
@@ -113,8 +114,13 @@ fn stage(dir: &Path, id: &str, grpc: &str) -> RunningStage {
     .args(["--stage-id", id, "--node", id, "--memory-budget", "256MiB"])
     .arg(format!("--dataset=train={}", data.display()))
     .arg(format!("--controller=http://{grpc}"));
-    let (process, _) = start(c);
-    RunningStage { process, socket }
+    let (process, ready) = start(c);
+    let metrics = ready["metrics"].as_str().unwrap().to_owned();
+    RunningStage {
+        process,
+        socket,
+        metrics,
+    }
 }
 
 /// Says HELLO as a trainer of `job` (labels `team: vision`) and returns the
@@ -135,6 +141,33 @@ fn trainer(socket: &Path, job: &str) -> UnixStream {
     let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
     s.read_exact(&mut rest).unwrap();
     s
+}
+
+/// Reads one whole file as a trainer of `job` would (HELLO, OPEN, READ).
+fn read_file(socket: &Path, job: &str, name: &str) -> Vec<u8> {
+    let mut s = trainer(socket, job);
+    let mut answer = |frame: Frame| {
+        s.write_all(&frame.encode()).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut body).unwrap();
+        body
+    };
+    assert_eq!(
+        answer(Frame::Open {
+            dataset: "train".into()
+        })[0],
+        0x82,
+        "OPENED"
+    );
+    let data = answer(Frame::Read {
+        name: name.into(),
+        offset: 0,
+        length: u64::MAX,
+    });
+    assert_eq!(data[0], 0x86, "DATA");
+    data[5..].to_vec()
 }
 
 fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
@@ -366,7 +399,16 @@ async fn restarted_controller_restores_state_and_stages_converge_to_the_same_ver
     limits_become(&client, "resnet", 50_000_000).await;
     let versions = converged(&mut client, "resnet").await;
 
+    // The controller dies: the stages keep their settings and serve.
     drop(first);
+    for s in [&a, &b] {
+        assert_eq!(read_file(&s.socket, "resnet", "a.bin"), b"abc");
+        let jobs = http(&s.metrics, "GET", "/api/v1/jobs", "");
+        assert!(
+            jobs.contains(r#""bytes_per_second_limit":50000000"#),
+            "{jobs}"
+        );
+    }
     let second = controller(&db, &grpc);
     let mut client = admin(&second.grpc).await;
     let policies = client
@@ -513,4 +555,38 @@ async fn invalid_flags_exit_64_and_sigterm_shuts_down_cleanly() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// Every file in `policies/examples/` is a complete configuration that a
+/// controller accepts through `sluicectl apply` (each on its own: they are
+/// alternatives), and applying it twice creates no revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_example_policy_applies() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies/examples");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&examples)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    for file in files {
+        let dir = tempfile::tempdir().unwrap();
+        let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+        let (code, out, err) = sluicectl(&c.grpc, &["apply", "-f", file.to_str().unwrap()]);
+        assert_eq!(code, 0, "{}: {err}", file.display());
+        let documents = out.lines().filter(|l| l.contains("created")).count();
+        assert!(documents >= 2, "{}: {out}", file.display());
+        let (code, again, err) = sluicectl(&c.grpc, &["apply", "-f", file.to_str().unwrap()]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(
+            again.lines().filter(|l| l.contains("unchanged")).count(),
+            documents,
+            "{again}"
+        );
+        let (_, json, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
+        let policies: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+        assert_eq!(policies.len(), documents);
+        assert!(policies.iter().all(|p| p["revision"] == 1), "{json}");
+    }
 }
