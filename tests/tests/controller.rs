@@ -485,8 +485,7 @@ async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
         let (code, out, err) = sluicectl(&c.grpc, &["apply", "-f", policy.to_str().unwrap()]);
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("jobpolicy/vision"), "{out}");
-        let per_stage = Some(rate * 1_000_000 / 2);
-        limits_become(&client, "resnet", per_stage.unwrap()).await;
+        limits_become(&client, "resnet", rate * 1_000_000 / 2).await;
         let stages = stages_json();
         assert_eq!(stages.len(), 2, "{stages:?}");
         for s in &stages {
