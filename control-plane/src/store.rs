@@ -21,6 +21,8 @@
 //! apply writes a revision, how rows decode) live once, in `revision.rs` and
 //! `rows.rs`, so only the SQL differs between `sqlite.rs` and `postgres.rs`.
 
+#[macro_use]
+mod common;
 mod error;
 pub mod leadership;
 mod model;

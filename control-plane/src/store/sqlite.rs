@@ -48,6 +48,8 @@ fn migrator() -> Migrator {
 }
 
 impl SqliteStore {
+    common_queries!();
+
     pub(super) async fn open(url: &str) -> Result<Self, StoreError> {
         let open_err = |source| StoreError::Open {
             backend: "sqlite",
@@ -87,10 +89,6 @@ impl SqliteStore {
                 source,
             })?;
         Ok(Self { pool })
-    }
-
-    pub(super) async fn close(&self) {
-        self.pool.close().await;
     }
 
     async fn begin_write(
@@ -138,38 +136,6 @@ impl SqliteStore {
         rows::to_u64("policy revision", revision)
     }
 
-    pub(super) async fn current_policies(&self) -> Result<Vec<PolicyRevision>, StoreError> {
-        let rows: Vec<PolicyRow> = sqlx::query_as(
-            "SELECT p.kind, p.name, p.revision, p.canonical, p.created_ms
-             FROM policy_revisions p
-             WHERE p.canonical IS NOT NULL
-               AND p.revision = (SELECT MAX(h.revision) FROM policy_revisions h
-                                 WHERE h.kind = p.kind AND h.name = p.name)
-             ORDER BY p.kind, p.name",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("listing policies"))?;
-        rows.into_iter().map(rows::policy_from_row).collect()
-    }
-
-    pub(super) async fn policy_history(
-        &self,
-        kind: &str,
-        name: &str,
-    ) -> Result<Vec<PolicyRevision>, StoreError> {
-        let rows: Vec<PolicyRow> = sqlx::query_as(
-            "SELECT kind, name, revision, canonical, created_ms FROM policy_revisions
-             WHERE kind = $1 AND name = $2 ORDER BY revision",
-        )
-        .bind(kind)
-        .bind(name)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("reading a policy's history"))?;
-        rows.into_iter().map(rows::policy_from_row).collect()
-    }
-
     pub(super) async fn stage_hello(
         &self,
         hello: &StageHello,
@@ -197,113 +163,6 @@ impl SqliteStore {
         .await
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
-    }
-
-    pub(super) async fn set_stage_state(
-        &self,
-        id: &str,
-        state: StageState,
-        seen_ms: Option<i64>,
-    ) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "UPDATE stages SET state = $2, last_seen_ms = COALESCE($3, last_seen_ms) WHERE id = $1",
-        )
-        .bind(id)
-        .bind(state.as_str())
-        .bind(seen_ms)
-        .execute(&self.pool)
-        .await
-        .map_err(db("recording a stage's state"))?;
-        found(done.rows_affected(), id)
-    }
-
-    pub(super) async fn next_settings_version(&self, stage: &str) -> Result<u64, StoreError> {
-        let version: Option<i64> = sqlx::query_scalar(
-            "UPDATE stages SET settings_version = settings_version + 1 WHERE id = $1
-             RETURNING settings_version",
-        )
-        .bind(stage)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db("allocating a settings version"))?;
-        stage_version(version, stage)
-    }
-
-    pub(super) async fn set_desired_settings(
-        &self,
-        stage: &str,
-        document: &str,
-    ) -> Result<u64, StoreError> {
-        // Every right-hand side reads the row as it was before the update.
-        let version: Option<i64> = sqlx::query_scalar(
-            "UPDATE stages SET settings_version = settings_version + 1,
-                               desired_version = settings_version + 1,
-                               desired_settings = $2
-             WHERE id = $1 RETURNING desired_version",
-        )
-        .bind(stage)
-        .bind(document)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db("recording desired settings"))?;
-        stage_version(version, stage)
-    }
-
-    pub(super) async fn record_ack(&self, stage: &str, version: i64) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "UPDATE stages SET acked_version = $2,
-                 nack_reason  = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_reason END,
-                 nack_version = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_version END
-             WHERE id = $1",
-        )
-        .bind(stage)
-        .bind(version)
-        .execute(&self.pool)
-        .await
-        .map_err(db("recording an ack"))?;
-        found(done.rows_affected(), stage)
-    }
-
-    pub(super) async fn record_nack(
-        &self,
-        stage: &str,
-        version: i64,
-        reason: &str,
-    ) -> Result<(), StoreError> {
-        let done =
-            sqlx::query("UPDATE stages SET nack_version = $2, nack_reason = $3 WHERE id = $1")
-                .bind(stage)
-                .bind(version)
-                .bind(reason)
-                .execute(&self.pool)
-                .await
-                .map_err(db("recording a nack"))?;
-        found(done.rows_affected(), stage)
-    }
-
-    pub(super) async fn stages(&self) -> Result<Vec<StageRecord>, StoreError> {
-        let rows: Vec<StageRow> = sqlx::query_as(concat!(
-            "SELECT ",
-            stage_columns!(),
-            " FROM stages ORDER BY id"
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("listing stages"))?;
-        rows.into_iter().map(rows::stage_from_row).collect()
-    }
-
-    pub(super) async fn stage(&self, id: &str) -> Result<Option<StageRecord>, StoreError> {
-        let row: Option<StageRow> = sqlx::query_as(concat!(
-            "SELECT ",
-            stage_columns!(),
-            " FROM stages WHERE id = $1"
-        ))
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db("reading a stage"))?;
-        row.map(rows::stage_from_row).transpose()
     }
 
     pub(super) async fn upsert_job(
@@ -388,31 +247,6 @@ impl SqliteStore {
         .fetch_one(&self.pool)
         .await
         .map_err(db("appending an event"))?;
-        rows::to_u64("event seq", seq)
-    }
-
-    pub(super) async fn events_since(
-        &self,
-        after: i64,
-        limit: i64,
-    ) -> Result<Vec<Event>, StoreError> {
-        let rows: Vec<EventRow> = sqlx::query_as(
-            "SELECT seq, kind, subject, message, unix_millis FROM events
-             WHERE seq > $1 ORDER BY seq LIMIT $2",
-        )
-        .bind(after)
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("reading events"))?;
-        rows.into_iter().map(rows::event_from_row).collect()
-    }
-
-    pub(super) async fn latest_event_seq(&self) -> Result<u64, StoreError> {
-        let seq: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM events")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db("reading the latest event seq"))?;
         rows::to_u64("event seq", seq)
     }
 }
