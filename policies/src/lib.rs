@@ -41,6 +41,7 @@
 //! equal specificity that could select the same job are refused when the
 //! set is validated, so [`policy_for_job`] never has to break a tie.
 
+pub mod allocation;
 mod de;
 mod document;
 mod error;
