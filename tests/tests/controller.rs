@@ -486,12 +486,25 @@ async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
         assert_eq!(code, 0, "{err}");
         assert!(out.contains("jobpolicy/vision"), "{out}");
         limits_become(&client, "resnet", rate * 1_000_000 / 2).await;
-        let stages = stages_json();
-        assert_eq!(stages.len(), 2, "{stages:?}");
-        for s in &stages {
-            assert_eq!(s["state"], "connected");
-            assert!(s["acked_version"].as_u64().unwrap() >= 1);
-            assert_eq!(s["acked_version"], s["desired_version"], "{s}");
+        // What the operator sees: every stage runs the version the
+        // controller wants.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stages = stages_json();
+            let in_sync = stages.len() == 2
+                && stages.iter().all(|s| {
+                    s["state"] == "connected"
+                        && s["acked_version"].as_u64().unwrap_or(0) >= 1
+                        && s["acked_version"] == s["desired_version"]
+                });
+            if in_sync {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "stages never in sync: {stages:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     let (_, before, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
