@@ -5,12 +5,13 @@
 mod fake;
 
 use std::fs;
-use std::io::Write;
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
+mod run;
 use fake::FakeController;
+use run::Run;
 use serde_json::Value;
 
 const POOL: &str = "\
@@ -34,37 +35,9 @@ spec:
 ";
 
 /// What one run of the binary left behind.
-#[derive(Debug)]
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `sluicectl --server SERVER ARGS` in `dir` with `stdin` piped in.
 fn sluicectl_in(dir: &Path, server: &str, args: &[&str], stdin: &str) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluicectl"))
-        .arg("--server")
-        .arg(server)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("SLUICE_SERVER")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sluicectl starts");
-    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = child.wait_with_output().unwrap();
-    Run {
-        code: status.code().expect("sluicectl exits, not killed"),
-        stdout: String::from_utf8(stdout).unwrap(),
-        stderr: String::from_utf8(stderr).unwrap(),
-    }
+    let args: Vec<&str> = ["--server", server].iter().chain(args).copied().collect();
+    run::sluicectl(dir, &args, stdin)
 }
 
 fn sluicectl(server: &str, args: &[&str]) -> Run {

@@ -2,9 +2,11 @@
 //! stdout and stderr, and the exit code.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
+
+mod run;
+use run::sluicectl;
 
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../policies/examples");
 
@@ -50,39 +52,6 @@ spec:
   selector: {matchLabels: {team: speech}}
   pool: shared-nsf
 ";
-
-/// What one run of the binary left behind.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `sluicectl` in `dir` with `args`, `stdin` piped in, and no
-/// `SLUICE_SERVER` inherited from the caller's environment.
-fn sluicectl(dir: &Path, args: &[&str], stdin: &str) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluicectl"))
-        .args(args)
-        .current_dir(dir)
-        .env_remove("SLUICE_SERVER")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sluicectl starts");
-    // A usage error exits before reading stdin: a broken pipe is fine.
-    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = child.wait_with_output().unwrap();
-    Run {
-        code: status.code().expect("exited, not killed"),
-        stdout: String::from_utf8(stdout).unwrap(),
-        stderr: String::from_utf8(stderr).unwrap(),
-    }
-}
 
 /// A temporary directory holding `files` (name, content).
 fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
