@@ -175,3 +175,49 @@ macro_rules! common_queries {
     }
     };
 }
+
+/// The two statements a policy apply or delete runs inside its transaction,
+/// for a backend's transaction type `$tx`.
+macro_rules! common_revision_queries {
+    ($tx:ty) => {
+        async fn head(
+            tx: &mut $tx,
+            kind: &str,
+            name: &str,
+            op: &'static str,
+        ) -> Result<Option<HeadRow>, StoreError> {
+            sqlx::query_as(
+                "SELECT revision, canonical FROM policy_revisions
+         WHERE kind = $1 AND name = $2 ORDER BY revision DESC LIMIT 1",
+            )
+            .bind(kind)
+            .bind(name)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(db(op))
+        }
+
+        async fn insert_revision(
+            tx: &mut $tx,
+            doc: &PolicyDocument,
+            revision: i64,
+            canonical: Option<&str>,
+            now_ms: i64,
+            op: &'static str,
+        ) -> Result<(), StoreError> {
+            sqlx::query(
+                "INSERT INTO policy_revisions (kind, name, revision, canonical, created_ms)
+         VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(&doc.kind)
+            .bind(&doc.name)
+            .bind(revision)
+            .bind(canonical)
+            .bind(now_ms)
+            .execute(&mut **tx)
+            .await
+            .map_err(db(op))?;
+            Ok(())
+        }
+    };
+}

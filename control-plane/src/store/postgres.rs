@@ -265,42 +265,4 @@ impl PgStore {
     }
 }
 
-async fn head(
-    tx: &mut PgTransaction<'static>,
-    kind: &str,
-    name: &str,
-    op: &'static str,
-) -> Result<Option<HeadRow>, StoreError> {
-    sqlx::query_as(
-        "SELECT revision, canonical FROM policy_revisions
-         WHERE kind = $1 AND name = $2 ORDER BY revision DESC LIMIT 1",
-    )
-    .bind(kind)
-    .bind(name)
-    .fetch_optional(&mut **tx)
-    .await
-    .map_err(db(op))
-}
-
-async fn insert_revision(
-    tx: &mut PgTransaction<'static>,
-    doc: &PolicyDocument,
-    revision: i64,
-    canonical: Option<&str>,
-    now_ms: i64,
-    op: &'static str,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO policy_revisions (kind, name, revision, canonical, created_ms)
-         VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(&doc.kind)
-    .bind(&doc.name)
-    .bind(revision)
-    .bind(canonical)
-    .bind(now_ms)
-    .execute(&mut **tx)
-    .await
-    .map_err(db(op))?;
-    Ok(())
-}
+common_revision_queries!(PgTransaction<'static>);
