@@ -76,6 +76,7 @@
 //! assert_eq!(allocate(&snapshot).jobs[0].bandwidth.reason, Reason::DemandLimited);
 //! ```
 
+mod build;
 mod decision;
 mod pool;
 mod snapshot;
@@ -85,6 +86,7 @@ mod waterfill;
 use std::collections::HashSet;
 
 use crate::Sharing;
+pub use build::ObservedStage;
 pub use decision::{
     Allocation, JobAllocation, NodeResource, Problem, Reason, Resource, Share, StageAllocation,
 };
