@@ -278,6 +278,13 @@ fn job(j: JobView) -> pb::Job {
             weight: f64::from(l.weight),
             priority: l.priority,
         }),
+        allocation: j.allocation.map(|a| pb::JobAllocation {
+            bytes_per_second: a.bytes_per_second,
+            ops_per_second: a.ops_per_second,
+            reason: a.reason,
+            demand_bytes_per_second: a.demand_bytes_per_second,
+            enforced_bytes_per_second: a.enforced_bytes_per_second,
+        }),
     }
 }
 

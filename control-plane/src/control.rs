@@ -1,6 +1,10 @@
-//! The control loop: every tick (and when a hello or a policy change asks)
-//! it marks silent stages lost, computes the settings each connected stage
-//! should run, and publishes a new version only where they changed.
+//! The control loop: every tick (and when a hello, a job arriving or
+//! leaving, or a policy change asks) it marks silent stages lost,
+//! estimates each job's demand from the stages' telemetry
+//! ([`crate::demand`]), runs the allocation engine ([`crate::compute`]),
+//! publishes a new settings version only where a stage's settings changed
+//! (beyond [`crate::compute::RATE_TOLERANCE`]), records the allocation for
+//! the views and metrics, and announces allocations that changed.
 //!
 //! For one stage timeout after start the loop publishes nothing new: the
 //! stages of a restarted controller reconnect one by one, and computing
@@ -9,15 +13,18 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::compute::{JobOnStage, StageSettings, stage_settings};
+use crate::compute::{JobShare, StageInfo, StageSettings, compute, settle};
+use crate::demand::{Demands, Window};
+use crate::metrics::Throughput;
 use crate::sessions::push;
-use crate::state::{Desired, SessionHandle, Shared, lock, read_policies};
-use crate::store::{Labels, Leadership, StoreError};
+use crate::state::{Allocations, Desired, SessionHandle, Shared, lock, read_policies};
+use crate::store::{Leadership, StoreError};
 
 /// Runs the loop until `cancel` fires (then releases the lease), or until
 /// the leader lease is lost: then it fails, and the controller stops
@@ -28,6 +35,7 @@ pub async fn run(
     mut leadership: Leadership,
     cancel: CancellationToken,
 ) -> Result<(), StoreError> {
+    let mut memory = Memory::default();
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -39,7 +47,7 @@ pub async fn run(
         leadership.check(tick * 3 / 4).await?;
         mark_lost(&shared).await;
         if shared.started.elapsed() >= shared.stage_timeout {
-            publish(&shared).await;
+            control(&shared, &mut memory).await;
         }
     }
     if let Err(e) = leadership.release().await {
@@ -83,41 +91,73 @@ struct Publish {
     document: String,
 }
 
-fn plan(shared: &Shared) -> Vec<Publish> {
+/// One tick's decisions: what to publish, the allocation behind it, and
+/// what each job read from storage.
+struct Plan {
+    publish: Vec<Publish>,
+    allocations: Allocations,
+    throughput: Throughput,
+    pending_stages: usize,
+}
+
+fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     let mut live = lock(&shared.live);
-    // How many live stages serve each job, and with which labels.
-    let mut jobs: BTreeMap<String, (Labels, usize)> = BTreeMap::new();
-    for l in live.values().filter(|l| !l.lost) {
-        for (job, sample) in l.telemetry.iter().flat_map(|t| &t.jobs) {
-            let entry = jobs
-                .entry(job.clone())
-                .or_insert_with(|| (sample.labels.clone(), 0));
-            entry.1 += 1;
+    let reporting = || {
+        live.iter()
+            .filter(|(_, l)| !l.lost)
+            .filter_map(|(id, l)| Some((id.as_str(), l, l.telemetry.as_ref()?)))
+    };
+    let mut windows = Vec::new();
+    let mut throughput = Throughput::new();
+    for (id, l, now) in reporting() {
+        let before = l.previous.as_ref();
+        let seconds = before.map_or(0.0, |b| (now.unix_millis - b.unix_millis) as f64 / 1000.0);
+        for (job, sample) in &now.jobs {
+            let window = before
+                .and_then(|b| b.jobs.get(job))
+                .and_then(|b| Window::between(b, sample, seconds));
+            if let Some(w) = window {
+                *throughput.entry(job.clone()).or_default() += w.read_bytes_per_second;
+            }
+            windows.push((job.as_str(), id, window));
         }
     }
+    let estimates = demands.update(windows);
+    let stages: Vec<StageInfo<'_>> = reporting()
+        .map(|(id, l, now)| StageInfo {
+            id,
+            node: if l.hello.node.is_empty() { id } else { &l.hello.node },
+            memory_budget: l.hello.memory_budget_bytes,
+            reader_budget: l.hello.reader_budget,
+            jobs: now.jobs.iter().map(|(j, s)| (j.as_str(), &s.labels)).collect(),
+        })
+        .collect();
     let policies = read_policies(shared);
+    let mut computed = compute(&policies, &stages, estimates);
+    drop(stages);
     let desired = lock(&shared.desired);
-    let mut out = Vec::new();
-    for (stage, l) in live.iter_mut() {
-        let (Some(session), Some(telemetry)) = (&l.session, &l.telemetry) else {
+    let mut publish = Vec::new();
+    let mut pending_stages = 0;
+    for (stage, l) in live.iter_mut().filter(|(_, l)| !l.lost) {
+        let current = desired.get(stage);
+        let running = l.telemetry.as_ref().map_or(0, |t| t.settings_version);
+        if current.is_some_and(|d| running < d.version) {
+            pending_stages += 1;
+        }
+        let (Some(session), Some(next)) = (&l.session, computed.settings.remove(stage)) else {
             continue;
         };
-        let on_stage = telemetry.jobs.iter().map(|(job, sample)| {
-            let (labels, stages) = jobs.get(job).map_or((&sample.labels, 1), |(l, n)| (l, *n));
-            JobOnStage {
-                job,
-                labels,
-                stages,
-            }
-        });
-        let settings = stage_settings(&policies, l.hello.memory_budget_bytes, on_stage);
+        let empty = StageSettings::default();
+        let settings = if exact {
+            next
+        } else {
+            settle(current.map_or(&empty, |d| &d.settings), next)
+        };
         let document = settings.encode();
-        let current = desired
-            .get(stage)
-            .map_or_else(|| StageSettings::default().encode(), |d| d.document.clone());
-        if document != current || l.force_push {
+        let in_force = current.map_or_else(|| empty.encode(), |d| d.document.clone());
+        if document != in_force || l.force_push {
             l.force_push = false;
-            out.push(Publish {
+            publish.push(Publish {
                 stage: stage.clone(),
                 session: session.clone(),
                 settings,
@@ -125,36 +165,127 @@ fn plan(shared: &Shared) -> Vec<Publish> {
             });
         }
     }
+    Plan {
+        publish,
+        allocations: Allocations {
+            jobs: computed.jobs,
+            pools: computed.pools,
+            problems: computed.problems,
+        },
+        throughput,
+        pending_stages,
+    }
+}
+
+/// What the loop carries from tick to tick.
+#[derive(Default)]
+struct Memory {
+    demands: Demands,
+    /// The allocations last announced, per job.
+    announced: BTreeMap<String, JobShare>,
+    /// The policy generation last computed with.
+    generation: Option<u64>,
+}
+
+/// Computes, publishes what changed, and records the allocation.
+async fn control(shared: &Shared, memory: &mut Memory) {
+    // After a policy change the rates go out as computed: a new limit must
+    // hold exactly, not within the tolerance.
+    let generation = shared.policy_generation.load(Ordering::Relaxed);
+    let exact = memory.generation != Some(generation);
+    memory.generation = Some(generation);
+    let plan = plan(shared, &mut memory.demands, exact);
+    for p in plan.publish {
+        publish(shared, p).await;
+    }
+    let metrics = &shared.metrics.allocation;
+    metrics.set(&plan.allocations, &plan.throughput);
+    metrics
+        .pending_stages
+        .set(i64::try_from(plan.pending_stages).unwrap_or(i64::MAX));
+    let changes = allocation_changes(&mut memory.announced, &plan.allocations.jobs);
+    *lock(&shared.allocations) = plan.allocations;
+    for (job, message) in changes {
+        metrics.changes.inc();
+        info!(job, "{message}");
+        shared
+            .event("allocation.changed", format!("job/{job}"), message)
+            .await;
+    }
+}
+
+/// An allocation is announced again when its reason changes or its rate
+/// moves by more than this fraction of the one announced.
+const ANNOUNCE: f64 = 0.10;
+
+/// Returns the jobs whose allocation changed enough to announce, with a
+/// message each, and remembers what was announced.
+fn allocation_changes(
+    announced: &mut BTreeMap<String, JobShare>,
+    jobs: &BTreeMap<String, JobShare>,
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let describe = |s: &JobShare| {
+        let mib = s.bytes_per_second / (1024.0 * 1024.0);
+        format!("{mib:.1} MiB/s ({})", s.reason)
+    };
+    for (job, share) in jobs {
+        let message = match announced.get(job) {
+            None => format!("job {job} in pool {}: {}", share.pool, describe(share)),
+            Some(before)
+                if before.reason != share.reason
+                    || before.pool != share.pool
+                    || (share.bytes_per_second - before.bytes_per_second).abs()
+                        > ANNOUNCE * before.bytes_per_second =>
+            {
+                format!(
+                    "job {job} in pool {}: {}, was {}",
+                    share.pool,
+                    describe(share),
+                    describe(before)
+                )
+            }
+            Some(_) => continue,
+        };
+        announced.insert(job.clone(), share.clone());
+        out.push((job.clone(), message));
+    }
+    announced.retain(|job, before| {
+        let kept = jobs.contains_key(job);
+        if !kept {
+            let message = format!("job {job} no longer draws from pool {}", before.pool);
+            out.push((job.clone(), message));
+        }
+        kept
+    });
     out
 }
 
-async fn publish(shared: &Shared) {
-    for p in plan(shared) {
-        let version = match shared
-            .store
-            .set_desired_settings(&p.stage, &p.document)
-            .await
-        {
-            Ok(v) => v,
-            Err(e) => {
-                warn!(error = %e, stage = %p.stage, "cannot store desired settings");
-                continue;
-            }
-        };
-        let queued = push(&p.session, version, &p.settings);
-        lock(&shared.desired).insert(
-            p.stage.clone(),
-            Desired {
-                version,
-                document: p.document,
-                settings: p.settings,
-            },
-        );
-        shared.metrics.settings_pushes.inc();
-        info!(stage = %p.stage, version, queued, "settings published");
-        let message = format!("settings version {version} published to stage {}", p.stage);
-        shared
-            .event("settings.pushed", format!("stage/{}", p.stage), message)
-            .await;
-    }
+async fn publish(shared: &Shared, p: Publish) {
+    let version = match shared
+        .store
+        .set_desired_settings(&p.stage, &p.document)
+        .await
+    {
+        Ok(v) => v,
+        Err(e) => {
+            warn!(error = %e, stage = %p.stage, "cannot store desired settings");
+            return;
+        }
+    };
+    let queued = push(&p.session, version, &p.settings);
+    lock(&shared.desired).insert(
+        p.stage.clone(),
+        Desired {
+            version,
+            document: p.document,
+            settings: p.settings,
+        },
+    );
+    shared.metrics.settings_pushes.inc();
+    info!(stage = %p.stage, version, queued, "settings published");
+    let message = format!("settings version {version} published to stage {}", p.stage);
+    shared
+        .event("settings.pushed", format!("stage/{}", p.stage), message)
+        .await;
 }

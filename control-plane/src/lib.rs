@@ -15,6 +15,7 @@ pub mod admin;
 pub mod compute;
 pub mod config;
 pub mod control;
+pub mod demand;
 pub mod error;
 pub mod http;
 pub mod metrics;

@@ -1,6 +1,12 @@
 //! The controller's Prometheus metrics (`sluice_controller_*`).
 
+mod allocation;
+
+use std::sync::Arc;
+
 use prometheus::{Encoder, IntCounter, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+
+pub use allocation::{AllocationMetrics, Throughput};
 
 /// Every metric the controller exports, registered in its own registry.
 #[derive(Debug, Clone)]
@@ -20,6 +26,8 @@ pub struct Metrics {
     pub jobs: IntGauge,
     /// Live policies (pools and job policies).
     pub policies: IntGauge,
+    /// Pools' and jobs' allocations.
+    pub allocation: Arc<AllocationMetrics>,
 }
 
 impl Metrics {
@@ -55,6 +63,7 @@ impl Metrics {
             ),
             jobs: gauge("sluice_controller_jobs", "Jobs known to the controller"),
             policies: gauge("sluice_controller_policies", "Live policies"),
+            allocation: Arc::new(AllocationMetrics::new(&registry)),
             stages,
             registry,
         };

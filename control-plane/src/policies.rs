@@ -109,10 +109,7 @@ pub async fn apply(
         return Ok(changes);
     }
     let live = next.pools().count() + next.job_policies().count();
-    *shared
-        .policies
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+    shared.set_policies(next);
     shared.metrics.policies.set(live as i64);
     for c in changes.iter().filter(|c| c.outcome != "unchanged") {
         shared.metrics.policy_revisions.inc();
@@ -162,10 +159,7 @@ pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<u64, ApiE
         })?;
     let revision = shared.store.delete_policy(kind.as_str(), name).await?;
     let live = next.pools().count() + next.job_policies().count();
-    *shared
-        .policies
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+    shared.set_policies(next);
     shared.metrics.policies.set(live as i64);
     shared.metrics.policy_revisions.inc();
     let subject = format!("{kind}/{name}");

@@ -119,6 +119,8 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
             capabilities: hello.capabilities,
             datasets: hello.datasets,
             memory_budget_bytes: hello.memory_budget_bytes,
+            reader_budget: hello.reader_budget,
+            node: hello.node.clone(),
         };
         // The last telemetry stays until the next one: clearing it would
         // make the stage's jobs look gone to the other stages for a tick.
@@ -196,8 +198,12 @@ fn heard(shared: &Shared, stage: &str) {
 
 async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
     let snapshot = from_proto(t);
-    let (was_lost, due) = shared.with_live(stage, |l| {
+    let (was_lost, due, jobs_changed) = shared.with_live(stage, |l| {
         let was_lost = l.lost;
+        let jobs_changed = l
+            .telemetry
+            .as_ref()
+            .is_none_or(|t| !t.jobs.keys().eq(snapshot.jobs.keys()));
         // Jobs the store has not heard about from this stage lately (or
         // whose labels changed): telemetry comes every second, the store
         // does not need every sighting.
@@ -214,8 +220,13 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
         l.previous = l.telemetry.replace(snapshot);
         l.last_heard = Instant::now();
         l.lost = false;
-        (was_lost, due)
+        (was_lost, due, jobs_changed)
     });
+    // A job that arrived or left changes everyone's share: compute now
+    // rather than at the next tick (a new job reads unlimited until then).
+    if jobs_changed {
+        shared.recompute.notify_one();
+    }
     let now = now_ms();
     if let Err(e) = shared.store.mark_stage_seen(stage, now).await {
         warn!(error = %e, "cannot mark the stage seen");
@@ -274,6 +285,8 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
                 delivered_samples: j.delivered_samples,
                 stall_seconds: j.stall_seconds,
                 connections: j.connections,
+                storage_read_bytes: j.storage_read_bytes,
+                throttled_seconds: j.throttled_seconds,
             };
             (j.job, sample)
         })

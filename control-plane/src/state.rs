@@ -15,7 +15,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::compute::StageSettings;
+use crate::compute::{JobShare, PoolShare, StageSettings};
 use crate::metrics::Metrics;
 use crate::store::{Labels, NewEvent, Store, StoreError};
 
@@ -38,6 +38,8 @@ pub struct HelloInfo {
     pub capabilities: Vec<String>,
     pub datasets: Vec<String>,
     pub memory_budget_bytes: u64,
+    pub reader_budget: u32,
+    pub node: String,
 }
 
 /// One job in one telemetry snapshot.
@@ -48,6 +50,8 @@ pub struct JobSample {
     pub delivered_samples: u64,
     pub stall_seconds: f64,
     pub connections: u32,
+    pub storage_read_bytes: u64,
+    pub throttled_seconds: f64,
 }
 
 /// One telemetry snapshot of a stage, as the control loop needs it.
@@ -101,17 +105,33 @@ pub struct Desired {
     pub settings: StageSettings,
 }
 
+/// The allocation in force: what the last tick computed, for the views
+/// and the metrics.
+#[derive(Debug, Clone, Default)]
+pub struct Allocations {
+    /// Per managed job.
+    pub jobs: BTreeMap<String, JobShare>,
+    /// Per pool.
+    pub pools: BTreeMap<String, PoolShare>,
+    /// What the engine could not do as the policies say.
+    pub problems: Vec<String>,
+}
+
 /// The controller's shared state. Its locks are held briefly and never
 /// across an `.await`; when several are needed they are taken in the order
-/// `live`, `policies`, `desired`.
+/// `live`, `policies`, `desired`, `allocations`.
 #[derive(Debug)]
 pub struct Shared {
     pub store: Store,
     pub policies: RwLock<PolicySet>,
+    /// Counts policy-set swaps (the control loop pushes exact rates, not
+    /// settled ones, after a change).
+    pub policy_generation: AtomicU64,
     /// Serializes policy changes (validate against the set, store, swap).
     pub policy_changes: tokio::sync::Mutex<()>,
     pub live: Mutex<BTreeMap<String, LiveStage>>,
     pub desired: Mutex<BTreeMap<String, Desired>>,
+    pub allocations: Mutex<Allocations>,
     pub known_jobs: Mutex<BTreeSet<String>>,
     /// Woken on every event appended (for WatchEvents).
     pub events: Notify,
@@ -132,9 +152,11 @@ impl Shared {
         Self {
             store,
             policies: RwLock::new(PolicySet::new()),
+            policy_generation: AtomicU64::new(0),
             policy_changes: tokio::sync::Mutex::new(()),
             live: Mutex::new(BTreeMap::new()),
             desired: Mutex::new(BTreeMap::new()),
+            allocations: Mutex::new(Allocations::default()),
             known_jobs: Mutex::new(BTreeSet::new()),
             events: Notify::new(),
             recompute: Notify::new(),
@@ -176,6 +198,15 @@ impl Shared {
         self.metrics.jobs.set(jobs.len() as i64);
         *lock(&self.known_jobs) = jobs.into_iter().map(|j| j.id).collect();
         Ok(())
+    }
+
+    /// Replaces the policy set.
+    pub fn set_policies(&self, next: PolicySet) {
+        *self
+            .policies
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+        self.policy_generation.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Drops every session's sender, which ends its response stream.

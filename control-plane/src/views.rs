@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::compute::JobSettings;
+use crate::compute::{JobSettings, JobShare};
 use crate::error::ApiError;
 use crate::state::{LiveStage, Shared, lock, read_policies};
 use crate::store::{JobRecord, Labels, PolicyRevision, StageRecord};
@@ -72,6 +72,9 @@ pub struct JobView {
     pub throughput_samples_per_second: f64,
     pub stall_fraction: f64,
     pub limits: Option<LimitsView>,
+    /// The job's current share of its pool; `None` when no policy selects
+    /// it (or before the first tick after it appeared).
+    pub allocation: Option<JobShare>,
 }
 
 /// One storage pool.
@@ -201,6 +204,7 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
     let policies = read_policies(shared);
     let policy = policies.policy_for_job(&r.labels);
     let desired = lock(&shared.desired);
+    let allocation = lock(&shared.allocations).jobs.get(&r.id).cloned();
     let mut stages = Vec::new();
     let (mut bytes, mut samples, mut stall) = (0.0, 0.0, 0.0f64);
     for stage in &r.stages {
@@ -238,6 +242,7 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
         throughput_samples_per_second: samples,
         stall_fraction: stall,
         limits,
+        allocation,
     }
 }
 
@@ -245,13 +250,10 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
 pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
     let jobs = jobs(shared).await?;
     let policies = read_policies(shared);
+    let allocations = lock(&shared.allocations);
     let pools = policies.pools().map(|p| {
         let mine: Vec<&JobView> = jobs.iter().filter(|j| j.pool == p.name()).collect();
-        let limit = |f: fn(&LimitsView) -> Option<u64>| {
-            mine.iter()
-                .filter_map(|j| j.limits.as_ref().and_then(f))
-                .sum()
-        };
+        let share = allocations.pools.get(p.name());
         let sharing = serde_json::to_value(p.spec().sharing)
             .ok()
             .and_then(|v| v.as_str().map(str::to_owned))
@@ -261,8 +263,8 @@ pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
             bandwidth_bytes_per_second: Some(p.spec().capacity.bandwidth.bytes_per_second()),
             ops_per_second: p.spec().capacity.ops.map(|o| o.per_second()),
             sharing,
-            allocated_bytes_per_second: limit(|l| l.limit_bytes_per_second),
-            allocated_ops_per_second: limit(|l| l.limit_ops_per_second),
+            allocated_bytes_per_second: share.map_or(0, |s| s.allocated_bytes_per_second.round() as u64),
+            allocated_ops_per_second: share.map_or(0, |s| s.allocated_ops_per_second.round() as u64),
             throughput_bytes_per_second: mine.iter().map(|j| j.throughput_bytes_per_second).sum(),
             jobs: mine.iter().map(|j| j.id.clone()).collect(),
         }
