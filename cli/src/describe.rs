@@ -106,6 +106,27 @@ pub fn job_text(job: &JobView) -> String {
         .add("Priority", l.priority.to_string());
     limits.write(&mut out, 2);
 
+    out.push_str("Allocated (all stages):\n");
+    match &job.allocation {
+        Some(a) => {
+            let mut fields = Fields::default();
+            fields
+                .add("Bandwidth", human::rate(a.bytes_per_second))
+                .add("Reason", &a.reason)
+                .add(
+                    "Demand",
+                    a.demand_bytes_per_second
+                        .map_or_else(|| "greedy (wants more than it has)".to_owned(), human::rate),
+                )
+                .add("Enforced", human::rate(a.enforced_bytes_per_second));
+            if let Some(ops) = a.ops_per_second {
+                fields.add("Ops", format!("{ops:.0} ops/s"));
+            }
+            fields.write(&mut out, 2);
+        }
+        None => out.push_str("  nothing (no policy selects the job, or not computed yet)\n"),
+    }
+
     out.push_str("In force (all stages):\n");
     match &job.settings {
         Some(settings) => settings_fields(settings).write(&mut out, 2),

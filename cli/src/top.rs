@@ -157,28 +157,38 @@ fn title(server: &str, stages: Option<&[StageView]>, now_millis: i64) -> String 
     format!("sluicectl top  {server}{counts}  {clock}")
 }
 
-/// Per job: throughput, stall, the limit in force and why, and on how
-/// many of its stages the settings are acknowledged.
+/// Per job: throughput, stall, its allocation, the limit its stages
+/// enforce (the allocation plus capacity lent) and why, and on how many
+/// of its stages the settings are acknowledged.
 fn jobs_table(jobs: &[JobView]) -> Table {
     let mut t = Table::new(&[
         Column::text("JOB"),
         Column::text("POOL"),
         Column::whole("THROUGHPUT"),
         Column::whole("STALL"),
+        Column::whole("ALLOCATED"),
         Column::whole("LIMIT"),
         Column::text("WHY"),
         Column::whole("ACKED"),
     ]);
     for j in jobs {
         let settings = j.settings.as_ref();
+        let allocated = j.allocation.as_ref().map(|a| a.bytes_per_second);
         let acked = j.stages.iter().filter(|s| s.acked).count();
         t.row(vec![
             j.id.clone(),
             j.pool.clone().unwrap_or_else(|| "-".into()),
             human::rate(j.throughput_bytes_per_second),
             human::percent(j.stall_fraction),
+            allocated.map_or_else(|| "-".to_owned(), human::rate),
             human::limit(settings.and_then(|s| s.bytes_per_second)),
-            human::or_dash(settings.and_then(|s| s.reason.as_deref()).unwrap_or("")),
+            human::or_dash(
+                j.allocation
+                    .as_ref()
+                    .map(|a| a.reason.as_str())
+                    .or_else(|| settings.and_then(|s| s.reason.as_deref()))
+                    .unwrap_or(""),
+            ),
             format!("{acked}/{}", j.stages.len()),
         ]);
     }
@@ -231,6 +241,11 @@ mod tests {
                 },
                 v1::JobStage::default(),
             ],
+            allocation: Some(v1::JobAllocation {
+                bytes_per_second: 700.0 * 1024.0 * 1024.0,
+                reason: "weighted-share".into(),
+                ..v1::JobAllocation::default()
+            }),
             ..v1::Job::default()
         });
         let stage = StageView::from(v1::Stage {
@@ -247,8 +262,8 @@ mod tests {
             "\
 sluicectl top  http://c:7070  stages: 0 connected, 1 lost  01:02:03 UTC
 
-JOB       POOL  THROUGHPUT  STALL  LIMIT      WHY  ACKED
-resnet50  nfs   812 MiB/s   3.2%   800 MiB/s  cap  1/2
+JOB       POOL  THROUGHPUT  STALL  ALLOCATED  LIMIT      WHY             ACKED
+resnet50  nfs   812 MiB/s   3.2%   700 MiB/s  800 MiB/s  weighted-share  1/2
 
 STAGE     NODE    STATE  ACKED/DESIRED  SYNC  JOBS
 node-a-0  node-a  lost   3/3            yes   0

@@ -99,6 +99,27 @@ pub struct JobView {
     pub settings: Option<SettingsView>,
     /// The job on each stage that serves it, ordered by stage id.
     pub stages: Vec<JobStageView>,
+    /// Its current share of its pool; `null` when no policy selects it.
+    pub allocation: Option<AllocationView>,
+}
+
+/// A job's share of its pool, as the controller's allocation engine
+/// computed it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AllocationView {
+    /// Allocated bandwidth, all stages together.
+    pub bytes_per_second: f64,
+    /// Allocated operations per second; `null` = unlimited.
+    pub ops_per_second: Option<f64>,
+    /// Why: `guarantee`, `weighted-share`, `cap`, `demand-limited`,
+    /// `priority` or `static`.
+    pub reason: String,
+    /// Estimated demand; `null` = greedy (wants more than it has) or not
+    /// measured yet.
+    pub demand_bytes_per_second: Option<f64>,
+    /// What its stages enforce: the allocation plus pool capacity lent
+    /// while no other job wants it.
+    pub enforced_bytes_per_second: f64,
 }
 
 /// A job's share as its policy declares it.
@@ -286,6 +307,13 @@ impl From<v1::Job> for JobView {
                     settings: s.settings.map(SettingsView::from),
                 })
                 .collect(),
+            allocation: j.allocation.map(|a| AllocationView {
+                bytes_per_second: a.bytes_per_second,
+                ops_per_second: a.ops_per_second,
+                reason: a.reason,
+                demand_bytes_per_second: a.demand_bytes_per_second,
+                enforced_bytes_per_second: a.enforced_bytes_per_second,
+            }),
         }
     }
 }

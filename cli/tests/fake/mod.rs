@@ -174,6 +174,12 @@ pub fn jobs() -> Vec<Job> {
                 throughput_bytes_per_second: 812.0 * 1024.0 * 1024.0,
                 stall_fraction: 0.032,
             }],
+            allocation: Some(v1::JobAllocation {
+                bytes_per_second: 800.0 * 1024.0 * 1024.0,
+                reason: "cap".into(),
+                enforced_bytes_per_second: 800.0 * 1024.0 * 1024.0,
+                ..v1::JobAllocation::default()
+            }),
         },
     ]
 }
