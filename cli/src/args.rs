@@ -118,6 +118,9 @@ pub enum Command {
     /// Watch jobs and stages live
     #[command(long_about = TOP_ABOUT)]
     Top(TopArgs),
+    /// Replay a scenario through the allocation engine, offline
+    #[command(long_about = SIMULATE_ABOUT)]
+    Simulate(SimulateArgs),
 }
 
 /// Arguments of `sluicectl apply`.
@@ -235,6 +238,57 @@ pub struct ValidateArgs {
         long_help = FILENAME_HELP
     )]
     pub files: Vec<PathBuf>,
+}
+
+/// What `simulate` does, shown by `sluicectl simulate --help`.
+const SIMULATE_ABOUT: &str = "\
+Replay a scenario through the allocation engine, offline.
+
+Reads the policies as validate does (-f) and a scenario file: jobs with
+labels and stages, when they arrive and leave, and their demand over time
+(see docs/policies.md, Simulating). At every tick the engine the controller
+runs shares the pools among the running jobs. The table shows the ticks
+where an allocation changed (--all-ticks: every tick), then the engine's
+problems where they change; -o json prints every tick.
+
+Exit codes: 0 ok, 1 an invalid policy or scenario (FILE:LINE:COLUMN:
+message), 2 usage: a path that cannot be read.";
+
+/// `--filename` in `simulate --help`.
+const SIMULATE_FILENAME_HELP: &str = "\
+A policy file (any name), a directory (its *.yaml and *.yml files),
+or - for standard input. Repeat -f to simulate several together.";
+
+/// Arguments of `sluicectl simulate`.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// A file, a directory, or - (stdin); repeatable
+    #[arg(
+        short = 'f',
+        long = "filename",
+        value_name = "FILE|DIR|-",
+        required = true,
+        long_help = SIMULATE_FILENAME_HELP
+    )]
+    pub files: Vec<PathBuf>,
+
+    /// The scenario: jobs, their stages, demand and times
+    #[arg(long, value_name = "FILE")]
+    pub scenario: PathBuf,
+
+    /// Output format: a table of changes, or every tick as json or yaml
+    #[arg(
+        short = 'o',
+        long,
+        value_enum,
+        value_name = "FORMAT",
+        default_value_t = Format::Table
+    )]
+    pub output: Format,
+
+    /// Print every tick in the table, not only those that change
+    #[arg(long)]
+    pub all_ticks: bool,
 }
 
 #[cfg(test)]

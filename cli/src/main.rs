@@ -3,7 +3,7 @@
 //! `main` only parses the command line and hands each subcommand to its
 //! module; every subcommand returns an [`Exit`], the one place where exit
 //! codes are decided (0 ok, 1 the command found an error, 2 usage).
-//! `validate` works offline; every other subcommand talks to the
+//! `validate` and `simulate` work offline; every other subcommand talks to the
 //! controller's `AdminService` at `--server` (see `client`) and prints the
 //! answer as a table, a description, or JSON/YAML (see `view`).
 
@@ -16,6 +16,7 @@ mod exit;
 mod get;
 mod human;
 mod input;
+mod simulate;
 mod table;
 mod top;
 mod validate;
@@ -49,6 +50,7 @@ fn main() -> ExitCode {
         Command::Get(args) => get::run(&cli.server, &args),
         Command::Describe(target) => describe::run(&cli.server, &target),
         Command::Top(args) => top::run(&cli.server, &args),
+        Command::Simulate(args) => simulate::run(&args),
     }
     .into()
 }
