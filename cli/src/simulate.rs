@@ -14,8 +14,6 @@ mod timeline;
 use std::fs;
 use std::io::{self, Write};
 
-use sluice_policy::{PolicySet, parse_documents};
-
 use crate::args::SimulateArgs;
 use crate::exit::Exit;
 use crate::input::{self, InputError, Source};
@@ -39,7 +37,7 @@ pub fn run(args: &SimulateArgs) -> Exit {
             return usage(&InputError::Read { path, error });
         }
     };
-    let loaded = policies(&sources).and_then(|set| {
+    let loaded = validate::load(&sources).and_then(|set| {
         let text = validate::decode(&scenario)?;
         let parsed = Scenario::parse(&scenario.name, text).map_err(|e| vec![e])?;
         Ok((set, parsed))
@@ -63,25 +61,4 @@ pub fn run(args: &SimulateArgs) -> Exit {
 fn usage(error: &InputError) -> Exit {
     eprintln!("sluicectl: {error}");
     Exit::Usage
-}
-
-/// Parses every source and builds one policy set, as `validate` checks it;
-/// returns every error as `FILE:LINE:COLUMN: message`.
-fn policies(sources: &[Source]) -> Result<PolicySet, Vec<String>> {
-    let mut documents = Vec::new();
-    let mut errors = Vec::new();
-    for source in sources {
-        let parsed = validate::decode(source).and_then(|text| {
-            parse_documents(&source.name, text)
-                .map_err(|e| e.into_iter().map(|e| e.to_string()).collect())
-        });
-        match parsed {
-            Ok(docs) => documents.extend(docs),
-            Err(e) => errors.extend(e),
-        }
-    }
-    if !errors.is_empty() {
-        return Err(errors);
-    }
-    PolicySet::from_documents(documents).map_err(|e| e.into_iter().map(|e| e.to_string()).collect())
 }

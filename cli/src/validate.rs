@@ -62,6 +62,17 @@ impl fmt::Display for Summary {
 /// otherwise also show up as "pool does not exist" in every policy using
 /// it.
 pub fn check(sources: &[Source]) -> Result<Summary, Vec<String>> {
+    let set = load(sources)?;
+    Ok(Summary {
+        pools: set.pools().count(),
+        job_policies: set.job_policies().count(),
+        files: sources.len(),
+    })
+}
+
+/// Parses every source and builds one policy set (see [`check`]); returns
+/// every error as a `FILE:LINE:COLUMN: message` line.
+pub fn load(sources: &[Source]) -> Result<PolicySet, Vec<String>> {
     let mut documents = Vec::new();
     let mut errors = Vec::new();
     for source in sources {
@@ -77,13 +88,7 @@ pub fn check(sources: &[Source]) -> Result<Summary, Vec<String>> {
     if !errors.is_empty() {
         return Err(errors);
     }
-    let set = PolicySet::from_documents(documents)
-        .map_err(|e| e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>())?;
-    Ok(Summary {
-        pools: set.pools().count(),
-        job_policies: set.job_policies().count(),
-        files: sources.len(),
-    })
+    PolicySet::from_documents(documents).map_err(|e| e.into_iter().map(|e| e.to_string()).collect())
 }
 
 /// Returns the source's text, or where it stops being UTF-8 (line and
