@@ -356,6 +356,24 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
     );
     assert!(http(&c.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200"));
 
+    // The allocation: the idle job is held at its (small) demand, and the
+    // capacity nobody wants is lent up to its 100 MB/s limit.
+    let response = http(&c.http, "GET", "/api/v1/jobs", "");
+    assert!(
+        response.contains(r#""reason":"demand-limited""#)
+            && response.contains(r#""enforced_bytes_per_second":100000000"#),
+        "{response}"
+    );
+    let response = http(&c.http, "GET", "/metrics", "");
+    for series in [
+        r#"sluice_controller_pool_capacity_bytes_per_second{pool="shared"} 1000000000"#,
+        r#"sluice_controller_job_allocated_bytes_per_second{job="resnet",pool="shared"}"#,
+        r#"sluice_controller_job_allocation_reason{job="resnet",pool="shared",reason="demand-limited"} 1"#,
+        "sluice_controller_settings_pending_stages 0",
+    ] {
+        assert!(response.contains(series), "{series} missing from\n{response}");
+    }
+
     // A stage killed: marked lost within the timeout, and the job's whole
     // limit goes to the stage that still serves it.
     b.process.0.kill().unwrap();
