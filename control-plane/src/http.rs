@@ -3,7 +3,6 @@
 //! (Prometheus text), `/healthz` and `/readyz`.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, RawQuery, State};
@@ -13,6 +12,7 @@ use axum::routing::get;
 use serde::Serialize;
 
 use crate::error::ApiError;
+use crate::leader;
 use crate::policies::{self, Source};
 use crate::state::Shared;
 use crate::views;
@@ -65,11 +65,12 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     )
 }
 
+/// `/readyz`: 200 once this controller leads and has loaded its state;
+/// 503 with the reason otherwise (a standby, or a leader still loading).
 async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
-    if shared.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "starting\n")
+    match leader::unready_reason(&shared) {
+        None => (StatusCode::OK, "ready\n".to_owned()),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
     }
 }
 

@@ -7,8 +7,10 @@
 //! gRPC listener (`StageService` for stages, `AdminService` for
 //! `sluicectl`) and the HTTP listener (REST view, `/metrics`, health);
 //! [`Controller::run`] serves them and runs the control loop until
-//! cancelled. Modules: [`sessions`] (stage sessions), [`control`] (the
-//! loop), [`compute`] (static settings from policies), [`policies`] (policy
+//! cancelled. A replica that cannot take the leader lease (Postgres, another
+//! replica leads) serves as a standby until it can: see [`leader`].
+//! Modules: [`sessions`] (stage sessions), [`control`] (the loop),
+//! [`compute`] (static settings from policies), [`policies`] (policy
 //! changes), [`views`] (the read model), [`admin`] and [`http`] (the edges).
 
 pub mod admin;
@@ -18,6 +20,7 @@ pub mod control;
 pub mod demand;
 pub mod error;
 pub mod http;
+pub mod leader;
 pub mod metrics;
 pub mod policies;
 pub mod sessions;
@@ -27,7 +30,6 @@ pub mod views;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use anyhow::Context;
 use sluice_proto::{AdminServiceServer, StageServiceServer};
@@ -36,6 +38,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 use tracing::{Instrument, info, info_span};
+
+use leader::GrpcGate;
 
 pub use config::{Args, ControllerConfig};
 use state::Shared;
@@ -51,7 +55,10 @@ pub struct Controller {
     config: ControllerConfig,
     grpc: TcpListener,
     http: TcpListener,
-    leadership: Leadership,
+    /// The lease, or `None` for a standby.
+    leadership: Option<Leadership>,
+    /// `--policies`, read at start and applied when a standby takes over.
+    pending_policies: Option<Vec<policies::Source>>,
 }
 
 /// Where a bound controller listens.
@@ -77,8 +84,10 @@ impl Controller {
     }
 
     /// Prepares the controller on listeners bound by the caller: opens the
-    /// store, takes the leader lease, loads policies and desired settings,
-    /// and applies `--policies`.
+    /// store and reads `--policies`, then tries the leader lease. With it,
+    /// loads policies and desired settings and applies `--policies`;
+    /// without it (another replica leads), prepares a standby that does so
+    /// when it takes over.
     pub async fn with_listeners(
         config: ControllerConfig,
         grpc: TcpListener,
@@ -87,33 +96,38 @@ impl Controller {
         let store = Store::open(&config.database_url)
             .await
             .context("opening the store")?;
+        let sources = match &config.policies {
+            Some(path) => Some(
+                policies::read_sources(path)
+                    .with_context(|| format!("reading policies from {}", path.display()))?,
+            ),
+            None => None,
+        };
         let leadership = store
             .try_acquire_leadership()
             .await
-            .context("taking the leader lease")?
-            .context("another controller holds the leader lease (standby mode is not built yet)")?;
+            .context("trying the leader lease")?;
         let shared = Arc::new(Shared::new(store, config.stage_timeout));
-        shared.reload().await.context("reloading stages and jobs")?;
-        policies::load(&shared)
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))
-            .context("loading the stored policies")?;
-        if let Some(path) = &config.policies {
-            let sources = policies::read_sources(path)
-                .with_context(|| format!("reading policies from {}", path.display()))?;
-            policies::apply(&shared, sources, false)
-                .await
-                .map_err(|e| anyhow::anyhow!("{e}"))
-                .context("applying --policies")?;
-        }
-        shared.ready.store(true, Ordering::Release);
+        let pending_policies = if leadership.is_some() {
+            leader::take_office(&shared, sources).await?;
+            None
+        } else {
+            sources
+        };
         Ok(Self {
             shared,
             config,
             grpc,
             http,
             leadership,
+            pending_policies,
         })
+    }
+
+    /// Returns whether this controller started as the leader (`false`: a
+    /// standby, until it takes the lease in [`Controller::run`]).
+    pub fn is_leader(&self) -> bool {
+        self.leadership.is_some()
     }
 
     /// Returns the bound addresses.
@@ -130,28 +144,37 @@ impl Controller {
     pub async fn run(self, cancel: CancellationToken) -> anyhow::Result<()> {
         let shared = self.shared;
         let mut tasks: JoinSet<(&'static str, anyhow::Result<()>)> = JoinSet::new();
-        let control = control::run(
+        let control = leader::lead(
             shared.clone(),
             self.config.tick,
             self.leadership,
+            self.pending_policies,
             cancel.child_token(),
         );
         tasks.spawn(
-            async move { ("control loop", control.await.map_err(Into::into)) }
-                .instrument(info_span!("control")),
+            async move { ("control loop", control.await) }.instrument(info_span!("control")),
         );
         let grpc_cancel = cancel.child_token();
+        let gate = GrpcGate(shared.clone());
         let grpc = tonic::transport::Server::builder()
-            .add_service(StageServiceServer::new(sessions::Sessions::new(
-                shared.clone(),
-            )))
-            .add_service(AdminServiceServer::new(admin::Admin::new(shared.clone())))
+            .add_service(StageServiceServer::with_interceptor(
+                sessions::Sessions::new(shared.clone()),
+                gate.clone(),
+            ))
+            .add_service(AdminServiceServer::with_interceptor(
+                admin::Admin::new(shared.clone()),
+                gate,
+            ))
             .serve_with_incoming_shutdown(TcpIncoming::from(self.grpc), async move {
                 grpc_cancel.cancelled().await;
             });
         tasks.spawn(async move { ("gRPC server", grpc.await.map_err(Into::into)) });
         let http_cancel = cancel.child_token();
-        let http = axum::serve(self.http, http::router(shared.clone()))
+        let router = http::router(shared.clone()).layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            leader::http_gate,
+        ));
+        let http = axum::serve(self.http, router)
             .with_graceful_shutdown(async move { http_cancel.cancelled().await });
         tasks.spawn(async move { ("HTTP server", http.await.map_err(Into::into)) });
         let failure = tokio::select! {

@@ -1,5 +1,5 @@
 //! `sluice-controller` binary: parse the configuration, bind, print the
-//! ready line, serve until SIGTERM or SIGINT (a second signal exits at once).
+//! ready line (with the role: `leader` or `standby`), serve until SIGTERM or SIGINT (a second signal exits at once).
 
 use std::process::ExitCode;
 
@@ -44,13 +44,19 @@ async fn run(config: ControllerConfig) -> anyhow::Result<()> {
     let mut int = signal(SignalKind::interrupt())?;
     let controller = Controller::bind(config).await?;
     let addrs = controller.addresses()?;
+    let role = if controller.is_leader() {
+        "leader"
+    } else {
+        "standby"
+    };
     let ready = serde_json::json!({
         "event": "ready",
         "grpc": addrs.grpc.to_string(),
         "http": addrs.http.to_string(),
+        "role": role,
     });
     println!("{ready}");
-    tracing::info!(grpc = %addrs.grpc, http = %addrs.http, "controller ready");
+    tracing::info!(grpc = %addrs.grpc, http = %addrs.http, role, "controller listening");
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
     tokio::spawn(async move {

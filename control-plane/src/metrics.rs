@@ -28,6 +28,9 @@ pub struct Metrics {
     pub policies: IntGauge,
     /// Pools' and jobs' allocations.
     pub allocation: Arc<AllocationMetrics>,
+    /// 1 while this controller holds the leader lease, 0 while it is a
+    /// standby.
+    pub leader: IntGauge,
 }
 
 impl Metrics {
@@ -64,10 +67,14 @@ impl Metrics {
             jobs: gauge("sluice_controller_jobs", "Jobs known to the controller"),
             policies: gauge("sluice_controller_policies", "Live policies"),
             allocation: Arc::new(AllocationMetrics::new(&registry)),
+            leader: gauge(
+                "sluice_controller_leader",
+                "1 while this controller holds the leader lease, 0 while it is a standby",
+            ),
             stages,
             registry,
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 7] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 8] = [
             Box::new(m.stages.clone()),
             Box::new(m.settings_pushes.clone()),
             Box::new(m.acks.clone()),
@@ -75,6 +82,7 @@ impl Metrics {
             Box::new(m.policy_revisions.clone()),
             Box::new(m.jobs.clone()),
             Box::new(m.policies.clone()),
+            Box::new(m.leader.clone()),
         ];
         for c in collectors {
             m.registry.register(c).expect("metric names are unique");

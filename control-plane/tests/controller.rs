@@ -519,25 +519,32 @@ async fn http_view_applies_lists_and_refuses() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_controller_on_one_postgres_is_refused_the_lease() {
+async fn a_second_controller_on_one_postgres_stands_by_until_the_lease_is_free() {
     let dir = tempfile::tempdir().unwrap();
     let Some(url) = store_url("postgres", dir.path(), "second_controller").await else {
         return;
     };
     let c = start(&url).await;
-    let refused = Controller::bind(ControllerConfig::for_tests(url.as_str()))
+    let standby = Controller::bind(ControllerConfig::for_tests(url.as_str()))
         .await
-        .unwrap_err();
-    assert!(
-        format!("{refused:#}").contains("leader lease"),
-        "{refused:#}"
-    );
+        .unwrap();
+    assert!(!standby.is_leader());
+    let standby_http = standby.addresses().unwrap().http.to_string();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(standby.run(cancel.clone()));
+    let readyz = http(&standby_http, "GET", "/readyz", "").await;
+    assert!(readyz.starts_with("HTTP/1.1 503"), "{readyz}");
+    assert!(readyz.contains("standby"), "{readyz}");
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
-    // Released at shutdown: the next controller gets it.
-    let next = start(&url).await;
-    next.cancel.cancel();
-    next.task.await.unwrap().unwrap();
+    // Released at shutdown: the standby takes the lease and turns ready.
+    eventually("the standby to turn ready", || async {
+        let readyz = http(&standby_http, "GET", "/readyz", "").await;
+        readyz.starts_with("HTTP/1.1 200").then_some(())
+    })
+    .await;
+    cancel.cancel();
+    task.await.unwrap().unwrap();
     drop_postgres_database(&url).await;
 }
 

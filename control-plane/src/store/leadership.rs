@@ -9,13 +9,14 @@
 //! `pg_try_advisory_lock`) on a connection of its own, outside the pool, so
 //! the lock lives exactly as long as that session:
 //!
-//! - Standbys call [`Store::try_acquire_leadership`](super::Store) every few
-//!   seconds. They run no control loop and push no settings, and their
-//!   `/readyz` fails, so the Kubernetes Service sends stages and `sluicectl`
-//!   to the leader only.
+//! - Standbys try the lease every tick ([`Leadership::wait`]). They run no
+//!   control loop and push no settings, they refuse stage sessions and
+//!   admin calls, and their `/readyz` fails, so the Kubernetes Service sends
+//!   stages and `sluicectl` to the leader only.
 //! - The leader calls [`Leadership::check`] every tick with a timeout shorter
 //!   than the tick. An error means the session is gone or unreachable:
-//!   the leader stops pushing at once, drops the lease, and becomes a standby.
+//!   the leader stops pushing at once and exits non-zero; restarted, it
+//!   comes back as a standby if another replica took the lease meanwhile.
 //! - When a leader dies or is partitioned from Postgres, the server ends its
 //!   session (on TCP reset at once, otherwise after the server's keepalive
 //!   or `tcp_user_timeout`), which frees the lock for a standby.
@@ -34,9 +35,11 @@
 use std::time::Duration;
 
 use sqlx::{Connection, PgConnection};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
 
-use super::StoreError;
 use super::error::db;
+use super::{Store, StoreError};
 
 /// The advisory lock key every sluice controller contends for: "sluice" in
 /// ASCII, then 1.
@@ -89,6 +92,25 @@ impl Leadership {
             // Closing is best effort: the session held nothing.
             let _ = conn.close().await;
             Ok(None)
+        }
+    }
+
+    /// Tries the lease on `store` every `every` until it is taken, and
+    /// returns it; `None` when `cancel` fires first. A store that cannot be
+    /// reached is reported and tried again: a standby keeps waiting.
+    pub async fn wait(store: &Store, every: Duration, cancel: &CancellationToken) -> Option<Self> {
+        let mut interval = tokio::time::interval(every);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return None,
+                _ = interval.tick() => {}
+            }
+            match store.try_acquire_leadership().await {
+                Ok(Some(leadership)) => return Some(leadership),
+                Ok(None) => debug!("another controller still holds the leader lease"),
+                Err(e) => warn!(error = %e, "cannot try the leader lease; trying again"),
+            }
         }
     }
 

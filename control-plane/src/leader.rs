@@ -1,0 +1,144 @@
+//! The controller's two roles. The replica holding the leader lease serves
+//! stages and the admin API and runs the control loop. A replica that
+//! cannot take it (another one leads on the same Postgres) starts as a
+//! standby: its HTTP server answers `/healthz` and `/metrics`, `/readyz`
+//! and `/api/` answer 503, its gRPC services answer `UNAVAILABLE`, and it
+//! tries the lease every tick. Once it holds the lease it reloads the store
+//! and leads as a controller started fresh does, so the stages, routed to
+//! it once it turns ready, reconnect and converge.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::control;
+use crate::policies::{self, Source};
+use crate::state::Shared;
+use crate::store::{Leadership, StoreError};
+
+/// Why a standby refuses work, for `/readyz`, `/api/` and gRPC callers.
+const STANDBY: &str =
+    "standby: another sluice controller holds the leader lease and serves stages and the admin API";
+/// Why a new leader refuses work while it reloads the store.
+const STARTING: &str = "starting: loading policies and settings from the store";
+
+/// Returns why this controller cannot serve yet, or `None` once it leads
+/// and has loaded its state.
+pub fn unready_reason(shared: &Shared) -> Option<&'static str> {
+    if shared.ready.load(Ordering::Acquire) {
+        None
+    } else if shared.metrics.leader.get() == 0 {
+        Some(STANDBY)
+    } else {
+        Some(STARTING)
+    }
+}
+
+/// Makes this controller the leader in memory: marks it leader, reloads
+/// stages, jobs, desired settings and policies from the store, applies the
+/// `--policies` documents, then turns ready.
+pub async fn take_office(shared: &Shared, policies: Option<Vec<Source>>) -> anyhow::Result<()> {
+    shared.metrics.leader.set(1);
+    shared.reload().await.context("reloading stages and jobs")?;
+    policies::load(shared)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("loading the stored policies")?;
+    if let Some(sources) = policies {
+        policies::apply(shared, sources, false)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .context("applying --policies")?;
+    }
+    shared.ready.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Runs the control loop with `leadership`; a standby (`None`) first waits
+/// for the lease, takes office with `policies`, and lets the stages
+/// reconnect. Returns when `cancel` fires; fails when the lease is lost.
+pub async fn lead(
+    shared: Arc<Shared>,
+    tick: Duration,
+    leadership: Option<Leadership>,
+    policies: Option<Vec<Source>>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let leadership = match leadership {
+        Some(leadership) => leadership,
+        None => {
+            info!("another controller holds the leader lease: standing by");
+            let Some(mut leadership) = Leadership::wait(&shared.store, tick, &cancel).await else {
+                return Ok(());
+            };
+            info!("took the leader lease: taking over");
+            take_office(&shared, policies).await?;
+            info!("leading: serving stages");
+            settle(&shared, &mut leadership, tick, &cancel).await?;
+            leadership
+        }
+    };
+    control::run(shared, tick, leadership, cancel).await?;
+    Ok(())
+}
+
+/// Holds the lease for one stage timeout before the control loop starts.
+/// A controller started fresh publishes nothing during its first stage
+/// timeout while its stages reconnect one by one (see [`control`]); a
+/// standby that takes over later gets the same grace here, checking the
+/// lease every tick as the loop would.
+async fn settle(
+    shared: &Shared,
+    leadership: &mut Leadership,
+    tick: Duration,
+    cancel: &CancellationToken,
+) -> Result<(), StoreError> {
+    let until = tokio::time::Instant::now() + shared.stage_timeout;
+    let mut interval = tokio::time::interval(tick);
+    while tokio::time::Instant::now() < until {
+        tokio::select! {
+            () = cancel.cancelled() => return Ok(()),
+            _ = interval.tick() => {}
+        }
+        leadership.check(tick * 3 / 4).await?;
+    }
+    Ok(())
+}
+
+/// A gRPC interceptor that answers `UNAVAILABLE` until this controller
+/// leads and is ready, so stages and `sluicectl` retry elsewhere or later.
+#[derive(Debug, Clone)]
+pub struct GrpcGate(pub Arc<Shared>);
+
+impl tonic::service::Interceptor for GrpcGate {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        match unready_reason(&self.0) {
+            None => Ok(request),
+            Some(reason) => Err(tonic::Status::unavailable(reason)),
+        }
+    }
+}
+
+/// HTTP middleware: `/api/` answers 503 until this controller leads and is
+/// ready (a standby's store view could be stale, and its writes would be
+/// unseen by the leader); health and metrics are always served.
+pub async fn http_gate(
+    State(shared): State<Arc<Shared>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    match unready_reason(&shared) {
+        Some(reason) if request.uri().path().starts_with("/api/") => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")).into_response()
+        }
+        _ => next.run(request).await,
+    }
+}

@@ -1,0 +1,140 @@
+//! What the HA and TLS tests share: starting the real binaries, a trainer
+//! that makes a stage report a job, polling with a deadline, plain HTTP.
+
+#![allow(dead_code)] // each test file uses its own part
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use sluice_stage::protocol::Request as Frame;
+
+/// A job policy that gives job `resnet` (labels `team: vision`) a limit.
+pub fn policy(bytes_per_second: &str) -> String {
+    format!(
+        "
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {{name: shared}}
+spec: {{capacity: {{bandwidth: 1GB/s}}}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {{name: vision}}
+spec:
+  selector: {{matchLabels: {{team: vision}}}}
+  pool: shared
+  limit: {{bandwidth: {bytes_per_second}}}
+"
+    )
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a binary, its standard error written to `log` (also shown when
+/// `SLUICE_TEST_LOGS` is set), and returns it with its JSON ready line.
+pub fn start(mut command: Command, log: &Path) -> (KillOnDrop, serde_json::Value) {
+    let stderr = std::fs::File::create(log).expect("creating the log file");
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("the binary starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready = serde_json::from_str(&line).unwrap_or_else(|e| {
+        let log = std::fs::read_to_string(log).unwrap_or_default();
+        panic!("ready line {line:?}: {e}; log:\n{log}")
+    });
+    (KillOnDrop(child), ready)
+}
+
+/// Returns the `sluice-controller` command on ephemeral ports with a fast
+/// tick, on the store at `database_url`.
+pub fn controller_command(database_url: &str) -> Command {
+    let mut c = Command::new(sluice_tests::binary("sluice-controller"));
+    c.args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .arg(format!("--database-url={database_url}"))
+        .args(["--tick", "200ms", "--stage-timeout", "2s"]);
+    c
+}
+
+/// Returns the `sluice-stage` command for stage `id` (socket and dataset
+/// under `dir`) with a session to `controller` (a URL).
+pub fn stage_command(dir: &Path, id: &str, controller: &str) -> (Command, PathBuf) {
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("a.bin"), b"abc").unwrap();
+    let socket = dir.join(format!("{id}.sock"));
+    let mut c = Command::new(sluice_tests::binary("sluice-stage"));
+    c.args(["--socket", socket.to_str().unwrap()])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .args(["--stage-id", id, "--node", id, "--memory-budget", "256MiB"])
+        .arg(format!("--dataset=train={}", data.display()))
+        .arg(format!("--controller={controller}"));
+    (c, socket)
+}
+
+/// Says HELLO as a trainer of `job` (labels `team: vision`) and returns the
+/// open connection, which keeps the job on the stage.
+pub fn trainer(socket: &Path, job: &str) -> UnixStream {
+    let mut s = UnixStream::connect(socket).unwrap();
+    let hello = Frame::Hello {
+        version: 1,
+        job: job.into(),
+        labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
+        rank: 0,
+        world_size: 1,
+    };
+    s.write_all(&hello.encode()).unwrap();
+    let mut head = [0u8; 5];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[4], 0x81, "WELCOME");
+    let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
+    s.read_exact(&mut rest).unwrap();
+    s
+}
+
+/// Sends one HTTP/1.1 request and returns the whole response.
+pub fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Polls `check` until it returns `Some`, failing after `limit`.
+pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
