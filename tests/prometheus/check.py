@@ -2,12 +2,16 @@
 scripts/check-prometheus).
 
 Starts a sluice-controller (SQLite in a temp dir), two sluice-stages
-connected to it, applies a StoragePool and a JobPolicy limiting the demo
-job with `sluicectl apply`, and runs one trainer per stage (the Python
-client) reading a small generated dataset for the whole test. Every trainer
-also hits a missing file now and then (a whole-file read and a sample of its
-plan), so the error panels have series. Then a real Prometheus scrapes the
-controller and both stages every second, and once enough samples exist:
+connected to it, applies a StoragePool shared by two JobPolicies with
+`sluicectl apply`, and runs trainers (the Python client) reading a small
+generated dataset for the whole test: the demo job on both stages, held at
+its limit (greedy: it wants more than it has), and a batch job on the first
+stage reading a steady trickle (compute-bound: its demand is estimated, so
+the demand gauge has series). Every demo trainer also hits a missing file
+now and then (a whole-file read and a sample of its plan), so the error
+panels have series. Then a real Prometheus scrapes the controller and both
+stages every second (with the `namespace` label the chart's ServiceMonitors
+add), and once enough samples exist:
 
 - every PromQL expression of helm/sluice/dashboards/*.json (panel targets
   and templating queries, with the template variables substituted) runs
@@ -16,8 +20,12 @@ controller and both stages every second, and once enough samples exist:
   `... or vector(0)` cannot hide a misspelled name);
 - `promtool check metrics` must find nothing to report in either daemon's
   /metrics;
-- `promtool check rules` on the PrometheusRule's rules, when the chart can
-  be rendered here (scripts/check-helm's .venv-helm).
+- the chart's PrometheusRule, rendered with Helm's engine (from
+  scripts/check-helm's .venv-helm; missing, it fails), passes `promtool
+  check rules`, every alert's expression evaluates without an error, and
+  every series selector in it (metric name and label matchers, e.g.
+  `sluice_controller_stages{namespace="sluice",state="lost"}`) has series:
+  an alert on a metric or label value that does not exist would never fire.
 
 `--render DIR` also plots every panel's series over the test run (one
 subplot per panel) into DIR/dashboard-<name>.png. Prints one line per check
@@ -46,6 +54,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = Path(os.environ.get("SLUICE_DASHBOARDS", ROOT / "helm" / "sluice" / "dashboards"))
 BIN = Path(os.environ.get("SLUICE_BIN_DIR", ROOT / "target" / "debug"))
 JOB = "demo-job"
+BATCH_JOB = "batch-job"
+POOL = "demo-pool"
+NAMESPACE = "sluice"  # as the chart's rules select, and its ServiceMonitors label
 RATE_INTERVAL = "5s"
 WARMUP = 8.0        # seconds of scrapes before the first evaluation
 DEADLINE = 45.0     # seconds after Prometheus started to get every query answered
@@ -62,6 +73,13 @@ spec:
   selector: {{matchLabels: {{team: demo}}}}
   pool: demo-pool
   limit: {{bandwidth: {limit}MB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {{name: batch}}
+spec:
+  selector: {{matchLabels: {{team: batch}}}}
+  pool: demo-pool
 """
 
 # One trainer: reads its stage's dataset epoch after epoch until killed.
@@ -84,6 +102,21 @@ with sluice.Client(sock, job=job, labels={"team": "demo"}) as c:
         for name, data in ds.epoch(epoch, seed=7, batch=16, on_error="yield"):
             pass
         epoch += 1
+"""
+
+# The batch job's trainer: whole-file reads at a steady pace, far below its
+# share of the pool, so it is never throttled and its demand is estimated.
+BATCH_TRAINER = r"""
+import sys, time, sluice
+sock, job = sys.argv[1], sys.argv[2]
+with sluice.Client(sock, job=job, labels={"team": "batch"}) as c:
+    ds = c.dataset("demo")
+    names = [n for n in ds.files.names() if n.startswith("sample-")]
+    print("ready", flush=True)
+    while True:
+        for name in names:
+            ds.read(name)
+            time.sleep(0.01)
 """
 
 results: list[tuple[str, bool, str]] = []
@@ -227,36 +260,64 @@ def promtool_metrics(name: str, url: str) -> None:
            f"exit {p.returncode}: {out}")
 
 
-def promtool_rules(tmp: Path) -> None:
-    """The PrometheusRule's rules, rendered from the chart with Helm's own
-    engine when scripts/check-helm's environment is there."""
+def chart_rules() -> tuple[list[dict], str]:
+    """The PrometheusRule's rule groups, rendered from the chart with Helm's
+    own engine in scripts/check-helm's environment; ([], why) when that
+    cannot be done."""
     py = Path(os.environ.get("SLUICE_HELM_VENV", ROOT / ".venv-helm")) / "bin" / "python"
     if not py.exists():
-        print("skip promtool check rules: no .venv-helm (run scripts/check-helm once)")
-        return
+        return [], f"no {py.parent.parent} (run scripts/check-helm once)"
     script = (
-        "import sys, helm_python as helm, yaml\n"
+        "import sys, json, helm_python as helm, yaml\n"
         "with helm.Chart.load(sys.argv[1]) as c:\n"
-        "    m = c.render({'metrics': {'prometheusRule': {'enabled': True}}}, name='sluice', namespace='sluice', is_install=True)\n"
+        "    m = c.render({'metrics': {'prometheusRule': {'enabled': True}}}, name='sluice', namespace=sys.argv[2], is_install=True)\n"
         "for path, text in m.items():\n"
         "    if not path.endswith('.yaml'): continue\n"
         "    for o in yaml.safe_load_all(text):\n"
         "        if o and o.get('kind') == 'PrometheusRule':\n"
-        "            print(yaml.safe_dump({'groups': o['spec']['groups']}))\n"
+        "            print(json.dumps(o['spec']['groups']))\n"
     )
-    p = subprocess.run([str(py), "-c", script, str(ROOT / "helm" / "sluice")], capture_output=True, text=True)
+    p = subprocess.run([str(py), "-c", script, str(ROOT / "helm" / "sluice"), NAMESPACE],
+                       capture_output=True, text=True)
     if p.returncode != 0 or not p.stdout.strip():
-        record("promtool check rules: render the PrometheusRule", False, p.stderr.strip()[-500:])
-        return
-    rules = tmp / "rules.yaml"
-    rules.write_text(p.stdout)
+        return [], p.stderr.strip()[-500:] or "no PrometheusRule rendered"
+    return json.loads(p.stdout), ""
+
+
+def promtool_rules(tmp: Path, groups: list[dict]) -> None:
+    rules = tmp / "rules.json"
+    rules.write_text(json.dumps({"groups": groups}))  # JSON is YAML
     r = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
     record("promtool check rules: the chart's PrometheusRule", r.returncode == 0,
            (r.stdout + r.stderr).strip())
 
 
-def render(prom: Prometheus, panels_by_dash: dict[str, list[tuple[str, list[tuple[str, str]]]]],
+SELECTOR_RE = re.compile(r"\b(sluice_[a-z0-9_]+)(\{[^{}]*\})?")
+
+
+def rule_queries(groups: list[dict]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """([(name, expr)] of every alert and recording rule, [(name, count
+    query)] of every series selector in them); a rule that selects no
+    sluice metric, or whose name is taken, fails here."""
+    exprs, selectors = [], []
+    for g in groups:
+        for rule in g.get("rules", []):
+            name = f"rule {rule.get('alert') or rule.get('record')}"
+            if name in dict(exprs):
+                record(f"{name}: one rule of that name", False, "defined twice")
+            expr = str(rule["expr"])
+            exprs.append((name, expr))
+            for sel in dict.fromkeys(m.group(0) for m in SELECTOR_RE.finditer(expr)):
+                selectors.append((f"{name}: series {sel}", f"count({sel})"))
+            if not SELECTOR_RE.search(expr):
+                record(f"{name}: selects a sluice metric", False, f"no sluice_* selector in {expr!r}")
+    return exprs, selectors
+
+
+def render(prom: Prometheus, panels_by_dash: dict[str, list[tuple[str, tuple[str, str, list[tuple[str, str]]]]]],
            start: float, end: float, out: Path) -> None:
+    """Plots each panel's series; a state timeline as one bar per series,
+    drawn where the series exists."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -268,8 +329,9 @@ def render(prom: Prometheus, panels_by_dash: dict[str, list[tuple[str, list[tupl
         fig, axes = plt.subplots(rows, cols, figsize=(cols * 5.2, rows * 3.0), squeeze=False)
         for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
-        for ax, (title, (unit, targets)) in zip(axes.flat, panels):
+        for ax, (title, (kind, unit, targets)) in zip(axes.flat, panels):
             scale, suffix = UNITS.get(unit, (1.0, ""))
+            bars = []
             for expr, legend in targets:
                 r = prom.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="1")
                 for series in r.get("data", {}).get("result", []):
@@ -277,14 +339,28 @@ def render(prom: Prometheus, panels_by_dash: dict[str, list[tuple[str, list[tupl
                     vs = [float(v) * scale for _, v in series["values"]]
                     label = re.sub(r"\{\{\s*(\w+)\s*\}\}",
                                    lambda m: series["metric"].get(m.group(1), ""), legend or "") or expr[:40]
-                    ax.plot(ts, vs, label=label, linewidth=1)
+                    if kind == "state-timeline":
+                        bars.append((label, ts))
+                    else:
+                        ax.plot(ts, vs, label=label, linewidth=1)
+            for row, (label, ts) in enumerate(sorted(bars)):
+                # [start, width] runs of consecutive steps (1 s apart).
+                runs: list[list[float]] = []
+                for t in ts:
+                    if runs and t - sum(runs[-1]) < 0.5:
+                        runs[-1][1] += 1
+                    else:
+                        runs.append([t, 1.0])
+                ax.broken_barh(runs, (row - 0.35, 0.7))
+            if bars:
+                ax.set_yticks(range(len(bars)), [label for label, _ in sorted(bars)], fontsize=7)
             ax.set_title(title + (f" ({suffix})" if suffix else ""), fontsize=9)
             ax.tick_params(labelsize=7)
             ax.set_xlabel("seconds into the test run", fontsize=7)
             if ax.lines:
                 ax.legend(fontsize=6, loc="upper left")
         fig.suptitle(f"sluice / {dash} (Prometheus data of scripts/check-prometheus; "
-                     f"job={JOB}, one stage for per-stage panels)", fontsize=11)
+                     f"jobs {JOB} and {BATCH_JOB}, one stage for per-stage panels)", fontsize=11)
         fig.tight_layout()
         path = out / f"dashboard-{dash}.png"
         fig.savefig(path, dpi=80)
@@ -350,10 +426,12 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
         stages.append((sock, r["metrics"]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "clients" / "python"),
                                                                      os.environ.get("PYTHONPATH")])))
-    for i, (sock, _) in enumerate(stages):
-        r = daemons.start(f"trainer{i}", [sys.executable, "-c", TRAINER, str(sock), JOB], env=env)
+    trainers = [(f"trainer{i}", TRAINER, sock, JOB) for i, (sock, _) in enumerate(stages)]
+    trainers.append(("batch-trainer", BATCH_TRAINER, stages[0][0], BATCH_JOB))
+    for name, code, sock, job in trainers:
+        r = daemons.start(name, [sys.executable, "-c", code, str(sock), job], env=env)
         if r.get("line") != "ready":
-            raise RuntimeError(f"trainer{i} said {r}")
+            raise RuntimeError(f"{name} said {r}")
     # Listed by both stages' datasets now: every epoch's plan fails on it.
     (data / "vanishing.bin").unlink()
 
@@ -362,11 +440,13 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
-            {"job_name": "sluice-controller", "static_configs": [{"targets": targets["controller"]}]},
-            # honor_labels as the chart's ServiceMonitor: the stages' `job`
-            # label is the training job.
+            # honor_labels as the chart's ServiceMonitors: the `job` label of
+            # the stages' and the controller's series is the training job.
+            {"job_name": "sluice-controller", "honor_labels": True,
+             "static_configs": [{"targets": targets["controller"], "labels": {"namespace": NAMESPACE}}]},
             {"job_name": "sluice-stage", "honor_labels": True,
-             "static_configs": [{"targets": [m], "labels": {"node": f"node-{i}"}} for i, m in enumerate(targets["stage"])]},
+             "static_configs": [{"targets": [m], "labels": {"node": f"node-{i}", "namespace": NAMESPACE}}
+                                for i, m in enumerate(targets["stage"])]},
         ],
     }
     (tmp / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
@@ -393,10 +473,14 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
     print(f"prometheus on 127.0.0.1:{port} scraping {http} (controller), "
           f"{', '.join(targets['stage'])} (stages)", flush=True)
 
-    # Values for the template variables: the demo job and the first stage.
+    # Values for the template variables: both jobs (as Grafana writes a
+    # multi-value selection), the pool and the first stage; each query
+    # variable must list the value named in `wanted`.
     stage_instance = stages[0][1]
-    values = {"job": JOB, "instance": stage_instance, "stage": stage_instance, "node": "node-0",
+    values = {"job": f"({JOB}|{BATCH_JOB})", "pool": POOL, "instance": stage_instance,
+              "stage": stage_instance, "node": "node-0",
               "__rate_interval": RATE_INTERVAL, "__interval": "1s", "__range": "1m"}
+    wanted = dict(values, job=JOB)
 
     checks = []      # (name, expr, label the values of which must include a value, wanted value)
     panels_by_dash = {}
@@ -407,7 +491,7 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
             record(f"{path.name}: has queries", False, "no panel target has an expr")
         for v in variables:
             q, label = variable_promql(variable_query(v))
-            checks.append((f"{path.name}: variable ${v['name']}", substitute(q, values), label, values.get(v["name"])))
+            checks.append((f"{path.name}: variable ${v['name']}", substitute(q, values), label, wanted.get(v["name"])))
         panels: dict[str, list] = {}
         for where, expr in exprs:
             checks.append((f"{path.name}: {where}", substitute(expr, values), None, None))
@@ -419,11 +503,16 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
                 ts = [(substitute(t["expr"], values), t.get("legendFormat", "")) for t in p.get("targets", []) if t.get("expr")]
                 if ts:
                     unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
-                    panels[p.get("title", "")] = (unit, ts)
+                    panels[p.get("title", "")] = (p.get("type", ""), unit, ts)
         walk(d.get("panels", []))
         panels_by_dash[dash] = list(panels.items())
 
     metrics = sorted({m for _, e, _, _ in checks for m in METRIC_RE.findall(e)})
+    groups, why = chart_rules()
+    if not groups:
+        record("the chart's PrometheusRule renders", False, why)
+    rule_exprs, rule_selectors = rule_queries(groups)
+    checks += [(name, expr, None, None) for name, expr in rule_selectors]
 
     def evaluate():
         out = {}
@@ -438,6 +527,10 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
                                     f"{sorted(s['metric'].get(label, '') for s in series)} (query: {expr})")
             else:
                 out[name] = (True, "")
+        for name, expr in rule_exprs:
+            # An alert is normally quiet: its expression need only evaluate.
+            err, _ = prom.query(expr)
+            out[f"{name}: evaluates"] = (not err, f"{err} (query: {expr})")
         for m in metrics:
             # `{__name__=...}` with a base name also matches the histogram's
             # series through the regex below.
@@ -470,8 +563,10 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
     promtool_metrics("sluice-controller /metrics", f"http://{http}/metrics")
     for i, (_, m) in enumerate(stages):
         promtool_metrics(f"sluice-stage {i} /metrics", f"http://{m}/metrics")
-    promtool_rules(tmp)
-    print(f"{len(checks)} dashboard queries, {len(metrics)} metric names, "
+    if groups:
+        promtool_rules(tmp, groups)
+    print(f"{len(checks) - len(rule_selectors)} dashboard queries, {len(metrics)} metric names, "
+          f"{len(rule_exprs)} rules with {len(rule_selectors)} series selectors, "
           f"evaluated {time.time() - prom_started:.1f} s after Prometheus started", flush=True)
 
     if args.render:
