@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination} ...``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ _SUBCOMMANDS = {
     "limiter": "does the stage's rate and ops limiter hold its target (cold, no compute)",
     "tuner": "fixed reader counts vs the auto-tuner from 1 reader, then a compute-bound phase",
     "apply": "time from sluicectl apply until every stage acknowledged the new settings",
+    "coordination": "a controller sharing one pool among weighted jobs through four phases, vs stages on their own",
 }
 
 
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
         from .tuner import main as run
     elif argv[0] == "apply":
         from .apply import main as run
+    elif argv[0] == "coordination":
+        from .coordination import main as run
     else:
         from .receive import main as run
     return run(argv[1:])

@@ -10,7 +10,9 @@ import contextlib
 import itertools
 import math
 import os
+import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +30,7 @@ __all__ = [
     "WindowRate", "window_rate", "rolling_rate", "first_reach",
     "parse_byte_rate", "parse_ops_rate", "epochs_for",
     "parse_prometheus", "metric_value", "fetch_metrics",
+    "find_binaries", "Daemon", "get_json", "wait_for",
 ]
 
 
@@ -305,3 +308,71 @@ def fetch_metrics(addr: str, timeout: float = 2.0):
     """GETs ``http://<addr>/metrics`` and returns :func:`parse_prometheus` of it."""
     with urllib.request.urlopen(f"http://{addr}/metrics", timeout=timeout) as r:
         return parse_prometheus(r.read().decode("utf-8", "replace"))
+
+
+# -- the control plane's daemons ----------------------------------------------------
+
+
+def find_binaries(bin_dir: str, names: Sequence[str]) -> Dict[str, str]:
+    """Returns ``{name: path}`` of each executable under ``bin_dir``; exits
+    saying how to build them when one is missing."""
+    found = {name: os.path.join(bin_dir, name) for name in names}
+    missing = [p for p in found.values() if not os.access(p, os.X_OK)]
+    if missing:
+        raise SystemExit(f"error: {', '.join(missing)} not found: build with `cargo build --release --bins` "
+                         "or pass --bin-dir")
+    return found
+
+
+class Daemon(NamedTuple):
+    """A started ``sluice-controller`` (or any binary that prints one JSON
+    ready line on stdout first), logging to ``log_path``."""
+
+    proc: subprocess.Popen
+    ready: dict
+    log_path: str
+
+    @classmethod
+    def start(cls, argv: Sequence[str], log_path: str) -> "Daemon":
+        """Starts ``argv`` and returns once it printed its ready line; exits
+        naming the log when it does not."""
+        with open(log_path, "w") as err:
+            proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=err, text=True,
+                                    stdin=subprocess.DEVNULL)
+        line = proc.stdout.readline()
+        try:
+            return cls(proc, json.loads(line), log_path)
+        except ValueError:
+            proc.kill()
+            proc.wait(timeout=10)
+            raise SystemExit(f"error: {argv[0]} did not start (status {proc.returncode}); see {log_path}") from None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """Sends SIGTERM and returns the exit status (killing it after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def get_json(http: str, path: str, timeout: float = 5.0):
+    """GETs ``http://<http><path>`` and returns the decoded JSON body."""
+    with urllib.request.urlopen(f"http://{http}{path}", timeout=timeout) as r:
+        return json.load(r)
+
+
+def wait_for(what: str, check, timeout: float = 20.0, every: float = 0.01):
+    """Polls ``check()`` until it returns something other than None and
+    returns that; exits saying ``what`` it waited for after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["StageProcess", "StageStartError", "find_stage_binary"]
+__all__ = ["StageProcess", "StageStartError", "find_stage_binary", "pid_cpu_seconds"]
 
 
 class StageStartError(RuntimeError):
@@ -111,10 +111,7 @@ class StageProcess:
 
     def cpu_seconds(self) -> float:
         """Returns the stage's user + system CPU seconds so far (all threads)."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        # Fields after the command: state is [0], utime [11], stime [12].
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return pid_cpu_seconds(self.pid)
 
     def peak_rss_bytes(self) -> int:
         """Returns the stage's peak resident set (``VmHWM``) in bytes."""
@@ -141,6 +138,14 @@ class StageProcess:
                 raise TimeoutError(f"sluice-stage did not exit within {timeout:.0f}s of SIGTERM\n"
                                    f"{self.stderr_tail()}") from None
         return self.proc.returncode
+
+
+def pid_cpu_seconds(pid: int) -> float:
+    """Returns a live process's user + system CPU seconds so far (all threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # Fields after the command: state is [0], utime [11], stime [12].
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _tail(path: str, limit: int = 4000) -> str:
