@@ -6,7 +6,8 @@
 //! (beyond [`crate::compute::RATE_TOLERANCE`]), records the allocation for
 //! the views and metrics, and announces allocations that changed.
 //!
-//! For one stage timeout after start the loop publishes nothing new: the
+//! Until every stage the store listed as connected has reconnected (at
+//! most one stage timeout after start) the loop publishes nothing new: the
 //! stages of a restarted controller reconnect one by one, and computing
 //! before they all reported would split limits among too few stages and
 //! publish versions that the next tick takes back.
@@ -46,7 +47,7 @@ pub async fn run(
         }
         leadership.check(tick * 3 / 4).await?;
         mark_lost(&shared).await;
-        if shared.started.elapsed() >= shared.stage_timeout {
+        if shared.started.elapsed() >= shared.stage_timeout || all_back(&shared) {
             control(&shared, &mut memory).await;
         }
     }
@@ -54,6 +55,15 @@ pub async fn run(
         warn!(error = %e, "cannot release the leader lease (it ends with the connection)");
     }
     Ok(())
+}
+
+/// Whether every stage the store listed as connected at start has
+/// reconnected and reported (or was marked lost): then there is nobody
+/// left to wait for. With a fresh store that is at once.
+fn all_back(shared: &Shared) -> bool {
+    lock(&shared.live)
+        .values()
+        .all(|l| l.lost || (l.session.is_some() && l.telemetry.is_some()))
 }
 
 async fn mark_lost(shared: &Shared) {
@@ -112,7 +122,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     for (id, l, now) in reporting() {
         let before = l.previous.as_ref();
         let seconds = before.map_or(0.0, |b| (now.unix_millis - b.unix_millis) as f64 / 1000.0);
-        for (job, sample) in &now.jobs {
+        for (job, sample) in now.jobs.iter().filter(|(_, s)| s.connections > 0) {
             let window = before
                 .and_then(|b| b.jobs.get(job))
                 .and_then(|b| Window::between(b, sample, seconds));
@@ -129,7 +139,14 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
             node: if l.hello.node.is_empty() { id } else { &l.hello.node },
             memory_budget: l.hello.memory_budget_bytes,
             reader_budget: l.hello.reader_budget,
-            jobs: now.jobs.iter().map(|(j, s)| (j.as_str(), &s.labels)).collect(),
+            // A job without trainers on a stage is not reading there; one
+            // without trainers anywhere has left and gives its share back.
+            jobs: now
+                .jobs
+                .iter()
+                .filter(|(_, s)| s.connections > 0)
+                .map(|(j, s)| (j.as_str(), &s.labels))
+                .collect(),
         })
         .collect();
     let policies = read_policies(shared);

@@ -1,25 +1,31 @@
 //! Demand estimation: how many bytes per second each job wants from each
 //! stage, from the stage's last two telemetry snapshots.
 //!
-//! The stage reports, per job, cumulative storage-read bytes and the
-//! seconds its readers spent waiting for the job's token bucket. Over the
-//! window between two snapshots:
+//! The stage reports, per job, cumulative bytes read from storage and
+//! delivered to trainers, and the seconds its readers spent waiting for the
+//! job's token bucket. Over the window between two snapshots the job's
+//! *rate* is the larger of what it read and what it delivered: reads run
+//! ahead while the prefetch buffer fills and pause while a full buffer
+//! drains, delivery shows what the trainers consume, and the larger of the
+//! two never understates what the job uses. Then:
 //!
 //! * **Throttled** (readers waited at least [`THROTTLED`] of a second per
 //!   second): the limit binds, so the job wants more than it has. Its
-//!   demand on that stage is [`PROBE`] times what it read, and the job as a
+//!   demand on that stage is [`PROBE`] times its rate, and the job as a
 //!   whole counts as greedy (`None`): the engine gives it its full share
 //!   at once, so a job whose demand grows gets it on the next tick.
-//! * **Not throttled**: the job reads what it wants (its consumers are
+//! * **Not throttled**: the job gets what it wants (its consumers are
 //!   compute-bound and its buffer full, or storage or its readers hold it
-//!   back; more allocation would not help either way). Its demand is what
-//!   it read plus [`HEADROOM`], at least [`MIN_DEMAND`], so a job that
-//!   starts to want more soon reads at its allocation, is throttled, and
-//!   counts as greedy.
+//!   back; more allocation would not help either way). Its demand is its
+//!   rate plus [`HEADROOM`], at least [`MIN_DEMAND`], so a job that starts
+//!   to want more soon reads at its allocation, is throttled, and counts as
+//!   greedy.
 //!
-//! Hysteresis: a demand rises at once, but falls only when the new figure
-//! is more than [`FALL`] below the one in force, so measurement noise does
-//! not move every job's allocation every tick. A job seen on a stage for
+//! Hysteresis: a demand moves only when the new figure is more than
+//! [`RISE`] above or [`FALL`] below the one in force, so measurement noise
+//! does not move every job's allocation every tick. (A job that wants more
+//! than the rise needs is throttled first, and a throttled job counts as
+//! greedy at once.) A job seen on a stage for
 //! the first time (no window yet) is unknown, which also counts as greedy.
 
 use std::collections::BTreeMap;
@@ -35,6 +41,9 @@ pub const PROBE: f64 = 1.5;
 /// A job's demand above what it read when it was not throttled.
 pub const HEADROOM: f64 = 0.05;
 
+/// How far a demand must rise before the higher figure is used.
+pub const RISE: f64 = 0.05;
+
 /// How far a demand must fall before the lower figure is used.
 pub const FALL: f64 = 0.10;
 
@@ -47,6 +56,8 @@ pub const MIN_DEMAND: f64 = 1024.0 * 1024.0;
 pub struct Window {
     /// Storage bytes read per second.
     pub read_bytes_per_second: f64,
+    /// Bytes delivered to trainers per second.
+    pub delivered_bytes_per_second: f64,
     /// Reader-seconds spent waiting for the job's token bucket, per second.
     pub throttled: f64,
 }
@@ -56,17 +67,27 @@ impl Window {
     /// when they cannot be compared (no time passed, or the counters went
     /// back: the stage restarted).
     pub fn between(before: &JobSample, now: &JobSample, seconds: f64) -> Option<Self> {
-        if seconds.is_nan() || seconds <= 0.0
+        if seconds.is_nan()
+            || seconds <= 0.0
             || now.storage_read_bytes < before.storage_read_bytes
+            || now.delivered_bytes < before.delivered_bytes
             || now.throttled_seconds < before.throttled_seconds
         {
             return None;
         }
+        let per_second = |now: u64, before: u64| (now - before) as f64 / seconds;
         Some(Window {
-            read_bytes_per_second: (now.storage_read_bytes - before.storage_read_bytes) as f64
-                / seconds,
+            read_bytes_per_second: per_second(now.storage_read_bytes, before.storage_read_bytes),
+            delivered_bytes_per_second: per_second(now.delivered_bytes, before.delivered_bytes),
             throttled: (now.throttled_seconds - before.throttled_seconds) / seconds,
         })
+    }
+
+    /// Returns the job's rate: the larger of what it read and what it
+    /// delivered.
+    pub fn rate(&self) -> f64 {
+        self.read_bytes_per_second
+            .max(self.delivered_bytes_per_second)
     }
 }
 
@@ -90,15 +111,15 @@ pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDem
     };
     if w.throttled >= THROTTLED {
         return StageDemand {
-            bytes_per_second: Some((w.read_bytes_per_second * PROBE).max(MIN_DEMAND)),
+            bytes_per_second: Some((w.rate() * PROBE).max(MIN_DEMAND)),
             wants_more: true,
         };
     }
-    let measured = (w.read_bytes_per_second * (1.0 + HEADROOM)).max(MIN_DEMAND);
+    let measured = (w.rate() * (1.0 + HEADROOM)).max(MIN_DEMAND);
     let kept = before
         .filter(|b| !b.wants_more)
         .and_then(|b| b.bytes_per_second)
-        .filter(|&b| measured <= b && measured >= b * (1.0 - FALL));
+        .filter(|&b| measured <= b * (1.0 + RISE) && measured >= b * (1.0 - FALL));
     StageDemand {
         bytes_per_second: Some(kept.unwrap_or(measured)),
         wants_more: false,
@@ -153,6 +174,7 @@ mod tests {
     fn window(mib: f64, throttled: f64) -> Option<Window> {
         Some(Window {
             read_bytes_per_second: mib * MIB,
+            delivered_bytes_per_second: mib * MIB,
             throttled,
         })
     }
@@ -187,12 +209,14 @@ mod tests {
     }
 
     #[test]
-    fn demand_rises_at_once_and_falls_only_past_the_threshold() {
+    fn demand_moves_only_past_the_thresholds() {
         let before = Some(demand(21.0));
         // A little less: kept.
         assert_eq!(mib(estimate(window(19.5, 0.0), before)), (Some(21.0), false));
-        // More: taken at once.
-        assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(22.05), false));
+        // A little more: kept too.
+        assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(21.0), false));
+        // More: taken.
+        assert_eq!(mib(estimate(window(22.0, 0.0), before)), (Some(23.1), false));
         // Much less: taken.
         assert_eq!(mib(estimate(window(10.0, 0.0), before)), (Some(10.5), false));
         // Hysteresis does not hold a figure that came from a probe.
@@ -201,6 +225,17 @@ mod tests {
             wants_more: true,
         };
         assert_eq!(mib(estimate(window(20.0, 0.0), Some(probing))), (Some(21.0), false));
+    }
+
+    #[test]
+    fn a_draining_buffer_does_not_hide_what_the_trainers_consume() {
+        // The stage reads nothing while a full buffer drains at 20 MiB/s.
+        let draining = Some(Window {
+            read_bytes_per_second: 0.0,
+            delivered_bytes_per_second: 20.0 * MIB,
+            throttled: 0.0,
+        });
+        assert_eq!(mib(estimate(draining, None)), (Some(21.0), false));
     }
 
     #[test]
@@ -216,11 +251,13 @@ mod tests {
     fn windows_need_time_and_monotonic_counters() {
         let sample = |bytes: u64, throttled: f64| JobSample {
             storage_read_bytes: bytes,
+            delivered_bytes: bytes / 2,
             throttled_seconds: throttled,
             ..JobSample::default()
         };
         let w = Window::between(&sample(0, 1.0), &sample(4 << 20, 1.5), 2.0).unwrap();
         assert_eq!(w.read_bytes_per_second, 2.0 * MIB);
+        assert_eq!(w.delivered_bytes_per_second, MIB);
         assert_eq!(w.throttled, 0.25);
         assert_eq!(Window::between(&sample(10, 0.0), &sample(5, 0.0), 1.0), None);
         assert_eq!(Window::between(&sample(0, 0.0), &sample(5, 0.0), 0.0), None);
