@@ -106,6 +106,10 @@ pub struct Engine {
     /// (fail-static).
     pushed: Mutex<Option<Arc<StageSettings>>>,
     metrics: Arc<Metrics>,
+    /// Woken when a job starts, so the controller session reports it at
+    /// once rather than at the next telemetry tick: until the controller
+    /// answers, the job reads on the stage's own settings.
+    job_started: tokio::sync::Notify,
 }
 
 impl Engine {
@@ -126,6 +130,7 @@ impl Engine {
             base: defaults,
             pushed: Mutex::new(None),
             metrics,
+            job_started: tokio::sync::Notify::new(),
         })
     }
 
@@ -147,13 +152,20 @@ impl Engine {
         &self.memory
     }
 
+    /// Completes when a job has started since the last call completed.
+    pub async fn job_started(&self) {
+        self.job_started.notified().await;
+    }
+
     /// Returns the job called `id`, creating it with the default settings.
     /// The caller holds a connection to it until the handle is dropped.
     pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
         let mut jobs = self.jobs.lock().expect("jobs lock");
+        let mut started = false;
         let job = jobs
             .entry(id.to_owned())
             .or_insert_with(|| {
+                started = true;
                 self.memory.jobs.fetch_add(1, Ordering::Relaxed);
                 self.metrics.jobs.inc();
                 let defaults = self.settings_for(id);
@@ -167,7 +179,12 @@ impl Engine {
             })
             .clone();
         job.set_labels(labels);
-        job::JobHandle::new(job)
+        let handle = job::JobHandle::new(job);
+        if started {
+            // After the handle exists: the report shows the connection.
+            self.job_started.notify_one();
+        }
+        handle
     }
 
     /// Returns the settings job `id` runs with now.

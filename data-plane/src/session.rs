@@ -99,8 +99,9 @@ fn jittered(backoff: Duration) -> Duration {
     backoff.mul_f64(0.5 + f64::from(nanos % 1000) / 2000.0)
 }
 
-/// One session: connect, hello, then telemetry every second and an answer
-/// to every settings push, until either side ends it.
+/// One session: connect, hello, then telemetry every second (and at once
+/// when a job starts) and an answer to every settings push, until either
+/// side ends it.
 async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result<(), SessionError> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
         .map_err(|e| SessionError::BadUrl {
@@ -126,6 +127,7 @@ async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result
     loop {
         let reply = tokio::select! {
             _ = ticker.tick() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
+            () = engine.job_started() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
             message = inbound.message() => {
                 let Some(ControllerMessage { kind: Some(controller_message::Kind::Settings(pushed)) }) = message? else {
                     return Err(SessionError::Closed);
