@@ -21,7 +21,7 @@ use tracing::info;
 
 use crate::control;
 use crate::policies::{self, Source};
-use crate::state::Shared;
+use crate::state::{Shared, lock};
 use crate::store::{Leadership, StoreError};
 
 /// Why a standby refuses work, for `/readyz`, `/api/` and gRPC callers.
@@ -90,11 +90,12 @@ pub async fn lead(
     Ok(())
 }
 
-/// Holds the lease for one stage timeout before the control loop starts.
-/// A controller started fresh publishes nothing during its first stage
-/// timeout while its stages reconnect one by one (see [`control`]); a
-/// standby that takes over later gets the same grace here, checking the
-/// lease every tick as the loop would.
+/// Holds the lease, checking it every tick as the loop would, until every
+/// stage the store listed as connected has reconnected and reported (or
+/// one stage timeout passed). A controller started fresh publishes nothing
+/// before that, so that limits are not split among the first few stages
+/// back (see [`control`]); a standby taking over later, long after its
+/// start, waits here for the same reason.
 async fn settle(
     shared: &Shared,
     leadership: &mut Leadership,
@@ -103,7 +104,7 @@ async fn settle(
 ) -> Result<(), StoreError> {
     let until = tokio::time::Instant::now() + shared.stage_timeout;
     let mut interval = tokio::time::interval(tick);
-    while tokio::time::Instant::now() < until {
+    while tokio::time::Instant::now() < until && !all_back(shared) {
         tokio::select! {
             () = cancel.cancelled() => return Ok(()),
             _ = interval.tick() => {}
@@ -111,6 +112,14 @@ async fn settle(
         leadership.check(tick * 3 / 4).await?;
     }
     Ok(())
+}
+
+/// Whether every stage known at takeover has a session and telemetry again,
+/// or was marked lost (the control loop's own start-up rule).
+fn all_back(shared: &Shared) -> bool {
+    lock(&shared.live)
+        .values()
+        .all(|l| l.lost || (l.session.is_some() && l.telemetry.is_some()))
 }
 
 /// A gRPC interceptor that answers `UNAVAILABLE` until this controller
