@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use sluice_proto::AdminServiceClient;
+use sluice_proto::v1::{ApplyPoliciesRequest, ListStagesRequest, PolicySource, StageState};
 use sluice_stage::protocol::Request as Frame;
+use tonic::transport::Channel;
 
 /// A job policy that gives job `resnet` (labels `team: vision`) a limit.
 pub fn policy(bytes_per_second: &str) -> String {
@@ -137,4 +140,39 @@ where
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Applies `yaml` as one policy file through the admin API.
+pub async fn apply(client: &mut AdminServiceClient<Channel>, yaml: String) {
+    let request = ApplyPoliciesRequest {
+        sources: vec![PolicySource {
+            name: "policy.yaml".into(),
+            yaml,
+        }],
+        dry_run: false,
+    };
+    client.apply_policies(request).await.unwrap();
+}
+
+/// Waits until stage `id` is connected and runs the version the controller
+/// wants for it, above `above`, and returns that version.
+pub async fn acked_above(client: &AdminServiceClient<Channel>, id: &str, above: u64) -> u64 {
+    eventually(
+        "the stage to ack a new settings version",
+        Duration::from_secs(30),
+        || {
+            let mut client = client.clone();
+            async move {
+                let stages = client.list_stages(ListStagesRequest {}).await.ok()?;
+                stages.into_inner().stages.into_iter().find_map(|s| {
+                    (s.id == id
+                        && s.state == StageState::Connected as i32
+                        && s.desired_version > above
+                        && s.acked_version == s.desired_version)
+                        .then_some(s.acked_version)
+                })
+            }
+        },
+    )
+    .await
 }
