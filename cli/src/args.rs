@@ -41,6 +41,9 @@ Exit codes:
 /// wrapped here, by hand, because clap wraps only with `wrap_help`.
 const SERVER_HELP: &str = "\
 The controller's gRPC address. Not used by validate.
+With https://, the client certificate, its key and the CA
+come from the files named by SLUICE_TLS_CERT,
+SLUICE_TLS_KEY and SLUICE_TLS_CA.
 [env: SLUICE_SERVER] [default: http://127.0.0.1:7070]";
 
 /// `--filename` in `validate --help`.

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::{Code, Status};
 
 use crate::exit::Exit;
@@ -31,6 +31,8 @@ pub enum CallError {
     /// No connection: nobody listening, a name that does not resolve, a
     /// dropped connection, or a server that is not the controller.
     Unreachable { server: String, reason: String },
+    /// An `https://` server without usable TLS files (a usage error).
+    Tls { reason: String },
     /// The controller answered with an error.
     Refused(Status),
 }
@@ -81,11 +83,11 @@ impl CallError {
         }
     }
 
-    /// Returns the exit code: a malformed `--server` is a usage error
-    /// (2), anything else an error (1).
+    /// Returns the exit code: a malformed `--server` or missing TLS files
+    /// are a usage error (2), anything else an error (1).
     pub fn exit(&self) -> Exit {
         match self {
-            Self::BadAddress { .. } => Exit::Usage,
+            Self::BadAddress { .. } | Self::Tls { .. } => Exit::Usage,
             _ => Exit::Failed,
         }
     }
@@ -101,6 +103,7 @@ impl fmt::Display for CallError {
             Self::Unreachable { server, reason } => {
                 write!(f, "cannot reach the controller at {server}: {reason}")
             }
+            Self::Tls { reason } => f.write_str(reason),
             Self::Refused(status) => {
                 let message = status.message().trim();
                 if message.is_empty() {
@@ -115,7 +118,34 @@ impl fmt::Display for CallError {
     }
 }
 
-/// Connects to the controller at `server` (`http://host:port`).
+/// The environment variables that name the client certificate, its key
+/// and the CA for an `https://` server (the daemons' `--tls-*` variables).
+const TLS_VARS: [&str; 3] = ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"];
+
+/// Reads the mutual TLS files an `https://` controller requires, named by
+/// [`TLS_VARS`] as `var` returns them.
+fn client_tls(var: impl Fn(&str) -> Option<String>) -> Result<ClientTlsConfig, CallError> {
+    let tls = |reason: String| CallError::Tls { reason };
+    let paths = TLS_VARS.map(|name| (name, var(name).filter(|p| !p.is_empty())));
+    if let Some((unset, _)) = paths.iter().find(|(_, path)| path.is_none()) {
+        return Err(tls(format!(
+            "an https:// --server needs {}: the controller requires a client certificate \
+             (unset {unset})",
+            TLS_VARS.join(", ")
+        )));
+    }
+    let [cert, key, ca] = paths.map(|(name, path)| {
+        let path = path.unwrap_or_default();
+        std::fs::read(&path).map_err(|e| tls(format!("{name}: cannot read {path}: {e}")))
+    });
+    let (cert, key, ca) = (cert?, key?, ca?);
+    Ok(ClientTlsConfig::new()
+        .identity(Identity::from_pem(cert, key))
+        .ca_certificate(Certificate::from_pem(ca)))
+}
+
+/// Connects to the controller at `server` (`http://host:port`, or
+/// `https://host:port` with the files named by [`TLS_VARS`]).
 pub async fn connect(server: &str) -> Result<Admin, CallError> {
     let unreachable = |reason: String| CallError::Unreachable {
         server: server.to_owned(),
@@ -131,6 +161,14 @@ pub async fn connect(server: &str) -> Result<Admin, CallError> {
         .map_err(|_| bad_address())?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(REQUEST_TIMEOUT);
+    let endpoint = if server.starts_with("https://") {
+        let tls = client_tls(|name| std::env::var(name).ok())?;
+        endpoint.tls_config(tls).map_err(|e| CallError::Tls {
+            reason: format!("the TLS files cannot be used: {}", deepest_reason(&e)),
+        })?
+    } else {
+        endpoint
+    };
     let channel = endpoint
         .connect()
         .await
@@ -191,6 +229,24 @@ fn deepest_reason(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn https_needs_the_three_tls_files() {
+        let error =
+            client_tls(|name| (name == "SLUICE_TLS_CERT").then(|| "/c.crt".into())).unwrap_err();
+        assert!(
+            error.to_string().contains("(unset SLUICE_TLS_KEY)"),
+            "{error}"
+        );
+        assert!(matches!(error.exit(), Exit::Usage));
+        let error = client_tls(|_| Some("/nonexistent/tls.pem".into())).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("SLUICE_TLS_CERT: cannot read /nonexistent/tls.pem: "),
+            "{error}"
+        );
+    }
 
     #[test]
     fn invalid_argument_lines_are_printed_as_they_are() {

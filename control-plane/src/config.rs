@@ -3,11 +3,14 @@
 //! [`ControllerConfig`] that cannot be invalid.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use sluice_policy::Millis;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 /// The controller's flags.
 #[derive(Debug, Clone, Parser)]
@@ -35,6 +38,17 @@ pub struct Args {
     /// Policy file or directory of `*.yaml`/`*.yml` files applied at start.
     #[arg(long, env = "SLUICE_POLICIES")]
     pub policies: Option<PathBuf>,
+    /// The gRPC server's certificate chain (PEM). With --tls-key and
+    /// --tls-ca it turns on mutual TLS.
+    #[arg(long, env = "SLUICE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "SLUICE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA certificates (PEM) that must have signed every client's
+    /// certificate (stages and sluicectl).
+    #[arg(long, env = "SLUICE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// A validated configuration.
@@ -52,6 +66,8 @@ pub struct ControllerConfig {
     pub stage_timeout: Duration,
     /// Policies applied at start.
     pub policies: Option<PathBuf>,
+    /// Mutual TLS for the gRPC server (`None`: plain text).
+    pub tls: Option<ServerTlsConfig>,
 }
 
 /// Why a configuration was refused.
@@ -74,6 +90,7 @@ impl ControllerConfig {
             tick: duration("--tick", &args.tick)?,
             stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
             policies: args.policies,
+            tls: server_tls(args.tls_cert, args.tls_key, args.tls_ca)?,
         })
     }
 
@@ -87,8 +104,89 @@ impl ControllerConfig {
             tick: Duration::from_millis(200),
             stage_timeout: Duration::from_secs(3),
             policies: None,
+            tls: None,
         }
     }
+}
+
+/// Reads the three TLS files into a server configuration that presents
+/// `cert` and requires client certificates signed by `ca`; all three or
+/// none.
+fn server_tls(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    ca: Option<PathBuf>,
+) -> Result<Option<ServerTlsConfig>, ConfigError> {
+    let (cert, key, ca) = match (cert, key, ca) {
+        (None, None, None) => return Ok(None),
+        (Some(cert), Some(key), Some(ca)) => (cert, key, ca),
+        (cert, key, _) => {
+            let missing = if cert.is_none() {
+                "--tls-cert"
+            } else if key.is_none() {
+                "--tls-key"
+            } else {
+                "--tls-ca"
+            };
+            return Err(ConfigError {
+                flag: missing,
+                reason: "missing: --tls-cert, --tls-key and --tls-ca go together (give all \
+                         three for mutual TLS, or none)"
+                    .into(),
+            });
+        }
+    };
+    let cert = read_pem("--tls-cert", &cert, Pem::Certificates)?;
+    let key = read_pem("--tls-key", &key, Pem::PrivateKey)?;
+    let ca = read_pem("--tls-ca", &ca, Pem::Certificates)?;
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(cert, key))
+        .client_ca_root(Certificate::from_pem(ca));
+    // Builds the acceptor once now, so a key that does not match the
+    // certificate stops the start instead of every connection.
+    tonic::transport::Server::builder()
+        .tls_config(tls.clone())
+        .map_err(|e| ConfigError {
+            flag: "--tls-key",
+            reason: format!(
+                "the key and certificate cannot be used: {:#}",
+                anyhow::Error::new(e)
+            ),
+        })?;
+    Ok(Some(tls))
+}
+
+/// What a PEM file must hold.
+#[derive(Debug, Clone, Copy)]
+enum Pem {
+    Certificates,
+    PrivateKey,
+}
+
+/// Reads `path` and checks it holds what `kind` says, naming the file when
+/// it does not.
+fn read_pem(flag: &'static str, path: &Path, kind: Pem) -> Result<Vec<u8>, ConfigError> {
+    let fail = |reason: String| ConfigError { flag, reason };
+    let bytes =
+        std::fs::read(path).map_err(|e| fail(format!("cannot read {}: {e}", path.display())))?;
+    let valid = match kind {
+        Pem::Certificates => {
+            let mut certs = CertificateDer::pem_slice_iter(&bytes).peekable();
+            certs.peek().is_some() && certs.all(|c| c.is_ok())
+        }
+        Pem::PrivateKey => PrivateKeyDer::from_pem_slice(&bytes).is_ok(),
+    };
+    if !valid {
+        let wanted = match kind {
+            Pem::Certificates => "certificates (-----BEGIN CERTIFICATE-----)",
+            Pem::PrivateKey => "a private key (-----BEGIN PRIVATE KEY-----, PKCS#8, RSA or EC)",
+        };
+        return Err(fail(format!(
+            "{} is not a valid PEM file: it must hold {wanted}",
+            path.display()
+        )));
+    }
+    Ok(bytes)
 }
 
 fn addr(flag: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {
@@ -140,5 +238,44 @@ mod tests {
         let e = parse(&["--grpc-addr", "localhost"]).unwrap_err();
         assert_eq!(e.flag, "--grpc-addr");
         assert_eq!(parse(&["--tick", "250ms"]).unwrap().tick.as_millis(), 250);
+    }
+
+    #[test]
+    fn tls_flags_go_together_and_bad_files_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(&garbage, "not pem").unwrap();
+        let garbage = garbage.to_str().unwrap();
+        let e = parse(&["--tls-cert", garbage, "--tls-ca", garbage]).unwrap_err();
+        assert_eq!(e.flag, "--tls-key");
+        assert!(e.to_string().contains("go together"), "{e}");
+        let e = parse(&["--tls-key", garbage]).unwrap_err();
+        assert_eq!(e.flag, "--tls-cert");
+        let e = parse(&["--tls-cert", "/nonexistent/tls.crt", "--tls-key", garbage]).unwrap_err();
+        assert_eq!(e.flag, "--tls-ca");
+        let all = |cert: &str| {
+            parse(&[
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                garbage,
+                "--tls-ca",
+                garbage,
+            ])
+            .unwrap_err()
+        };
+        let e = all("/nonexistent/tls.crt");
+        assert_eq!(e.flag, "--tls-cert");
+        assert!(
+            e.to_string().contains("cannot read /nonexistent/tls.crt"),
+            "{e}"
+        );
+        let e = all(garbage);
+        assert_eq!(e.flag, "--tls-cert");
+        assert!(
+            e.to_string()
+                .contains(&format!("{garbage} is not a valid PEM file")),
+            "{e}"
+        );
     }
 }

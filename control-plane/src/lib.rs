@@ -156,7 +156,11 @@ impl Controller {
         );
         let grpc_cancel = cancel.child_token();
         let gate = GrpcGate(shared.clone());
-        let grpc = tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = self.config.tls {
+            server = server.tls_config(tls).context("configuring TLS")?;
+        }
+        let grpc = server
             .add_service(StageServiceServer::with_interceptor(
                 sessions::Sessions::new(shared.clone()),
                 gate.clone(),

@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 use sluice_policy::{ByteRate, ByteSize, OpsRate};
+use tonic::transport::ClientTlsConfig;
 
 use crate::engine::JobSettings;
 use crate::token_bucket::Limits;
@@ -83,10 +84,22 @@ pub struct Args {
     /// buffered reads where the file system refuses it) [default: true].
     #[arg(long, env = "SLUICE_DIRECT_IO")]
     pub direct_io: Option<bool>,
-    /// The controller's gRPC address, e.g. `http://controller:7070`; without
-    /// it the stage runs standalone on its own configuration.
+    /// The controller's gRPC address, e.g. `http://controller:7070`
+    /// (`https://` with the --tls-* flags); without it the stage runs
+    /// standalone on its own configuration.
     #[arg(long, env = "SLUICE_CONTROLLER")]
     pub controller: Option<String>,
+    /// This stage's certificate chain (PEM) for mutual TLS with the
+    /// controller; goes with --tls-key and --tls-ca.
+    #[arg(long, env = "SLUICE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "SLUICE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA certificates (PEM) that must have signed the controller's
+    /// certificate.
+    #[arg(long, env = "SLUICE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -201,6 +214,8 @@ pub struct StageConfig {
     pub direct_io: bool,
     pub job: JobSettings,
     pub controller: Option<String>,
+    /// Mutual TLS with the controller (`https://` URLs only).
+    pub controller_tls: Option<ClientTlsConfig>,
     pub node: String,
     pub labels: BTreeMap<String, String>,
 }
@@ -321,12 +336,32 @@ impl StageConfig {
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
-        if let Some(url) = &controller
-            && !(url.starts_with("http://") || url.starts_with("https://"))
-        {
-            return err(format!(
-                "controller address `{url}` needs a scheme: write `http://{url}`"
-            ));
+        let controller_tls =
+            crate::session::tls::client_config(args.tls_cert, args.tls_key, args.tls_ca)
+                .map_err(ConfigError)?;
+        match (&controller, &controller_tls) {
+            (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => {
+                return err(format!(
+                    "controller address `{url}` needs a scheme: write `http://{url}`"
+                ));
+            }
+            (Some(url), None) if url.starts_with("https://") => {
+                return err(format!(
+                    "controller address `{url}` is https: give --tls-cert, --tls-key and \
+                     --tls-ca for mutual TLS"
+                ));
+            }
+            (Some(url), Some(_)) if url.starts_with("http://") => {
+                let rest = url.trim_start_matches("http://");
+                return err(format!(
+                    "--tls-* are given but controller address `{url}` is plain text: write \
+                     `https://{rest}`"
+                ));
+            }
+            (None, Some(_)) => {
+                return err("--tls-cert, --tls-key and --tls-ca need --controller".into());
+            }
+            _ => {}
         }
         Ok(Self {
             stage_id,
@@ -343,6 +378,7 @@ impl StageConfig {
             datasets,
             direct_io: args.direct_io.or(file.direct_io).unwrap_or(true),
             controller,
+            controller_tls,
             node: args.node.or(file.node).unwrap_or_else(hostname),
             labels,
             job: JobSettings {

@@ -91,6 +91,7 @@ impl Stage {
                 stage_id: config.stage_id.clone(),
                 node: config.node,
                 labels: config.labels,
+                tls: config.controller_tls,
             };
             (url, identity)
         });

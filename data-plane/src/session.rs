@@ -8,6 +8,7 @@
 //! version it runs, so a restarted controller knows what is in force.
 
 mod convert;
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,12 +33,16 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A session that lasted this long resets the backoff.
 const STABLE_SESSION: Duration = Duration::from_secs(10);
 
-/// Who this stage is, as its hello tells the controller.
+/// Who this stage is, as its hello (and, with mutual TLS, its
+/// certificate) tells the controller.
 #[derive(Debug, Clone)]
 pub struct Identity {
     pub stage_id: String,
     pub node: String,
     pub labels: BTreeMap<String, String>,
+    /// The certificate presented and the CA the controller is checked
+    /// against (`https://` controller URLs).
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// Why a session ended.
@@ -45,9 +50,9 @@ pub struct Identity {
 pub enum SessionError {
     #[error("the controller URL `{url}` is invalid: {reason}")]
     BadUrl { url: String, reason: String },
-    #[error("connecting to the controller: {0}")]
+    #[error("connecting to the controller: {}", error_chain(.0))]
     Connect(#[from] tonic::transport::Error),
-    #[error("the controller refused the session: {0}")]
+    #[error("{}", refusal(.0))]
     Refused(#[from] tonic::Status),
     #[error("the controller closed the session")]
     Closed,
@@ -69,6 +74,17 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
                 tracing::error!(error = %e, "no controller session: fix --controller");
                 return;
             }
+            Some(Err(e)) if e.is_transport() => {
+                let hint = if url.starts_with("https://") {
+                    "the controller is unreachable, or the TLS handshake failed: the controller's \
+                     --tls-ca must have signed this stage's --tls-cert, and this stage's --tls-ca \
+                     the controller's certificate"
+                } else {
+                    "the controller is unreachable, or it requires TLS: then give an https:// URL \
+                     with --tls-cert, --tls-key and --tls-ca"
+                };
+                warn!(error = %e, hint, retry_in = ?backoff, "controller session ended; keeping the last settings")
+            }
             Some(Err(e)) => {
                 warn!(error = %e, retry_in = ?backoff, "controller session ended; keeping the last settings")
             }
@@ -87,6 +103,46 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
             return;
         }
     }
+}
+
+impl SessionError {
+    /// Whether the connection failed below gRPC (nothing answered as a
+    /// controller), as opposed to a controller refusing the session.
+    fn is_transport(&self) -> bool {
+        match self {
+            Self::Connect(_) => true,
+            Self::Refused(status) => {
+                std::error::Error::source(status).is_some_and(|e| e.is::<tonic::transport::Error>())
+            }
+            Self::BadUrl { .. } | Self::Closed => false,
+        }
+    }
+}
+
+/// Says why a session was refused: the controller's answer, or what broke
+/// the connection before any answer.
+fn refusal(status: &tonic::Status) -> String {
+    match std::error::Error::source(status) {
+        Some(source) => format!("the session's connection failed: {}", error_chain(source)),
+        None => format!(
+            "the controller refused the session: {:?}: {}",
+            status.code(),
+            status.message()
+        ),
+    }
+}
+
+/// Returns an error with its sources, `: `-separated (a transport error's
+/// own message is only "transport error").
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// A delay between half and all of `backoff`, so stages that lost the same
@@ -111,6 +167,10 @@ async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(5));
+    let endpoint = match &identity.tls {
+        Some(tls) => endpoint.tls_config(tls.clone())?,
+        None => endpoint,
+    };
     let channel = endpoint.connect().await?;
     let (tx, rx) = mpsc::channel::<StageMessage>(16);
     let send = |kind| StageMessage { kind: Some(kind) };

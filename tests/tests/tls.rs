@@ -1,0 +1,251 @@
+//! Mutual TLS between stages and the controller, end to end with the real
+//! binaries and certificates made at test time: a stage with a certificate
+//! from the controller's CA runs its settings; a stage with a certificate
+//! from another CA, and one speaking plain text, are refused while the
+//! controller keeps serving the good one; sluicectl gets through with a
+//! certificate too; half-given flags and bad PEM files stop the start with
+//! a sentence naming the flag and the file.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use sluice_proto::AdminServiceClient;
+use sluice_proto::v1::ListStagesRequest;
+use support::{acked_above, apply, controller_command, eventually, policy, stage_command, trainer};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// A certificate authority and the certificates it signed, as PEM files
+/// under one directory.
+struct Authority {
+    dir: PathBuf,
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// The three files one party passes as `--tls-cert`, `--tls-key`,
+/// `--tls-ca`.
+struct Party {
+    cert: PathBuf,
+    key: PathBuf,
+    ca: PathBuf,
+}
+
+impl Party {
+    fn args(&self) -> [String; 3] {
+        [
+            format!("--tls-cert={}", self.cert.display()),
+            format!("--tls-key={}", self.key.display()),
+            format!("--tls-ca={}", self.ca.display()),
+        ]
+    }
+}
+
+impl Authority {
+    fn new(dir: &Path, name: &str) -> Self {
+        let dir = dir.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} test CA"));
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.join("ca.crt"), issuer.pem()).unwrap();
+        Self { dir, issuer }
+    }
+
+    /// Signs a certificate for `names` (host names and IP addresses) and
+    /// returns the files that present it and trust this authority.
+    fn issue(&self, who: &str, names: &[&str]) -> Party {
+        let key = KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let cert = CertificateParams::new(names)
+            .unwrap()
+            .signed_by(&key, &self.issuer)
+            .unwrap();
+        let party = Party {
+            cert: self.dir.join(format!("{who}.crt")),
+            key: self.dir.join(format!("{who}.key")),
+            ca: self.dir.join("ca.crt"),
+        };
+        std::fs::write(&party.cert, cert.pem()).unwrap();
+        std::fs::write(&party.key, key.serialize_pem()).unwrap();
+        party
+    }
+}
+
+/// An admin client presenting `party`'s certificate.
+async fn admin(grpc: &str, party: &Party) -> AdminServiceClient<Channel> {
+    let read = |p: &PathBuf| std::fs::read(p).unwrap();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(&party.ca)))
+        .identity(Identity::from_pem(read(&party.cert), read(&party.key)));
+    let channel = Endpoint::from_shared(format!("https://{grpc}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    AdminServiceClient::new(channel)
+}
+
+/// Waits until `log` holds `needle`, and returns the log.
+async fn log_shows(log: &Path, needle: &str) -> String {
+    eventually(needle, Duration::from_secs(15), || {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        async move { text.contains(needle).then_some(text) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Authority::new(dir.path(), "cluster");
+    let server = ca.issue("controller", &["localhost", "127.0.0.1"]);
+    let client = ca.issue("stage", &["stage-good"]);
+    let rogue = Authority::new(dir.path(), "rogue").issue("stage", &["stage-rogue"]);
+    let db = format!("sqlite://{}", dir.path().join("c.db").display());
+    let mut c = controller_command(&db);
+    c.args(server.args());
+    let (_controller, ready) = support::start(c, &dir.path().join("controller.log"));
+    let grpc = ready["grpc"].as_str().unwrap();
+    let url = format!("https://{grpc}");
+
+    let (mut good, socket) = stage_command(dir.path(), "stage-good", &url);
+    good.args(client.args());
+    let _good = support::start(good, &dir.path().join("good.log"));
+    let _trainer = trainer(&socket, "resnet");
+    let mut admin = admin(grpc, &client).await;
+    apply(&mut admin, policy("100MB/s")).await;
+    let first = acked_above(&admin, "stage-good", 0).await;
+
+    // A certificate from another CA: the handshake fails, the stage keeps
+    // retrying and never shows up.
+    // It trusts the real controller: only its own certificate is wrong.
+    let rogue = Party {
+        ca: server.ca.clone(),
+        ..rogue
+    };
+    let (mut stranger, _) = stage_command(dir.path(), "stage-rogue", &url);
+    stranger.args(rogue.args());
+    let rogue_log = dir.path().join("rogue.log");
+    let _rogue = support::start(stranger, &rogue_log);
+    let text = log_shows(&rogue_log, "controller session ended").await;
+    assert!(text.contains("the TLS handshake failed"), "{text}");
+
+    // Plain text against the TLS port: refused, and the log says why.
+    let plain_url = format!("http://{grpc}");
+    let (plain, _) = stage_command(dir.path(), "stage-plain", &plain_url);
+    let plain_log = dir.path().join("plain.log");
+    let _plain = support::start(plain, &plain_log);
+    let text = log_shows(&plain_log, "controller session ended").await;
+    assert!(text.contains("it requires TLS"), "{text}");
+
+    // The controller kept serving the good stage.
+    apply(&mut admin, policy("200MB/s")).await;
+    acked_above(&admin, "stage-good", first).await;
+    let ids: Vec<String> = admin
+        .list_stages(ListStagesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .stages
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(ids, ["stage-good"]);
+
+    // sluicectl presents the same kind of certificate, named by the
+    // daemons' variables; without them an https:// server is a usage error.
+    let sluicectl = || {
+        let mut c = Command::new(sluice_tests::binary("sluicectl"));
+        c.args(["--server", &url, "get", "stages"])
+            .env_remove("SLUICE_SERVER");
+        c
+    };
+    let mut with_tls = sluicectl();
+    for (name, path) in [
+        ("SLUICE_TLS_CERT", &client.cert),
+        ("SLUICE_TLS_KEY", &client.key),
+        ("SLUICE_TLS_CA", &client.ca),
+    ] {
+        with_tls.env(name, path);
+    }
+    let out = with_tls.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(stdout.contains("stage-good"), "{stdout}");
+    let mut without = sluicectl();
+    for name in ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"] {
+        without.env_remove(name);
+    }
+    let (code, stderr) = refused(without);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("(unset SLUICE_TLS_CERT)"), "{stderr}");
+}
+
+/// Runs `command` to its end and returns (exit code, standard error).
+fn refused(mut command: Command) -> (i32, String) {
+    let out = command.output().unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    (code, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn half_given_flags_and_bad_files_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let party = Authority::new(dir.path(), "cluster").issue("controller", &["localhost"]);
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    let db = format!("sqlite://{}", dir.path().join("c.db").display());
+
+    let mut c = controller_command(&db);
+    c.arg(format!("--tls-cert={}", party.cert.display()));
+    let (code, stderr) = refused(c);
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("--tls-key") && stderr.contains("go together"),
+        "{stderr}"
+    );
+
+    let bad_ca = Party {
+        cert: party.cert.clone(),
+        key: party.key.clone(),
+        ca: garbage.clone(),
+    };
+    let mut c = controller_command(&db);
+    c.args(bad_ca.args());
+    let (code, stderr) = refused(c);
+    assert_eq!(code, 64, "{stderr}");
+    let named = format!("{} is not a valid PEM file", garbage.display());
+    assert!(
+        stderr.contains("--tls-ca") && stderr.contains(&named),
+        "{stderr}"
+    );
+
+    let certificate_as_key = Party {
+        key: party.cert.clone(),
+        ..party
+    };
+    let (mut s, _) = stage_command(dir.path(), "stage", "https://127.0.0.1:1");
+    s.args(certificate_as_key.args());
+    let (code, stderr) = refused(s);
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("--tls-key") && stderr.contains("private key"),
+        "{stderr}"
+    );
+
+    let (s, _) = stage_command(dir.path(), "stage", "https://127.0.0.1:1");
+    let (code, stderr) = refused(s);
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("--tls-cert, --tls-key and --tls-ca"),
+        "{stderr}"
+    );
+}
