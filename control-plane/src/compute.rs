@@ -161,7 +161,7 @@ pub fn compute(
         let stage_demand = |s: &StageInfo<'_>| estimates.get(s.id).copied();
         let all: Vec<StageDemand> = on
             .iter()
-            .map(|s| stage_demand(s).unwrap_or(UNKNOWN))
+            .map(|s| stage_demand(s).unwrap_or(StageDemand::UNKNOWN))
             .collect();
         let demand = job_demand(&all);
         let observed = on.iter().map(|s| ObservedStage {
@@ -242,12 +242,6 @@ pub fn compute(
     }
     out
 }
-
-/// A job-stage with no estimate yet: unknown, so greedy.
-const UNKNOWN: StageDemand = StageDemand {
-    bytes_per_second: None,
-    wants_more: true,
-};
 
 /// Returns a rate as the whole number the stage enforces, at least 1 (a
 /// zero limit would read as "unset" on the wire).
@@ -417,6 +411,7 @@ spec:
         StageDemand {
             bytes_per_second: Some(bytes),
             wants_more: false,
+            ..StageDemand::UNKNOWN
         }
     }
 

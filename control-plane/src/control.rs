@@ -36,7 +36,11 @@ pub async fn run(
     mut leadership: Leadership,
     cancel: CancellationToken,
 ) -> Result<(), StoreError> {
-    let mut memory = Memory::default();
+    // Policies loaded at start are not a change: settled rates stand.
+    let mut memory = Memory {
+        generation: Some(shared.policy_generation.load(Ordering::Relaxed)),
+        ..Memory::default()
+    };
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -57,13 +61,17 @@ pub async fn run(
     Ok(())
 }
 
-/// Whether every stage the store listed as connected at start has
-/// reconnected and reported (or was marked lost): then there is nobody
-/// left to wait for. With a fresh store that is at once.
-fn all_back(shared: &Shared) -> bool {
+/// Whether every stage the store listed as connected at start (and every
+/// stage connected since) has reconnected and reported twice, so that its
+/// jobs' demand is measured, or was marked lost: then there is nobody left
+/// to wait for, and computing now gives what the controller computed
+/// before it stopped (a job without a measured window would count as
+/// greedy and move everyone's share for a tick). With a fresh store and no
+/// stage yet that is at once.
+pub(crate) fn all_back(shared: &Shared) -> bool {
     lock(&shared.live)
         .values()
-        .all(|l| l.lost || (l.session.is_some() && l.telemetry.is_some()))
+        .all(|l| l.lost || (l.session.is_some() && l.previous.is_some()))
 }
 
 async fn mark_lost(shared: &Shared) {
@@ -125,7 +133,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
         for (job, sample) in now.jobs.iter().filter(|(_, s)| s.connections > 0) {
             let window = before
                 .and_then(|b| b.jobs.get(job))
-                .and_then(|b| Window::between(b, sample, seconds));
+                .and_then(|b| Window::between(b, sample, seconds, now.unix_millis));
             if let Some(w) = window {
                 *throughput.entry(job.clone()).or_default() += w.read_bytes_per_second;
             }
@@ -157,8 +165,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     let mut pending_stages = 0;
     for (stage, l) in live.iter_mut().filter(|(_, l)| !l.lost) {
         let current = desired.get(stage);
-        let running = l.telemetry.as_ref().map_or(0, |t| t.settings_version);
-        if current.is_some_and(|d| running < d.version) {
+        if current.is_some_and(|d| l.running_version < d.version) {
             pending_stages += 1;
         }
         let (Some(session), Some(next)) = (&l.session, computed.settings.remove(stage)) else {

@@ -2,30 +2,41 @@
 //! stage, from the stage's last two telemetry snapshots.
 //!
 //! The stage reports, per job, cumulative bytes read from storage and
-//! delivered to trainers, and the seconds its readers spent waiting for the
-//! job's token bucket. Over the window between two snapshots the job's
-//! *rate* is the larger of what it read and what it delivered: reads run
-//! ahead while the prefetch buffer fills and pause while a full buffer
-//! drains, delivery shows what the trainers consume, and the larger of the
-//! two never understates what the job uses. Then:
+//! delivered to trainers, the seconds its readers spent waiting for the
+//! job's token bucket and the seconds its trainers waited for data. Over
+//! the window between two snapshots the job's *rate* is what it delivered:
+//! storage reads run ahead while the prefetch buffer fills and pause while
+//! a full buffer drains, so they swing around what the trainers consume,
+//! which is what the job needs in the long run. Then:
 //!
-//! * **Throttled** (readers waited at least [`THROTTLED`] of a second per
-//!   second): the limit binds, so the job wants more than it has. Its
-//!   demand on that stage is [`PROBE`] times its rate, and the job as a
-//!   whole counts as greedy (`None`): the engine gives it its full share
-//!   at once, so a job whose demand grows gets it on the next tick.
-//! * **Not throttled**: the job gets what it wants (its consumers are
-//!   compute-bound and its buffer full, or storage or its readers hold it
-//!   back; more allocation would not help either way). Its demand is its
+//! * **Throttled and stalled** (readers waited at least [`THROTTLED`] of a
+//!   second per second, and its trainers waited for data at least
+//!   [`STALLED`] of the time): the limit binds and the trainers feel it, so
+//!   the job wants more than it has. Its demand on that stage is [`PROBE`]
+//!   times its rate, and the job as a whole counts as greedy (`None`): the
+//!   engine gives it its full share at once, so a job whose demand grows
+//!   gets it on the next tick.
+//! * **Otherwise** the job gets what it wants: its trainers are
+//!   compute-bound (readers throttled while they refill a buffer the
+//!   trainers are not waiting on do not count), or storage or its readers
+//!   hold it back and more allocation would not help. Its demand is its
 //!   rate plus [`HEADROOM`], at least [`MIN_DEMAND`], so a job that starts
-//!   to want more soon reads at its allocation, is throttled, and counts as
-//!   greedy.
+//!   to want more soon reads at its allocation, stalls while throttled, and
+//!   counts as greedy.
 //!
-//! Hysteresis: a demand moves only when the new figure is more than
-//! [`RISE`] above or [`FALL`] below the one in force, so measurement noise
-//! does not move every job's allocation every tick. (A job that wants more
-//! than the rise needs is throttled first, and a throttled job counts as
-//! greedy at once.) A job seen on a stage for
+//! Hysteresis: a demand rises when the new figure is more than [`RISE`]
+//! above the one in force, falls only after [`FALL_WINDOWS`] windows in a
+//! row more than [`FALL`] below it, and a job held at its demand counts as
+//! wanting more only after [`PRESS_WINDOWS`] throttled and stalled windows
+//! in a row, so measurement noise does not move
+//! every job's allocation every tick, and one slow window does not leave a
+//! job short (which would stall its trainers and make it greedy). Each
+//! window counts once, however many computations see it.
+//!
+//! A stage that wants more gets at least the largest demand of the job's
+//! stages: the job's share is split among its stages by demand, and a
+//! stage whose trainer was starved would otherwise keep a small share in
+//! proportion to the little it could read. A job seen on a stage for
 //! the first time (no window yet) is unknown, which also counts as greedy.
 
 use std::collections::BTreeMap;
@@ -35,17 +46,30 @@ use crate::state::JobSample;
 /// Reader-seconds waited per second above which a job counts as throttled.
 pub const THROTTLED: f64 = 0.1;
 
+/// Fraction of the time its trainers waited for data above which a job
+/// counts as stalled.
+pub const STALLED: f64 = 0.05;
+
 /// A throttled job's demand on a stage, as a multiple of what it read.
 pub const PROBE: f64 = 1.5;
 
-/// A job's demand above what it read when it was not throttled.
-pub const HEADROOM: f64 = 0.05;
+/// A job's demand above its rate when it was not throttled: room for a
+/// stage that fell behind (a slow read, a reader the tuner had parked) to
+/// catch up without starving its trainers.
+pub const HEADROOM: f64 = 0.10;
 
 /// How far a demand must rise before the higher figure is used.
 pub const RISE: f64 = 0.05;
 
 /// How far a demand must fall before the lower figure is used.
 pub const FALL: f64 = 0.10;
+
+/// How many windows in a row must show the fall.
+pub const FALL_WINDOWS: u8 = 2;
+
+/// How many windows in a row a job held at its demand must be throttled
+/// and stalled before it counts as wanting more.
+pub const PRESS_WINDOWS: u8 = 2;
 
 /// The least demand of a job on a stage, in bytes per second (so an idle
 /// job keeps a rate at which it can show that it wants more).
@@ -60,18 +84,29 @@ pub struct Window {
     pub delivered_bytes_per_second: f64,
     /// Reader-seconds spent waiting for the job's token bucket, per second.
     pub throttled: f64,
+    /// Fraction of the time the job's trainers waited for data (per
+    /// connection, 0 to 1).
+    pub stalled: f64,
+    /// When the window ends (the later snapshot's Unix milliseconds).
+    pub ends_at: i64,
 }
 
 impl Window {
     /// Returns the window between two samples `seconds` apart, or `None`
     /// when they cannot be compared (no time passed, or the counters went
     /// back: the stage restarted).
-    pub fn between(before: &JobSample, now: &JobSample, seconds: f64) -> Option<Self> {
+    pub fn between(
+        before: &JobSample,
+        now: &JobSample,
+        seconds: f64,
+        ends_at: i64,
+    ) -> Option<Self> {
         if seconds.is_nan()
             || seconds <= 0.0
             || now.storage_read_bytes < before.storage_read_bytes
             || now.delivered_bytes < before.delivered_bytes
             || now.throttled_seconds < before.throttled_seconds
+            || now.stall_seconds < before.stall_seconds
         {
             return None;
         }
@@ -80,14 +115,17 @@ impl Window {
             read_bytes_per_second: per_second(now.storage_read_bytes, before.storage_read_bytes),
             delivered_bytes_per_second: per_second(now.delivered_bytes, before.delivered_bytes),
             throttled: (now.throttled_seconds - before.throttled_seconds) / seconds,
+            stalled: ((now.stall_seconds - before.stall_seconds)
+                / seconds
+                / f64::from(now.connections.max(1)))
+            .min(1.0),
+            ends_at,
         })
     }
 
-    /// Returns the job's rate: the larger of what it read and what it
-    /// delivered.
+    /// Returns the job's rate: what it delivered to its trainers.
     pub fn rate(&self) -> f64 {
-        self.read_bytes_per_second
-            .max(self.delivered_bytes_per_second)
+        self.delivered_bytes_per_second
     }
 }
 
@@ -98,31 +136,71 @@ pub struct StageDemand {
     pub bytes_per_second: Option<f64>,
     /// Whether it wants more than it has (throttled, or unknown).
     pub wants_more: bool,
+    /// Windows in a row that showed a fall not yet taken.
+    pub falling: u8,
+    /// Windows in a row that showed it wanting more, not yet taken.
+    pub pressing: u8,
+    /// The end of the window it was estimated from (0: none).
+    pub seen_at: i64,
+}
+
+impl StageDemand {
+    /// Unknown: no window yet, counts as wanting more.
+    pub const UNKNOWN: StageDemand = StageDemand {
+        bytes_per_second: None,
+        wants_more: true,
+        falling: 0,
+        pressing: 0,
+        seen_at: 0,
+    };
 }
 
 /// Returns the demand a window shows, given the demand in force before
 /// (for hysteresis; only used when neither is throttled).
 pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDemand {
     let Some(w) = window else {
-        return StageDemand {
-            bytes_per_second: None,
-            wants_more: true,
-        };
+        return StageDemand::UNKNOWN;
     };
-    if w.throttled >= THROTTLED {
-        return StageDemand {
-            bytes_per_second: Some((w.rate() * PROBE).max(MIN_DEMAND)),
-            wants_more: true,
+    if let Some(b) = before.filter(|b| b.seen_at == w.ends_at) {
+        return b;
+    }
+    let fresh = |bytes: f64, wants_more: bool| StageDemand {
+        bytes_per_second: Some(bytes.max(MIN_DEMAND)),
+        wants_more,
+        falling: 0,
+        pressing: 0,
+        seen_at: w.ends_at,
+    };
+    let held = before
+        .filter(|b| !b.wants_more)
+        .and_then(|b| Some((b, b.bytes_per_second?)));
+    if w.throttled >= THROTTLED && w.stalled >= STALLED {
+        return match held {
+            // Held at its demand: one short window may be a stage that fell
+            // behind and is catching up within its headroom.
+            Some((b, _)) if b.pressing + 1 < PRESS_WINDOWS => StageDemand {
+                pressing: b.pressing + 1,
+                falling: 0,
+                seen_at: w.ends_at,
+                ..b
+            },
+            _ => fresh(w.rate() * PROBE, true),
         };
     }
-    let measured = (w.rate() * (1.0 + HEADROOM)).max(MIN_DEMAND);
-    let kept = before
-        .filter(|b| !b.wants_more)
-        .and_then(|b| b.bytes_per_second)
-        .filter(|&b| measured <= b * (1.0 + RISE) && measured >= b * (1.0 - FALL));
+    let measured = fresh(w.rate() * (1.0 + HEADROOM), false);
+    let Some((b, bytes)) = held else {
+        return measured;
+    };
+    let new = measured.bytes_per_second.unwrap_or(0.0);
+    let fell = new < bytes * (1.0 - FALL);
+    if new > bytes * (1.0 + RISE) || (fell && b.falling + 1 >= FALL_WINDOWS) {
+        return measured;
+    }
     StageDemand {
-        bytes_per_second: Some(kept.unwrap_or(measured)),
-        wants_more: false,
+        falling: if fell { b.falling + 1 } else { 0 },
+        pressing: 0,
+        seen_at: w.ends_at,
+        ..b
     }
 }
 
@@ -137,6 +215,20 @@ pub fn job_demand<'a>(stages: impl IntoIterator<Item = &'a StageDemand>) -> Opti
         total += s.bytes_per_second?;
     }
     Some(total)
+}
+
+/// Raises every stage that wants more to at least the largest demand of
+/// the job's stages.
+fn even_floor(stages: &mut BTreeMap<String, StageDemand>) {
+    let most = stages
+        .values()
+        .filter_map(|s| s.bytes_per_second)
+        .fold(0.0, f64::max);
+    for s in stages.values_mut().filter(|s| s.wants_more) {
+        if let Some(bytes) = &mut s.bytes_per_second {
+            *bytes = bytes.max(most);
+        }
+    }
 }
 
 /// The demands in force, per job and stage, carried from tick to tick.
@@ -160,6 +252,9 @@ impl Demands {
                 .or_default()
                 .insert(stage.to_owned(), estimate(window, before));
         }
+        for stages in next.values_mut() {
+            even_floor(stages);
+        }
         self.by_job = next;
         &self.by_job
     }
@@ -171,11 +266,16 @@ mod tests {
 
     const MIB: f64 = 1024.0 * 1024.0;
 
+    /// A window in which the job read and delivered `mib` MiB/s, its
+    /// readers waited `throttled` s/s, and its trainers waited as long
+    /// whenever the readers did.
     fn window(mib: f64, throttled: f64) -> Option<Window> {
         Some(Window {
             read_bytes_per_second: mib * MIB,
             delivered_bytes_per_second: mib * MIB,
             throttled,
+            stalled: throttled.min(1.0),
+            ends_at: next_window(),
         })
     }
 
@@ -183,7 +283,15 @@ mod tests {
         StageDemand {
             bytes_per_second: Some(mib * MIB),
             wants_more: false,
+            ..StageDemand::UNKNOWN
         }
+    }
+
+    /// Returns a fresh window end each call.
+    fn next_window() -> i64 {
+        use std::sync::atomic::{AtomicI64, Ordering};
+        static NEXT: AtomicI64 = AtomicI64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Returns a demand in MiB/s rounded to hundredths, and whether it
@@ -195,36 +303,58 @@ mod tests {
 
     #[test]
     fn throttled_jobs_want_more_and_count_as_greedy() {
-        let d = estimate(window(40.0, 2.0), Some(demand(10.0)));
+        let d = estimate(window(40.0, 2.0), None);
         assert_eq!(mib(d), (Some(60.0), true));
         assert_eq!(job_demand(&[d, demand(5.0)]), None);
     }
 
     #[test]
+    fn a_job_held_at_its_demand_must_press_twice() {
+        let held = Some(demand(22.0));
+        let once = estimate(window(18.0, 2.0), held);
+        assert_eq!(mib(once), (Some(22.0), false));
+        let twice = estimate(window(18.0, 2.0), Some(once));
+        assert_eq!(mib(twice), (Some(27.0), true));
+        // A normal window in between starts over.
+        let normal = estimate(window(20.0, 0.0), Some(once));
+        assert_eq!(mib(estimate(window(18.0, 2.0), Some(normal))), (Some(22.0), false));
+    }
+
+    #[test]
     fn unthrottled_jobs_want_what_they_read_plus_headroom() {
         let d = estimate(window(20.0, 0.01), None);
-        assert_eq!(mib(d), (Some(21.0), false));
+        assert_eq!(mib(d), (Some(22.0), false));
         let total = job_demand(&[d, demand(4.0)]).unwrap();
-        assert_eq!((total / MIB).round(), 25.0);
+        assert_eq!((total / MIB).round(), 26.0);
     }
 
     #[test]
     fn demand_moves_only_past_the_thresholds() {
-        let before = Some(demand(21.0));
+        let before = Some(demand(22.0));
         // A little less: kept.
-        assert_eq!(mib(estimate(window(19.5, 0.0), before)), (Some(21.0), false));
+        assert_eq!(mib(estimate(window(19.0, 0.0), before)), (Some(22.0), false));
         // A little more: kept too.
-        assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(21.0), false));
+        assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(22.0), false));
         // More: taken.
-        assert_eq!(mib(estimate(window(22.0, 0.0), before)), (Some(23.1), false));
-        // Much less: taken.
-        assert_eq!(mib(estimate(window(10.0, 0.0), before)), (Some(10.5), false));
+        assert_eq!(mib(estimate(window(22.0, 0.0), before)), (Some(24.2), false));
+        // Much less: taken on the second window in a row.
+        let once = estimate(window(10.0, 0.0), before);
+        assert_eq!(mib(once), (Some(22.0), false));
+        assert_eq!(mib(estimate(window(10.0, 0.0), Some(once))), (Some(11.0), false));
+        // A fall interrupted by a normal window starts over.
+        let normal = estimate(window(20.0, 0.0), Some(once));
+        assert_eq!(mib(estimate(window(10.0, 0.0), Some(normal))), (Some(22.0), false));
+        // The same window seen twice counts once.
+        let w = window(10.0, 0.0);
+        let first = estimate(w, before);
+        assert_eq!(estimate(w, Some(first)), first);
         // Hysteresis does not hold a figure that came from a probe.
         let probing = StageDemand {
             bytes_per_second: Some(60.0 * MIB),
             wants_more: true,
+            ..demand(0.0)
         };
-        assert_eq!(mib(estimate(window(20.0, 0.0), Some(probing))), (Some(21.0), false));
+        assert_eq!(mib(estimate(window(20.0, 0.0), Some(probing))), (Some(22.0), false));
     }
 
     #[test]
@@ -234,8 +364,22 @@ mod tests {
             read_bytes_per_second: 0.0,
             delivered_bytes_per_second: 20.0 * MIB,
             throttled: 0.0,
+            stalled: 0.0,
+            ends_at: 1,
         });
-        assert_eq!(mib(estimate(draining, None)), (Some(21.0), false));
+        assert_eq!(mib(estimate(draining, None)), (Some(22.0), false));
+    }
+
+    #[test]
+    fn throttled_readers_refilling_a_buffer_nobody_waits_on_want_no_more() {
+        let refilling = Some(Window {
+            read_bytes_per_second: 30.0 * MIB,
+            delivered_bytes_per_second: 20.0 * MIB,
+            throttled: 3.0,
+            stalled: 0.0,
+            ends_at: 1,
+        });
+        assert_eq!(mib(estimate(refilling, None)), (Some(22.0), false));
     }
 
     #[test]
@@ -253,14 +397,29 @@ mod tests {
             storage_read_bytes: bytes,
             delivered_bytes: bytes / 2,
             throttled_seconds: throttled,
+            stall_seconds: throttled * 2.0,
+            connections: 2,
             ..JobSample::default()
         };
-        let w = Window::between(&sample(0, 1.0), &sample(4 << 20, 1.5), 2.0).unwrap();
+        let w = Window::between(&sample(0, 1.0), &sample(4 << 20, 1.5), 2.0, 7).unwrap();
         assert_eq!(w.read_bytes_per_second, 2.0 * MIB);
         assert_eq!(w.delivered_bytes_per_second, MIB);
         assert_eq!(w.throttled, 0.25);
-        assert_eq!(Window::between(&sample(10, 0.0), &sample(5, 0.0), 1.0), None);
-        assert_eq!(Window::between(&sample(0, 0.0), &sample(5, 0.0), 0.0), None);
+        // One second of waiting over two seconds and two connections.
+        assert_eq!(w.stalled, 0.25);
+        assert_eq!(Window::between(&sample(10, 0.0), &sample(5, 0.0), 1.0, 7), None);
+        assert_eq!(Window::between(&sample(0, 0.0), &sample(5, 0.0), 0.0, 7), None);
+    }
+
+    #[test]
+    fn a_starved_stage_that_wants_more_gets_as_much_as_the_busiest() {
+        let mut d = Demands::default();
+        let now = d.update([("a", "s1", window(2.0, 1.0)), ("a", "s2", window(78.0, 1.0))]);
+        assert_eq!(mib(now["a"]["s1"]), (Some(117.0), true));
+        assert_eq!(mib(now["a"]["s2"]), (Some(117.0), true));
+        // A stage that does not want more keeps its own figure.
+        let now = d.update([("a", "s1", window(2.0, 0.0)), ("a", "s2", window(78.0, 1.0))]);
+        assert_eq!(mib(now["a"]["s1"]), (Some(2.2), false));
     }
 
     #[test]
@@ -268,9 +427,9 @@ mod tests {
         let mut d = Demands::default();
         d.update([("a", "s1", window(20.0, 0.0))]);
         let kept = d.update([("a", "s1", window(19.0, 0.0))]);
-        assert_eq!(mib(kept["a"]["s1"]), (Some(21.0), false));
+        assert_eq!(mib(kept["a"]["s1"]), (Some(22.0), false));
         d.update([("b", "s1", window(1.0, 0.0))]);
         let fresh = d.update([("a", "s1", window(19.0, 0.0))]);
-        assert_eq!(mib(fresh["a"]["s1"]), (Some(19.95), false));
+        assert_eq!(mib(fresh["a"]["s1"]), (Some(20.9), false));
     }
 }

@@ -21,7 +21,7 @@ use tracing::info;
 
 use crate::control;
 use crate::policies::{self, Source};
-use crate::state::{Shared, lock};
+use crate::state::Shared;
 use crate::store::{Leadership, StoreError};
 
 /// Why a standby refuses work, for `/readyz`, `/api/` and gRPC callers.
@@ -104,7 +104,7 @@ async fn settle(
 ) -> Result<(), StoreError> {
     let until = tokio::time::Instant::now() + shared.stage_timeout;
     let mut interval = tokio::time::interval(tick);
-    while tokio::time::Instant::now() < until && !all_back(shared) {
+    while tokio::time::Instant::now() < until && !crate::control::all_back(shared) {
         tokio::select! {
             () = cancel.cancelled() => return Ok(()),
             _ = interval.tick() => {}
@@ -112,14 +112,6 @@ async fn settle(
         leadership.check(tick * 3 / 4).await?;
     }
     Ok(())
-}
-
-/// Whether every stage known at takeover has a session and telemetry again,
-/// or was marked lost (the control loop's own start-up rule).
-fn all_back(shared: &Shared) -> bool {
-    lock(&shared.live)
-        .values()
-        .all(|l| l.lost || (l.session.is_some() && l.telemetry.is_some()))
 }
 
 /// A gRPC interceptor that answers `UNAVAILABLE` until this controller

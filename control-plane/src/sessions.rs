@@ -129,6 +129,7 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
         // A version the controller never published (or a newer one than it
         // knows): publish a fresh one over it.
         live.force_push = running != known && resend.is_none();
+        live.running_version = running;
         was_lost
     });
     if let Some(d) = resend {
@@ -166,7 +167,10 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
     match message.kind {
         Some(stage_message::Kind::Telemetry(t)) => telemetry(shared, stage, t).await,
         Some(stage_message::Kind::Ack(a)) => {
-            heard(shared, stage);
+            shared.with_live(stage, |l| {
+                l.last_heard = Instant::now();
+                l.running_version = l.running_version.max(a.version);
+            });
             shared.metrics.acks.inc();
             if let Err(e) = shared.store.record_ack(stage, a.version).await {
                 warn!(error = %e, "cannot record an ack");

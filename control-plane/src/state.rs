@@ -80,6 +80,8 @@ pub struct LiveStage {
     /// Push a new version even if the settings did not change (the stage
     /// runs a version the controller does not know).
     pub force_push: bool,
+    /// The settings version the stage runs: from its hello, then its acks.
+    pub running_version: u64,
 }
 
 impl LiveStage {
@@ -93,6 +95,7 @@ impl LiveStage {
             recorded_jobs: BTreeMap::new(),
             lost: false,
             force_push: false,
+            running_version: 0,
         }
     }
 }

@@ -233,6 +233,13 @@ fn admin_view_messages_roundtrip() {
                 weight: 2.0,
                 priority: -1,
             }),
+            allocation: Some(crate::v1::JobAllocation {
+                bytes_per_second: 7.5e8,
+                ops_per_second: None,
+                reason: "weighted-share".into(),
+                demand_bytes_per_second: None,
+                enforced_bytes_per_second: 8.0e8,
+            }),
         }],
     });
     roundtrip(ListPoolsRequest {});

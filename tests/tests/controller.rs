@@ -275,6 +275,23 @@ async fn job_limits(
         .collect()
 }
 
+/// Waits until the idle job `resnet` is held at its (small) demand, with
+/// the capacity nobody wants lent up to its 100 MB/s limit: its settings
+/// are then stable. (Until its first telemetry window it counts as greedy.)
+async fn held_at_demand(http_addr: &str) {
+    eventually(
+        "the idle job held at its demand",
+        Duration::from_secs(10),
+        || {
+            let response = http(http_addr, "GET", "/api/v1/jobs", "");
+            let held = response.contains(r#""reason":"demand-limited""#)
+                && response.contains(r#""enforced_bytes_per_second":100000000"#);
+            async move { held.then_some(()) }
+        },
+    )
+    .await;
+}
+
 /// Waits until each of the two stages runs `per_stage` bytes/s for `job`.
 async fn limits_become(client: &AdminServiceClient<Channel>, job: &str, per_stage: u64) {
     eventually(
@@ -302,6 +319,7 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
     let mut client = admin(&c.grpc).await;
 
     apply(&mut client, "policy.yaml", POLICY).await.unwrap();
+    held_at_demand(&c.http).await;
     let versions = converged(&mut client, "resnet").await;
     limits_become(&client, "resnet", 50_000_000).await;
 
@@ -358,14 +376,7 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
 
     // The allocation: the idle job is held at its (small) demand, and the
     // capacity nobody wants is lent up to its 100 MB/s limit.
-    // (Until its first telemetry window the new job counts as greedy.)
-    let held = || {
-        let response = http(&c.http, "GET", "/api/v1/jobs", "");
-        let held = response.contains(r#""reason":"demand-limited""#)
-            && response.contains(r#""enforced_bytes_per_second":100000000"#);
-        async move { held.then_some(()) }
-    };
-    eventually("the idle job held at its demand", Duration::from_secs(10), held).await;
+    held_at_demand(&c.http).await;
     let response = http(&c.http, "GET", "/metrics", "");
     for series in [
         r#"sluice_controller_pool_capacity_bytes_per_second{pool="shared"} 1000000000"#,
@@ -417,6 +428,7 @@ async fn restarted_controller_restores_state_and_stages_converge_to_the_same_ver
     let mut client = admin(&grpc).await;
     apply(&mut client, "policy.yaml", POLICY).await.unwrap();
     limits_become(&client, "resnet", 50_000_000).await;
+    held_at_demand(&first.http).await;
     let versions = converged(&mut client, "resnet").await;
 
     // The controller dies: the stages keep their settings and serve.

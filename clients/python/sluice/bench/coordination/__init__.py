@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sluice.bench coordination", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_args(ap, files=4000)
-    ap.set_defaults(size="128KiB", batch=8)
+    ap.set_defaults(size="128KiB", batch=2)
     ap.add_argument("--phase-s", type=int, default=15, help="seconds per phase (default 15)")
     ap.add_argument("--capacity", default="200MiB/s", help="the pool's bandwidth (default 200MiB/s)")
     ap.add_argument("--tick", default="1s", help="the controller's --tick (default 1s)")
