@@ -34,20 +34,30 @@ def test_window_rates_refuses_a_window_that_is_not_whole_buckets():
 def test_converged_at_is_the_start_of_the_last_run_within_tolerance():
     targets = {"a": 100.0, "b": 50.0}
     rates = {"a": [50, 104, 90, 101, 99, 96], "b": [50, 50, 50, 52.4, 48, 50]}
-    # window 2 is out for a (90), so the stable run starts at window 3
-    assert analysis.converged_at(rates, targets) == 3
+    # window 2 is out for a (90), so the stable run of single windows
+    # starts at window 3
+    assert analysis.converged_at(rates, targets, span=1) == 3
+    # over two-window means (77, 97, 95.5, ...) it starts at window 2
+    assert analysis.converged_at(rates, targets) == 2
     rates["b"][-1] = 40  # the last window out: never converged
     assert analysis.converged_at(rates, targets) is None
     assert analysis.converged_at({"a": [100, 100]}, {"a": 100.0}) == 0
 
 
+def test_smoothed_is_a_moving_mean():
+    assert analysis.smoothed([10, 20, 30, 50]) == [10, 15, 25, 40]
+    assert analysis.smoothed([10, 20, 30], span=3) == [10, 15, 20]
+
+
 def test_analyse_phase_measures_the_steady_part():
-    p = analysis.analyse_phase("x", {"a": [0, 0, 100, 102], "b": [0, 300, 200, 198]}, {"a": 100.0, "b": 200.0})
-    assert p.converge_s == 2.0 and p.steady_s == 2.0
-    assert [j.measured for j in p.jobs] == [101.0, 199.0]
+    rates = {"a": [0, 0, 100, 102, 100], "b": [0, 300, 200, 198, 198]}
+    p = analysis.analyse_phase("x", rates, {"a": 100.0, "b": 200.0})
+    # two-window means: a 50 then 101, b 250 then 199 -> window 3
+    assert p.converge_s == 3.0 and p.steady_s == 2.0
+    assert [j.measured for j in p.jobs] == [101.0, 198.0]
     assert p.jobs[0].error_pct == pytest.approx(1.0)
-    assert p.jobs[1].error_pct == pytest.approx(-0.5)
-    assert p.total == 300.0
+    assert p.jobs[1].error_pct == pytest.approx(-1.0)
+    assert p.total == 299.0
 
 
 def test_analyse_phase_without_convergence_uses_the_last_half():

@@ -17,8 +17,8 @@ Targets come from ``sluicectl simulate`` on the same policies and a
 scenario file written from the phases. Per phase it reports each job's
 target, the controller's own allocation, the measured rate over the steady
 part (after convergence, else the last half) and the error; the time to
-converge (every job within 5% of its target, in 1 s windows, for the rest of
-the phase); and the pool's use while the jobs want more than it. Then the
+converge (every job's rate, as a moving mean of two 1 s windows, within 5%
+of its target for the rest of the phase); and the pool's use while the jobs want more than it. Then the
 same phases with each stage on its own (no controller) as the comparison:
 nothing enforces the pool there, so the jobs' rates say what the storage
 would be asked for.

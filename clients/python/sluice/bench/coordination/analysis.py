@@ -33,15 +33,31 @@ def within(rate: float, target: float, tolerance: float = TOLERANCE) -> bool:
     return abs(rate - target) <= tolerance * target
 
 
+SMOOTH_WINDOWS = 2
+
+
+def smoothed(rates: Sequence[float], span: int = SMOOTH_WINDOWS) -> List[float]:
+    """Returns the moving mean of ``rates`` over ``span`` windows (fewer at
+    the start): one 1 s window of a job reading 20 MiB/s in 256 KiB fetches
+    swings by a fetch or two either way, which is 1-3% alone."""
+    out = []
+    for w in range(len(rates)):
+        part = rates[max(0, w - span + 1):w + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
 def converged_at(rates: Mapping[str, Sequence[float]], targets: Mapping[str, float],
-                 tolerance: float = TOLERANCE) -> Optional[int]:
-    """Returns the index of the first window from which every job stays
-    within ``tolerance`` of its target to the end, or None if the last
-    window is not. ``rates`` holds each job's windows of one phase."""
+                 tolerance: float = TOLERANCE, span: int = SMOOTH_WINDOWS) -> Optional[int]:
+    """Returns the index of the first window from which every job's moving
+    mean over ``span`` windows (see :func:`smoothed`) stays within
+    ``tolerance`` of its target to the end, or None if the last one is not.
+    ``rates`` holds each job's windows of one phase."""
     n = min((len(r) for r in rates.values()), default=0)
+    means = {job: smoothed(rates[job][:n], span) for job in targets}
     first = None
     for w in range(n - 1, -1, -1):
-        if not all(within(rates[job][w], targets[job], tolerance) for job in targets):
+        if not all(within(means[job][w], targets[job], tolerance) for job in targets):
             break
         first = w
     return first
