@@ -24,14 +24,16 @@
 //!   to want more soon reads at its allocation, stalls while throttled, and
 //!   counts as greedy.
 //!
-//! Hysteresis: a demand rises when the new figure is more than [`RISE`]
-//! above the one in force, falls only after [`FALL_WINDOWS`] windows in a
-//! row more than [`FALL`] below it, and a job held at its demand counts as
-//! wanting more only after [`PRESS_WINDOWS`] throttled and stalled windows
-//! in a row, so measurement noise does not move
-//! every job's allocation every tick, and one slow window does not leave a
-//! job short (which would stall its trainers and make it greedy). Each
-//! window counts once, however many computations see it.
+//! Hysteresis: the figure is the *peak* rate of the last [`RECENT`]
+//! windows (plus the headroom); it replaces the one in force only when it
+//! is more than [`RISE`] above or [`FALL`] below it; and a job held at its
+//! demand counts as wanting more only after [`PRESS_WINDOWS`] throttled
+//! and stalled windows in a row. So a job whose reads come in bursts (a
+//! slow reader's one-second windows swing by a third) keeps one figure,
+//! measurement noise does not move every job's allocation every tick, and
+//! one slow window does not leave a job short (which would stall its
+//! trainers and make it greedy). Each window counts once, however many
+//! computations see it.
 //!
 //! A stage that wants more gets at least the largest demand of the job's
 //! stages: the job's share is split among its stages by demand, and a
@@ -64,8 +66,8 @@ pub const RISE: f64 = 0.05;
 /// How far a demand must fall before the lower figure is used.
 pub const FALL: f64 = 0.10;
 
-/// How many windows in a row must show the fall.
-pub const FALL_WINDOWS: u8 = 2;
+/// How many windows the peak rate is taken over.
+pub const RECENT: usize = 5;
 
 /// How many windows in a row a job held at its demand must be throttled
 /// and stalled before it counts as wanting more.
@@ -136,8 +138,9 @@ pub struct StageDemand {
     pub bytes_per_second: Option<f64>,
     /// Whether it wants more than it has (throttled, or unknown).
     pub wants_more: bool,
-    /// Windows in a row that showed a fall not yet taken.
-    pub falling: u8,
+    /// The rates of the last [`RECENT`] windows, newest first, since it was
+    /// last throttled (0 where none).
+    pub recent: [f64; RECENT],
     /// Windows in a row that showed it wanting more, not yet taken.
     pub pressing: u8,
     /// The end of the window it was estimated from (0: none).
@@ -149,7 +152,7 @@ impl StageDemand {
     pub const UNKNOWN: StageDemand = StageDemand {
         bytes_per_second: None,
         wants_more: true,
-        falling: 0,
+        recent: [0.0; RECENT],
         pressing: 0,
         seen_at: 0,
     };
@@ -164,10 +167,10 @@ pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDem
     if let Some(b) = before.filter(|b| b.seen_at == w.ends_at) {
         return b;
     }
-    let fresh = |bytes: f64, wants_more: bool| StageDemand {
+    let fresh = |bytes: f64, wants_more: bool, recent: [f64; RECENT]| StageDemand {
         bytes_per_second: Some(bytes.max(MIN_DEMAND)),
         wants_more,
-        falling: 0,
+        recent,
         pressing: 0,
         seen_at: w.ends_at,
     };
@@ -180,24 +183,28 @@ pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDem
             // behind and is catching up within its headroom.
             Some((b, _)) if b.pressing + 1 < PRESS_WINDOWS => StageDemand {
                 pressing: b.pressing + 1,
-                falling: 0,
                 seen_at: w.ends_at,
                 ..b
             },
-            _ => fresh(w.rate() * PROBE, true),
+            _ => fresh(w.rate() * PROBE, true, [0.0; RECENT]),
         };
     }
-    let measured = fresh(w.rate() * (1.0 + HEADROOM), false);
+    let mut recent = [0.0; RECENT];
+    recent[0] = w.rate();
+    if let Some((b, _)) = held {
+        recent[1..].copy_from_slice(&b.recent[..RECENT - 1]);
+    }
+    let peak = recent.iter().copied().fold(0.0, f64::max);
+    let measured = fresh(peak * (1.0 + HEADROOM), false, recent);
     let Some((b, bytes)) = held else {
         return measured;
     };
     let new = measured.bytes_per_second.unwrap_or(0.0);
-    let fell = new < bytes * (1.0 - FALL);
-    if new > bytes * (1.0 + RISE) || (fell && b.falling + 1 >= FALL_WINDOWS) {
+    if new > bytes * (1.0 + RISE) || new < bytes * (1.0 - FALL) {
         return measured;
     }
     StageDemand {
-        falling: if fell { b.falling + 1 } else { 0 },
+        recent,
         pressing: 0,
         seen_at: w.ends_at,
         ..b
@@ -330,20 +337,26 @@ mod tests {
 
     #[test]
     fn demand_moves_only_past_the_thresholds() {
-        let before = Some(demand(22.0));
+        // A job that has read 20 MiB/s for a while: 22 with the headroom.
+        let mut steady = None;
+        for _ in 0..RECENT {
+            steady = Some(estimate(window(20.0, 0.0), steady));
+        }
+        let before = steady;
+        assert_eq!(mib(before.unwrap()), (Some(22.0), false));
         // A little less: kept.
         assert_eq!(mib(estimate(window(19.0, 0.0), before)), (Some(22.0), false));
         // A little more: kept too.
         assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(22.0), false));
         // More: taken.
         assert_eq!(mib(estimate(window(22.0, 0.0), before)), (Some(24.2), false));
-        // Much less: taken on the second window in a row.
-        let once = estimate(window(10.0, 0.0), before);
-        assert_eq!(mib(once), (Some(22.0), false));
-        assert_eq!(mib(estimate(window(10.0, 0.0), Some(once))), (Some(11.0), false));
-        // A fall interrupted by a normal window starts over.
-        let normal = estimate(window(20.0, 0.0), Some(once));
-        assert_eq!(mib(estimate(window(10.0, 0.0), Some(normal))), (Some(22.0), false));
+        // Much less: taken once no window of the last RECENT is high.
+        let mut d = before;
+        for _ in 0..RECENT - 1 {
+            d = Some(estimate(window(10.0, 0.0), d));
+            assert_eq!(mib(d.unwrap()), (Some(22.0), false));
+        }
+        assert_eq!(mib(estimate(window(10.0, 0.0), d)), (Some(11.0), false));
         // The same window seen twice counts once.
         let w = window(10.0, 0.0);
         let first = estimate(w, before);
@@ -355,6 +368,19 @@ mod tests {
             ..demand(0.0)
         };
         assert_eq!(mib(estimate(window(20.0, 0.0), Some(probing))), (Some(22.0), false));
+    }
+
+    #[test]
+    fn a_bursty_reader_keeps_one_figure() {
+        let mut d = None;
+        let mut figures = Vec::new();
+        for rate in [3.0, 2.0, 3.9, 2.2, 3.5, 2.0, 2.4, 3.8, 2.1, 3.0] {
+            d = Some(estimate(window(rate, 0.0), d));
+            figures.push(mib(d.unwrap()).0.unwrap());
+        }
+        // Set by the first peak (3.9 -> 4.29), then held: no five windows
+        // in a row stay below 3.9 by a tenth.
+        assert!(figures[2..].iter().all(|&f| f == 4.29), "{figures:?}");
     }
 
     #[test]
