@@ -33,6 +33,7 @@ pub struct Metrics {
     pub buffer_capacity: IntGaugeVec,
     pub readers_active: IntGaugeVec,
     pub reader_threads: IntGaugeVec,
+    pub job_connections: IntGaugeVec,
     pub tuner_changes: IntCounterVec,
     pub connections: IntGauge,
     pub protocol_errors: IntCounterVec,
@@ -162,6 +163,10 @@ impl Metrics {
                 "sluice_stage_readers",
                 "Reader threads the job runs (the tuner's choice).",
             ),
+            job_connections: gauge(
+                "sluice_stage_job_connections",
+                "Trainer connections of the job (stall seconds per second divided by this is the fraction of time its trainers waited).",
+            ),
             tuner_changes: counter(
                 "sluice_stage_tuner_changes_total",
                 "Changes the auto-tuner made, by reason.",
@@ -250,6 +255,7 @@ impl Metrics {
             &self.buffer_capacity,
             &self.readers_active,
             &self.reader_threads,
+            &self.job_connections,
         ] {
             let _ = g.remove_label_values(&[job]);
         }

@@ -377,6 +377,9 @@ impl Job {
         m.readers_active
             .with_label_values(&id)
             .set(i64::from(self.stats.active_readers.load(Ordering::Relaxed)));
+        m.job_connections
+            .with_label_values(&id)
+            .set(i64::try_from(st.connections).unwrap_or(i64::MAX));
     }
 
     /// Returns this job's telemetry.
