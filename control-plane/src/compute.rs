@@ -150,7 +150,10 @@ pub fn compute(
     let mut jobs: BTreeMap<&str, (&Labels, Vec<&StageInfo<'_>>)> = BTreeMap::new();
     for stage in stages {
         for &(job, labels) in &stage.jobs {
-            jobs.entry(job).or_insert((labels, Vec::new())).1.push(stage);
+            jobs.entry(job)
+                .or_insert((labels, Vec::new()))
+                .1
+                .push(stage);
         }
     }
     let mut snapshot = Snapshot::with_pools(policies);
@@ -194,7 +197,11 @@ pub fn compute(
             .iter()
             .map(|s| (s.id.to_owned(), StageSettings::default()))
             .collect(),
-        problems: allocation.problems.iter().map(ToString::to_string).collect(),
+        problems: allocation
+            .problems
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
         ..Computed::default()
     };
     for pool in &snapshot.pools {
@@ -246,7 +253,11 @@ pub fn compute(
 /// Returns a rate as the whole number the stage enforces, at least 1 (a
 /// zero limit would read as "unset" on the wire).
 fn whole(rate: f64) -> u64 {
-    if rate.is_finite() { rate.round().max(1.0) as u64 } else { u64::MAX }
+    if rate.is_finite() {
+        rate.round().max(1.0) as u64
+    } else {
+        u64::MAX
+    }
 }
 
 fn job_settings(
@@ -452,11 +463,17 @@ spec:
         ];
         let demands = BTreeMap::from([(
             "a".to_owned(),
-            BTreeMap::from([("s1".to_owned(), demand(90.0)), ("s2".to_owned(), demand(10.0))]),
+            BTreeMap::from([
+                ("s1".to_owned(), demand(90.0)),
+                ("s2".to_owned(), demand(10.0)),
+            ]),
         )]);
         let c = compute(&set(), &stages, &demands);
         let a = &c.jobs["a"];
-        assert_eq!((a.bytes_per_second.round(), a.reason.as_str()), (100.0, "demand-limited"));
+        assert_eq!(
+            (a.bytes_per_second.round(), a.reason.as_str()),
+            (100.0, "demand-limited")
+        );
         assert_eq!(a.demand_bytes_per_second, Some(100.0));
         assert_eq!(c.settings["s1"].jobs["a"].bytes_per_second, Some(90));
         assert_eq!(c.settings["s2"].jobs["a"].bytes_per_second, Some(10));
@@ -470,7 +487,10 @@ spec:
         let (light, heavy) = (labels("light"), labels("heavy"));
         let stages = [stage("s1", vec![("a", &light), ("b", &heavy)])];
         let wants = |bytes| BTreeMap::from([("s1".to_owned(), demand(bytes))]);
-        let demands = BTreeMap::from([("a".to_owned(), wants(100.0)), ("b".to_owned(), wants(100.0))]);
+        let demands = BTreeMap::from([
+            ("a".to_owned(), wants(100.0)),
+            ("b".to_owned(), wants(100.0)),
+        ]);
         let c = compute(&set(), &stages, &demands);
         // 800 spare, lent 1:3.
         assert_eq!(c.jobs["a"].bytes_per_second.round(), 100.0);
@@ -501,8 +521,16 @@ spec:
     #[test]
     fn encoding_is_deterministic_and_round_trips() {
         let light = labels("light");
-        let one = compute(&set(), &[stage("s1", vec![("x", &light), ("y", &light)])], &BTreeMap::new());
-        let two = compute(&set(), &[stage("s1", vec![("y", &light), ("x", &light)])], &BTreeMap::new());
+        let one = compute(
+            &set(),
+            &[stage("s1", vec![("x", &light), ("y", &light)])],
+            &BTreeMap::new(),
+        );
+        let two = compute(
+            &set(),
+            &[stage("s1", vec![("y", &light), ("x", &light)])],
+            &BTreeMap::new(),
+        );
         let (one, two) = (&one.settings["s1"], &two.settings["s1"]);
         assert_eq!(one.encode(), two.encode());
         assert_eq!(StageSettings::decode(&one.encode()).as_ref(), Some(one));

@@ -144,7 +144,11 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     let stages: Vec<StageInfo<'_>> = reporting()
         .map(|(id, l, now)| StageInfo {
             id,
-            node: if l.hello.node.is_empty() { id } else { &l.hello.node },
+            node: if l.hello.node.is_empty() {
+                id
+            } else {
+                &l.hello.node
+            },
             memory_budget: l.hello.memory_budget_bytes,
             reader_budget: l.hello.reader_budget,
             // A job without trainers on a stage is not reading there; one

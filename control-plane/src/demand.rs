@@ -324,7 +324,10 @@ mod tests {
         assert_eq!(mib(twice), (Some(27.0), true));
         // A normal window in between starts over.
         let normal = estimate(window(20.0, 0.0), Some(once));
-        assert_eq!(mib(estimate(window(18.0, 2.0), Some(normal))), (Some(22.0), false));
+        assert_eq!(
+            mib(estimate(window(18.0, 2.0), Some(normal))),
+            (Some(22.0), false)
+        );
     }
 
     #[test]
@@ -345,11 +348,20 @@ mod tests {
         let before = steady;
         assert_eq!(mib(before.unwrap()), (Some(22.0), false));
         // A little less: kept.
-        assert_eq!(mib(estimate(window(19.0, 0.0), before)), (Some(22.0), false));
+        assert_eq!(
+            mib(estimate(window(19.0, 0.0), before)),
+            (Some(22.0), false)
+        );
         // A little more: kept too.
-        assert_eq!(mib(estimate(window(21.0, 0.0), before)), (Some(22.0), false));
+        assert_eq!(
+            mib(estimate(window(21.0, 0.0), before)),
+            (Some(22.0), false)
+        );
         // More: taken.
-        assert_eq!(mib(estimate(window(22.0, 0.0), before)), (Some(24.2), false));
+        assert_eq!(
+            mib(estimate(window(22.0, 0.0), before)),
+            (Some(24.2), false)
+        );
         // Much less: taken once no window of the last RECENT is high.
         let mut d = before;
         for _ in 0..RECENT - 1 {
@@ -367,7 +379,10 @@ mod tests {
             wants_more: true,
             ..demand(0.0)
         };
-        assert_eq!(mib(estimate(window(20.0, 0.0), Some(probing))), (Some(22.0), false));
+        assert_eq!(
+            mib(estimate(window(20.0, 0.0), Some(probing))),
+            (Some(22.0), false)
+        );
     }
 
     #[test]
@@ -433,18 +448,30 @@ mod tests {
         assert_eq!(w.throttled, 0.25);
         // One second of waiting over two seconds and two connections.
         assert_eq!(w.stalled, 0.25);
-        assert_eq!(Window::between(&sample(10, 0.0), &sample(5, 0.0), 1.0, 7), None);
-        assert_eq!(Window::between(&sample(0, 0.0), &sample(5, 0.0), 0.0, 7), None);
+        assert_eq!(
+            Window::between(&sample(10, 0.0), &sample(5, 0.0), 1.0, 7),
+            None
+        );
+        assert_eq!(
+            Window::between(&sample(0, 0.0), &sample(5, 0.0), 0.0, 7),
+            None
+        );
     }
 
     #[test]
     fn a_starved_stage_that_wants_more_gets_as_much_as_the_busiest() {
         let mut d = Demands::default();
-        let now = d.update([("a", "s1", window(2.0, 1.0)), ("a", "s2", window(78.0, 1.0))]);
+        let now = d.update([
+            ("a", "s1", window(2.0, 1.0)),
+            ("a", "s2", window(78.0, 1.0)),
+        ]);
         assert_eq!(mib(now["a"]["s1"]), (Some(117.0), true));
         assert_eq!(mib(now["a"]["s2"]), (Some(117.0), true));
         // A stage that does not want more keeps its own figure.
-        let now = d.update([("a", "s1", window(2.0, 0.0)), ("a", "s2", window(78.0, 1.0))]);
+        let now = d.update([
+            ("a", "s1", window(2.0, 0.0)),
+            ("a", "s2", window(78.0, 1.0)),
+        ]);
         assert_eq!(mib(now["a"]["s1"]), (Some(2.2), false));
     }
 

@@ -263,8 +263,10 @@ pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
             bandwidth_bytes_per_second: Some(p.spec().capacity.bandwidth.bytes_per_second()),
             ops_per_second: p.spec().capacity.ops.map(|o| o.per_second()),
             sharing,
-            allocated_bytes_per_second: share.map_or(0, |s| s.allocated_bytes_per_second.round() as u64),
-            allocated_ops_per_second: share.map_or(0, |s| s.allocated_ops_per_second.round() as u64),
+            allocated_bytes_per_second: share
+                .map_or(0, |s| s.allocated_bytes_per_second.round() as u64),
+            allocated_ops_per_second: share
+                .map_or(0, |s| s.allocated_ops_per_second.round() as u64),
             throughput_bytes_per_second: mine.iter().map(|j| j.throughput_bytes_per_second).sum(),
             jobs: mine.iter().map(|j| j.id.clone()).collect(),
         }

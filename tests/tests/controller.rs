@@ -384,7 +384,10 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
         r#"sluice_controller_job_allocation_reason{job="resnet",pool="shared",reason="demand-limited"} 1"#,
         "sluice_controller_settings_pending_stages 0",
     ] {
-        assert!(response.contains(series), "{series} missing from\n{response}");
+        assert!(
+            response.contains(series),
+            "{series} missing from\n{response}"
+        );
     }
 
     // A stage killed: marked lost within the timeout, and the job's whole

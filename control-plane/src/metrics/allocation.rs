@@ -162,10 +162,16 @@ impl AllocationMetrics {
         self.job_throughput.replace(read);
         self.job_reason.replace(reason);
         let pools = || allocations.pools.iter().map(|(p, s)| (vec![p.clone()], s));
-        self.pool_capacity
-            .replace(pools().map(|(l, s)| (l, s.capacity_bytes_per_second)).collect());
-        self.pool_allocated
-            .replace(pools().map(|(l, s)| (l, s.allocated_bytes_per_second)).collect());
+        self.pool_capacity.replace(
+            pools()
+                .map(|(l, s)| (l, s.capacity_bytes_per_second))
+                .collect(),
+        );
+        self.pool_allocated.replace(
+            pools()
+                .map(|(l, s)| (l, s.allocated_bytes_per_second))
+                .collect(),
+        );
         let used = |l: &Vec<String>| pool_read.get(l[0].as_str()).copied().unwrap_or(0.0);
         self.pool_throughput
             .replace(pools().map(|(l, _)| (l.clone(), used(&l))).collect());

@@ -68,11 +68,15 @@ impl Snapshot {
                 .filter(|s| stages.contains(&s.stage))
         };
         let readers = match readers {
-            0 => on_node().map(|s| s.readers.max).fold(0u32, u32::saturating_add),
+            0 => on_node()
+                .map(|s| s.readers.max)
+                .fold(0u32, u32::saturating_add),
             n => n,
         };
         let buffer = match buffer {
-            0 => on_node().map(|s| s.buffer.max).fold(0u64, u64::saturating_add),
+            0 => on_node()
+                .map(|s| s.buffer.max)
+                .fold(0u64, u64::saturating_add),
             n => n,
         };
         self.nodes.push(NodeInput {
@@ -174,8 +178,20 @@ spec:
         assert_eq!((job.pool.as_str(), job.weight), ("shared", 3.0));
         // The budget caps the policy's maximum; without one the policy's
         // maximum stands.
-        assert_eq!(job.stages[0].buffer, Bounds { min: 1 << 20, max: 16 << 20 });
-        assert_eq!(job.stages[1].buffer, Bounds { min: 1 << 20, max: 64 << 20 });
+        assert_eq!(
+            job.stages[0].buffer,
+            Bounds {
+                min: 1 << 20,
+                max: 16 << 20
+            }
+        );
+        assert_eq!(
+            job.stages[1].buffer,
+            Bounds {
+                min: 1 << 20,
+                max: 64 << 20
+            }
+        );
         assert_eq!(job.stages[0].readers, Bounds { min: 2, max: 8 });
     }
 
