@@ -6,8 +6,9 @@
 //! (beyond [`crate::compute::RATE_TOLERANCE`]), records the allocation for
 //! the views and metrics, and announces allocations that changed.
 //!
-//! Until every stage the store listed as connected has reconnected (at
-//! most one stage timeout after start) the loop publishes nothing new: the
+//! Until every stage the store listed as connected has reconnected and
+//! reported twice (at most one stage timeout after the loop starts: at
+//! start, or when a standby takes over) it publishes nothing new: the
 //! stages of a restarted controller reconnect one by one, and computing
 //! before they all reported would split limits among too few stages and
 //! publish versions that the next tick takes back.
@@ -15,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -41,6 +42,9 @@ pub async fn run(
         generation: Some(shared.policy_generation.load(Ordering::Relaxed)),
         ..Memory::default()
     };
+    // A controller started fresh and a standby taking over alike: leading
+    // starts now.
+    let leading_since = Instant::now();
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -51,7 +55,7 @@ pub async fn run(
         }
         leadership.check(tick * 3 / 4).await?;
         mark_lost(&shared).await;
-        if shared.started.elapsed() >= shared.stage_timeout || all_back(&shared) {
+        if leading_since.elapsed() >= shared.stage_timeout || all_back(&shared) {
             control(&shared, &mut memory).await;
         }
     }
@@ -68,7 +72,7 @@ pub async fn run(
 /// before it stopped (a job without a measured window would count as
 /// greedy and move everyone's share for a tick). With a fresh store and no
 /// stage yet that is at once.
-pub(crate) fn all_back(shared: &Shared) -> bool {
+fn all_back(shared: &Shared) -> bool {
     lock(&shared.live)
         .values()
         .all(|l| l.lost || (l.session.is_some() && l.previous.is_some()))

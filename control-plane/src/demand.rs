@@ -226,7 +226,7 @@ pub fn job_demand<'a>(stages: impl IntoIterator<Item = &'a StageDemand>) -> Opti
 
 /// Raises every stage that wants more to at least the largest demand of
 /// the job's stages.
-fn even_floor(stages: &mut BTreeMap<String, StageDemand>) {
+fn raise_to_busiest(stages: &mut BTreeMap<String, StageDemand>) {
     let most = stages
         .values()
         .filter_map(|s| s.bytes_per_second)
@@ -260,7 +260,7 @@ impl Demands {
                 .insert(stage.to_owned(), estimate(window, before));
         }
         for stages in next.values_mut() {
-            even_floor(stages);
+            raise_to_busiest(stages);
         }
         self.by_job = next;
         &self.by_job

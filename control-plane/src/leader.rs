@@ -22,7 +22,7 @@ use tracing::info;
 use crate::control;
 use crate::policies::{self, Source};
 use crate::state::Shared;
-use crate::store::{Leadership, StoreError};
+use crate::store::Leadership;
 
 /// Why a standby refuses work, for `/readyz`, `/api/` and gRPC callers.
 const STANDBY: &str =
@@ -63,8 +63,9 @@ pub async fn take_office(shared: &Shared, policies: Option<Vec<Source>>) -> anyh
 }
 
 /// Runs the control loop with `leadership`; a standby (`None`) first waits
-/// for the lease, takes office with `policies`, and lets the stages
-/// reconnect. Returns when `cancel` fires; fails when the lease is lost.
+/// for the lease and takes office with `policies` (the loop then lets the
+/// stages reconnect before it publishes, as for a controller started
+/// fresh). Returns when `cancel` fires; fails when the lease is lost.
 pub async fn lead(
     shared: Arc<Shared>,
     tick: Duration,
@@ -76,41 +77,16 @@ pub async fn lead(
         Some(leadership) => leadership,
         None => {
             info!("another controller holds the leader lease: standing by");
-            let Some(mut leadership) = Leadership::wait(&shared.store, tick, &cancel).await else {
+            let Some(leadership) = Leadership::wait(&shared.store, tick, &cancel).await else {
                 return Ok(());
             };
             info!("took the leader lease: taking over");
             take_office(&shared, policies).await?;
             info!("leading: serving stages");
-            settle(&shared, &mut leadership, tick, &cancel).await?;
             leadership
         }
     };
     control::run(shared, tick, leadership, cancel).await?;
-    Ok(())
-}
-
-/// Holds the lease, checking it every tick as the loop would, until every
-/// stage the store listed as connected has reconnected and reported (or
-/// one stage timeout passed). A controller started fresh publishes nothing
-/// before that, so that limits are not split among the first few stages
-/// back (see [`control`]); a standby taking over later, long after its
-/// start, waits here for the same reason.
-async fn settle(
-    shared: &Shared,
-    leadership: &mut Leadership,
-    tick: Duration,
-    cancel: &CancellationToken,
-) -> Result<(), StoreError> {
-    let until = tokio::time::Instant::now() + shared.stage_timeout;
-    let mut interval = tokio::time::interval(tick);
-    while tokio::time::Instant::now() < until && !crate::control::all_back(shared) {
-        tokio::select! {
-            () = cancel.cancelled() => return Ok(()),
-            _ = interval.tick() => {}
-        }
-        leadership.check(tick * 3 / 4).await?;
-    }
     Ok(())
 }
 

@@ -143,7 +143,6 @@ pub struct Shared {
     pub metrics: Metrics,
     pub ready: AtomicBool,
     pub stage_timeout: Duration,
-    pub started: Instant,
     /// Fired at shutdown: ends event watches.
     pub shutdown: CancellationToken,
     next_session: AtomicU64,
@@ -166,7 +165,6 @@ impl Shared {
             metrics: Metrics::new(),
             ready: AtomicBool::new(false),
             stage_timeout,
-            started: Instant::now(),
             shutdown: CancellationToken::new(),
             next_session: AtomicU64::new(1),
         }

@@ -5,12 +5,12 @@
 //! lost; a restarted controller restores its state from the store and the
 //! stages converge to the same versions.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sluice_proto::AdminServiceClient;
@@ -19,6 +19,7 @@ use sluice_proto::v1::{
     PolicySource, Stage, StageState,
 };
 use sluice_stage::protocol::Request as Frame;
+use support::{KillOnDrop, controller_command_at, eventually, http, stage_command, start, trainer};
 use tonic::transport::Channel;
 
 const POLICY: &str = "
@@ -45,35 +46,6 @@ spec:
   limitt: {bandwidth: 1MB/s}
 ";
 
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts a binary and returns it with its JSON ready line.
-fn start(mut command: Command) -> (KillOnDrop, serde_json::Value) {
-    let mut child = command
-        .stdout(Stdio::piped())
-        // SLUICE_TEST_LOGS=1 shows the processes' logs.
-        .stderr(if std::env::var_os("SLUICE_TEST_LOGS").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        })
-        .spawn()
-        .expect("the binary starts");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let ready = serde_json::from_str(&line).unwrap_or_else(|e| panic!("ready line {line:?}: {e}"));
-    (KillOnDrop(child), ready)
-}
-
 struct RunningController {
     _process: KillOnDrop,
     grpc: String,
@@ -81,11 +53,9 @@ struct RunningController {
 }
 
 fn controller(db: &Path, grpc_addr: &str) -> RunningController {
-    let mut c = Command::new(sluice_tests::binary("sluice-controller"));
-    c.args(["--grpc-addr", grpc_addr, "--http-addr", "127.0.0.1:0"])
-        .arg(format!("--database-url=sqlite://{}", db.display()))
-        .args(["--tick", "200ms", "--stage-timeout", "2s"]);
-    let (process, ready) = start(c);
+    let url = format!("sqlite://{}", db.display());
+    let log = db.with_extension("log");
+    let (process, ready) = start(controller_command_at(&url, grpc_addr), &log);
     RunningController {
         _process: process,
         grpc: ready["grpc"].as_str().unwrap().to_owned(),
@@ -100,47 +70,14 @@ struct RunningStage {
 }
 
 fn stage(dir: &Path, id: &str, grpc: &str) -> RunningStage {
-    let data = dir.join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    std::fs::write(data.join("a.bin"), b"abc").unwrap();
-    let socket = dir.join(format!("{id}.sock"));
-    let mut c = Command::new(sluice_tests::binary("sluice-stage"));
-    c.args([
-        "--socket",
-        socket.to_str().unwrap(),
-        "--metrics-addr",
-        "127.0.0.1:0",
-    ])
-    .args(["--stage-id", id, "--node", id, "--memory-budget", "256MiB"])
-    .arg(format!("--dataset=train={}", data.display()))
-    .arg(format!("--controller=http://{grpc}"));
-    let (process, ready) = start(c);
+    let (command, socket) = stage_command(dir, id, &format!("http://{grpc}"));
+    let (process, ready) = start(command, &dir.join(format!("{id}.log")));
     let metrics = ready["metrics"].as_str().unwrap().to_owned();
     RunningStage {
         process,
         socket,
         metrics,
     }
-}
-
-/// Says HELLO as a trainer of `job` (labels `team: vision`) and returns the
-/// open connection.
-fn trainer(socket: &Path, job: &str) -> UnixStream {
-    let mut s = UnixStream::connect(socket).unwrap();
-    let hello = Frame::Hello {
-        version: 1,
-        job: job.into(),
-        labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
-        rank: 0,
-        world_size: 1,
-    };
-    s.write_all(&hello.encode()).unwrap();
-    let mut head = [0u8; 5];
-    s.read_exact(&mut head).unwrap();
-    assert_eq!(head[4], 0x81, "WELCOME");
-    let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
-    s.read_exact(&mut rest).unwrap();
-    s
 }
 
 /// Reads one whole file as a trainer of `job` would (HELLO, OPEN, READ).
@@ -170,19 +107,6 @@ fn read_file(socket: &Path, job: &str, name: &str) -> Vec<u8> {
     data[5..].to_vec()
 }
 
-fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 async fn admin(grpc: &str) -> AdminServiceClient<Channel> {
     AdminServiceClient::connect(format!("http://{grpc}"))
         .await
@@ -195,22 +119,6 @@ async fn stages(client: &mut AdminServiceClient<Channel>) -> Vec<Stage> {
         .await
         .map(|r| r.into_inner().stages)
         .unwrap_or_default()
-}
-
-/// Polls `check` until it returns `Some`, failing after `limit`.
-async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Waits until both stages are connected, report `job`, and run what the

@@ -4,10 +4,11 @@
 //! reason, telemetry carrying the version in force, fail-static when the
 //! controller goes away, and reconnection when it comes back.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::os::unix::net::UnixStream;
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use sluice_proto::v1::{
     stage_message,
 };
 use sluice_proto::{StageService, StageServiceServer};
-use sluice_stage::protocol::Request as Frame;
+use support::{KillOnDrop, http, trainer};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
@@ -121,46 +122,6 @@ fn job_settings(job: &str, settings: JobSettings) -> JobSettingsEntry {
     JobSettingsEntry {
         job: job.into(),
         settings: Some(settings),
-    }
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-/// Says HELLO as a trainer of `job` and returns the open connection.
-fn trainer(socket: &std::path::Path, job: &str) -> UnixStream {
-    let mut s = UnixStream::connect(socket).unwrap();
-    let hello = Frame::Hello {
-        version: 1,
-        job: job.into(),
-        labels: Default::default(),
-        rank: 0,
-        world_size: 1,
-    };
-    s.write_all(&hello.encode()).unwrap();
-    let mut head = [0u8; 5];
-    s.read_exact(&mut head).unwrap();
-    assert_eq!(head[4], 0x81, "WELCOME");
-    let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
-    s.read_exact(&mut rest).unwrap();
-    s
-}
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -319,7 +280,7 @@ async fn settings_flow_fail_static_and_reconnect() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let jobs = tokio::task::spawn_blocking({
         let metrics = metrics.clone();
-        move || http_get(&metrics, "/api/v1/jobs")
+        move || http(&metrics, "GET", "/api/v1/jobs", "")
     })
     .await
     .unwrap();
@@ -347,7 +308,7 @@ async fn settings_flow_fail_static_and_reconnect() {
     })
     .await;
     assert_eq!(hello.settings_version, 1);
-    let metrics_text = tokio::task::spawn_blocking(move || http_get(&metrics, "/metrics"))
+    let metrics_text = tokio::task::spawn_blocking(move || http(&metrics, "GET", "/metrics", ""))
         .await
         .unwrap();
     assert!(

@@ -1,4 +1,4 @@
-//! What the HA and TLS tests share: starting the real binaries, a trainer
+//! What the end-to-end tests share: starting the real binaries, a trainer
 //! that makes a stage report a job, polling with a deadline, plain HTTP.
 
 #![allow(dead_code)] // each test file uses its own part
@@ -69,8 +69,14 @@ pub fn start(mut command: Command, log: &Path) -> (KillOnDrop, serde_json::Value
 /// Returns the `sluice-controller` command on ephemeral ports with a fast
 /// tick, on the store at `database_url`.
 pub fn controller_command(database_url: &str) -> Command {
+    controller_command_at(database_url, "127.0.0.1:0")
+}
+
+/// Returns [`controller_command`] with gRPC on `grpc_addr` (a restarted
+/// controller takes its predecessor's address).
+pub fn controller_command_at(database_url: &str, grpc_addr: &str) -> Command {
     let mut c = Command::new(sluice_tests::binary("sluice-controller"));
-    c.args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+    c.args(["--grpc-addr", grpc_addr, "--http-addr", "127.0.0.1:0"])
         .arg(format!("--database-url={database_url}"))
         .args(["--tick", "200ms", "--stage-timeout", "2s"]);
     c

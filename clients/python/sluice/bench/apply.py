@@ -21,11 +21,10 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
 from typing import List, Optional
 
 from .. import Client
-from .common import log
+from .common import Daemon, find_binaries, get_json, log, wait_for
 
 POLICY = """apiVersion: sluice.dev/v1
 kind: StoragePool
@@ -54,40 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _start(argv: List[str], log_path: str) -> "tuple[subprocess.Popen, dict]":
-    """Starts a daemon and returns it with its JSON ready line."""
-    err = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(timeout=10)
-        raise SystemExit(f"error: {argv[0]} did not start; see {log_path}")
-    return proc, json.loads(line)
-
-
-def _get(http: str, path: str) -> list:
-    with urllib.request.urlopen(f"http://{http}{path}", timeout=5) as r:
-        return json.load(r)
-
-
-def _wait(what: str, check, timeout: float = 20.0, every: float = 0.002):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise SystemExit(f"error: timed out waiting for {what}")
-        time.sleep(every)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    binary = {name: os.path.join(args.bin_dir, name) for name in ("sluice-controller", "sluice-stage", "sluicectl")}
-    missing = [p for p in binary.values() if not os.access(p, os.X_OK)]
-    if missing:
-        raise SystemExit(f"error: {', '.join(missing)} not found: build with `cargo build --release` or pass --bin-dir")
-    procs: List[subprocess.Popen] = []
+    binary = find_binaries(args.bin_dir, ("sluice-controller", "sluice-stage", "sluicectl"))
+    daemons: List[Daemon] = []
     clients: List[Client] = []
     with tempfile.TemporaryDirectory(prefix="sluice-apply-") as tmp:
         try:
@@ -95,27 +64,28 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.makedirs(data)
             with open(os.path.join(data, "a.bin"), "wb") as f:
                 f.write(b"x" * 1024)
-            controller, ready = _start([binary["sluice-controller"], "--grpc-addr", "127.0.0.1:0",
-                                        "--http-addr", "127.0.0.1:0", "--tick", args.tick,
-                                        "--database-url", f"sqlite://{tmp}/sluice.db"],
-                                       os.path.join(tmp, "controller.log"))
-            procs.append(controller)
-            grpc, http = ready["grpc"], ready["http"]
+            controller = Daemon.start([binary["sluice-controller"], "--grpc-addr", "127.0.0.1:0",
+                                       "--http-addr", "127.0.0.1:0", "--tick", args.tick,
+                                       "--database-url", f"sqlite://{tmp}/sluice.db"],
+                                      os.path.join(tmp, "controller.log"))
+            daemons.append(controller)
+            grpc, http = controller.ready["grpc"], controller.ready["http"]
             for i in range(args.stages):
                 sock = os.path.join(tmp, f"stage{i}.sock")
-                stage, _ = _start([binary["sluice-stage"], "--socket", sock, "--metrics-addr", "127.0.0.1:0",
-                                   "--dataset", f"bench={data}", "--stage-id", f"stage-{i}", "--node", f"node-{i}",
-                                   "--controller", f"http://{grpc}"], os.path.join(tmp, f"stage{i}.log"))
-                procs.append(stage)
+                daemons.append(Daemon.start(
+                    [binary["sluice-stage"], "--socket", sock, "--metrics-addr", "127.0.0.1:0",
+                     "--dataset", f"bench={data}", "--stage-id", f"stage-{i}", "--node", f"node-{i}",
+                     "--controller", f"http://{grpc}"], os.path.join(tmp, f"stage{i}.log")))
                 clients.append(Client(sock, job="bench-job", labels={"team": "bench"}))
             log(f"controller on {grpc}, {args.stages} stage(s); waiting for them to report the job ...")
-            _wait("every stage to report the job", lambda: next(
-                (True for j in _get(http, "/api/v1/jobs") if j["id"] == "bench-job" and len(j["stages"]) == args.stages),
-                None), timeout=30)
+            wait_for("every stage to report the job", lambda: next(
+                (True for j in get_json(http, "/api/v1/jobs")
+                 if j["id"] == "bench-job" and len(j["stages"]) == args.stages),
+                None), timeout=30, every=0.002)
             policy = os.path.join(tmp, "policy.yaml")
             times: List[float] = []
             for round_ in range(args.applies + 1):
-                before = {s["id"]: s["desired_version"] for s in _get(http, "/api/v1/stages")}
+                before = {s["id"]: s["desired_version"] for s in get_json(http, "/api/v1/stages")}
                 with open(policy, "w") as f:
                     f.write(POLICY.format(rate=100 + round_))
                 started = time.perf_counter()
@@ -123,22 +93,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                                check=True, stdout=subprocess.DEVNULL)
 
                 def all_acked():
-                    stages = _get(http, "/api/v1/stages")
+                    stages = get_json(http, "/api/v1/stages")
                     done = len(stages) == args.stages and all(
                         s["state"] == "connected" and s["acked_version"] == s["desired_version"]
                         and s["desired_version"] > before.get(s["id"], 0) for s in stages)
                     return True if done else None
 
-                _wait(f"apply {round_} to be acknowledged", all_acked)
+                wait_for(f"apply {round_} to be acknowledged", all_acked, every=0.002)
                 if round_ > 0:  # the first apply creates the pool and warms up
                     times.append(time.perf_counter() - started)
         finally:
             for c in clients:
                 c.close()
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=10)
+            for d in daemons:
+                d.stop()
     result = {
         "stages": args.stages, "applies": len(times), "tick": args.tick,
         "median_ms": statistics.median(times) * 1000, "worst_ms": max(times) * 1000,
