@@ -68,7 +68,7 @@ pub struct Args {
     /// Largest buffer the tuner may give a job [default: the memory budget].
     #[arg(long, env = "SLUICE_MAX_BUFFER")]
     pub max_buffer: Option<ByteSize>,
-    /// Buffer a new job starts with [default: 64MiB or the budget if smaller].
+    /// Buffer a new job starts with [default: 256MiB or the budget if smaller].
     #[arg(long, env = "SLUICE_INITIAL_BUFFER")]
     pub initial_buffer: Option<ByteSize>,
     /// Per-job storage bandwidth limit, e.g. `200MiB/s`.
@@ -81,7 +81,8 @@ pub struct Args {
     #[arg(long, env = "SLUICE_BURST_MS")]
     pub burst_ms: Option<u64>,
     /// Prefetch with O_DIRECT, bypassing the page cache (falls back to
-    /// buffered reads where the file system refuses it) [default: true].
+    /// buffered reads where the file system refuses it) [default: false:
+    /// buffered reads].
     #[arg(long, env = "SLUICE_DIRECT_IO")]
     pub direct_io: Option<bool>,
     /// The controller's gRPC address, e.g. `http://controller:7070`
@@ -141,7 +142,7 @@ pub struct StageFile {
     pub metrics_addr: Option<SocketAddr>,
     /// Memory for all prefetch buffers together.
     pub memory_budget: Option<ByteSize>,
-    /// Prefetch with O_DIRECT (default true).
+    /// Prefetch with O_DIRECT (default false).
     pub direct_io: Option<bool>,
     /// The controller's gRPC address.
     pub controller: Option<String>,
@@ -298,7 +299,7 @@ impl StageConfig {
         let initial_buffer = args
             .initial_buffer
             .or(file.buffer.initial)
-            .map_or((64 * MIB).min(memory_budget), ByteSize::bytes);
+            .map_or((256 * MIB).min(memory_budget), ByteSize::bytes);
         if min_buffer > max_buffer || max_buffer > memory_budget {
             return err(format!(
                 "buffer bounds {}..{} are impossible with a memory budget of {}: use min <= max <= budget",
@@ -376,7 +377,7 @@ impl StageConfig {
                 .unwrap_or_else(|| ([127, 0, 0, 1], 7190).into()),
             memory_budget,
             datasets,
-            direct_io: args.direct_io.or(file.direct_io).unwrap_or(true),
+            direct_io: args.direct_io.or(file.direct_io).unwrap_or(false),
             controller,
             controller_tls,
             node: args.node.or(file.node).unwrap_or_else(hostname),
@@ -432,7 +433,12 @@ mod tests {
         let c = StageConfig::from_args(args(&["--dataset", "a=/tmp", "--memory-budget", "256MiB"]))
             .unwrap();
         assert_eq!(c.memory_budget, 256 * MIB);
-        assert_eq!(c.job.initial_buffer, 64 * MIB);
+        assert_eq!(c.job.initial_buffer, 256 * MIB);
+        assert!(!c.direct_io);
+        let small =
+            StageConfig::from_args(args(&["--dataset", "a=/tmp", "--memory-budget", "100MiB"]))
+                .unwrap();
+        assert_eq!(small.job.initial_buffer, 100 * MIB);
         assert_eq!(c.job.bounds.max_buffer, 256 * MIB);
         assert!(c.job.tuner);
         let fixed = StageConfig::from_args(args(&[

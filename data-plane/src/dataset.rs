@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{
-    Chunk, direct_footprint, direct_unsupported, io_error, read_direct, read_range,
+    Chunk, direct_unsupported, io_error, read_range, read_whole, whole_footprint,
 };
 
 /// How long a listing is reused before `OPEN` walks the root again.
@@ -160,11 +160,7 @@ impl Dataset {
 
     /// Bytes a prefetched file of `size` bytes holds in the buffer.
     pub fn footprint(&self, size: u64) -> u64 {
-        if self.direct.load(Ordering::Relaxed) {
-            direct_footprint(size)
-        } else {
-            size
-        }
+        whole_footprint(size)
     }
 
     /// Reads the whole file `name` for prefetching: direct I/O when enabled
@@ -172,7 +168,7 @@ impl Dataset {
     pub fn read_whole(&self, name: &str) -> Result<Chunk, ProtocolError> {
         let path = self.resolve(name)?;
         if self.direct.load(Ordering::Relaxed) {
-            match read_direct(&path) {
+            match read_whole(&path, true) {
                 Err(e) if direct_unsupported(&e) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
                         tracing::warn!(dataset = %self.name, "the file system refuses O_DIRECT: prefetching through the page cache");
@@ -181,7 +177,7 @@ impl Dataset {
                 other => return other.map_err(|e| io_error(name, &e)),
             }
         }
-        read_range(&path, 0, crate::protocol::TO_END).map_err(|e| io_error(name, &e))
+        read_whole(&path, false).map_err(|e| io_error(name, &e))
     }
 
     /// Reads `length` bytes (or to the end) of `name` from `offset`.

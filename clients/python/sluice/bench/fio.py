@@ -1,8 +1,12 @@
 """fio on the benchmark's files: the device limit the loaders compare to.
 
 Random whole-file reads of the same files (``--opendir`` over the data set,
-``--openfiles`` = number of files, ``--direct=1``, libaio), at several queue
-depths; the best is the device limit.
+``--openfiles`` = number of files), every file read once, at several queue
+depths and in two modes: ``direct`` (``O_DIRECT``, libaio) and ``buffered``
+(through the page cache, io_uring: the kernel's workers run the reads in
+parallel, where libaio would block on each buffered submission). fio
+invalidates the files' cached pages before each run. The best is the device
+limit.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Optional
 
 from .dataset import BenchDataset
 
-__all__ = ["fio_available", "run_fio"]
+__all__ = ["FIO_MODES", "fio_available", "run_fio"]
+
+FIO_MODES = ("direct", "buffered")
 
 _ALIGN = 4096
 
@@ -24,18 +30,24 @@ def fio_available() -> Optional[str]:
     return shutil.which("fio")
 
 
-def run_fio(ds: BenchDataset, iodepth: int, runtime_s: int = 60) -> dict:
+def run_fio(ds: BenchDataset, iodepth: int, runtime_s: int = 60, mode: str = "direct") -> dict:
     """Runs one fio randread job and returns a result dict (see prefetch's JSON).
+
+    ``mode``: ``direct`` or ``buffered`` (see the module's text).
 
     For a fixed-size set the block is the whole file (rounded up to 4 KiB for
     O_DIRECT), so one I/O is one sample; for a set with size variation it is
     the mean size rounded the same way and samples/s is derived from bytes/s.
     Raises ``RuntimeError`` with fio's output when fio fails.
     """
-    bs = -(-ds.size // _ALIGN) * _ALIGN
+    if mode not in FIO_MODES:
+        raise ValueError(f"fio mode must be one of {', '.join(FIO_MODES)}, got {mode!r}")
+    direct = mode == "direct"
+    bs = -(-ds.size // _ALIGN) * _ALIGN if direct else ds.size
     args = [
         fio_available() or "fio", "--name=sluice-bench", f"--opendir={ds.root}", "--rw=randread",
-        f"--bs={bs}", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
+        f"--bs={bs}", f"--direct={int(direct)}", f"--ioengine={'libaio' if direct else 'io_uring'}",
+        f"--iodepth={iodepth}", "--invalidate=1",
         f"--openfiles={ds.files}", "--file_service_type=random", f"--runtime={runtime_s}",
         "--group_reporting", "--output-format=json",
     ]
@@ -50,6 +62,7 @@ def run_fio(ds: BenchDataset, iodepth: int, runtime_s: int = 60) -> dict:
     samples_per_s = read["iops"] if ds.size_stdev == 0 else bw / (ds.total_bytes / ds.files)
     return {
         "loader": "fio",
+        "mode": mode,
         "iodepth": iodepth,
         "block_bytes": bs,
         "samples_per_s": samples_per_s,

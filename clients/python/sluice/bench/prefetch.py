@@ -8,8 +8,9 @@ utilisation (AU = compute time / loop wall time), stall time and CPU time.
 Loaders: ``naive`` (the loop reads each file itself), ``threadpool`` (a
 read-ahead pool of 4, 8, 16 and 32 threads), ``torch`` (DataLoader with 1, 2
 and 4 workers, when torch imports), ``sluice`` (a ``sluice-stage`` started
-from ``--bin-dir``) and ``fio`` (random whole-file reads at queue depths 1,
-16 and 64 when fio is on PATH: the device limit).
+from ``--bin-dir``) and ``fio`` (random whole-file reads, ``O_DIRECT`` at
+queue depths 1, 16 and 64 and buffered at 16 and 64, when fio is on PATH:
+the device limit).
 
 With ``--compute-ms auto`` sluice's rate without compute is measured first,
 and the compute time is set so that the loop needs half of that rate.
@@ -31,7 +32,7 @@ from .units import format_bytes
 ALL_LOADERS = ("naive", "threadpool", "torch", "sluice", "fio")
 THREADS = (4, 8, 16, 32)
 TORCH_WORKERS = (1, 2, 4)
-FIO_DEPTHS = (1, 16, 64)
+FIO_RUNS = (("direct", 1), ("direct", 16), ("direct", 64), ("buffered", 16), ("buffered", 64))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,12 +110,12 @@ class Bench:
         if not fio_available():
             return [{"loader": "fio", "skipped": "fio is not on PATH"}]
         out = []
-        for depth in FIO_DEPTHS:
+        for mode, depth in FIO_RUNS:
             self._cold()
             try:
-                out.append(run_fio(self.ds, depth, self.args.fio_runtime))
+                out.append(run_fio(self.ds, depth, self.args.fio_runtime, mode))
             except (RuntimeError, ValueError, KeyError) as e:
-                out.append({"loader": "fio", "iodepth": depth, "skipped": str(e)})
+                out.append({"loader": "fio", "mode": mode, "iodepth": depth, "skipped": str(e)})
         return _mark_best(out)
 
 
@@ -159,6 +160,8 @@ def _mark_best(results: List[dict]) -> List[dict]:
 
 
 def _variant(r: dict) -> str:
+    if "mode" in r:
+        return f"{r['mode']} qd={r['iodepth']}"
     for key, label in (("threads", "threads"), ("workers", "workers"), ("iodepth", "qd"),
                        ("prefetch", "prefetch")):
         if key in r:
@@ -168,11 +171,11 @@ def _variant(r: dict) -> str:
 
 def format_table(results: List[dict]) -> str:
     """Returns the results as an aligned text table."""
-    head = f"{'loader':10} {'variant':11} {'samples/s':>10} {'MiB/s':>8} {'AU':>6} {'stall s':>8} {'CPU s':>7}  notes"
+    head = f"{'loader':10} {'variant':15} {'samples/s':>10} {'MiB/s':>8} {'AU':>6} {'stall s':>8} {'CPU s':>7}  notes"
     lines = [head, "-" * len(head)]
     for r in results:
         if "skipped" in r:
-            lines.append(f"{r['loader']:10} {_variant(r):11} {'-':>10} {'-':>8} {'-':>6} {'-':>8} {'-':>7}  "
+            lines.append(f"{r['loader']:10} {_variant(r):15} {'-':>10} {'-':>8} {'-':>6} {'-':>8} {'-':>7}  "
                          f"skipped: {r['skipped'].splitlines()[0][:100]}")
             continue
         notes = []
@@ -180,7 +183,7 @@ def format_table(results: List[dict]) -> str:
             notes.append("best (device limit)" if r["loader"] == "fio" else "best")
         if "peak_rss_bytes" in r:
             notes.append(f"stage peak RSS {format_bytes(r['peak_rss_bytes'])}")
-        lines.append(f"{r['loader']:10} {_variant(r):11} {r['samples_per_s']:10.0f} {r['mib_per_s']:8.1f} "
+        lines.append(f"{r['loader']:10} {_variant(r):15} {r['samples_per_s']:10.0f} {r['mib_per_s']:8.1f} "
                      f"{r['au'] * 100:5.1f}% {r['stall_s']:8.2f} {r['cpu_s']:7.2f}  {', '.join(notes)}")
     return "\n".join(lines)
 
