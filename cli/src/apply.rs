@@ -7,7 +7,7 @@ use std::io;
 use sluice_proto::v1::{self, ApplyOutcome};
 
 use crate::args::ApplyArgs;
-use crate::client;
+use crate::client::{self, Controller};
 use crate::exit::Exit;
 use crate::input::{self, STDIN_NAME, Source};
 use crate::validate;
@@ -18,7 +18,7 @@ const STDIN_SOURCE: &str = "-";
 
 /// Runs `apply`: reads the inputs, sends them, reports on stdout (the
 /// changes) or stderr (the problems).
-pub fn run(server: &str, args: &ApplyArgs) -> Exit {
+pub fn run(controller: &Controller, args: &ApplyArgs) -> Exit {
     let sources = match input::read_all(&args.files, &mut io::stdin().lock()) {
         Ok(sources) => sources,
         Err(e) => {
@@ -35,7 +35,7 @@ pub fn run(server: &str, args: &ApplyArgs) -> Exit {
             return Exit::Failed;
         }
     };
-    let response = client::block_on(client::call(server, |mut admin| async move {
+    let response = client::block_on(client::call(controller, |mut admin| async move {
         admin.apply_policies(request).await
     }));
     match response {

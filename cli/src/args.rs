@@ -40,11 +40,20 @@ Exit codes:
 /// `--server` in `--help`. Short help lines are kept short and long ones
 /// wrapped here, by hand, because clap wraps only with `wrap_help`.
 const SERVER_HELP: &str = "\
-The controller's gRPC address. Not used by validate.
-With https://, the client certificate, its key and the CA
-come from the files named by SLUICE_TLS_CERT,
-SLUICE_TLS_KEY and SLUICE_TLS_CA.
+The controller's gRPC address. Not used by validate or
+simulate. An https:// server requires mutual TLS: give
+--tls-cert, --tls-key and --tls-ca.
 [env: SLUICE_SERVER] [default: http://127.0.0.1:7070]";
+
+/// `--tls-cert`, `--tls-key` and `--tls-ca` in `--help`.
+const TLS_CERT_HELP: &str = "\
+The client certificate chain (PEM) sluicectl presents to an
+https:// server. [env: SLUICE_TLS_CERT]";
+const TLS_KEY_HELP: &str = "\
+The private key (PEM) of --tls-cert. [env: SLUICE_TLS_KEY]";
+const TLS_CA_HELP: &str = "\
+The CA certificates (PEM) that must have signed the
+controller's certificate. [env: SLUICE_TLS_CA]";
 
 /// `--filename` in `validate --help`.
 const FILENAME_HELP: &str = "\
@@ -74,6 +83,39 @@ pub struct Cli {
         long_help = SERVER_HELP
     )]
     pub server: String,
+
+    /// Client certificate, PEM (env SLUICE_TLS_CERT)
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TLS_CERT",
+        hide_env = true,
+        value_name = "FILE",
+        long_help = TLS_CERT_HELP
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Key of --tls-cert, PEM (env SLUICE_TLS_KEY)
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TLS_KEY",
+        hide_env = true,
+        value_name = "FILE",
+        long_help = TLS_KEY_HELP
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// CA of the controller, PEM (env SLUICE_TLS_CA)
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TLS_CA",
+        hide_env = true,
+        value_name = "FILE",
+        long_help = TLS_CA_HELP
+    )]
+    pub tls_ca: Option<PathBuf>,
 
     /// What to do.
     #[command(subcommand)]

@@ -5,6 +5,7 @@
 use std::error::Error as _;
 use std::fmt;
 use std::future::Future;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
@@ -21,6 +22,17 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A client of the controller at one address.
 pub type Admin = AdminServiceClient<Channel>;
+
+/// Where the controller is (`--server`) and, for an `https://` server, the
+/// files of the client's mutual TLS (`--tls-cert`, `--tls-key`, `--tls-ca`,
+/// or the daemons' `SLUICE_TLS_*` variables).
+#[derive(Debug, Clone, Default)]
+pub struct Controller {
+    pub server: String,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
+}
 
 /// Why a command could not get its answer from the controller.
 #[derive(Debug)]
@@ -118,25 +130,32 @@ impl fmt::Display for CallError {
     }
 }
 
-/// The environment variables that name the client certificate, its key
-/// and the CA for an `https://` server (the daemons' `--tls-*` variables).
-const TLS_VARS: [&str; 3] = ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"];
-
-/// Reads the mutual TLS files an `https://` controller requires, named by
-/// [`TLS_VARS`] as `var` returns them.
-fn client_tls(var: impl Fn(&str) -> Option<String>) -> Result<ClientTlsConfig, CallError> {
+/// Reads the mutual TLS files an `https://` controller requires.
+fn client_tls(controller: &Controller) -> Result<ClientTlsConfig, CallError> {
     let tls = |reason: String| CallError::Tls { reason };
-    let paths = TLS_VARS.map(|name| (name, var(name).filter(|p| !p.is_empty())));
-    if let Some((unset, _)) = paths.iter().find(|(_, path)| path.is_none()) {
+    let files = [
+        ("--tls-cert", &controller.tls_cert),
+        ("--tls-key", &controller.tls_key),
+        ("--tls-ca", &controller.tls_ca),
+    ];
+    let given =
+        |path: &Option<PathBuf>| path.as_ref().filter(|p| !p.as_os_str().is_empty()).cloned();
+    if let Some((missing, _)) = files.iter().find(|(_, path)| given(path).is_none()) {
         return Err(tls(format!(
-            "an https:// --server needs {}: the controller requires a client certificate \
-             (unset {unset})",
-            TLS_VARS.join(", ")
+            "an https:// --server needs --tls-cert, --tls-key and --tls-ca (or SLUICE_TLS_CERT, \
+             SLUICE_TLS_KEY and SLUICE_TLS_CA): the controller requires a client certificate \
+             (missing {missing})"
         )));
     }
-    let [cert, key, ca] = paths.map(|(name, path)| {
-        let path = path.unwrap_or_default();
-        std::fs::read(&path).map_err(|e| tls(format!("{name}: cannot read {path}: {e}")))
+    let [cert, key, ca] = files.map(|(flag, path)| {
+        let path = given(path).unwrap_or_default();
+        std::fs::read(&path).map_err(|e| {
+            tls(format!(
+                "{flag}: cannot read {}: {}",
+                path.display(),
+                deepest_reason(&e)
+            ))
+        })
     });
     let (cert, key, ca) = (cert?, key?, ca?);
     Ok(ClientTlsConfig::new()
@@ -144,9 +163,10 @@ fn client_tls(var: impl Fn(&str) -> Option<String>) -> Result<ClientTlsConfig, C
         .ca_certificate(Certificate::from_pem(ca)))
 }
 
-/// Connects to the controller at `server` (`http://host:port`, or
-/// `https://host:port` with the files named by [`TLS_VARS`]).
-pub async fn connect(server: &str) -> Result<Admin, CallError> {
+/// Connects to the controller at `--server` (`http://host:port`, or
+/// `https://host:port` with the client's TLS files).
+pub async fn connect(controller: &Controller) -> Result<Admin, CallError> {
+    let server = controller.server.as_str();
     let unreachable = |reason: String| CallError::Unreachable {
         server: server.to_owned(),
         reason,
@@ -162,7 +182,7 @@ pub async fn connect(server: &str) -> Result<Admin, CallError> {
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(REQUEST_TIMEOUT);
     let endpoint = if server.starts_with("https://") {
-        let tls = client_tls(|name| std::env::var(name).ok())?;
+        let tls = client_tls(controller)?;
         endpoint.tls_config(tls).map_err(|e| CallError::Tls {
             reason: format!("the TLS files cannot be used: {}", deepest_reason(&e)),
         })?
@@ -177,16 +197,16 @@ pub async fn connect(server: &str) -> Result<Admin, CallError> {
 }
 
 /// Connects, then runs one request; a failure of either is a [`CallError`].
-pub async fn call<T, F, Fut>(server: &str, request: F) -> Result<T, CallError>
+pub async fn call<T, F, Fut>(controller: &Controller, request: F) -> Result<T, CallError>
 where
     F: FnOnce(Admin) -> Fut,
     Fut: Future<Output = Result<tonic::Response<T>, Status>>,
 {
-    let admin = connect(server).await?;
+    let admin = connect(controller).await?;
     request(admin)
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| CallError::from_status(server, s))
+        .map_err(|s| CallError::from_status(&controller.server, s))
 }
 
 /// Runs `future` on a small runtime of its own: the commands make a few
@@ -232,18 +252,26 @@ mod tests {
 
     #[test]
     fn https_needs_the_three_tls_files() {
-        let error =
-            client_tls(|name| (name == "SLUICE_TLS_CERT").then(|| "/c.crt".into())).unwrap_err();
-        assert!(
-            error.to_string().contains("(unset SLUICE_TLS_KEY)"),
-            "{error}"
-        );
+        let only_cert = Controller {
+            tls_cert: Some("/c.crt".into()),
+            tls_key: Some("".into()),
+            ..Controller::default()
+        };
+        let error = client_tls(&only_cert).unwrap_err();
+        assert!(error.to_string().contains("(missing --tls-key)"), "{error}");
         assert!(matches!(error.exit(), Exit::Usage));
-        let error = client_tls(|_| Some("/nonexistent/tls.pem".into())).unwrap_err();
+        let missing = "/nonexistent/tls.pem";
+        let unreadable = Controller {
+            tls_cert: Some(missing.into()),
+            tls_key: Some(missing.into()),
+            tls_ca: Some(missing.into()),
+            ..Controller::default()
+        };
+        let error = client_tls(&unreadable).unwrap_err();
         assert!(
             error
                 .to_string()
-                .starts_with("SLUICE_TLS_CERT: cannot read /nonexistent/tls.pem: "),
+                .starts_with("--tls-cert: cannot read /nonexistent/tls.pem: "),
             "{error}"
         );
     }
@@ -282,7 +310,11 @@ mod tests {
 
     #[tokio::test]
     async fn an_address_without_a_scheme_is_a_usage_error() {
-        let error = connect("localhost:7070").await.unwrap_err();
+        let controller = Controller {
+            server: "localhost:7070".into(),
+            ..Controller::default()
+        };
+        let error = connect(&controller).await.unwrap_err();
         assert_eq!(error.exit(), Exit::Usage);
         assert_eq!(
             error.lines(),

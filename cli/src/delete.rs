@@ -4,11 +4,11 @@
 use sluice_proto::v1;
 
 use crate::args::DeleteTarget;
-use crate::client;
+use crate::client::{self, Controller};
 use crate::exit::Exit;
 
 /// Runs `delete`: prints `policy/NAME deleted (revision N)`.
-pub fn run(server: &str, target: &DeleteTarget) -> Exit {
+pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
     let (word, kind, name) = match target {
         // Empty kind: whichever kind has a policy of this name.
         DeleteTarget::Policy { name } => ("policy", "", name),
@@ -18,7 +18,7 @@ pub fn run(server: &str, target: &DeleteTarget) -> Exit {
         kind: kind.to_owned(),
         name: name.clone(),
     };
-    let response = client::block_on(client::call(server, |mut admin| async move {
+    let response = client::block_on(client::call(controller, |mut admin| async move {
         admin.delete_policy(request).await
     }));
     match response {

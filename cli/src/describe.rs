@@ -6,15 +6,15 @@ use std::fmt::Write as _;
 use sluice_proto::v1;
 
 use crate::args::DescribeTarget;
-use crate::client::{self, CallError};
+use crate::client::{self, CallError, Controller};
 use crate::exit::Exit;
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
 use crate::view::{JobView, PoolView, SettingsView, StageView};
 
 /// Runs `describe`: asks the controller for one object, prints it.
-pub fn run(server: &str, target: &DescribeTarget) -> Exit {
-    match client::block_on(fetch(server, target)) {
+pub fn run(controller: &Controller, target: &DescribeTarget) -> Exit {
+    match client::block_on(fetch(controller, target)) {
         Ok(text) => {
             print!("{text}");
             Exit::Ok
@@ -23,9 +23,9 @@ pub fn run(server: &str, target: &DescribeTarget) -> Exit {
     }
 }
 
-async fn fetch(server: &str, target: &DescribeTarget) -> Result<String, CallError> {
-    let mut admin = client::connect(server).await?;
-    let failed = |s| CallError::from_status(server, s);
+async fn fetch(controller: &Controller, target: &DescribeTarget) -> Result<String, CallError> {
+    let mut admin = client::connect(controller).await?;
+    let failed = |s| CallError::from_status(&controller.server, s);
     let now = human::now_millis();
     let text = match target {
         DescribeTarget::Job { name } => {

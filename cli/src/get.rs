@@ -8,15 +8,15 @@ use serde::Serialize;
 use sluice_proto::v1;
 
 use crate::args::{Format, GetArgs, Listing};
-use crate::client::{self, CallError};
+use crate::client::{self, CallError, Controller};
 use crate::exit::Exit;
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
 use crate::view::{JobView, PolicyView, PoolView, StageView};
 
 /// Runs `get`: asks the controller, prints on stdout.
-pub fn run(server: &str, args: &GetArgs) -> Exit {
-    match client::block_on(fetch(server, args.what)) {
+pub fn run(controller: &Controller, args: &GetArgs) -> Exit {
+    match client::block_on(fetch(controller, args.what)) {
         Ok(listed) => {
             print!("{}", listed.render(args.output, human::now_millis()));
             Exit::Ok
@@ -35,9 +35,9 @@ pub enum Listed {
 }
 
 /// Asks the controller for one listing.
-pub async fn fetch(server: &str, what: Listing) -> Result<Listed, CallError> {
-    let mut admin = client::connect(server).await?;
-    let failed = |s| CallError::from_status(server, s);
+pub async fn fetch(controller: &Controller, what: Listing) -> Result<Listed, CallError> {
+    let mut admin = client::connect(controller).await?;
+    let failed = |s| CallError::from_status(&controller.server, s);
     let listed = match what {
         Listing::Pools => {
             let pools = admin.list_pools(v1::ListPoolsRequest {}).await;

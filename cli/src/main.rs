@@ -27,6 +27,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use crate::args::{Cli, Command};
+use crate::client::Controller;
 use crate::exit::Exit;
 
 fn main() -> ExitCode {
@@ -43,13 +44,19 @@ fn main() -> ExitCode {
             .into();
         }
     };
+    let controller = Controller {
+        server: cli.server,
+        tls_cert: cli.tls_cert,
+        tls_key: cli.tls_key,
+        tls_ca: cli.tls_ca,
+    };
     match cli.command {
         Command::Validate(args) => validate::run(&args),
-        Command::Apply(args) => apply::run(&cli.server, &args),
-        Command::Delete(target) => delete::run(&cli.server, &target),
-        Command::Get(args) => get::run(&cli.server, &args),
-        Command::Describe(target) => describe::run(&cli.server, &target),
-        Command::Top(args) => top::run(&cli.server, &args),
+        Command::Apply(args) => apply::run(&controller, &args),
+        Command::Delete(target) => delete::run(&controller, &target),
+        Command::Get(args) => get::run(&controller, &args),
+        Command::Describe(target) => describe::run(&controller, &target),
+        Command::Top(args) => top::run(&controller, &args),
         Command::Simulate(args) => simulate::run(&args),
     }
     .into()

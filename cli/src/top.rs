@@ -13,7 +13,7 @@ use std::time::Duration;
 use sluice_proto::v1;
 
 use crate::args::TopArgs;
-use crate::client::{self, Admin, CallError};
+use crate::client::{self, Admin, CallError, Controller};
 use crate::exit::Exit;
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
@@ -29,9 +29,10 @@ const HIDE_CURSOR: &str = "\x1b[?25l";
 const SHOW_CURSOR: &str = "\x1b[?25h";
 
 /// Runs `top`.
-pub fn run(server: &str, args: &TopArgs) -> Exit {
+pub fn run(controller: &Controller, args: &TopArgs) -> Exit {
+    let server = controller.server.as_str();
     client::block_on(async {
-        let admin = match client::connect(server).await {
+        let admin = match client::connect(controller).await {
             Ok(admin) => admin,
             Err(e) => return client::report(&e),
         };

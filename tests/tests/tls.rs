@@ -160,8 +160,9 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
         .collect();
     assert_eq!(ids, ["stage-good"]);
 
-    // sluicectl presents the same kind of certificate, named by the
-    // daemons' variables; without them an https:// server is a usage error.
+    // sluicectl presents the same kind of certificate, named by its
+    // --tls-* flags or the daemons' variables; without them an https://
+    // server is a usage error.
     let sluicectl = || {
         let mut c = Command::new(sluice_tests::binary("sluicectl"));
         c.args(["--server", &url, "get", "stages"])
@@ -176,17 +177,26 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     ] {
         with_tls.env(name, path);
     }
-    let out = with_tls.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{out:?}");
-    assert!(stdout.contains("stage-good"), "{stdout}");
+    let mut with_flags = sluicectl();
+    with_flags.arg("--tls-cert").arg(&client.cert);
+    with_flags.arg("--tls-key").arg(&client.key);
+    with_flags.arg("--tls-ca").arg(&client.ca);
+    for name in ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"] {
+        with_flags.env_remove(name);
+    }
+    for mut command in [with_tls, with_flags] {
+        let out = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        assert!(stdout.contains("stage-good"), "{stdout}");
+    }
     let mut without = sluicectl();
     for name in ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"] {
         without.env_remove(name);
     }
     let (code, stderr) = refused(without);
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("(unset SLUICE_TLS_CERT)"), "{stderr}");
+    assert!(stderr.contains("(missing --tls-cert)"), "{stderr}");
 }
 
 /// Runs `command` to its end and returns (exit code, standard error).
