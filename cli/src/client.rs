@@ -5,11 +5,12 @@
 use std::error::Error as _;
 use std::fmt;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use sluice_proto::tls::TlsFiles;
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
 use crate::exit::Exit;
@@ -133,34 +134,26 @@ impl fmt::Display for CallError {
 /// Reads the mutual TLS files an `https://` controller requires.
 fn client_tls(controller: &Controller) -> Result<ClientTlsConfig, CallError> {
     let tls = |reason: String| CallError::Tls { reason };
+    // An empty variable counts as not given.
+    fn given(path: &Option<PathBuf>) -> Option<&Path> {
+        path.as_deref().filter(|p| !p.as_os_str().is_empty())
+    }
     let files = [
-        ("--tls-cert", &controller.tls_cert),
-        ("--tls-key", &controller.tls_key),
-        ("--tls-ca", &controller.tls_ca),
+        ("--tls-cert", given(&controller.tls_cert)),
+        ("--tls-key", given(&controller.tls_key)),
+        ("--tls-ca", given(&controller.tls_ca)),
     ];
-    let given =
-        |path: &Option<PathBuf>| path.as_ref().filter(|p| !p.as_os_str().is_empty()).cloned();
-    if let Some((missing, _)) = files.iter().find(|(_, path)| given(path).is_none()) {
+    if let Some((missing, _)) = files.iter().find(|(_, path)| path.is_none()) {
         return Err(tls(format!(
             "an https:// --server needs --tls-cert, --tls-key and --tls-ca (or SLUICE_TLS_CERT, \
              SLUICE_TLS_KEY and SLUICE_TLS_CA): the controller requires a client certificate \
              (missing {missing})"
         )));
     }
-    let [cert, key, ca] = files.map(|(flag, path)| {
-        let path = given(path).unwrap_or_default();
-        std::fs::read(&path).map_err(|e| {
-            tls(format!(
-                "{flag}: cannot read {}: {}",
-                path.display(),
-                deepest_reason(&e)
-            ))
-        })
-    });
-    let (cert, key, ca) = (cert?, key?, ca?);
-    Ok(ClientTlsConfig::new()
-        .identity(Identity::from_pem(cert, key))
-        .ca_certificate(Certificate::from_pem(ca)))
+    let [cert, key, ca] = files.map(|(_, path)| path.unwrap_or(Path::new("")));
+    TlsFiles::read(cert, key, ca)
+        .map(TlsFiles::client)
+        .map_err(|e| tls(e.to_string()))
 }
 
 /// Connects to the controller at `--server` (`http://host:port`, or

@@ -7,10 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use sluice_policy::Millis;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use sluice_proto::tls::TlsFiles;
+use tonic::transport::ServerTlsConfig;
 
 /// The controller's flags.
 #[derive(Debug, Clone, Parser)]
@@ -90,7 +89,11 @@ impl ControllerConfig {
             tick: duration("--tick", &args.tick)?,
             stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
             policies: args.policies,
-            tls: server_tls(args.tls_cert, args.tls_key, args.tls_ca)?,
+            tls: server_tls(
+                args.tls_cert.as_deref(),
+                args.tls_key.as_deref(),
+                args.tls_ca.as_deref(),
+            )?,
         })
     }
 
@@ -113,35 +116,18 @@ impl ControllerConfig {
 /// `cert` and requires client certificates signed by `ca`; all three or
 /// none.
 fn server_tls(
-    cert: Option<PathBuf>,
-    key: Option<PathBuf>,
-    ca: Option<PathBuf>,
+    cert: Option<&Path>,
+    key: Option<&Path>,
+    ca: Option<&Path>,
 ) -> Result<Option<ServerTlsConfig>, ConfigError> {
-    let (cert, key, ca) = match (cert, key, ca) {
-        (None, None, None) => return Ok(None),
-        (Some(cert), Some(key), Some(ca)) => (cert, key, ca),
-        (cert, key, _) => {
-            let missing = if cert.is_none() {
-                "--tls-cert"
-            } else if key.is_none() {
-                "--tls-key"
-            } else {
-                "--tls-ca"
-            };
-            return Err(ConfigError {
-                flag: missing,
-                reason: "missing: --tls-cert, --tls-key and --tls-ca go together (give all \
-                         three for mutual TLS, or none)"
-                    .into(),
-            });
-        }
+    let files = TlsFiles::read_all_or_none(cert, key, ca).map_err(|e| ConfigError {
+        flag: e.flag,
+        reason: e.reason,
+    })?;
+    let Some(files) = files else {
+        return Ok(None);
     };
-    let cert = read_pem("--tls-cert", &cert, Pem::Certificates)?;
-    let key = read_pem("--tls-key", &key, Pem::PrivateKey)?;
-    let ca = read_pem("--tls-ca", &ca, Pem::Certificates)?;
-    let tls = ServerTlsConfig::new()
-        .identity(Identity::from_pem(cert, key))
-        .client_ca_root(Certificate::from_pem(ca));
+    let tls = files.server();
     // Builds the acceptor once now, so a key that does not match the
     // certificate stops the start instead of every connection.
     tonic::transport::Server::builder()
@@ -154,39 +140,6 @@ fn server_tls(
             ),
         })?;
     Ok(Some(tls))
-}
-
-/// What a PEM file must hold.
-#[derive(Debug, Clone, Copy)]
-enum Pem {
-    Certificates,
-    PrivateKey,
-}
-
-/// Reads `path` and checks it holds what `kind` says, naming the file when
-/// it does not.
-fn read_pem(flag: &'static str, path: &Path, kind: Pem) -> Result<Vec<u8>, ConfigError> {
-    let fail = |reason: String| ConfigError { flag, reason };
-    let bytes =
-        std::fs::read(path).map_err(|e| fail(format!("cannot read {}: {e}", path.display())))?;
-    let valid = match kind {
-        Pem::Certificates => {
-            let mut certs = CertificateDer::pem_slice_iter(&bytes).peekable();
-            certs.peek().is_some() && certs.all(|c| c.is_ok())
-        }
-        Pem::PrivateKey => PrivateKeyDer::from_pem_slice(&bytes).is_ok(),
-    };
-    if !valid {
-        let wanted = match kind {
-            Pem::Certificates => "certificates (-----BEGIN CERTIFICATE-----)",
-            Pem::PrivateKey => "a private key (-----BEGIN PRIVATE KEY-----, PKCS#8, RSA or EC)",
-        };
-        return Err(fail(format!(
-            "{} is not a valid PEM file: it must hold {wanted}",
-            path.display()
-        )));
-    }
-    Ok(bytes)
 }
 
 fn addr(flag: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {

@@ -337,9 +337,12 @@ impl StageConfig {
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
-        let controller_tls =
-            crate::session::tls::client_config(args.tls_cert, args.tls_key, args.tls_ca)
-                .map_err(ConfigError)?;
+        let controller_tls = crate::session::tls::client_config(
+            args.tls_cert.as_deref(),
+            args.tls_key.as_deref(),
+            args.tls_ca.as_deref(),
+        )
+        .map_err(ConfigError)?;
         match (&controller, &controller_tls) {
             (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => {
                 return err(format!(

@@ -9,9 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::protocol::{ErrorCode, ProtocolError};
-use crate::storage::{
-    Chunk, direct_unsupported, io_error, read_range, read_whole, whole_footprint,
-};
+use crate::storage::{Chunk, direct_unsupported, io_error, read_range, read_whole};
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
@@ -156,11 +154,6 @@ impl Dataset {
             ));
         }
         Ok(canonical)
-    }
-
-    /// Bytes a prefetched file of `size` bytes holds in the buffer.
-    pub fn footprint(&self, size: u64) -> u64 {
-        whole_footprint(size)
     }
 
     /// Reads the whole file `name` for prefetching: direct I/O when enabled

@@ -17,6 +17,8 @@ pub mod v1 {
     tonic::include_proto!("sluice.v1");
 }
 
+pub mod tls;
+
 pub use v1::admin_service_client::AdminServiceClient;
 pub use v1::admin_service_server::{AdminService, AdminServiceServer};
 pub use v1::stage_service_client::StageServiceClient;

@@ -10,7 +10,7 @@ use crate::dataset::Dataset;
 use crate::engine::Memory;
 use crate::engine::plan_run::Fetched;
 use crate::metrics::{DatasetMetrics, Metrics};
-use crate::storage::Chunk;
+use crate::storage::{Chunk, whole_footprint};
 
 /// A fetch a reader has committed to.
 pub(super) struct Work {
@@ -160,7 +160,7 @@ impl JobState {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
             let file_bytes = plan.size_of(pos);
-            let size = plan.dataset.footprint(file_bytes);
+            let size = whole_footprint(file_bytes);
             let empty = plan.reserved == 0;
             let fits = self.reserved + size <= capacity && plan.reserved + size <= share;
             if !(fits || waiting || empty) {
