@@ -143,16 +143,19 @@ fn client_tls(controller: &Controller) -> Result<ClientTlsConfig, CallError> {
         ("--tls-key", given(&controller.tls_key)),
         ("--tls-ca", given(&controller.tls_ca)),
     ];
-    if let Some((missing, _)) = files.iter().find(|(_, path)| path.is_none()) {
+    let [(_, Some(cert)), (_, Some(key)), (_, Some(ca))] = files else {
+        let (missing, _) = files
+            .iter()
+            .find(|(_, path)| path.is_none())
+            .expect("one is missing");
         return Err(tls(format!(
             "an https:// --server needs --tls-cert, --tls-key and --tls-ca (or SLUICE_TLS_CERT, \
              SLUICE_TLS_KEY and SLUICE_TLS_CA): the controller requires a client certificate \
              (missing {missing})"
         )));
-    }
-    let [cert, key, ca] = files.map(|(_, path)| path.unwrap_or(Path::new("")));
+    };
     TlsFiles::read(cert, key, ca)
-        .map(TlsFiles::client)
+        .and_then(TlsFiles::client)
         .map_err(|e| tls(e.to_string()))
 }
 

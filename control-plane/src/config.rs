@@ -120,26 +120,12 @@ fn server_tls(
     key: Option<&Path>,
     ca: Option<&Path>,
 ) -> Result<Option<ServerTlsConfig>, ConfigError> {
-    let files = TlsFiles::read_all_or_none(cert, key, ca).map_err(|e| ConfigError {
-        flag: e.flag,
-        reason: e.reason,
-    })?;
-    let Some(files) = files else {
-        return Ok(None);
-    };
-    let tls = files.server();
-    // Builds the acceptor once now, so a key that does not match the
-    // certificate stops the start instead of every connection.
-    tonic::transport::Server::builder()
-        .tls_config(tls.clone())
+    TlsFiles::read_all_or_none(cert, key, ca)
+        .and_then(|files| files.map(TlsFiles::server).transpose())
         .map_err(|e| ConfigError {
-            flag: "--tls-key",
-            reason: format!(
-                "the key and certificate cannot be used: {:#}",
-                anyhow::Error::new(e)
-            ),
-        })?;
-    Ok(Some(tls))
+            flag: e.flag,
+            reason: e.reason,
+        })
 }
 
 fn addr(flag: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {

@@ -25,7 +25,9 @@ use crate::compute::{JobShare, StageInfo, StageSettings, compute, settle};
 use crate::demand::{Demands, Window};
 use crate::metrics::Throughput;
 use crate::sessions::push;
-use crate::state::{Allocations, Desired, SessionHandle, Shared, lock, read_policies};
+use crate::state::{
+    Allocations, Desired, JobSample, SessionHandle, Shared, Telemetry, lock, read_policies,
+};
 use crate::store::{Leadership, StoreError};
 
 /// Runs the loop until `cancel` fires (then releases the lease), or until
@@ -122,6 +124,13 @@ struct Plan {
     pending_stages: usize,
 }
 
+/// The jobs of a stage's report that have trainers there. A job without
+/// trainers on a stage is not reading there; one without trainers anywhere
+/// has left and gives its share back.
+fn reading(report: &Telemetry) -> impl Iterator<Item = (&String, &JobSample)> {
+    report.jobs.iter().filter(|(_, s)| s.connections > 0)
+}
+
 fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     let mut live = lock(&shared.live);
     let reporting = || {
@@ -134,7 +143,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
     for (id, l, now) in reporting() {
         let before = l.previous.as_ref();
         let seconds = before.map_or(0.0, |b| (now.unix_millis - b.unix_millis) as f64 / 1000.0);
-        for (job, sample) in now.jobs.iter().filter(|(_, s)| s.connections > 0) {
+        for (job, sample) in reading(now) {
             let window = before
                 .and_then(|b| b.jobs.get(job))
                 .and_then(|b| Window::between(b, sample, seconds, now.unix_millis));
@@ -155,14 +164,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
             },
             memory_budget: l.hello.memory_budget_bytes,
             reader_budget: l.hello.reader_budget,
-            // A job without trainers on a stage is not reading there; one
-            // without trainers anywhere has left and gives its share back.
-            jobs: now
-                .jobs
-                .iter()
-                .filter(|(_, s)| s.connections > 0)
-                .map(|(j, s)| (j.as_str(), &s.labels))
-                .collect(),
+            jobs: reading(now).map(|(j, s)| (j.as_str(), &s.labels)).collect(),
         })
         .collect();
     let policies = read_policies(shared);

@@ -1,5 +1,6 @@
 //! `sluice-controller` binary: parse the configuration, bind, print the
-//! ready line (with the role: `leader` or `standby`), serve until SIGTERM or SIGINT (a second signal exits at once).
+//! ready line (with the role: `leader` or `standby`), serve until SIGTERM
+//! or SIGINT (a second signal exits at once).
 
 use std::process::ExitCode;
 

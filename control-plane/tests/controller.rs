@@ -5,8 +5,8 @@
 //! event watch.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use sluice_controller::{Controller, ControllerConfig};
 use sluice_proto::v1::{
@@ -15,7 +15,8 @@ use sluice_proto::v1::{
     controller_message, stage_message,
 };
 use sluice_proto::{AdminServiceClient, StageServiceClient};
-use sqlx::{Connection, PgConnection};
+use sluice_tests::eventually;
+use sluice_tests::postgres::TestDatabase;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -38,6 +39,9 @@ spec:
   prefetch: {readers: {min: 2, max: 8}, buffer: {min: 8MiB, max: 64MiB}}
 ";
 
+/// How long a test waits for what the controller does on its own.
+const WAIT: Duration = Duration::from_secs(10);
+
 struct Running {
     grpc: String,
     http: String,
@@ -45,54 +49,9 @@ struct Running {
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-/// A fresh store: a SQLite file, or a database of its own on the server
-/// named by `SLUICE_TEST_POSTGRES_URL` (`None`: skip, except in CI).
-async fn store_url(backend: &str, dir: &std::path::Path, test: &str) -> Option<String> {
-    if backend == "sqlite" {
-        return Some(format!("sqlite://{}", dir.join("c.db").display()));
-    }
-    let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "SLUICE_TEST_POSTGRES_URL must be set in CI"
-        );
-        let _ = writeln!(
-            std::io::stderr(),
-            "note: skipping {test} on postgres: SLUICE_TEST_POSTGRES_URL is not set"
-        );
-        return None;
-    };
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let mut name = format!("sluice_ctl_{}_{stamp}_{test}", std::process::id());
-    name.truncate(63);
-    let mut admin = PgConnection::connect(&server).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    admin.close().await.ok();
-    let (base, _) = server.rsplit_once('/').expect("a URL with a database");
-    Some(format!("{base}/{name}"))
-}
-
-/// Drops the database a Postgres test created (after its controller
-/// stopped); nothing for SQLite.
-async fn drop_postgres_database(url: &str) {
-    let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
-        return;
-    };
-    let Some((_, name)) = url.rsplit_once('/').filter(|_| url.starts_with("postgres")) else {
-        return;
-    };
-    let mut admin = PgConnection::connect(&server).await.unwrap();
-    let drop = format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
-        .execute(&mut admin)
-        .await
-        .unwrap();
-    admin.close().await.ok();
+/// A fresh SQLite store in `dir`.
+fn sqlite_url(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("c.db").display())
 }
 
 async fn start(url: &str) -> Running {
@@ -184,20 +143,6 @@ impl Session {
     }
 }
 
-async fn eventually<T, Fut: std::future::Future<Output = Option<T>>>(
-    what: &str,
-    mut check: impl FnMut() -> Fut,
-) -> T {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 async fn stage(admin: &mut AdminServiceClient<Channel>) -> pb::Stage {
     let request = GetStageRequest {
         id: "stage-1".into(),
@@ -217,21 +162,22 @@ fn apply_request(yaml: &str, dry_run: bool) -> ApplyPoliciesRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settings_flow_on_sqlite() {
-    settings_flow("sqlite").await;
+    let dir = tempfile::tempdir().unwrap();
+    settings_flow(&sqlite_url(dir.path())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settings_flow_on_postgres() {
-    settings_flow("postgres").await;
+    let Some(database) = TestDatabase::create("settings_flow").await else {
+        return;
+    };
+    settings_flow(database.url()).await;
+    database.remove().await;
 }
 
 /// Settings flow from policy to stage, with nacks, acks and re-push.
-async fn settings_flow(backend: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(url) = store_url(backend, dir.path(), "settings_flow").await else {
-        return;
-    };
-    let c = start(&url).await;
+async fn settings_flow(url: &str) {
+    let c = start(url).await;
     let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
         .await
         .unwrap();
@@ -271,7 +217,7 @@ async fn settings_flow(backend: &str) {
         reason: "no thanks".into(),
     };
     s.send(stage_message::Kind::Nack(nack)).await;
-    let shown = eventually("the nack", || {
+    let shown = eventually("the nack", WAIT, || {
         let mut admin = admin.clone();
         async move { stage(&mut admin).await.last_nack }
     })
@@ -284,7 +230,7 @@ async fn settings_flow(backend: &str) {
         version: pushed.version,
     }))
     .await;
-    eventually("the ack", || {
+    eventually("the ack", WAIT, || {
         let mut admin = admin.clone();
         async move {
             let st = stage(&mut admin).await;
@@ -312,7 +258,7 @@ async fn settings_flow(backend: &str) {
     drop(s);
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
-    let c = start(&url).await;
+    let c = start(url).await;
     let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
         .await
         .unwrap();
@@ -356,22 +302,21 @@ async fn settings_flow(backend: &str) {
     // (The stage reports again first: silent past the timeout it is lost,
     // and a lost stage's jobs hold no allocation.)
     s.report().await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    let pools = loop {
-        let pools = admin
-            .list_pools(ListPoolsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .pools;
-        // Its first window not measured yet, the job counts as greedy and
-        // gets its whole limit.
-        if pools[0].allocated_bytes_per_second == 100_000_000 {
-            break pools;
+    let pools = eventually("the job's whole limit in its pool", WAIT, || {
+        let mut admin = admin.clone();
+        async move {
+            let pools = admin
+                .list_pools(ListPoolsRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .pools;
+            // Its first window not measured yet, the job counts as greedy
+            // and gets its whole limit.
+            (pools[0].allocated_bytes_per_second == 100_000_000).then_some(pools)
         }
-        assert!(tokio::time::Instant::now() < deadline, "{pools:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     assert_eq!(pools[0].jobs, ["train"]);
     let in_use = DeletePolicyRequest {
         kind: "pool".into(),
@@ -421,13 +366,12 @@ async fn settings_flow(backend: &str) {
 
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
-    drop_postgres_database(&url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_policies_are_refused_with_locations_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let c = start(&sqlite_url(dir.path())).await;
     let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
         .await
         .unwrap();
@@ -471,7 +415,7 @@ async fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_view_applies_lists_and_refuses() {
     let dir = tempfile::tempdir().unwrap();
-    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let c = start(&sqlite_url(dir.path())).await;
     let ok = http(&c.http, "POST", "/api/v1/policies?source=web.yaml", POLICY).await;
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
     assert!(ok.contains(r#""outcome":"created""#), "{ok}");
@@ -532,12 +476,11 @@ async fn http_view_applies_lists_and_refuses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_controller_on_one_postgres_stands_by_until_the_lease_is_free() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(url) = store_url("postgres", dir.path(), "second_controller").await else {
+    let Some(database) = TestDatabase::create("second_controller").await else {
         return;
     };
-    let c = start(&url).await;
-    let standby = Controller::bind(ControllerConfig::for_tests(url.as_str()))
+    let c = start(database.url()).await;
+    let standby = Controller::bind(ControllerConfig::for_tests(database.url()))
         .await
         .unwrap();
     assert!(!standby.is_leader());
@@ -550,20 +493,20 @@ async fn a_second_controller_on_one_postgres_stands_by_until_the_lease_is_free()
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
     // Released at shutdown: the standby takes the lease and turns ready.
-    eventually("the standby to turn ready", || async {
+    eventually("the standby to turn ready", WAIT, || async {
         let readyz = http(&standby_http, "GET", "/readyz", "").await;
         readyz.starts_with("HTTP/1.1 200").then_some(())
     })
     .await;
     cancel.cancel();
     task.await.unwrap().unwrap();
-    drop_postgres_database(&url).await;
+    database.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policies_given_at_start_are_applied_once_and_reloaded() {
     let dir = tempfile::tempdir().unwrap();
-    let url = store_url("sqlite", dir.path(), "").await.unwrap();
+    let url = sqlite_url(dir.path());
     let file = dir.path().join("static.yaml");
     std::fs::write(&file, POLICY).unwrap();
     for _ in 0..2 {
@@ -601,7 +544,7 @@ async fn policies_given_at_start_are_applied_once_and_reloaded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_misbehaving_stage_does_not_hold_up_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    let c = start(&store_url("sqlite", dir.path(), "").await.unwrap()).await;
+    let c = start(&sqlite_url(dir.path())).await;
     let url = format!("http://{}", c.grpc);
 
     // A session that does not open with a hello is refused.

@@ -8,11 +8,8 @@
 //! note, except when `CI=true`, where they fail: a silent skip in CI would
 //! hide a broken backend. `scripts/test` starts a server (`scripts/postgres`).
 
-use std::io::Write;
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use sluice_controller::store::{Labels, NewEvent, StageHello, Store, StoreError};
-use sqlx::{Connection, PgConnection};
+use sluice_tests::postgres::TestDatabase;
 
 // A test crate's root looks for modules beside it, where cargo would take
 // them for test crates of their own: hence the paths.
@@ -72,8 +69,8 @@ struct Fixture {
     url: String,
     /// Keeps the SQLite file's directory alive.
     _dir: Option<tempfile::TempDir>,
-    /// Postgres: the server URL and the database this test created.
-    postgres: Option<(String, String)>,
+    /// Postgres: the database this test created.
+    postgres: Option<TestDatabase>,
 }
 
 impl Fixture {
@@ -90,46 +87,11 @@ impl Fixture {
     /// Creates a database for one test, or returns `None` (skip) when no
     /// server is configured outside CI.
     async fn postgres(test: &str) -> Option<Self> {
-        let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
-            if std::env::var("CI").as_deref() == Ok("true") {
-                panic!(
-                    "SLUICE_TEST_POSTGRES_URL is not set but CI=true: the Postgres store tests \
-                     must run in CI (scripts/test starts a server with scripts/postgres)"
-                );
-            }
-            // Straight to stderr: eprintln! would be captured and hidden
-            // because the test passes.
-            let _ = writeln!(
-                std::io::stderr(),
-                "note: skipping postgres::{test}: SLUICE_TEST_POSTGRES_URL is not set \
-                 (scripts/postgres starts a throwaway server and prints the URL to use)"
-            );
-            return None;
-        };
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let mut name = format!(
-            "sluice_{}_{}_{stamp}_{test}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
-        name.truncate(63);
-        let mut admin = PgConnection::connect(&server)
-            .await
-            .expect("connecting to the test server");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-            .execute(&mut admin)
-            .await
-            .expect("creating the test database");
-        admin.close().await.ok();
-        let url = with_database(&server, &name);
+        let database = TestDatabase::create(test).await?;
         Some(Self {
-            url,
+            url: database.url().to_owned(),
             _dir: None,
-            postgres: Some((server, name)),
+            postgres: Some(database),
         })
     }
 
@@ -141,33 +103,11 @@ impl Fixture {
 
     /// Drops this test's database (left behind when the test failed, for a
     /// look; the throwaway server goes anyway).
-    async fn drop_database(&self) {
-        let Some((server, name)) = &self.postgres else {
-            return;
-        };
-        let mut admin = PgConnection::connect(server)
-            .await
-            .expect("connecting to the test server");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
-        )))
-        .execute(&mut admin)
-        .await
-        .expect("dropping the test database");
+    async fn drop_database(self) {
+        if let Some(database) = self.postgres {
+            database.remove().await;
+        }
     }
-}
-
-/// Returns `url` naming database `name` instead of its own.
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, format!("?{query}")),
-        None => (url, String::new()),
-    };
-    let authority_start = base.find("://").map_or(0, |i| i + 3);
-    let path_start = base[authority_start..]
-        .find('/')
-        .map_or(base.len(), |i| authority_start + i);
-    format!("{}/{name}{query}", &base[..path_start])
 }
 
 fn labels(pairs: &[(&str, &str)]) -> Labels {
@@ -229,17 +169,4 @@ async fn sqlite_in_memory_keeps_its_data() {
     let store = Store::open("sqlite::memory:").await.unwrap();
     store.apply_policy(JOB, "p", "t").await.unwrap();
     assert_eq!(store.current_policies().await.unwrap().len(), 1);
-}
-
-#[test]
-fn test_database_urls_keep_their_options() {
-    assert_eq!(
-        with_database("postgres://u@h:1/postgres", "t"),
-        "postgres://u@h:1/t"
-    );
-    assert_eq!(with_database("postgres://u@h:1", "t"), "postgres://u@h:1/t");
-    assert_eq!(
-        with_database("postgres://u@h/db?sslmode=disable", "t"),
-        "postgres://u@h/t?sslmode=disable"
-    );
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 use sluice_policy::{ByteRate, ByteSize, OpsRate};
+use sluice_proto::tls::TlsFiles;
 use tonic::transport::ClientTlsConfig;
 
 use crate::engine::JobSettings;
@@ -337,12 +338,16 @@ impl StageConfig {
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
-        let controller_tls = crate::session::tls::client_config(
+        // Mutual TLS with the controller: the stage presents its
+        // certificate and accepts only a controller whose certificate
+        // --tls-ca signed, for the host of the `https://` URL.
+        let controller_tls = TlsFiles::read_all_or_none(
             args.tls_cert.as_deref(),
             args.tls_key.as_deref(),
             args.tls_ca.as_deref(),
         )
-        .map_err(ConfigError)?;
+        .and_then(|files| files.map(TlsFiles::client).transpose())
+        .map_err(|e| ConfigError(e.to_string()))?;
         match (&controller, &controller_tls) {
             (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => {
                 return err(format!(

@@ -8,16 +8,15 @@
 //! version it runs, so a restarted controller knows what is in force.
 
 mod convert;
-pub mod tls;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use sluice_proto::StageServiceClient;
 use sluice_proto::v1::{
     Ack, ControllerMessage, Hello, Nack, StageMessage, controller_message, stage_message,
 };
+use sluice_proto::{StageServiceClient, error_chain};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -130,19 +129,6 @@ fn refusal(status: &tonic::Status) -> String {
             status.message()
         ),
     }
-}
-
-/// Returns an error with its sources, `: `-separated (a transport error's
-/// own message is only "transport error").
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// A delay between half and all of `backoff`, so stages that lost the same

@@ -6,9 +6,9 @@
 //! sample costs no allocation, zeroing or page faults once the stage is warm.
 //! Buffered reads are the default: on the measured virtual disk they deliver
 //! about a third more samples per second end to end than `O_DIRECT`, for
-//! about 1.4x the stage's CPU (docs/data-plane.md). Direct reads keep the data out
-//! of the page cache; they land in a 4 KiB-aligned window of an ordinary
-//! `Vec`, so no unsafe allocation is needed.
+//! about 1.4x the stage's CPU (docs/data-plane.md). Direct reads keep the
+//! data out of the page cache; they land in a 4 KiB-aligned window of an
+//! ordinary `Vec`, so no unsafe allocation is needed.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};

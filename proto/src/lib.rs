@@ -19,6 +19,19 @@ pub mod v1 {
 
 pub mod tls;
 
+/// Returns an error with its sources, `: `-separated: a tonic transport
+/// error's own message is only "transport error".
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
 pub use v1::admin_service_client::AdminServiceClient;
 pub use v1::admin_service_server::{AdminService, AdminServiceServer};
 pub use v1::stage_service_client::StageServiceClient;

@@ -2,14 +2,16 @@
 //! `--tls-cert`, `--tls-key` and `--tls-ca` flags name them: the controller
 //! (server), the stages and `sluicectl` (clients). Reading them is one
 //! thing everywhere: each file is read and checked to hold what its flag
-//! says, and an error names the flag and the file.
+//! says, the key is checked to go with the certificate when the
+//! configuration is built (so a bad pair stops the start, not every
+//! connection), and an error names the flag and the file.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 
 /// A TLS flag whose file is missing, unreadable or not what it must be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +36,9 @@ pub struct TlsFiles {
     cert: Vec<u8>,
     key: Vec<u8>,
     ca: Vec<u8>,
+    /// Where the certificate and the key came from, for errors.
+    cert_path: PathBuf,
+    key_path: PathBuf,
 }
 
 impl TlsFiles {
@@ -43,6 +48,8 @@ impl TlsFiles {
             cert: read_pem("--tls-cert", cert, Pem::Certificates)?,
             key: read_pem("--tls-key", key, Pem::PrivateKey)?,
             ca: read_pem("--tls-ca", ca, Pem::Certificates)?,
+            cert_path: cert.to_owned(),
+            key_path: key.to_owned(),
         })
     }
 
@@ -71,18 +78,39 @@ impl TlsFiles {
 
     /// A client that presents the certificate and accepts only a server
     /// whose certificate the CA signed.
-    pub fn client(self) -> ClientTlsConfig {
-        ClientTlsConfig::new()
-            .identity(Identity::from_pem(self.cert, self.key))
-            .ca_certificate(Certificate::from_pem(self.ca))
+    pub fn client(self) -> Result<ClientTlsConfig, TlsError> {
+        let tls = ClientTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert, &self.key))
+            .ca_certificate(Certificate::from_pem(&self.ca));
+        Endpoint::from_static("https://localhost")
+            .tls_config(tls.clone())
+            .map_err(|e| self.unusable(&e))?;
+        Ok(tls)
     }
 
     /// A server that presents the certificate and requires client
     /// certificates the CA signed.
-    pub fn server(self) -> ServerTlsConfig {
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(self.cert, self.key))
-            .client_ca_root(Certificate::from_pem(self.ca))
+    pub fn server(self) -> Result<ServerTlsConfig, TlsError> {
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&self.cert, &self.key))
+            .client_ca_root(Certificate::from_pem(&self.ca));
+        Server::builder()
+            .tls_config(tls.clone())
+            .map_err(|e| self.unusable(&e))?;
+        Ok(tls)
+    }
+
+    /// The error of a key and certificate that rustls cannot use together.
+    fn unusable(&self, e: &dyn std::error::Error) -> TlsError {
+        TlsError {
+            flag: "--tls-key",
+            reason: format!(
+                "{} cannot be used with --tls-cert {}: {}",
+                self.key_path.display(),
+                self.cert_path.display(),
+                crate::error_chain(e)
+            ),
+        }
     }
 }
 

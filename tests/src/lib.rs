@@ -1,10 +1,15 @@
-//! Support for the end-to-end tests in `tests/`: locating (and building) the
-//! workspace's binaries so the tests run the real programs.
+//! Support for the workspace's end-to-end tests: locating (and building)
+//! the binaries so the tests run the real programs, a Postgres database per
+//! test ([`postgres::TestDatabase`]), and polling with a deadline.
+
+pub mod postgres;
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Returns the path of the workspace binary `name`, building it once per
 /// test process so the tests never run a stale one (`cargo test` builds
@@ -40,4 +45,21 @@ pub fn binary(name: &str) -> PathBuf {
     let path = profile_dir.join(name);
     assert!(path.exists(), "{} was not built", path.display());
     path
+}
+
+/// Polls `check` until it returns `Some` and returns that, failing the
+/// test after `limit`.
+pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -15,11 +15,13 @@ use std::time::{Duration, Instant};
 
 use sluice_proto::AdminServiceClient;
 use sluice_proto::v1::{
-    ApplyPoliciesRequest, GetJobRequest, ListJobsRequest, ListPoliciesRequest, ListStagesRequest,
-    PolicySource, Stage, StageState,
+    GetJobRequest, ListJobsRequest, ListPoliciesRequest, ListStagesRequest, Stage, StageState,
 };
 use sluice_stage::protocol::Request as Frame;
-use support::{KillOnDrop, controller_command_at, eventually, http, stage_command, start, trainer};
+use support::{
+    KillOnDrop, admin, apply, controller_command_at, eventually, http, stage_command, start,
+    trainer,
+};
 use tonic::transport::Channel;
 
 const POLICY: &str = "
@@ -107,12 +109,6 @@ fn read_file(socket: &Path, job: &str, name: &str) -> Vec<u8> {
     data[5..].to_vec()
 }
 
-async fn admin(grpc: &str) -> AdminServiceClient<Channel> {
-    AdminServiceClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap()
-}
-
 async fn stages(client: &mut AdminServiceClient<Channel>) -> Vec<Stage> {
     client
         .list_stages(ListStagesRequest {})
@@ -150,21 +146,6 @@ async fn converged(client: &mut AdminServiceClient<Channel>, job: &str) -> BTree
         },
     )
     .await
-}
-
-async fn apply(
-    client: &mut AdminServiceClient<Channel>,
-    name: &str,
-    yaml: &str,
-) -> Result<(), tonic::Status> {
-    let request = ApplyPoliciesRequest {
-        sources: vec![PolicySource {
-            name: name.into(),
-            yaml: yaml.into(),
-        }],
-        dry_run: false,
-    };
-    client.apply_policies(request).await.map(|_| ())
 }
 
 /// Bytes per second pushed for `job` on each stage, by stage id (empty

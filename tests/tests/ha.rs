@@ -11,52 +11,16 @@
 
 mod support;
 
-use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
+use sluice_proto::StageServiceClient;
 use sluice_proto::v1::{ListPoliciesRequest, ListStagesRequest};
-use sluice_proto::{AdminServiceClient, StageServiceClient};
-use sqlx::{Connection, PgConnection};
+use sluice_tests::postgres::TestDatabase;
 use support::{
-    KillOnDrop, acked_above, apply, controller_command, eventually, http, policy, stage_command,
-    trainer,
+    KillOnDrop, acked_above, admin, apply, controller_command, eventually, http, policy,
+    stage_command, trainer,
 };
-use tonic::transport::Channel;
-
-/// A database of its own on the test server, or `None` (skip) when no
-/// server is configured outside CI.
-async fn postgres_database(test: &str) -> Option<String> {
-    let Ok(server) = std::env::var("SLUICE_TEST_POSTGRES_URL") else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "SLUICE_TEST_POSTGRES_URL is not set but CI=true: the HA tests must run in CI \
-             (scripts/test starts a server with scripts/postgres)"
-        );
-        // Straight to stderr: eprintln! would be captured and hidden.
-        let _ = writeln!(
-            std::io::stderr(),
-            "note: skipping {test}: SLUICE_TEST_POSTGRES_URL is not set \
-             (scripts/postgres starts a throwaway server and prints the URL to use)"
-        );
-        return None;
-    };
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let mut name = format!("sluice_ha_{}_{stamp}_{test}", std::process::id());
-    name.truncate(63);
-    let mut admin = PgConnection::connect(&server)
-        .await
-        .expect("connecting to the test server");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-        .execute(&mut admin)
-        .await
-        .expect("creating the test database");
-    admin.close().await.ok();
-    let (base, _) = server.rsplit_once('/').expect("a URL with a database");
-    Some(format!("{base}/{name}"))
-}
 
 struct Replica {
     process: KillOnDrop,
@@ -105,20 +69,17 @@ fn service(backends: Vec<(String, String)>) -> String {
     addr
 }
 
-async fn admin(grpc: &str) -> AdminServiceClient<Channel> {
-    AdminServiceClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
-    let Some(url) = postgres_database("standby_takes_over").await else {
+    // The database is left behind: replica B still uses it when the test
+    // ends, and the throwaway server goes anyway.
+    let Some(database) = TestDatabase::create("standby_takes_over").await else {
         return;
     };
+    let url = database.url();
     let dir = tempfile::tempdir().unwrap();
-    let mut a = replica(&url, &dir.path().join("a.log"));
-    let b = replica(&url, &dir.path().join("b.log"));
+    let mut a = replica(url, &dir.path().join("a.log"));
+    let b = replica(url, &dir.path().join("b.log"));
     assert_eq!(a.ready_line["role"], "leader");
     assert_eq!(b.ready_line["role"], "standby");
 
@@ -157,7 +118,9 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
     let _stage = support::start(command, &dir.path().join("stage.log"));
     let _trainer = trainer(&socket, "resnet");
     let mut leader = admin(&a.grpc).await;
-    apply(&mut leader, policy("100MB/s")).await;
+    apply(&mut leader, "policy.yaml", &policy("100MB/s"))
+        .await
+        .unwrap();
     let from_a = acked_above(&leader, "stage-1", 0).await;
 
     // A dies without releasing anything: B takes over within seconds.
@@ -187,6 +150,8 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
     // increasing across leaders.
     let resumed = acked_above(&leader, "stage-1", 0).await;
     assert!(resumed >= from_a, "{resumed} < {from_a}");
-    apply(&mut leader, policy("200MB/s")).await;
+    apply(&mut leader, "policy.yaml", &policy("200MB/s"))
+        .await
+        .unwrap();
     acked_above(&leader, "stage-1", resumed).await;
 }

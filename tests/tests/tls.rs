@@ -121,7 +121,9 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     let _good = support::start(good, &dir.path().join("good.log"));
     let _trainer = trainer(&socket, "resnet");
     let mut admin = admin(grpc, &client).await;
-    apply(&mut admin, policy("100MB/s")).await;
+    apply(&mut admin, "policy.yaml", &policy("100MB/s"))
+        .await
+        .unwrap();
     let first = acked_above(&admin, "stage-good", 0).await;
 
     // A certificate from another CA: the handshake fails, the stage keeps
@@ -147,7 +149,9 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     assert!(text.contains("it requires TLS"), "{text}");
 
     // The controller kept serving the good stage.
-    apply(&mut admin, policy("200MB/s")).await;
+    apply(&mut admin, "policy.yaml", &policy("200MB/s"))
+        .await
+        .unwrap();
     acked_above(&admin, "stage-good", first).await;
     let ids: Vec<String> = admin
         .list_stages(ListStagesRequest {})

@@ -9,12 +9,14 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
 use sluice_proto::v1::{ApplyPoliciesRequest, ListStagesRequest, PolicySource, StageState};
 use sluice_stage::protocol::Request as Frame;
 use tonic::transport::Channel;
+
+pub use sluice_tests::eventually;
 
 /// A job policy that gives job `resnet` (labels `team: vision`) a limit.
 pub fn policy(bytes_per_second: &str) -> String {
@@ -132,32 +134,27 @@ pub fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
     out
 }
 
-/// Polls `check` until it returns `Some`, failing after `limit`.
-pub async fn eventually<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+/// An admin client of the controller at `grpc` (plain text).
+pub async fn admin(grpc: &str) -> AdminServiceClient<Channel> {
+    AdminServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap()
 }
 
-/// Applies `yaml` as one policy file through the admin API.
-pub async fn apply(client: &mut AdminServiceClient<Channel>, yaml: String) {
+/// Applies `yaml` as one policy file called `name` through the admin API.
+pub async fn apply(
+    client: &mut AdminServiceClient<Channel>,
+    name: &str,
+    yaml: &str,
+) -> Result<(), tonic::Status> {
     let request = ApplyPoliciesRequest {
         sources: vec![PolicySource {
-            name: "policy.yaml".into(),
-            yaml,
+            name: name.into(),
+            yaml: yaml.into(),
         }],
         dry_run: false,
     };
-    client.apply_policies(request).await.unwrap();
+    client.apply_policies(request).await.map(|_| ())
 }
 
 /// Waits until stage `id` is connected and runs the version the controller
