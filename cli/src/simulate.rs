@@ -1,15 +1,14 @@
 //! `sluicectl simulate -f POLICIES --scenario FILE`: an offline what-if.
 //! Jobs arrive, change their demand and leave as the scenario says; at
-//! every tick the allocation engine the controller runs shares the pools
-//! among them, from a snapshot built the way the controller builds its
-//! own, so what the simulation shows is what the controller would do.
+//! every tick the controller's own decision (`sluice_policy::coordination`:
+//! demand estimation, allocation, loans, what is pushed) runs on the
+//! telemetry the scenario implies (`sluice_policy::simulation`), so what
+//! the simulation shows is what the controller would enforce.
 //!
-//! Policies are read and checked as `validate` reads them; the scenario
-//! is [`scenario`], running it [`timeline`], printing it [`render`].
+//! Policies are read and checked as `validate` reads them, the scenario
+//! with the policy language's positioned YAML; printing is [`render`].
 
 mod render;
-mod scenario;
-mod timeline;
 
 use std::fs;
 use std::io::{self, Write};
@@ -18,7 +17,7 @@ use crate::args::SimulateArgs;
 use crate::exit::Exit;
 use crate::input::{self, InputError, Source};
 use crate::validate;
-use scenario::Scenario;
+use sluice_policy::simulation::{Scenario, simulate};
 
 /// Runs `simulate`: reads the policies and the scenario, runs it, prints
 /// the report on stdout; errors go to stderr.
@@ -39,7 +38,12 @@ pub fn run(args: &SimulateArgs) -> Exit {
     };
     let loaded = validate::load(&sources).and_then(|set| {
         let text = validate::decode(&scenario)?;
-        let parsed = Scenario::parse(&scenario.name, text).map_err(|e| vec![e])?;
+        let parsed = Scenario::parse(&scenario.name, text).map_err(|e| {
+            e.errors()
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        })?;
         Ok((set, parsed))
     });
     let (set, scenario) = match loaded {
@@ -51,7 +55,7 @@ pub fn run(args: &SimulateArgs) -> Exit {
             return Exit::Failed;
         }
     };
-    let report = timeline::simulate(&scenario, &set);
+    let report = simulate(&scenario, &set);
     let text = render::render(&report, args.output, args.all_ticks);
     // A closed pipe (`| head`) is not worth a panic.
     let _ = io::stdout().lock().write_all(text.as_bytes());

@@ -281,7 +281,7 @@ fn job(j: JobView) -> pb::Job {
         allocation: j.allocation.map(|a| pb::JobAllocation {
             bytes_per_second: a.bytes_per_second,
             ops_per_second: a.ops_per_second,
-            reason: a.reason,
+            reason: a.reason.as_str().to_owned(),
             demand_bytes_per_second: a.demand_bytes_per_second,
             enforced_bytes_per_second: a.enforced_bytes_per_second,
         }),

@@ -1,10 +1,11 @@
 //! The control loop: every tick (and when a hello, a job arriving or
-//! leaving, or a policy change asks) it marks silent stages lost,
-//! estimates each job's demand from the stages' telemetry
-//! ([`crate::demand`]), runs the allocation engine ([`crate::compute`]),
-//! publishes a new settings version only where a stage's settings changed
-//! (beyond [`crate::compute::RATE_TOLERANCE`]), records the allocation for
-//! the views and metrics, and announces allocations that changed.
+//! leaving, or a policy change asks) it marks silent stages lost, turns
+//! the stages' latest telemetry into windows, asks the policy crate's
+//! [`Coordinator`] what every stage should enforce (demand estimation,
+//! allocation, loans: all pure, shared with `sluicectl simulate`),
+//! publishes a new settings version only where [`to_push`] says a stage's
+//! settings changed enough, records the shares for the views and metrics,
+//! and announces allocations that changed.
 //!
 //! Until every stage the store listed as connected has reconnected and
 //! reported twice (at most one stage timeout after the loop starts: at
@@ -18,16 +19,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use sluice_policy::coordination::{
+    Coordinator, JobReport, JobShare, Shares, StageAssignment, StageReport, to_push,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::compute::{JobShare, StageInfo, StageSettings, compute, settle};
-use crate::demand::{Demands, Window};
 use crate::metrics::Throughput;
 use crate::sessions::push;
-use crate::state::{
-    Allocations, Desired, JobSample, SessionHandle, Shared, Telemetry, lock, read_policies,
-};
+use crate::state::{Desired, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock};
 use crate::store::{Leadership, StoreError};
 
 /// Runs the loop until `cancel` fires (then releases the lease), or until
@@ -77,7 +77,7 @@ pub async fn run(
 fn all_back(shared: &Shared) -> bool {
     lock(&shared.live)
         .values()
-        .all(|l| l.lost || (l.session.is_some() && l.previous.is_some()))
+        .all(|l| l.lost || (l.session.is_some() && l.has_window()))
 }
 
 async fn mark_lost(shared: &Shared) {
@@ -111,15 +111,14 @@ async fn mark_lost(shared: &Shared) {
 struct Publish {
     stage: String,
     session: SessionHandle,
-    settings: StageSettings,
-    document: String,
+    settings: StageAssignment,
 }
 
-/// One tick's decisions: what to publish, the allocation behind it, and
-/// what each job read from storage.
-struct Plan {
+/// One tick's outcome: what to publish, the shares behind it, and what
+/// each job read from storage.
+struct Outcome {
     publish: Vec<Publish>,
-    allocations: Allocations,
+    shares: Shares,
     throughput: Throughput,
     pending_stages: usize,
 }
@@ -128,34 +127,36 @@ struct Plan {
 /// trainers on a stage is not reading there; one without trainers anywhere
 /// has left and gives its share back.
 fn reading(report: &Telemetry) -> impl Iterator<Item = (&String, &JobSample)> {
-    report.jobs.iter().filter(|(_, s)| s.connections > 0)
+    report
+        .jobs
+        .iter()
+        .filter(|(_, s)| s.counters.connections > 0)
 }
 
-fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
-    let mut live = lock(&shared.live);
-    let reporting = || {
-        live.iter()
-            .filter(|(_, l)| !l.lost)
-            .filter_map(|(id, l)| Some((id.as_str(), l, l.telemetry.as_ref()?)))
-    };
-    let mut windows = Vec::new();
+/// Returns every reporting stage as the coordinator reads it: its jobs,
+/// each with the window between the stage's last two reports, and what
+/// each job read from storage over those windows.
+fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<StageReport<'_>>, Throughput) {
     let mut throughput = Throughput::new();
-    for (id, l, now) in reporting() {
-        let before = l.previous.as_ref();
-        let seconds = before.map_or(0.0, |b| (now.unix_millis - b.unix_millis) as f64 / 1000.0);
-        for (job, sample) in reading(now) {
-            let window = before
-                .and_then(|b| b.jobs.get(job))
-                .and_then(|b| Window::between(b, sample, seconds, now.unix_millis));
-            if let Some(w) = window {
-                *throughput.entry(job.clone()).or_default() += w.read_bytes_per_second;
-            }
-            windows.push((job.as_str(), id, window));
-        }
-    }
-    let estimates = demands.update(windows);
-    let stages: Vec<StageInfo<'_>> = reporting()
-        .map(|(id, l, now)| StageInfo {
+    let mut reports = Vec::new();
+    for (id, l) in live.iter().filter(|(_, l)| !l.lost) {
+        let Some(now) = l.latest() else {
+            continue;
+        };
+        let jobs = reading(now)
+            .map(|(job, sample)| {
+                let window = l.window(job).map(|(w, _)| w);
+                if let Some(w) = window {
+                    *throughput.entry(job.clone()).or_default() += w.read_bytes_per_second;
+                }
+                JobReport {
+                    id: job,
+                    labels: &sample.labels,
+                    window,
+                }
+            })
+            .collect();
+        reports.push(StageReport {
             id,
             node: if l.hello.node.is_empty() {
                 id
@@ -164,48 +165,48 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
             },
             memory_budget: l.hello.memory_budget_bytes,
             reader_budget: l.hello.reader_budget,
-            jobs: reading(now).map(|(j, s)| (j.as_str(), &s.labels)).collect(),
-        })
-        .collect();
-    let policies = read_policies(shared);
-    let mut computed = compute(&policies, &stages, estimates);
-    drop(stages);
+            jobs,
+        });
+    }
+    (reports, throughput)
+}
+
+/// Decides this tick: what every connected stage should run, and which of
+/// them must be sent a new version.
+fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcome {
+    let mut live = lock(&shared.live);
+    let (reports, throughput) = reports(&live);
+    let decision = coordinator.decide(&shared.read_policies(), &reports);
+    drop(reports);
     let desired = lock(&shared.desired);
+    let mut assignments = decision.assignments;
     let mut publish = Vec::new();
     let mut pending_stages = 0;
     for (stage, l) in live.iter_mut().filter(|(_, l)| !l.lost) {
-        let current = desired.get(stage);
-        if current.is_some_and(|d| l.running_version < d.version) {
+        let in_force = desired.get(stage);
+        if in_force.is_some_and(|d| l.running_version < d.version) {
             pending_stages += 1;
         }
-        let (Some(session), Some(next)) = (&l.session, computed.settings.remove(stage)) else {
+        let (Some(session), Some(next)) = (&l.session, assignments.remove(stage)) else {
             continue;
         };
-        let empty = StageSettings::default();
-        let settings = if exact {
-            next
-        } else {
-            settle(current.map_or(&empty, |d| &d.settings), next)
+        let settings = match to_push(in_force.map(|d| &d.settings), next, exact) {
+            Some(settings) => settings,
+            // The stage runs a version the controller does not know: send
+            // the one in force again.
+            None if l.force_push => in_force.map(|d| d.settings.clone()).unwrap_or_default(),
+            None => continue,
         };
-        let document = settings.encode();
-        let in_force = current.map_or_else(|| empty.encode(), |d| d.document.clone());
-        if document != in_force || l.force_push {
-            l.force_push = false;
-            publish.push(Publish {
-                stage: stage.clone(),
-                session: session.clone(),
-                settings,
-                document,
-            });
-        }
+        l.force_push = false;
+        publish.push(Publish {
+            stage: stage.clone(),
+            session: session.clone(),
+            settings,
+        });
     }
-    Plan {
+    Outcome {
         publish,
-        allocations: Allocations {
-            jobs: computed.jobs,
-            pools: computed.pools,
-            problems: computed.problems,
-        },
+        shares: decision.shares,
         throughput,
         pending_stages,
     }
@@ -214,7 +215,7 @@ fn plan(shared: &Shared, demands: &mut Demands, exact: bool) -> Plan {
 /// What the loop carries from tick to tick.
 #[derive(Default)]
 struct Memory {
-    demands: Demands,
+    coordinator: Coordinator,
     /// The allocations last announced, per job.
     announced: BTreeMap<String, JobShare>,
     /// The policy generation last computed with.
@@ -228,17 +229,17 @@ async fn control(shared: &Shared, memory: &mut Memory) {
     let generation = shared.policy_generation.load(Ordering::Relaxed);
     let exact = memory.generation != Some(generation);
     memory.generation = Some(generation);
-    let plan = plan(shared, &mut memory.demands, exact);
-    for p in plan.publish {
+    let outcome = decide(shared, &mut memory.coordinator, exact);
+    for p in outcome.publish {
         publish(shared, p).await;
     }
     let metrics = &shared.metrics.allocation;
-    metrics.set(&plan.allocations, &plan.throughput);
+    metrics.set(&outcome.shares, &outcome.throughput);
     metrics
         .pending_stages
-        .set(i64::try_from(plan.pending_stages).unwrap_or(i64::MAX));
-    let changes = allocation_changes(&mut memory.announced, &plan.allocations.jobs);
-    *lock(&shared.allocations) = plan.allocations;
+        .set(i64::try_from(outcome.pending_stages).unwrap_or(i64::MAX));
+    let changes = allocation_changes(&mut memory.announced, &outcome.shares.jobs);
+    *lock(&shared.shares) = outcome.shares;
     for (job, message) in changes {
         metrics.changes.inc();
         info!(job, "{message}");
@@ -261,7 +262,7 @@ fn allocation_changes(
     let mut out = Vec::new();
     let describe = |s: &JobShare| {
         let mib = s.bytes_per_second / (1024.0 * 1024.0);
-        format!("{mib:.1} MiB/s ({})", s.reason)
+        format!("{mib:.1} MiB/s ({})", s.reason.as_str())
     };
     for (job, share) in jobs {
         let message = match announced.get(job) {
@@ -298,7 +299,7 @@ fn allocation_changes(
 async fn publish(shared: &Shared, p: Publish) {
     let version = match shared
         .store
-        .set_desired_settings(&p.stage, &p.document)
+        .set_desired_settings(&p.stage, &p.settings.encode())
         .await
     {
         Ok(v) => v,
@@ -312,7 +313,6 @@ async fn publish(shared: &Shared, p: Publish) {
         p.stage.clone(),
         Desired {
             version,
-            document: p.document,
             settings: p.settings,
         },
     );

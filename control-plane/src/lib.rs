@@ -9,24 +9,23 @@
 //! [`Controller::run`] serves them and runs the control loop until
 //! cancelled. A replica that cannot take the leader lease (Postgres, another
 //! replica leads) serves as a standby until it can: see [`leader`].
-//! Modules: [`sessions`] (stage sessions), [`control`] (the loop),
-//! [`compute`] (static settings from policies), [`policies`] (policy
-//! changes), [`views`] (the read model), [`admin`] and [`http`] (the edges).
+//! Modules: [`sessions`] (stage sessions), [`control`] (the loop, on the
+//! policy crate's `Coordinator`), [`policies`] (policy changes), [`views`]
+//! (the read model), [`admin`] and [`http`] (the edges).
 
-pub mod admin;
-pub mod compute;
-pub mod config;
-pub mod control;
-pub mod demand;
-pub mod error;
-pub mod http;
-pub mod leader;
-pub mod metrics;
-pub mod policies;
-pub mod sessions;
-pub mod state;
+mod admin;
+mod config;
+mod control;
+mod error;
+mod http;
+mod leader;
+mod metrics;
+mod policies;
+mod sessions;
+mod state;
 pub mod store;
-pub mod views;
+mod sync;
+mod views;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

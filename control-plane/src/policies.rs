@@ -8,7 +8,7 @@ use serde::Serialize;
 use sluice_policy::{Kind, Policy, PolicyErrors, PolicySet, parse_documents};
 
 use crate::error::ApiError;
-use crate::state::{Shared, read_policies};
+use crate::state::Shared;
 use crate::store::{ApplyOutcome, PolicyDocument, StoreError};
 
 /// One source of documents: its name (for error locations) and its text.
@@ -76,7 +76,8 @@ pub async fn apply(
         return Err(ApiError::Invalid(errors.to_string()));
     }
     let policies: Vec<Policy> = docs.iter().map(|(_, p)| p.clone()).collect();
-    let (next, _) = read_policies(shared)
+    let (next, _) = shared
+        .read_policies()
         .apply(policies)
         .map_err(|e| ApiError::Invalid(e.to_string()))?;
     let stored: Vec<PolicyDocument> = docs
@@ -150,8 +151,9 @@ async fn preview(
 /// Returns the revision recording the delete.
 pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<u64, ApiError> {
     let _serial = shared.policy_changes.lock().await;
-    let kind = resolve_kind(&read_policies(shared), kind, name)?;
-    let next = read_policies(shared)
+    let kind = resolve_kind(&shared.read_policies(), kind, name)?;
+    let next = shared
+        .read_policies()
         .delete(kind, name)
         .map_err(|e| match e {
             sluice_policy::DeleteError::NotFound { .. } => ApiError::NotFound(e.to_string()),

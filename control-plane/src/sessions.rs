@@ -3,9 +3,12 @@
 //! telemetry is kept in memory (jobs are recorded in the store); acks and
 //! nacks are recorded with an event. A failing session ends only itself.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use sluice_policy::coordination::demand::{JobCounters, Window};
+use sluice_policy::coordination::{JobAssignment, StageAssignment};
 use sluice_proto::StageService;
 use sluice_proto::v1::{self, ControllerMessage, StageMessage, controller_message, stage_message};
 use tokio::sync::mpsc;
@@ -13,8 +16,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::compute::{JobSettings, StageSettings};
-use crate::state::{HelloInfo, JobSample, SessionHandle, Shared, Telemetry, lock, now_ms};
+use crate::state::{
+    HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
+};
 use crate::store::{JobSighting, Labels, StageHello};
 
 /// Messages queued per session before pushes to it are dropped (a stage
@@ -202,14 +206,10 @@ fn heard(shared: &Shared, stage: &str) {
 
 async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
     let snapshot = from_proto(t);
-    let (was_lost, due, jobs_changed) = shared.with_live(stage, |l| {
+    let (was_lost, due, decide_now) = shared.with_live(stage, |l| {
         let was_lost = l.lost;
-        let jobs_changed = l
-            .telemetry
-            .as_ref()
-            .is_none_or(|t| !t.jobs.keys().eq(snapshot.jobs.keys()));
         // Jobs the store has not heard about from this stage lately (or
-        // whose labels changed): telemetry comes every second, the store
+        // whose labels changed): telemetry comes twice a second, the store
         // does not need every sighting.
         let due: Vec<(String, Labels)> = snapshot
             .jobs
@@ -221,14 +221,16 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
             })
             .map(|(job, s)| (job.clone(), s.labels.clone()))
             .collect();
-        l.previous = l.telemetry.replace(snapshot);
+        let before = reading_windows(l);
+        l.record(snapshot);
         l.last_heard = Instant::now();
         l.lost = false;
-        (was_lost, due, jobs_changed)
+        (was_lost, due, changed(&before, &reading_windows(l)))
     });
-    // A job that arrived or left changes everyone's share: compute now
-    // rather than at the next tick (a new job reads unlimited until then).
-    if jobs_changed {
+    // A job that arrived, left or changed how it reads changes everyone's
+    // share: decide now rather than at the next tick (a new job waits for
+    // its first settings, a departed one's share should go to the others).
+    if decide_now {
         shared.recompute.notify_one();
     }
     let now = now_ms();
@@ -266,10 +268,37 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
     }
 }
 
+/// Each job reading on a stage (trainers connected) with its latest window.
+fn reading_windows(l: &LiveStage) -> BTreeMap<String, Option<Window>> {
+    l.latest()
+        .map(|r| {
+            r.jobs
+                .iter()
+                .filter(|(_, s)| s.counters.connections > 0)
+                .map(|(job, _)| (job.clone(), l.window(job).map(|(w, _)| w)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a report changed what the control loop would decide: a job
+/// started or stopped reading, or a job's window moved past the demand
+/// estimate's hysteresis (see [`Window::moved_from`]).
+fn changed(
+    before: &BTreeMap<String, Option<Window>>,
+    now: &BTreeMap<String, Option<Window>>,
+) -> bool {
+    !before.keys().eq(now.keys())
+        || now.iter().any(|(job, w)| {
+            let was = before.get(job).copied().flatten();
+            w.is_some_and(|w| w.moved_from(was.as_ref()))
+        })
+}
+
 /// Sends settings down a session without waiting: a full or closed
 /// session drops the push (the stage gets the desired version again when
 /// it reconnects). Returns whether the push was queued.
-pub fn push(session: &SessionHandle, version: u64, settings: &StageSettings) -> bool {
+pub fn push(session: &SessionHandle, version: u64, settings: &StageAssignment) -> bool {
     let message = ControllerMessage {
         kind: Some(controller_message::Kind::Settings(to_proto(
             version, settings,
@@ -285,26 +314,27 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
         .map(|j| {
             let sample = JobSample {
                 labels: j.labels,
-                delivered_bytes: j.delivered_bytes,
-                delivered_samples: j.delivered_samples,
-                stall_seconds: j.stall_seconds,
-                connections: j.connections,
-                storage_read_bytes: j.storage_read_bytes,
-                throttled_seconds: j.throttled_seconds,
+                counters: JobCounters {
+                    storage_read_bytes: j.storage_read_bytes,
+                    delivered_bytes: j.delivered_bytes,
+                    delivered_samples: j.delivered_samples,
+                    throttled_seconds: j.throttled_seconds,
+                    stall_seconds: j.stall_seconds,
+                    connections: j.connections,
+                },
             };
             (j.job, sample)
         })
         .collect();
     Telemetry {
         unix_millis: t.unix_millis,
-        settings_version: t.settings_version,
         memory_used_bytes: t.memory_used_bytes,
         jobs,
     }
 }
 
 /// Returns the wire form of one stage's settings.
-pub fn to_proto(version: u64, settings: &StageSettings) -> v1::Settings {
+pub fn to_proto(version: u64, settings: &StageAssignment) -> v1::Settings {
     let jobs = settings
         .jobs
         .iter()
@@ -317,11 +347,12 @@ pub fn to_proto(version: u64, settings: &StageSettings) -> v1::Settings {
         version,
         defaults: None,
         jobs,
+        unmanaged: settings.unmanaged.iter().cloned().collect(),
     }
 }
 
 /// Returns the wire form of one job's settings.
-pub fn job_to_proto(s: &JobSettings) -> v1::JobSettings {
+pub fn job_to_proto(s: &JobAssignment) -> v1::JobSettings {
     v1::JobSettings {
         bytes_per_second: s.bytes_per_second,
         ops_per_second: s.ops_per_second,

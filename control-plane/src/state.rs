@@ -4,20 +4,22 @@
 //! telemetry (never stored), and each stage's desired settings (mirror of
 //! the store's, reloaded at start).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, RwLock};
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluice_policy::PolicySet;
+use sluice_policy::coordination::demand::{JobCounters, Window};
+use sluice_policy::coordination::{Shares, StageAssignment};
 use sluice_proto::v1::ControllerMessage;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::compute::{JobShare, PoolShare, StageSettings};
 use crate::metrics::Metrics;
 use crate::store::{Labels, NewEvent, Store, StoreError};
+pub use crate::sync::lock;
 
 /// The sending half of one session's downstream.
 pub type Downstream = mpsc::Sender<Result<ControllerMessage, tonic::Status>>;
@@ -46,19 +48,14 @@ pub struct HelloInfo {
 #[derive(Debug, Clone, Default)]
 pub struct JobSample {
     pub labels: Labels,
-    pub delivered_bytes: u64,
-    pub delivered_samples: u64,
-    pub stall_seconds: f64,
-    pub connections: u32,
-    pub storage_read_bytes: u64,
-    pub throttled_seconds: f64,
+    /// What demand estimation compares from one report to the next.
+    pub counters: JobCounters,
 }
 
 /// One telemetry snapshot of a stage, as the control loop needs it.
 #[derive(Debug, Clone, Default)]
 pub struct Telemetry {
     pub unix_millis: i64,
-    pub settings_version: u64,
     pub memory_used_bytes: u64,
     pub jobs: BTreeMap<String, JobSample>,
 }
@@ -69,10 +66,10 @@ pub struct LiveStage {
     /// The open session, if any.
     pub session: Option<SessionHandle>,
     pub hello: HelloInfo,
-    /// The latest snapshot.
-    pub telemetry: Option<Telemetry>,
-    /// The one before it (for rates).
-    pub previous: Option<Telemetry>,
+    /// Recent reports, oldest first: the latest and every one back to the
+    /// newest that is at least [`MIN_WINDOW_MS`] older (see
+    /// [`LiveStage::window`]).
+    reports: VecDeque<Telemetry>,
     pub last_heard: Instant,
     /// Jobs last recorded in the store for this stage: labels, when.
     pub recorded_jobs: BTreeMap<String, (Labels, Instant)>,
@@ -84,13 +81,63 @@ pub struct LiveStage {
     pub running_version: u64,
 }
 
+/// Reports are compared over at least this long. A stage reports every
+/// half second and at once when a job starts or leaves; a window between a
+/// periodic report and one sent a few milliseconds later says nothing
+/// about a rate, so a window ends at the latest report and starts at the
+/// newest one at least this much older.
+pub const MIN_WINDOW_MS: i64 = 400;
+
 impl LiveStage {
+    /// Returns the latest report.
+    pub fn latest(&self) -> Option<&Telemetry> {
+        self.reports.back()
+    }
+
+    /// Keeps a new report, forgetting those no window will start at.
+    pub fn record(&mut self, report: Telemetry) {
+        self.reports.push_back(report);
+        let newest = self.reports.back().map_or(0, |r| r.unix_millis);
+        while self
+            .reports
+            .get(1)
+            .is_some_and(|r| newest - r.unix_millis >= MIN_WINDOW_MS)
+        {
+            self.reports.pop_front();
+        }
+    }
+
+    /// Returns the reports a window ends and starts at: the latest, and the
+    /// newest at least [`MIN_WINDOW_MS`] older; `None` until there are two.
+    fn window_reports(&self) -> Option<(&Telemetry, &Telemetry)> {
+        let latest = self.reports.back()?;
+        let start = self.reports.front()?;
+        (latest.unix_millis - start.unix_millis >= MIN_WINDOW_MS).then_some((latest, start))
+    }
+
+    /// Whether the stage's reports span a window yet.
+    pub fn has_window(&self) -> bool {
+        self.window_reports().is_some()
+    }
+
+    /// Returns what `job` did over the stage's latest window, with the
+    /// job's sample in the latest report; the window is `None` when it
+    /// cannot be measured (the job is new there, no window yet, or the
+    /// stage restarted).
+    pub fn window(&self, job: &str) -> Option<(Window, &JobSample)> {
+        let (latest, start) = self.window_reports()?;
+        let now = latest.jobs.get(job)?;
+        let before = start.jobs.get(job)?;
+        let seconds = (latest.unix_millis - start.unix_millis) as f64 / 1000.0;
+        let window = Window::between(&before.counters, &now.counters, seconds, latest.unix_millis)?;
+        Some((window, now))
+    }
+
     fn new(now: Instant) -> Self {
         Self {
             session: None,
             hello: HelloInfo::default(),
-            telemetry: None,
-            previous: None,
+            reports: VecDeque::new(),
             last_heard: now,
             recorded_jobs: BTreeMap::new(),
             lost: false,
@@ -104,25 +151,12 @@ impl LiveStage {
 #[derive(Debug, Clone)]
 pub struct Desired {
     pub version: u64,
-    pub document: String,
-    pub settings: StageSettings,
-}
-
-/// The allocation in force: what the last tick computed, for the views
-/// and the metrics.
-#[derive(Debug, Clone, Default)]
-pub struct Allocations {
-    /// Per managed job.
-    pub jobs: BTreeMap<String, JobShare>,
-    /// Per pool.
-    pub pools: BTreeMap<String, PoolShare>,
-    /// What the engine could not do as the policies say.
-    pub problems: Vec<String>,
+    pub settings: StageAssignment,
 }
 
 /// The controller's shared state. Its locks are held briefly and never
 /// across an `.await`; when several are needed they are taken in the order
-/// `live`, `policies`, `desired`, `allocations`.
+/// `live`, `policies`, `desired`, `shares`.
 #[derive(Debug)]
 pub struct Shared {
     pub store: Store,
@@ -134,7 +168,8 @@ pub struct Shared {
     pub policy_changes: tokio::sync::Mutex<()>,
     pub live: Mutex<BTreeMap<String, LiveStage>>,
     pub desired: Mutex<BTreeMap<String, Desired>>,
-    pub allocations: Mutex<Allocations>,
+    /// What the last tick computed, for the views and the metrics.
+    pub shares: Mutex<Shares>,
     pub known_jobs: Mutex<BTreeSet<String>>,
     /// Woken on every event appended (for WatchEvents).
     pub events: Notify,
@@ -158,7 +193,7 @@ impl Shared {
             policy_changes: tokio::sync::Mutex::new(()),
             live: Mutex::new(BTreeMap::new()),
             desired: Mutex::new(BTreeMap::new()),
-            allocations: Mutex::new(Allocations::default()),
+            shares: Mutex::new(Shares::default()),
             known_jobs: Mutex::new(BTreeSet::new()),
             events: Notify::new(),
             recompute: Notify::new(),
@@ -182,12 +217,11 @@ impl Shared {
         let mut desired = lock(&self.desired);
         for s in stages {
             if let Some(d) = s.desired {
-                let settings = StageSettings::decode(&d.document).unwrap_or_default();
+                let settings = StageAssignment::decode(&d.document).unwrap_or_default();
                 desired.insert(
                     s.id.clone(),
                     Desired {
                         version: d.version,
-                        document: d.document,
                         settings,
                     },
                 );
@@ -199,6 +233,11 @@ impl Shared {
         self.metrics.jobs.set(jobs.len() as i64);
         *lock(&self.known_jobs) = jobs.into_iter().map(|j| j.id).collect();
         Ok(())
+    }
+
+    /// Reads the policy set.
+    pub fn read_policies(&self) -> std::sync::RwLockReadGuard<'_, PolicySet> {
+        crate::sync::read(&self.policies)
     }
 
     /// Replaces the policy set.
@@ -247,23 +286,9 @@ impl Shared {
     }
 }
 
-/// Locks a mutex, ignoring poisoning (state stays usable after a panic in
-/// another task).
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Returns the wall clock in Unix milliseconds.
 pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-/// Reads the policy set (never poisoned for long: writers only swap).
-pub fn read_policies(shared: &Shared) -> std::sync::RwLockReadGuard<'_, PolicySet> {
-    shared
-        .policies
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

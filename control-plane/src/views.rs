@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::compute::{JobSettings, JobShare};
 use crate::error::ApiError;
-use crate::state::{LiveStage, Shared, lock, read_policies};
+use crate::state::{LiveStage, Shared, lock};
 use crate::store::{JobRecord, Labels, PolicyRevision, StageRecord};
+use sluice_policy::coordination::{JobAssignment, JobShare};
 
 /// A stage's last rejection.
 #[derive(Debug, Clone, Serialize)]
@@ -43,7 +43,7 @@ pub struct StageView {
 #[derive(Debug, Clone, Serialize)]
 pub struct JobStageView {
     pub stage_id: String,
-    pub settings: Option<JobSettings>,
+    pub settings: Option<JobAssignment>,
     pub acked: bool,
     pub throughput_bytes_per_second: f64,
     pub stall_fraction: f64,
@@ -126,7 +126,7 @@ pub async fn stage(shared: &Shared, id: &str) -> Result<StageView, ApiError> {
 fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
     let lost = live.map_or(r.state == crate::store::StageState::Lost, |l| l.lost);
     let hello = live.map(|l| l.hello.clone()).unwrap_or_default();
-    let telemetry = live.and_then(|l| l.telemetry.as_ref());
+    let telemetry = live.and_then(LiveStage::latest);
     StageView {
         desired_version: r.desired_version().unwrap_or(0),
         acked_version: r.acked_version.unwrap_or(0),
@@ -176,35 +176,27 @@ async fn acked_versions(shared: &Shared) -> Result<BTreeMap<String, u64>, ApiErr
         .collect())
 }
 
-/// Bytes/s, samples/s and stall fraction of `job` on one stage, from its
-/// last two snapshots.
+/// Bytes/s, samples/s and stall fraction of `job` on one stage, over the
+/// stage's latest window.
 fn rates(live: Option<&LiveStage>, job: &str) -> (f64, f64, f64) {
-    let Some((now, before)) =
-        live.and_then(|l| Some((l.telemetry.as_ref()?, l.previous.as_ref()?)))
-    else {
+    // The window the demand estimate reads.
+    let Some((window, _)) = live.and_then(|l| l.window(job)) else {
         return (0.0, 0.0, 0.0);
     };
-    let (Some(a), Some(b)) = (now.jobs.get(job), before.jobs.get(job)) else {
-        return (0.0, 0.0, 0.0);
-    };
-    let secs = (now.unix_millis - before.unix_millis) as f64 / 1000.0;
-    if secs <= 0.0 {
-        return (0.0, 0.0, 0.0);
-    }
-    let bytes = a.delivered_bytes.saturating_sub(b.delivered_bytes) as f64 / secs;
-    let samples = a.delivered_samples.saturating_sub(b.delivered_samples) as f64 / secs;
-    let stall =
-        (a.stall_seconds - b.stall_seconds).max(0.0) / secs / f64::from(a.connections.max(1));
-    (bytes, samples, stall.min(1.0))
+    (
+        window.delivered_bytes_per_second,
+        window.delivered_samples_per_second,
+        window.stalled,
+    )
 }
 
 fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> JobView {
     // Lock order everywhere: live, then policies, then desired.
     let live = lock(&shared.live);
-    let policies = read_policies(shared);
+    let policies = shared.read_policies();
     let policy = policies.policy_for_job(&r.labels);
     let desired = lock(&shared.desired);
-    let allocation = lock(&shared.allocations).jobs.get(&r.id).cloned();
+    let allocation = lock(&shared.shares).jobs.get(&r.id).cloned();
     let mut stages = Vec::new();
     let (mut bytes, mut samples, mut stall) = (0.0, 0.0, 0.0f64);
     for stage in &r.stages {
@@ -249,11 +241,11 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
 /// Returns every pool, by name.
 pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
     let jobs = jobs(shared).await?;
-    let policies = read_policies(shared);
-    let allocations = lock(&shared.allocations);
+    let policies = shared.read_policies();
+    let shares = lock(&shared.shares);
     let pools = policies.pools().map(|p| {
         let mine: Vec<&JobView> = jobs.iter().filter(|j| j.pool == p.name()).collect();
-        let share = allocations.pools.get(p.name());
+        let share = shares.pools.get(p.name());
         let sharing = serde_json::to_value(p.spec().sharing)
             .ok()
             .and_then(|v| v.as_str().map(str::to_owned))

@@ -13,13 +13,11 @@ use sluice_policy::{ByteRate, ByteSize, OpsRate};
 use sluice_proto::tls::TlsFiles;
 use tonic::transport::ClientTlsConfig;
 
-use crate::engine::JobSettings;
+use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
 use crate::token_bucket::Limits;
 use crate::tuner::Bounds;
 
 const MIB: u64 = 1 << 20;
-/// Most reader threads one job may run.
-pub const MAX_READERS: u32 = 1024;
 
 /// Command-line flags of `sluice-stage`.
 #[derive(Debug, Default, Parser)]
@@ -214,7 +212,7 @@ pub struct StageConfig {
     pub memory_budget: u64,
     pub datasets: Vec<(String, PathBuf)>,
     pub direct_io: bool,
-    pub job: JobSettings,
+    pub job: JobConfig,
     pub controller: Option<String>,
     /// Mutual TLS with the controller (`https://` URLs only).
     pub controller_tls: Option<ClientTlsConfig>,
@@ -238,102 +236,11 @@ impl StageConfig {
         Self::merge(args, file)
     }
 
+    /// Lays the flags over the file and validates the result.
     fn merge(args: Args, file: StageFile) -> Result<Self, ConfigError> {
-        let err = |m: String| Err(ConfigError(m));
-        let mut datasets: Vec<(String, PathBuf)> = file.datasets.into_iter().collect();
-        for (name, dir) in args.datasets {
-            datasets.retain(|(n, _)| *n != name);
-            datasets.push((name, dir));
-        }
-        if datasets.is_empty() {
-            return err(
-                "no dataset configured: pass --dataset NAME=DIR (or `datasets:` in --config)"
-                    .into(),
-            );
-        }
-        if let Some((name, _)) = datasets
-            .iter()
-            .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']))
-        {
-            return err(format!(
-                "dataset name `{name}` is invalid: at most 128 bytes, no `/`"
-            ));
-        }
-        let memory_budget = args
-            .memory_budget
-            .or(file.memory_budget)
-            .map_or(1 << 30, ByteSize::bytes);
-        if memory_budget < MIB {
-            return err(format!(
-                "memory budget of {memory_budget} bytes is too small: give at least 1MiB, e.g. `--memory-budget 1GiB`"
-            ));
-        }
-        let fixed = args.readers.or(file.readers.fixed);
-        let min_readers = fixed.or(args.min_readers).or(file.readers.min).unwrap_or(1);
-        let max_readers = fixed
-            .or(args.max_readers)
-            .or(file.readers.max)
-            .unwrap_or(64);
-        if min_readers == 0 || max_readers > MAX_READERS || min_readers > max_readers {
-            return err(format!(
-                "reader bounds {min_readers}..{max_readers} are impossible: use 1 <= min <= max <= {MAX_READERS}"
-            ));
-        }
-        let initial_readers = fixed
-            .or(args.initial_readers)
-            .or(file.readers.initial)
-            .unwrap_or(16.clamp(min_readers, max_readers));
-        if !(min_readers..=max_readers).contains(&initial_readers) {
-            return err(format!(
-                "initial readers {initial_readers} is outside the bounds {min_readers}..{max_readers}"
-            ));
-        }
-        let min_buffer = args
-            .min_buffer
-            .or(file.buffer.min)
-            .map_or(4 * MIB, ByteSize::bytes)
-            .min(memory_budget);
-        let max_buffer = args
-            .max_buffer
-            .or(file.buffer.max)
-            .map_or(memory_budget, ByteSize::bytes);
-        let initial_buffer = args
-            .initial_buffer
-            .or(file.buffer.initial)
-            .map_or((256 * MIB).min(memory_budget), ByteSize::bytes);
-        if min_buffer > max_buffer || max_buffer > memory_budget {
-            return err(format!(
-                "buffer bounds {}..{} are impossible with a memory budget of {}: use min <= max <= budget",
-                ByteSize(min_buffer),
-                ByteSize(max_buffer),
-                ByteSize(memory_budget)
-            ));
-        }
-        if !(min_buffer..=max_buffer).contains(&initial_buffer) {
-            return err(format!(
-                "initial buffer {} is outside the bounds",
-                ByteSize(initial_buffer)
-            ));
-        }
-        let limits = Limits {
-            bytes_per_s: args
-                .rate_limit
-                .or(file.limits.bytes_per_second)
-                .map(ByteRate::bytes_per_second),
-            ops_per_s: args
-                .ops_limit
-                .or(file.limits.ops_per_second)
-                .map(OpsRate::per_second),
-            burst: Duration::from_millis(args.burst_ms.or(file.limits.burst_ms).unwrap_or(100)),
-        };
-        if limits.bytes_per_s == Some(0) || limits.ops_per_s == Some(0) {
-            return err(
-                "a limit of 0 would stop every read: leave the limit out for unlimited".into(),
-            );
-        }
-        if limits.burst.is_zero() || limits.burst > Duration::from_secs(60) {
-            return err("the burst window must be 1 ms to 60 s".into());
-        }
+        let datasets = merge_datasets(&file.datasets, &args.datasets)?;
+        let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
+        let job = job_config(&args, &file, memory_budget)?;
         let stage_id = args.stage_id.or(file.stage_id).unwrap_or_else(hostname);
         let mut labels = file.labels;
         labels.extend(args.labels);
@@ -348,30 +255,7 @@ impl StageConfig {
         )
         .and_then(|files| files.map(TlsFiles::client).transpose())
         .map_err(|e| ConfigError(e.to_string()))?;
-        match (&controller, &controller_tls) {
-            (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => {
-                return err(format!(
-                    "controller address `{url}` needs a scheme: write `http://{url}`"
-                ));
-            }
-            (Some(url), None) if url.starts_with("https://") => {
-                return err(format!(
-                    "controller address `{url}` is https: give --tls-cert, --tls-key and \
-                     --tls-ca for mutual TLS"
-                ));
-            }
-            (Some(url), Some(_)) if url.starts_with("http://") => {
-                let rest = url.trim_start_matches("http://");
-                return err(format!(
-                    "--tls-* are given but controller address `{url}` is plain text: write \
-                     `https://{rest}`"
-                ));
-            }
-            (None, Some(_)) => {
-                return err("--tls-cert, --tls-key and --tls-ca need --controller".into());
-            }
-            _ => {}
-        }
+        check_controller(controller.as_deref(), controller_tls.is_some())?;
         Ok(Self {
             stage_id,
             socket: args
@@ -390,19 +274,181 @@ impl StageConfig {
             controller_tls,
             node: args.node.or(file.node).unwrap_or_else(hostname),
             labels,
-            job: JobSettings {
-                bounds: Bounds {
-                    min_readers,
-                    max_readers,
-                    min_buffer,
-                    max_buffer,
-                },
-                initial_readers,
-                initial_buffer,
-                tuner: fixed.is_none(),
-                limits,
-            },
+            job,
         })
+    }
+}
+
+/// Returns the file's datasets with the `--dataset` flags laid over them (a
+/// flag replaces the file's dataset of the same name), refusing none at all
+/// and names that cannot be a dataset's.
+fn merge_datasets(
+    file: &BTreeMap<String, PathBuf>,
+    flags: &[(String, PathBuf)],
+) -> Result<Vec<(String, PathBuf)>, ConfigError> {
+    let mut datasets: Vec<(String, PathBuf)> = file.clone().into_iter().collect();
+    for (name, dir) in flags {
+        datasets.retain(|(n, _)| n != name);
+        datasets.push((name.clone(), dir.clone()));
+    }
+    if datasets.is_empty() {
+        return Err(ConfigError(
+            "no dataset configured: pass --dataset NAME=DIR (or `datasets:` in --config)".into(),
+        ));
+    }
+    if let Some((name, _)) = datasets
+        .iter()
+        .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']))
+    {
+        return Err(ConfigError(format!(
+            "dataset name `{name}` is invalid: at most 128 bytes, no `/`"
+        )));
+    }
+    Ok(datasets)
+}
+
+/// Returns the memory budget in bytes (1GiB unless given), refusing one
+/// below 1MiB.
+fn memory_budget(given: Option<ByteSize>) -> Result<u64, ConfigError> {
+    let memory_budget = given.map_or(1 << 30, ByteSize::bytes);
+    if memory_budget < MIB {
+        return Err(ConfigError(format!(
+            "memory budget of {memory_budget} bytes is too small: give at least 1MiB, e.g. `--memory-budget 1GiB`"
+        )));
+    }
+    Ok(memory_budget)
+}
+
+/// Returns the configuration every job starts with: the reader, buffer and
+/// limit flags laid over the file's `readers:`, `buffer:` and `limits:`.
+fn job_config(args: &Args, file: &StageFile, memory_budget: u64) -> Result<JobConfig, ConfigError> {
+    let fixed = args.readers.or(file.readers.fixed);
+    let (min_readers, max_readers, initial_readers) = reader_counts(args, &file.readers, fixed)?;
+    let (min_buffer, max_buffer, initial_buffer) = buffer_sizes(args, &file.buffer, memory_budget)?;
+    Ok(JobConfig {
+        bounds: Bounds {
+            min_readers,
+            max_readers,
+            min_buffer,
+            max_buffer,
+        },
+        initial_readers,
+        initial_buffer,
+        tuner: fixed.is_none(),
+        limits: limits(args, &file.limits)?,
+    })
+}
+
+/// Returns the fewest, most and initial readers per job; a `fixed` count
+/// is all three.
+fn reader_counts(
+    args: &Args,
+    file: &ReadersFile,
+    fixed: Option<u32>,
+) -> Result<(u32, u32, u32), ConfigError> {
+    let min_readers = fixed.or(args.min_readers).or(file.min).unwrap_or(1);
+    let max_readers = fixed.or(args.max_readers).or(file.max).unwrap_or(64);
+    if min_readers == 0 || max_readers > MAX_READERS || min_readers > max_readers {
+        return Err(ConfigError(format!(
+            "reader bounds {min_readers}..{max_readers} are impossible: use 1 <= min <= max <= {MAX_READERS}"
+        )));
+    }
+    let initial_readers = fixed
+        .or(args.initial_readers)
+        .or(file.initial)
+        .unwrap_or(16.clamp(min_readers, max_readers));
+    if !(min_readers..=max_readers).contains(&initial_readers) {
+        return Err(ConfigError(format!(
+            "initial readers {initial_readers} is outside the bounds {min_readers}..{max_readers}"
+        )));
+    }
+    Ok((min_readers, max_readers, initial_readers))
+}
+
+/// Returns the smallest, largest and initial buffer per job in bytes, all
+/// within the memory budget.
+fn buffer_sizes(
+    args: &Args,
+    file: &BufferFile,
+    memory_budget: u64,
+) -> Result<(u64, u64, u64), ConfigError> {
+    let min_buffer = args
+        .min_buffer
+        .or(file.min)
+        .map_or(4 * MIB, ByteSize::bytes)
+        .min(memory_budget);
+    let max_buffer = args
+        .max_buffer
+        .or(file.max)
+        .map_or(memory_budget, ByteSize::bytes);
+    let initial_buffer = args
+        .initial_buffer
+        .or(file.initial)
+        .map_or((256 * MIB).min(memory_budget), ByteSize::bytes);
+    if min_buffer > max_buffer || max_buffer > memory_budget {
+        return Err(ConfigError(format!(
+            "buffer bounds {}..{} are impossible with a memory budget of {}: use min <= max <= budget",
+            ByteSize(min_buffer),
+            ByteSize(max_buffer),
+            ByteSize(memory_budget)
+        )));
+    }
+    if !(min_buffer..=max_buffer).contains(&initial_buffer) {
+        return Err(ConfigError(format!(
+            "initial buffer {} is outside the bounds",
+            ByteSize(initial_buffer)
+        )));
+    }
+    Ok((min_buffer, max_buffer, initial_buffer))
+}
+
+/// Returns the per-job QoS limits, refusing a limit of 0 and a burst window
+/// outside 1 ms to 60 s.
+fn limits(args: &Args, file: &LimitsFile) -> Result<Limits, ConfigError> {
+    let limits = Limits {
+        bytes_per_s: args
+            .rate_limit
+            .or(file.bytes_per_second)
+            .map(ByteRate::bytes_per_second),
+        ops_per_s: args
+            .ops_limit
+            .or(file.ops_per_second)
+            .map(OpsRate::per_second),
+        burst: Duration::from_millis(args.burst_ms.or(file.burst_ms).unwrap_or(100)),
+    };
+    if limits.bytes_per_s == Some(0) || limits.ops_per_s == Some(0) {
+        return Err(ConfigError(
+            "a limit of 0 would stop every read: leave the limit out for unlimited".into(),
+        ));
+    }
+    if limits.burst.is_zero() || limits.burst > MAX_BURST {
+        return Err(ConfigError("the burst window must be 1 ms to 60 s".into()));
+    }
+    Ok(limits)
+}
+
+/// Checks that the controller URL's scheme matches the TLS flags: `https://`
+/// with all three, `http://` with none, and no TLS flags without a
+/// controller.
+fn check_controller(controller: Option<&str>, tls: bool) -> Result<(), ConfigError> {
+    let refuse = |m: String| Err(ConfigError(m));
+    match (controller, tls) {
+        (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => refuse(
+            format!("controller address `{url}` needs a scheme: write `http://{url}`"),
+        ),
+        (Some(url), false) if url.starts_with("https://") => refuse(format!(
+            "controller address `{url}` is https: give --tls-cert, --tls-key and \
+             --tls-ca for mutual TLS"
+        )),
+        (Some(url), true) if url.starts_with("http://") => {
+            let rest = url.trim_start_matches("http://");
+            refuse(format!(
+                "--tls-* are given but controller address `{url}` is plain text: write \
+                 `https://{rest}`"
+            ))
+        }
+        (None, true) => refuse("--tls-cert, --tls-key and --tls-ca need --controller".into()),
+        _ => Ok(()),
     }
 }
 

@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::chunk::Chunk;
 use crate::protocol::{ErrorCode, ProtocolError};
-use crate::storage::{Chunk, direct_unsupported, io_error, read_range, read_whole};
+use crate::storage::{direct_unsupported, io_error, read_whole};
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
@@ -62,10 +63,6 @@ impl Listing {
     pub fn len(&self) -> u32 {
         self.files.len() as u32
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.files.is_empty()
-    }
 }
 
 /// FNV-1a, 64 bits: the listing digest that `OPENED` reports, and plan
@@ -115,10 +112,6 @@ impl Dataset {
             cached: Mutex::new(None),
             direct: AtomicBool::new(direct),
         })
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
     }
 
     /// Returns the listing, walking the root again when the cached one is
@@ -173,10 +166,13 @@ impl Dataset {
         read_whole(&path, false).map_err(|e| io_error(name, &e))
     }
 
-    /// Reads `length` bytes (or to the end) of `name` from `offset`.
+    /// Reads `length` bytes (or to the end) of `name` from `offset`. The
+    /// stage reads through its jobs (`Job::read_now`, under the limiter);
+    /// the tests read directly.
+    #[cfg(test)]
     pub fn read(&self, name: &str, offset: u64, length: u64) -> Result<Chunk, ProtocolError> {
         let path = self.resolve(name)?;
-        read_range(&path, offset, length).map_err(|e| io_error(name, &e))
+        crate::storage::read_range(&path, offset, length).map_err(|e| io_error(name, &e))
     }
 }
 

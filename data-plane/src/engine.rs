@@ -11,33 +11,21 @@ mod job;
 mod plan_run;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use job::{Job, JobHandle, JobSnapshot, NextBatch, PlanHandle, PlanState, Reservation};
+pub use job::{Job, JobHandle, JobSnapshot, PlanHandle, Reservation, SETTINGS_WAIT};
 pub use plan_run::PlanKey;
 
 use crate::dataset::Dataset;
+use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
-use crate::settings::StageSettings;
-use crate::token_bucket::Limits;
-use crate::tuner::Bounds;
+use crate::settings::PushedSettings;
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
 pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Per-job settings the stage starts every job with.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct JobSettings {
-    pub bounds: Bounds,
-    pub initial_readers: u32,
-    pub initial_buffer: u64,
-    /// When false the reader count and buffer stay as set.
-    pub tuner: bool,
-    pub limits: Limits,
-}
 
 /// The node-wide memory budget shared by every job's buffer.
 #[derive(Debug)]
@@ -100,23 +88,27 @@ pub struct Engine {
     datasets: HashMap<String, Arc<Dataset>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     memory: Arc<Memory>,
-    /// Settings from the stage's own configuration.
-    base: JobSettings,
+    /// The job configuration from the stage's own flags.
+    base: JobConfig,
     /// The controller's last accepted push, kept while it is unreachable
     /// (fail-static).
-    pushed: Mutex<Option<Arc<StageSettings>>>,
+    pushed: Mutex<Option<Arc<PushedSettings>>>,
+    /// Whether a controller session is up: new jobs then wait (briefly)
+    /// for its settings before reading.
+    controller_live: AtomicBool,
     metrics: Arc<Metrics>,
-    /// Woken when a job starts, so the controller session reports it at
-    /// once rather than at the next telemetry tick: until the controller
-    /// answers, the job reads on the stage's own settings.
-    job_started: tokio::sync::Notify,
+    /// Woken when a job starts or its last trainer leaves, so the
+    /// controller session reports it at once rather than at the next
+    /// telemetry tick: a new job waits for its settings, and a departed
+    /// job's share should go to the others.
+    jobs_changed: Arc<tokio::sync::Notify>,
 }
 
 impl Engine {
     pub fn new(
         datasets: Vec<Dataset>,
         memory_budget: u64,
-        defaults: JobSettings,
+        base: JobConfig,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
         metrics.memory_budget.set(memory_budget as i64);
@@ -127,10 +119,11 @@ impl Engine {
                 .collect(),
             jobs: Mutex::new(HashMap::new()),
             memory: Arc::new(Memory::new(memory_budget)),
-            base: defaults,
+            base,
             pushed: Mutex::new(None),
+            controller_live: AtomicBool::new(false),
             metrics,
-            job_started: tokio::sync::Notify::new(),
+            jobs_changed: Arc::new(tokio::sync::Notify::new()),
         })
     }
 
@@ -152,12 +145,14 @@ impl Engine {
         &self.memory
     }
 
-    /// Completes when a job has started since the last call completed.
-    pub async fn job_started(&self) {
-        self.job_started.notified().await;
+    /// Completes when a job has started, or lost its last trainer, since
+    /// the last call completed.
+    pub async fn jobs_changed(&self) {
+        self.jobs_changed.notified().await;
     }
 
-    /// Returns the job called `id`, creating it with the default settings.
+    /// Returns the job called `id`, creating it with the configuration in
+    /// force for it.
     /// The caller holds a connection to it until the handle is dropped.
     pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
         let mut jobs = self.jobs.lock().expect("jobs lock");
@@ -168,11 +163,17 @@ impl Engine {
                 started = true;
                 self.memory.jobs.fetch_add(1, Ordering::Relaxed);
                 self.metrics.jobs.inc();
-                let defaults = self.settings_for(id);
+                let config = self.config_for(id);
+                let hold = self
+                    .controller_live
+                    .load(Ordering::Acquire)
+                    .then(|| Instant::now() + SETTINGS_WAIT);
                 Job::start(
                     id,
                     labels.clone(),
-                    defaults,
+                    config,
+                    hold,
+                    Arc::clone(&self.jobs_changed),
                     Arc::clone(&self.memory),
                     Arc::clone(&self.metrics),
                 )
@@ -182,13 +183,13 @@ impl Engine {
         let handle = job::JobHandle::new(job);
         if started {
             // After the handle exists: the report shows the connection.
-            self.job_started.notify_one();
+            self.jobs_changed.notify_one();
         }
         handle
     }
 
-    /// Returns the settings job `id` runs with now.
-    fn settings_for(&self, id: &str) -> JobSettings {
+    /// Returns the configuration job `id` runs with now.
+    fn config_for(&self, id: &str) -> JobConfig {
         match self.pushed.lock().expect("settings lock").as_ref() {
             Some(pushed) => pushed.resolve(id, self.base),
             None => self.base,
@@ -197,7 +198,7 @@ impl Engine {
 
     /// Applies a push from the controller to every job, current and future,
     /// or refuses all of it (nothing changes) with the reason.
-    pub fn apply_settings(&self, settings: StageSettings) -> Result<(), String> {
+    pub fn apply_settings(&self, settings: PushedSettings) -> Result<(), String> {
         settings.validate(self.base, self.memory.budget())?;
         let version = settings.version;
         let current = self.settings_version();
@@ -210,10 +211,25 @@ impl Engine {
         let settings = Arc::new(settings);
         *self.pushed.lock().expect("settings lock") = Some(Arc::clone(&settings));
         for job in self.jobs() {
-            job.apply_settings(settings.resolve(job.id(), self.base));
+            job.apply_config(settings.resolve(job.id(), self.base));
+            if settings.names(job.id()) {
+                job.start_reading("settings");
+            }
         }
         self.metrics.settings_version.set(version as i64);
         Ok(())
+    }
+
+    /// Says whether a controller session is up. While it is, a new job
+    /// holds its reads until the controller's settings name it (at most
+    /// [`SETTINGS_WAIT`]); when it goes down, nobody waits for it.
+    pub fn set_controller_live(&self, live: bool) {
+        self.controller_live.store(live, Ordering::Release);
+        if !live {
+            for job in self.jobs() {
+                job.start_reading("no-controller");
+            }
+        }
     }
 
     /// The version of the controller's settings in force (0: none yet).

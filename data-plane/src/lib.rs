@@ -7,19 +7,21 @@
 //! job's QoS limits. [`Stage::bind`] binds every listener; [`Stage::run`]
 //! serves until the cancellation token fires.
 
-pub mod config;
-pub mod dataset;
-pub mod engine;
-pub mod http;
-pub mod metrics;
-pub mod plan;
-pub mod protocol;
-pub mod server;
-pub mod session;
-pub mod settings;
-pub mod storage;
-pub mod token_bucket;
-pub mod tuner;
+mod chunk;
+mod config;
+mod dataset;
+mod engine;
+mod http;
+mod job_config;
+mod metrics;
+mod plan;
+mod protocol;
+mod server;
+mod session;
+mod settings;
+mod storage;
+mod token_bucket;
+mod tuner;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -33,7 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
-pub use config::StageConfig;
+pub use config::{Args, StageConfig};
+// The trainer protocol's request frames, for tests that speak it to a stage.
+pub use protocol::{PlanSpec, Request, TO_END};
+
 use dataset::Dataset;
 use engine::Engine;
 use metrics::Metrics;
@@ -114,10 +119,6 @@ impl Stage {
         })
     }
 
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
-    }
-
     /// Serves until `cancel` fires, then stops accepting, lets connections
     /// finish for up to a few seconds, and stops the readers.
     pub async fn run(self, cancel: CancellationToken) -> anyhow::Result<()> {
@@ -146,23 +147,7 @@ impl Stage {
             }
             .instrument(info_span!("http")),
         );
-
-        let tick_engine = Arc::clone(&engine);
-        let tick_cancel = cancel.clone();
-        tokio::spawn(
-            async move {
-                let mut interval = tokio::time::interval(tuner::TICK);
-                interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                while tick_cancel
-                    .run_until_cancelled(interval.tick())
-                    .await
-                    .is_some()
-                {
-                    tick_engine.tick(Instant::now());
-                }
-            }
-            .instrument(info_span!("tuner")),
-        );
+        tokio::spawn(tick(Arc::clone(&engine), cancel.clone()).instrument(info_span!("tuner")));
 
         let ctx = Accepting {
             engine: Arc::clone(&engine),
@@ -191,6 +176,15 @@ impl Stage {
             Ok(result) => result.context("serving /metrics"),
             Err(e) => bail!("the metrics server task failed: {e}"),
         }
+    }
+}
+
+/// Runs every job's tuner once per tick until `cancel` fires.
+async fn tick(engine: Arc<Engine>, cancel: CancellationToken) {
+    let mut interval = tokio::time::interval(tuner::TICK);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while cancel.run_until_cancelled(interval.tick()).await.is_some() {
+        engine.tick(Instant::now());
     }
 }
 

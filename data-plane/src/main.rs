@@ -4,8 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use sluice_stage::Stage;
-use sluice_stage::config::{Args, StageConfig};
+use sluice_stage::{Args, Stage, StageConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;

@@ -21,20 +21,8 @@ const LATENCY_BUCKETS: &[f64] = &[
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    delivered_bytes: IntCounterVec,
-    delivered_samples: IntCounterVec,
-    storage_reads: IntCounterVec,
-    storage_read_bytes: IntCounterVec,
-    stall_seconds: CounterVec,
-    read_latency: HistogramVec,
-    errors: IntCounterVec,
-    throttled_seconds: CounterVec,
-    pub buffer_used: IntGaugeVec,
-    pub buffer_capacity: IntGaugeVec,
-    pub readers_active: IntGaugeVec,
-    pub reader_threads: IntGaugeVec,
-    pub job_connections: IntGaugeVec,
-    pub tuner_changes: IntCounterVec,
+    datasets: DatasetSeries,
+    pub job: JobSeries,
     pub connections: IntGauge,
     pub protocol_errors: IntCounterVec,
     pub memory_budget: IntGauge,
@@ -43,6 +31,34 @@ pub struct Metrics {
     pub settings_version: IntGauge,
     pub controller_connected: IntGauge,
     pub settings_rejected: IntCounter,
+    /// Jobs started, by how their first read was cleared: `settings` (the
+    /// controller's settings named the job), `timeout` (they did not come
+    /// in time), `no-controller` (no session was up).
+    pub job_starts: IntCounterVec,
+}
+
+/// The series labelled by job and dataset.
+#[derive(Debug)]
+struct DatasetSeries {
+    delivered_bytes: IntCounterVec,
+    delivered_samples: IntCounterVec,
+    storage_reads: IntCounterVec,
+    storage_read_bytes: IntCounterVec,
+    stall_seconds: CounterVec,
+    read_latency: HistogramVec,
+    errors: IntCounterVec,
+}
+
+/// The series labelled by job alone.
+#[derive(Debug)]
+pub struct JobSeries {
+    pub buffer_used: IntGaugeVec,
+    pub buffer_capacity: IntGaugeVec,
+    pub readers_active: IntGaugeVec,
+    pub reader_threads: IntGaugeVec,
+    pub job_connections: IntGaugeVec,
+    pub tuner_changes: IntCounterVec,
+    throttled_seconds: CounterVec,
 }
 
 /// The handles one (job, dataset) pair updates on the hot path.
@@ -61,72 +77,146 @@ pub struct DatasetMetrics {
 
 impl DatasetMetrics {
     /// Counts a failed sample or read under its error code.
-    pub fn error(&self, code: crate::protocol::ErrorCode) {
+    pub fn error(&self, code: ErrorCode) {
         self.errors
             .with_label_values(&[&self.job, &self.dataset, code.name()])
             .inc();
     }
 }
 
-fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
-    registry
-        .register(Box::new(metric.clone()))
-        .expect("metric names are unique");
-    metric
+/// Creates metrics and registers each in one registry.
+struct Registrar(Registry);
+
+impl Registrar {
+    fn add<T: prometheus::core::Collector + Clone + 'static>(&self, metric: T) -> T {
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("metric names are unique");
+        metric
+    }
+
+    fn counter(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn seconds(&self, name: &str, help: &str, labels: &[&str]) -> CounterVec {
+        self.add(CounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    /// A gauge per job.
+    fn gauge(&self, name: &str, help: &str) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), &["job"]).expect("valid metric"))
+    }
+
+    fn scalar(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::new(name, help).expect("valid metric"))
+    }
 }
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let r = Registry::new();
-        let job_ds = &["job", "dataset"];
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            register(
-                &r,
-                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
-            )
-        };
-        let seconds = |name: &str, help: &str, labels: &[&str]| {
-            register(
-                &r,
-                CounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
-            )
-        };
-        let gauge = |name: &str, help: &str| {
-            register(
-                &r,
-                IntGaugeVec::new(Opts::new(name, help), &["job"]).expect("valid metric"),
-            )
-        };
-        let scalar =
-            |name: &str, help: &str| register(&r, IntGauge::new(name, help).expect("valid metric"));
+        let r = Registrar(Registry::new());
         Arc::new(Self {
-            delivered_bytes: counter(
+            datasets: DatasetSeries::new(&r),
+            job: JobSeries::new(&r),
+            connections: r.scalar("sluice_stage_connections", "Open trainer connections."),
+            protocol_errors: r.counter(
+                "sluice_stage_protocol_errors_total",
+                "Error frames sent to trainers, by code.",
+                &["code"],
+            ),
+            memory_budget: r.scalar(
+                "sluice_stage_memory_budget_bytes",
+                "The node memory budget for all prefetch buffers.",
+            ),
+            memory_used: r.scalar(
+                "sluice_stage_memory_used_bytes",
+                "Bytes reserved across all jobs' prefetch buffers.",
+            ),
+            jobs: r.scalar("sluice_stage_jobs", "Jobs the stage currently knows."),
+            settings_version: r.scalar(
+                "sluice_stage_settings_version",
+                "Version of the controller's settings in force (0: none).",
+            ),
+            controller_connected: r.scalar(
+                "sluice_stage_controller_connected",
+                "1 while the session with the controller is up.",
+            ),
+            settings_rejected: r.add(
+                IntCounter::new(
+                    "sluice_stage_settings_rejected_total",
+                    "Settings pushes the stage refused (Nack).",
+                )
+                .expect("valid metric"),
+            ),
+            job_starts: r.counter(
+                "sluice_stage_job_starts_total",
+                "Jobs started, by how their first storage read was cleared: settings \
+                 (the controller's settings named the job), timeout (they did not come in \
+                 time), no-controller (no session was up).",
+                &["how"],
+            ),
+            registry: r.0,
+        })
+    }
+
+    /// Returns the hot-path handles for one job reading one dataset.
+    pub fn dataset(&self, job: &str, dataset: &str) -> DatasetMetrics {
+        self.datasets.handles(job, dataset)
+    }
+
+    pub fn throttled(&self, job: &str) -> prometheus::Counter {
+        self.job.throttled_seconds.with_label_values(&[job])
+    }
+
+    /// Removes every series of a forgotten job.
+    pub fn forget_job(&self, job: &str, datasets: &[String]) {
+        for ds in datasets {
+            self.datasets.forget(job, ds);
+        }
+        self.job.forget(job);
+    }
+
+    /// Renders the Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
+        String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}
+
+impl DatasetSeries {
+    fn new(r: &Registrar) -> Self {
+        let job_ds = &["job", "dataset"];
+        Self {
+            delivered_bytes: r.counter(
                 "sluice_stage_delivered_bytes_total",
                 "Sample bytes delivered to trainers.",
                 job_ds,
             ),
-            delivered_samples: counter(
+            delivered_samples: r.counter(
                 "sluice_stage_delivered_samples_total",
                 "Samples delivered to trainers (including failed ones).",
                 job_ds,
             ),
-            storage_reads: counter(
+            storage_reads: r.counter(
                 "sluice_stage_storage_reads_total",
                 "Reads issued to storage.",
                 job_ds,
             ),
-            storage_read_bytes: counter(
+            storage_read_bytes: r.counter(
                 "sluice_stage_storage_read_bytes_total",
                 "Bytes read from storage.",
                 job_ds,
             ),
-            stall_seconds: seconds(
+            stall_seconds: r.seconds(
                 "sluice_stage_consumer_stall_seconds_total",
                 "Time trainers waited for data that was not yet buffered.",
                 job_ds,
             ),
-            read_latency: register(
-                &r,
+            read_latency: r.add(
                 HistogramVec::new(
                     HistogramOpts::new(
                         "sluice_stage_read_latency_seconds",
@@ -137,78 +227,15 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
-            errors: counter(
+            errors: r.counter(
                 "sluice_stage_errors_total",
                 "Failed samples and reads, by error code.",
                 &["job", "dataset", "code"],
             ),
-            throttled_seconds: seconds(
-                "sluice_stage_throttled_seconds_total",
-                "Reader time spent waiting on the job's QoS limiter.",
-                &["job"],
-            ),
-            buffer_used: gauge(
-                "sluice_stage_buffer_used_bytes",
-                "Bytes held in the job's prefetch buffer (buffered and in flight).",
-            ),
-            buffer_capacity: gauge(
-                "sluice_stage_buffer_capacity_bytes",
-                "The job's prefetch buffer capacity in force.",
-            ),
-            readers_active: gauge(
-                "sluice_stage_readers_active",
-                "Reader threads reading from storage right now.",
-            ),
-            reader_threads: gauge(
-                "sluice_stage_readers",
-                "Reader threads the job runs (the tuner's choice).",
-            ),
-            job_connections: gauge(
-                "sluice_stage_job_connections",
-                "Trainer connections of the job (stall seconds per second divided by this is the fraction of time its trainers waited).",
-            ),
-            tuner_changes: counter(
-                "sluice_stage_tuner_changes_total",
-                "Changes the auto-tuner made, by reason.",
-                &["job", "reason"],
-            ),
-            connections: scalar("sluice_stage_connections", "Open trainer connections."),
-            protocol_errors: counter(
-                "sluice_stage_protocol_errors_total",
-                "Error frames sent to trainers, by code.",
-                &["code"],
-            ),
-            memory_budget: scalar(
-                "sluice_stage_memory_budget_bytes",
-                "The node memory budget for all prefetch buffers.",
-            ),
-            memory_used: scalar(
-                "sluice_stage_memory_used_bytes",
-                "Bytes reserved across all jobs' prefetch buffers.",
-            ),
-            jobs: scalar("sluice_stage_jobs", "Jobs the stage currently knows."),
-            settings_version: scalar(
-                "sluice_stage_settings_version",
-                "Version of the controller's settings in force (0: none).",
-            ),
-            controller_connected: scalar(
-                "sluice_stage_controller_connected",
-                "1 while the session with the controller is up.",
-            ),
-            settings_rejected: register(
-                &r,
-                IntCounter::new(
-                    "sluice_stage_settings_rejected_total",
-                    "Settings pushes the stage refused (Nack).",
-                )
-                .expect("valid metric"),
-            ),
-            registry: r,
-        })
+        }
     }
 
-    /// Returns the hot-path handles for one job reading one dataset.
-    pub fn dataset(&self, job: &str, dataset: &str) -> DatasetMetrics {
+    fn handles(&self, job: &str, dataset: &str) -> DatasetMetrics {
         let l = &[job, dataset];
         DatasetMetrics {
             delivered_bytes: self.delivered_bytes.with_label_values(l),
@@ -223,28 +250,59 @@ impl Metrics {
         }
     }
 
-    pub fn throttled(&self, job: &str) -> prometheus::Counter {
-        self.throttled_seconds.with_label_values(&[job])
+    fn forget(&self, job: &str, dataset: &str) {
+        let l = &[job, dataset];
+        let _ = self.delivered_bytes.remove_label_values(l);
+        let _ = self.delivered_samples.remove_label_values(l);
+        let _ = self.storage_reads.remove_label_values(l);
+        let _ = self.storage_read_bytes.remove_label_values(l);
+        let _ = self.stall_seconds.remove_label_values(l);
+        let _ = self.read_latency.remove_label_values(l);
+        for code in ErrorCode::ALL {
+            let _ = self
+                .errors
+                .remove_label_values(&[job, dataset, code.name()]);
+        }
+    }
+}
+
+impl JobSeries {
+    fn new(r: &Registrar) -> Self {
+        Self {
+            buffer_used: r.gauge(
+                "sluice_stage_buffer_used_bytes",
+                "Bytes held in the job's prefetch buffer (buffered and in flight).",
+            ),
+            buffer_capacity: r.gauge(
+                "sluice_stage_buffer_capacity_bytes",
+                "The job's prefetch buffer capacity in force.",
+            ),
+            readers_active: r.gauge(
+                "sluice_stage_readers_active",
+                "Reader threads reading from storage right now.",
+            ),
+            reader_threads: r.gauge(
+                "sluice_stage_readers",
+                "Reader threads the job runs (the tuner's choice).",
+            ),
+            job_connections: r.gauge(
+                "sluice_stage_job_connections",
+                "Trainer connections of the job (stall seconds per second divided by this is the fraction of time its trainers waited).",
+            ),
+            tuner_changes: r.counter(
+                "sluice_stage_tuner_changes_total",
+                "Changes the auto-tuner made, by reason.",
+                &["job", "reason"],
+            ),
+            throttled_seconds: r.seconds(
+                "sluice_stage_throttled_seconds_total",
+                "Reader time spent waiting on the job's QoS limiter.",
+                &["job"],
+            ),
+        }
     }
 
-    /// Removes every series of a forgotten job.
-    pub fn forget_job(&self, job: &str, datasets: &[String]) {
-        for ds in datasets {
-            let l = &[job, ds.as_str()];
-            let _ = self.delivered_bytes.remove_label_values(l);
-            let _ = self.delivered_samples.remove_label_values(l);
-            let _ = self.storage_reads.remove_label_values(l);
-            let _ = self.storage_read_bytes.remove_label_values(l);
-            let _ = self.stall_seconds.remove_label_values(l);
-            let _ = self.read_latency.remove_label_values(l);
-        }
-        for ds in datasets {
-            for code in ErrorCode::ALL {
-                let _ = self
-                    .errors
-                    .remove_label_values(&[job, ds.as_str(), code.name()]);
-            }
-        }
+    fn forget(&self, job: &str) {
         for reason in Reason::ALL {
             let _ = self
                 .tuner_changes
@@ -260,14 +318,5 @@ impl Metrics {
             let _ = g.remove_label_values(&[job]);
         }
         let _ = self.throttled_seconds.remove_label_values(&[job]);
-    }
-
-    /// Renders the Prometheus text exposition format.
-    pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut out)
-            .expect("text encoding cannot fail");
-        String::from_utf8(out).expect("the text format is UTF-8")
     }
 }

@@ -10,7 +10,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 pub use wire::{Decoder, Encoder};
 
-use crate::storage::Chunk;
+use crate::chunk::Chunk;
 
 /// The protocol version this stage speaks.
 pub const VERSION: u16 = 1;
@@ -202,42 +202,10 @@ impl Request {
                 offset: d.u32()?,
                 limit: d.u32()?,
             },
-            kind::PLAN => {
-                let epoch = d.u64()?;
-                let spec = match d.u8()? {
-                    0 => {
-                        let count = d.count(4)?;
-                        PlanSpec::Indices((0..count).map(|_| d.u32()).collect::<Result<_, _>>()?)
-                    }
-                    1 => {
-                        let count = d.count(2)?;
-                        PlanSpec::Names((0..count).map(|_| d.str()).collect::<Result<_, _>>()?)
-                    }
-                    2 => PlanSpec::Shuffle {
-                        seed: d.u64()?,
-                        shuffle: match d.u8()? {
-                            0 => false,
-                            1 => true,
-                            other => {
-                                return Err(ProtocolError::bad_frame(format!(
-                                    "PLAN shuffle flag is {other}: write 0 or 1"
-                                )));
-                            }
-                        },
-                        file_count: d.u32()?,
-                        digest: d.u64()?,
-                    },
-                    other => {
-                        return Err(ProtocolError::new(
-                            ErrorCode::BadPlan,
-                            format!(
-                                "unknown plan kind {other}: use 0 (indices), 1 (names) or 2 (shuffle)"
-                            ),
-                        ));
-                    }
-                };
-                Self::Plan { epoch, spec }
-            }
+            kind::PLAN => Self::Plan {
+                epoch: d.u64()?,
+                spec: PlanSpec::decode(&mut d)?,
+            },
             kind::NEXT => Self::Next {
                 max_samples: d.u32()?,
             },
@@ -283,32 +251,7 @@ impl Request {
             }
             Self::Plan { epoch, spec } => {
                 e.u8(kind::PLAN).u64(*epoch);
-                match spec {
-                    PlanSpec::Indices(indices) => {
-                        e.u8(0).u32(len32(indices.len()));
-                        indices.iter().for_each(|i| {
-                            e.u32(*i);
-                        });
-                    }
-                    PlanSpec::Names(names) => {
-                        e.u8(1).u32(len32(names.len()));
-                        names.iter().for_each(|n| {
-                            e.str(n);
-                        });
-                    }
-                    PlanSpec::Shuffle {
-                        seed,
-                        shuffle,
-                        file_count,
-                        digest,
-                    } => {
-                        e.u8(2)
-                            .u64(*seed)
-                            .u8(u8::from(*shuffle))
-                            .u32(*file_count)
-                            .u64(*digest);
-                    }
-                }
+                spec.encode(&mut e);
             }
             Self::Next { max_samples } => {
                 e.u8(kind::NEXT).u32(*max_samples);
@@ -325,6 +268,72 @@ impl Request {
             }
         }
         e.finish_frame()
+    }
+}
+
+impl PlanSpec {
+    /// Parses the plan kind byte and the plan that follows it.
+    fn decode(d: &mut Decoder<'_>) -> Result<Self, ProtocolError> {
+        Ok(match d.u8()? {
+            0 => {
+                let count = d.count(4)?;
+                Self::Indices((0..count).map(|_| d.u32()).collect::<Result<_, _>>()?)
+            }
+            1 => {
+                let count = d.count(2)?;
+                Self::Names((0..count).map(|_| d.str()).collect::<Result<_, _>>()?)
+            }
+            2 => Self::Shuffle {
+                seed: d.u64()?,
+                shuffle: match d.u8()? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(ProtocolError::bad_frame(format!(
+                            "PLAN shuffle flag is {other}: write 0 or 1"
+                        )));
+                    }
+                },
+                file_count: d.u32()?,
+                digest: d.u64()?,
+            },
+            other => {
+                return Err(ProtocolError::new(
+                    ErrorCode::BadPlan,
+                    format!("unknown plan kind {other}: use 0 (indices), 1 (names) or 2 (shuffle)"),
+                ));
+            }
+        })
+    }
+
+    /// Writes the plan kind byte and the plan.
+    fn encode(&self, e: &mut Encoder) {
+        match self {
+            Self::Indices(indices) => {
+                e.u8(0).u32(len32(indices.len()));
+                indices.iter().for_each(|i| {
+                    e.u32(*i);
+                });
+            }
+            Self::Names(names) => {
+                e.u8(1).u32(len32(names.len()));
+                names.iter().for_each(|n| {
+                    e.str(n);
+                });
+            }
+            Self::Shuffle {
+                seed,
+                shuffle,
+                file_count,
+                digest,
+            } => {
+                e.u8(2)
+                    .u64(*seed)
+                    .u8(u8::from(*shuffle))
+                    .u32(*file_count)
+                    .u64(*digest);
+            }
+        }
     }
 }
 
@@ -444,7 +453,8 @@ impl Response {
         parts
     }
 
-    /// Encodes the frame into one buffer (tests and small frames).
+    /// Encodes the frame into one buffer.
+    #[cfg(test)]
     pub fn encode(&self) -> Vec<u8> {
         self.encode_parts()
             .iter()

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -12,6 +13,7 @@ use tracing::debug;
 use crate::dataset::{Dataset, Fnv64, Listing, check_name};
 use crate::engine::{Engine, PlanHandle, PlanKey};
 use crate::engine::{JobHandle, Reservation};
+use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
     self, ErrorCode, FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, Part, PlanSpec,
@@ -33,73 +35,58 @@ where
     let metrics = Arc::clone(engine.metrics());
     metrics.connections.inc();
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut conn = Connection {
-        engine,
-        stage_id,
-        job: None,
-        rank: 0,
-        world_size: 1,
-        dataset: None,
-        plan: None,
-    };
-    loop {
-        let frame = tokio::select! {
-            () = cancel.cancelled() => {
-                let _ = send(&mut wr, &Response::Error(ProtocolError::new(ErrorCode::Unavailable, "the stage is shutting down"))).await;
-                break;
-            }
-            frame = protocol::read_frame(&mut rd, MAX_REQUEST_FRAME) => frame,
-        };
-        let body = match frame {
-            Ok(Some(body)) => body,
-            Ok(None) => break,
-            Err(FrameReadError::Malformed(err)) => {
-                metrics
-                    .protocol_errors
-                    .with_label_values(&[err.code.name()])
-                    .inc();
-                let _ = send(&mut wr, &Response::Error(err)).await;
-                break;
-            }
-            Err(e) => {
-                debug!(error = %e, "connection ended");
-                break;
-            }
-        };
-        let request = Request::decode(&body);
-        drop(body);
-        if matches!(request, Ok(Request::Bye)) {
-            let _ = send(&mut wr, &Response::Goodbye).await;
-            break;
-        }
-        let answer = match request {
-            Ok(request) => conn.handle(request).await,
-            Err(e) => Err(e),
-        };
-        let (response, reservation) = match answer {
-            Ok(ok) => ok,
-            Err(err) => {
-                metrics
-                    .protocol_errors
-                    .with_label_values(&[err.code.name()])
-                    .inc();
-                let fatal = err.code.is_fatal();
-                let _ = send(&mut wr, &Response::Error(err)).await;
-                if fatal {
-                    break;
-                }
-                continue;
-            }
-        };
-        let written = send(&mut wr, &response).await;
-        drop(reservation);
-        if let Err(e) = written {
-            debug!(error = %e, "writing to the trainer failed");
+    let mut conn = Connection::new(engine, stage_id);
+    while let Some(request) = next_request(&mut rd, &mut wr, &metrics, &cancel).await {
+        if conn.respond(request, &mut wr, &metrics).await.is_break() {
             break;
         }
     }
     let _ = wr.shutdown().await;
     metrics.connections.dec();
+}
+
+/// Reads and decodes the next request. Returns `None` when the connection
+/// ends first: the trainer left, its frame was malformed (answered with an
+/// error), the connection broke, or the stage is shutting down (answered
+/// with `UNAVAILABLE`).
+async fn next_request<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    metrics: &Metrics,
+    cancel: &CancellationToken,
+) -> Option<Result<Request, ProtocolError>>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let frame = tokio::select! {
+        () = cancel.cancelled() => {
+            let _ = send(wr, &Response::Error(ProtocolError::new(ErrorCode::Unavailable, "the stage is shutting down"))).await;
+            return None;
+        }
+        frame = protocol::read_frame(rd, MAX_REQUEST_FRAME) => frame,
+    };
+    match frame {
+        Ok(Some(body)) => Some(Request::decode(&body)),
+        Ok(None) => None,
+        Err(FrameReadError::Malformed(err)) => {
+            send_error(wr, metrics, err).await;
+            None
+        }
+        Err(e) => {
+            debug!(error = %e, "connection ended");
+            None
+        }
+    }
+}
+
+/// Counts an error answer and sends it.
+async fn send_error<W: AsyncWrite + Unpin>(w: &mut W, metrics: &Metrics, err: ProtocolError) {
+    metrics
+        .protocol_errors
+        .with_label_values(&[err.code.name()])
+        .inc();
+    let _ = send(w, &Response::Error(err)).await;
 }
 
 async fn send<W: AsyncWrite + Unpin>(w: &mut W, response: &Response) -> io::Result<()> {
@@ -155,6 +142,55 @@ fn reply(response: Response) -> Answer {
 }
 
 impl Connection {
+    fn new(engine: Arc<Engine>, stage_id: Arc<str>) -> Self {
+        Self {
+            engine,
+            stage_id,
+            job: None,
+            rank: 0,
+            world_size: 1,
+            dataset: None,
+            plan: None,
+        }
+    }
+
+    /// Answers one request and writes the answer. Breaks when the
+    /// connection should end: after `BYE`, a fatal error, or a failed write.
+    async fn respond<W: AsyncWrite + Unpin>(
+        &mut self,
+        request: Result<Request, ProtocolError>,
+        wr: &mut W,
+        metrics: &Metrics,
+    ) -> ControlFlow<()> {
+        if matches!(request, Ok(Request::Bye)) {
+            let _ = send(wr, &Response::Goodbye).await;
+            return ControlFlow::Break(());
+        }
+        let answer = match request {
+            Ok(request) => self.handle(request).await,
+            Err(e) => Err(e),
+        };
+        let (response, reservation) = match answer {
+            Ok(ok) => ok,
+            Err(err) => {
+                let fatal = err.code.is_fatal();
+                send_error(wr, metrics, err).await;
+                return if fatal {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                };
+            }
+        };
+        let written = send(wr, &response).await;
+        drop(reservation);
+        if let Err(e) = written {
+            debug!(error = %e, "writing to the trainer failed");
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
     async fn handle(&mut self, request: Request) -> Answer {
         if let Request::Hello {
             version,
@@ -310,9 +346,36 @@ impl Connection {
 
     fn plan(&mut self, epoch: u64, spec: PlanSpec) -> Answer {
         let (dataset, listing) = self.opened()?.clone();
+        let files = self.plan_files(epoch, spec, &dataset, &listing)?;
+        let fingerprint = fingerprint(&files, listing.digest);
+        let key = PlanKey {
+            rank: self.rank,
+            epoch,
+        };
+        self.plan = None;
+        let (handle, state) = self
+            .job()
+            .attach_plan(key, fingerprint, dataset, listing, files)?;
+        let length = handle.length;
+        self.plan = Some(handle);
+        reply(Response::Planned {
+            length,
+            state: state as u8,
+        })
+    }
+
+    /// Returns the file indices of this rank's plan, refusing indices and
+    /// names the listing lacks and a shuffle made for another listing.
+    fn plan_files(
+        &self,
+        epoch: u64,
+        spec: PlanSpec,
+        dataset: &Dataset,
+        listing: &Listing,
+    ) -> Result<Vec<u32>, ProtocolError> {
         let n = listing.len();
         let bad = |message: String| ProtocolError::new(ErrorCode::BadPlan, message);
-        let files = match spec {
+        Ok(match spec {
             PlanSpec::Indices(indices) => {
                 if let Some(i) = indices.iter().find(|&&i| i >= n) {
                     return Err(bad(format!(
@@ -352,21 +415,6 @@ impl Connection {
                     self.world_size,
                 )
             }
-        };
-        let fingerprint = fingerprint(&files, listing.digest);
-        let key = PlanKey {
-            rank: self.rank,
-            epoch,
-        };
-        self.plan = None;
-        let (handle, state) = self
-            .job()
-            .attach_plan(key, fingerprint, dataset, listing, files)?;
-        let length = handle.length;
-        self.plan = Some(handle);
-        reply(Response::Planned {
-            length,
-            state: state as u8,
         })
     }
 

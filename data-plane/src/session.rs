@@ -24,8 +24,10 @@ use tracing::{info, warn};
 
 use crate::engine::Engine;
 
-/// How often telemetry goes up.
-pub const TELEMETRY_INTERVAL: Duration = Duration::from_secs(1);
+/// How often telemetry goes up (and at once when a job starts or leaves):
+/// the controller's windows are at least 400 ms long, so a change in how
+/// a job reads is seen within a second.
+pub const TELEMETRY_INTERVAL: Duration = Duration::from_millis(500);
 /// First reconnection delay; doubled per failure up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -67,6 +69,7 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
             .run_until_cancelled(session(&engine, &url, &identity))
             .await;
         engine.metrics().controller_connected.set(0);
+        engine.set_controller_live(false);
         match result {
             None => return,
             Some(Err(e @ SessionError::BadUrl { .. })) => {
@@ -141,8 +144,8 @@ fn jittered(backoff: Duration) -> Duration {
     backoff.mul_f64(0.5 + f64::from(nanos % 1000) / 2000.0)
 }
 
-/// One session: connect, hello, then telemetry every second (and at once
-/// when a job starts) and an answer to every settings push, until either
+/// One session: connect, hello, then telemetry every half second (and at
+/// once when a job starts or leaves) and an answer to every settings push, until either
 /// side ends it.
 async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result<(), SessionError> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
@@ -169,11 +172,12 @@ async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result
         .into_inner();
     info!(%url, version = engine.settings_version(), "controller session up");
     engine.metrics().controller_connected.set(1);
+    engine.set_controller_live(true);
     let mut ticker = tokio::time::interval(TELEMETRY_INTERVAL);
     loop {
         let reply = tokio::select! {
             _ = ticker.tick() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
-            () = engine.job_started() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
+            () = engine.jobs_changed() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
             message = inbound.message() => {
                 let Some(ControllerMessage { kind: Some(controller_message::Kind::Settings(pushed)) }) = message? else {
                     return Err(SessionError::Closed);

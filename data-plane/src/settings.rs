@@ -3,15 +3,11 @@
 //! version. A push is a complete snapshot: jobs it does not name get its
 //! `defaults`, or the stage's configuration when it has none.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use crate::config::MAX_READERS;
-use crate::engine::JobSettings;
+use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
 use crate::tuner::Bounds;
-
-/// Longest burst window a push may set.
-const MAX_BURST: Duration = Duration::from_secs(60);
 
 /// What the controller decided for one job (or for every unnamed job).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -36,16 +32,19 @@ pub struct JobOverrides {
 
 /// One versioned push from the controller.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct StageSettings {
+pub struct PushedSettings {
     pub version: u64,
     pub defaults: Option<JobOverrides>,
     pub jobs: HashMap<String, JobOverrides>,
+    /// Jobs the controller has seen here that no policy selects: they run
+    /// on `defaults` like any job not in `jobs`.
+    pub unmanaged: HashSet<String>,
 }
 
-impl StageSettings {
+impl PushedSettings {
     /// Checks every override against what this stage can do; the reason
     /// names the job and the value, for the controller's Nack.
-    pub fn validate(&self, base: JobSettings, memory_budget: u64) -> Result<(), String> {
+    pub fn validate(&self, base: JobConfig, memory_budget: u64) -> Result<(), String> {
         if let Some(defaults) = &self.defaults {
             defaults
                 .validate(base, memory_budget)
@@ -64,8 +63,14 @@ impl StageSettings {
         Ok(())
     }
 
-    /// Returns the settings job `job` runs with on top of `base`.
-    pub fn resolve(&self, job: &str, base: JobSettings) -> JobSettings {
+    /// Whether the controller decided about `job` in this push (its
+    /// settings, or that no policy selects it).
+    pub fn names(&self, job: &str) -> bool {
+        self.jobs.contains_key(job) || self.unmanaged.contains(job)
+    }
+
+    /// Returns the configuration job `job` runs with on top of `base`.
+    pub fn resolve(&self, job: &str, base: JobConfig) -> JobConfig {
         match self.jobs.get(job).or(self.defaults.as_ref()) {
             Some(overrides) => overrides.apply_to(base),
             None => base,
@@ -74,8 +79,8 @@ impl StageSettings {
 }
 
 impl JobOverrides {
-    /// Checks the settings these overrides give on top of `base`.
-    fn validate(&self, base: JobSettings, memory_budget: u64) -> Result<(), String> {
+    /// Checks the configuration these overrides give on top of `base`.
+    fn validate(&self, base: JobConfig, memory_budget: u64) -> Result<(), String> {
         if self.bytes_per_s == Some(0) || self.ops_per_s == Some(0) {
             return Err("a limit of 0 would stop every read; leave it unset for unlimited".into());
         }
@@ -108,7 +113,7 @@ impl JobOverrides {
 
     /// Lays these overrides over `base`. Limits are replaced outright (an
     /// unset limit means unlimited: a push is a complete decision).
-    pub fn apply_to(&self, base: JobSettings) -> JobSettings {
+    pub fn apply_to(&self, base: JobConfig) -> JobConfig {
         let mut s = base;
         s.limits.bytes_per_s = self.bytes_per_s;
         s.limits.ops_per_s = self.ops_per_s;
@@ -137,8 +142,8 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    fn base() -> JobSettings {
-        JobSettings {
+    fn base() -> JobConfig {
+        JobConfig {
             bounds: Bounds {
                 min_readers: 1,
                 max_readers: 64,
@@ -157,7 +162,7 @@ mod tests {
 
     #[test]
     fn named_jobs_then_defaults_then_the_stage_config() {
-        let mut settings = StageSettings {
+        let mut settings = PushedSettings {
             version: 3,
             ..Default::default()
         };
@@ -202,7 +207,7 @@ mod tests {
     #[test]
     fn impossible_overrides_are_refused_with_the_job_named() {
         let bad = |o: JobOverrides| {
-            let mut s = StageSettings::default();
+            let mut s = PushedSettings::default();
             s.jobs.insert("train".into(), o);
             s.validate(base(), 256 * MIB).unwrap_err()
         };
@@ -235,13 +240,13 @@ mod tests {
             })
             .contains("burst")
         );
-        let ok = StageSettings {
+        let ok = PushedSettings {
             defaults: Some(JobOverrides::default()),
             ..Default::default()
         };
         assert!(ok.validate(base(), 1024 * MIB).is_ok());
         // One bound alone is laid over the stage's own other bound.
-        let mut one = StageSettings::default();
+        let mut one = PushedSettings::default();
         one.jobs.insert(
             "j".into(),
             JobOverrides {

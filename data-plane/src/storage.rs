@@ -2,9 +2,9 @@
 //! with `O_DIRECT` where chosen and supported) and byte ranges for random
 //! access.
 //!
-//! Prefetched samples are read into buffers taken from a small pool, so a
-//! sample costs no allocation, zeroing or page faults once the stage is warm.
-//! Buffered reads are the default: on the measured virtual disk they deliver
+//! Prefetched samples are read into buffers taken from the pool of
+//! [`crate::chunk`], so a sample costs no allocation, zeroing or page faults
+//! once the stage is warm. Buffered reads are the default: on the measured virtual disk they deliver
 //! about a third more samples per second end to end than `O_DIRECT`, for
 //! about 1.4x the stage's CPU (docs/data-plane.md). Direct reads keep the
 //! data out of the page cache; they land in a 4 KiB-aligned window of an
@@ -12,33 +12,16 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
-use std::ops::Deref;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::Mutex;
 
+use crate::chunk::{Chunk, recycle, take_buffer};
 use crate::protocol::{ErrorCode, MAX_RESPONSE_FRAME, ProtocolError, TO_END};
 
 /// The largest file one frame can carry, leaving room for headers.
 pub const MAX_FILE_BYTES: u64 = MAX_RESPONSE_FRAME as u64 - (64 << 10);
 /// Alignment `O_DIRECT` needs for buffers, offsets and lengths.
 const ALIGN: usize = 4096;
-/// Bytes of delivered sample buffers kept for reuse. Reuse saves the
-/// allocation, the zeroing and the page faults of a fresh buffer per sample
-/// (about a tenth of the stage's CPU at 100 KiB samples); the pool is part of
-/// the stage's fixed memory overhead.
-const POOL_BYTES: usize = 16 << 20;
-
-/// Buffers of delivered samples, ready to be read into again.
-static POOL: Mutex<Pool> = Mutex::new(Pool {
-    buffers: Vec::new(),
-    bytes: 0,
-});
-
-struct Pool {
-    buffers: Vec<Vec<u8>>,
-    bytes: usize,
-}
 
 /// Returns the length of the buffer a prefetch read of a `size`-byte file
 /// uses: the file rounded up to a size class (at most 1/8 larger, so buffers
@@ -50,80 +33,6 @@ pub fn whole_footprint(size: u64) -> u64 {
     let highest_bit = 1usize << (usize::BITS - 1 - window.leading_zeros());
     let granule = (highest_bit / 8).max(ALIGN);
     (window.div_ceil(granule) * granule + ALIGN) as u64
-}
-
-/// Returns an initialised buffer of exactly `len` bytes, reused if the pool
-/// has one.
-fn take_buffer(len: usize) -> Vec<u8> {
-    {
-        let mut pool = POOL
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(i) = pool.buffers.iter().rposition(|b| b.len() == len) {
-            let buf = pool.buffers.swap_remove(i);
-            pool.bytes -= buf.len();
-            return buf;
-        }
-    }
-    vec![0u8; len]
-}
-
-fn recycle(buf: Vec<u8>) {
-    if buf.len() < ALIGN {
-        return;
-    }
-    let mut pool = POOL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if pool.bytes + buf.len() <= POOL_BYTES {
-        pool.bytes += buf.len();
-        pool.buffers.push(buf);
-    }
-}
-
-/// Sample bytes: a window of an owned buffer (aligned reads put the data at
-/// an offset). Derefs to the sample's bytes. Prefetch buffers go back to a
-/// small pool when dropped.
-#[derive(Debug, Default)]
-pub struct Chunk {
-    buf: Vec<u8>,
-    start: usize,
-    len: usize,
-    pooled: bool,
-}
-
-impl Drop for Chunk {
-    fn drop(&mut self) {
-        if self.pooled {
-            recycle(std::mem::take(&mut self.buf));
-        }
-    }
-}
-
-impl Chunk {
-    /// Wraps a whole vector.
-    pub fn from_vec(buf: Vec<u8>) -> Self {
-        let len = buf.len();
-        Self {
-            buf,
-            start: 0,
-            len,
-            pooled: false,
-        }
-    }
-
-    /// Bytes of memory this chunk holds (what the buffer budget counts).
-    pub fn footprint(&self) -> u64 {
-        self.buf.capacity() as u64
-    }
-}
-
-impl Deref for Chunk {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
-    }
 }
 
 /// Turns an I/O error on `name` into the protocol's per-request error.
@@ -213,12 +122,7 @@ pub fn read_whole(path: &Path, direct: bool) -> io::Result<Chunk> {
             return read_range(path, 0, TO_END);
         }
     }
-    Ok(Chunk {
-        buf,
-        start,
-        len,
-        pooled: true,
-    })
+    Ok(Chunk::pooled(buf, start, len))
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@
 //! The tuner never switches itself off: any of these states can follow any
 //! other, for as long as the job runs.
 
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 /// How often the tuner looks.
@@ -126,6 +127,29 @@ pub struct Change {
     pub reason: Reason,
 }
 
+/// One window's measurements, as rates and fractions.
+#[derive(Debug, Clone, Copy)]
+struct Rates {
+    reads_per_s: f64,
+    /// Fraction of the window consumers stalled (per consumer).
+    stall: f64,
+    /// Fraction of the buffer in use.
+    occupancy: f64,
+    /// Fraction of reader time spent waiting on the limiter.
+    throttled: f64,
+}
+
+impl Rates {
+    fn of(obs: &Observation, secs: f64, buffer: u64, readers: u32) -> Self {
+        Self {
+            reads_per_s: obs.reads as f64 / secs,
+            stall: obs.stall.as_secs_f64() / (secs * f64::from(obs.consumers.max(1))),
+            occupancy: obs.buffer_used as f64 / buffer.max(1) as f64,
+            throttled: obs.throttled.as_secs_f64() / (secs * f64::from(readers)),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Probe {
     from: u32,
@@ -197,92 +221,133 @@ impl Tuner {
             // This window straddled the last change; judge the next one.
             return None;
         }
+        self.age_ceiling();
+        let rates = Rates::of(obs, secs, self.buffer, self.readers);
+        let steady_rate = self.record_steady(obs.reads, secs);
+        if let ControlFlow::Break(change) = self.judge_probe(steady_rate, rates.stall) {
+            return change;
+        }
+        if rates.throttled > 0.3 {
+            self.ahead_ticks = 0;
+            return self.trim_to_limiter(rates.reads_per_s, obs);
+        }
+        if rates.stall > STALL_HIGH {
+            self.ahead_ticks = 0;
+            return self.feed_starved(rates.occupancy, steady_rate);
+        }
+        self.full_stalls = 0;
+        self.shrink_when_ahead(&rates, obs, secs)
+    }
+
+    /// Counts down the tick that lifts the reader ceiling.
+    fn age_ceiling(&mut self) {
         if let Some((_, ticks)) = self.ceiling.as_mut() {
             *ticks = ticks.saturating_sub(1);
             if *ticks == 0 {
                 self.ceiling = None;
             }
         }
-        let reads_per_s = obs.reads as f64 / secs;
-        let stall = obs.stall.as_secs_f64() / (secs * f64::from(obs.consumers.max(1)));
-        let occupancy = obs.buffer_used as f64 / self.buffer.max(1) as f64;
-        let throttled = obs.throttled.as_secs_f64() / (secs * f64::from(self.readers));
+    }
 
-        self.steady.0 += obs.reads;
+    /// Adds a window to the steady totals since the last change and returns
+    /// their read rate.
+    fn record_steady(&mut self, reads: u64, secs: f64) -> f64 {
+        self.steady.0 += reads;
         self.steady.1 += secs;
-        let steady_rate = self.steady.0 as f64 / self.steady.1;
-        if let Some(probe) = self.probe.as_mut() {
-            probe.windows += 1;
-            if probe.windows < PROBE_WINDOWS {
+        self.steady.0 as f64 / self.steady.1
+    }
+
+    /// Judges a running probe once it has been measured long enough: undoes
+    /// it (and sets a ceiling) if throughput did not rise while consumers
+    /// still stall. Breaks with the answer for this window while the probe
+    /// is being measured or when it is undone.
+    fn judge_probe(&mut self, steady_rate: f64, stall: f64) -> ControlFlow<Option<Change>> {
+        let Some(probe) = self.probe.as_mut() else {
+            return ControlFlow::Continue(());
+        };
+        probe.windows += 1;
+        if probe.windows < PROBE_WINDOWS {
+            return ControlFlow::Break(None);
+        }
+        let probe = self.probe.take().expect("checked above");
+        let gain = steady_rate / probe.baseline.max(f64::MIN_POSITIVE);
+        if gain < PROBE_GAIN && stall > STALL_HIGH {
+            self.ceiling = Some((probe.from, CEILING_TICKS));
+            self.last_gain = 0.0;
+            return ControlFlow::Break(self.apply(probe.from, self.buffer, Reason::ProbeFailed));
+        }
+        self.last_gain = gain;
+        ControlFlow::Continue(())
+    }
+
+    /// Throttled: trims readers to what the allowed rate needs.
+    fn trim_to_limiter(&mut self, reads_per_s: f64, obs: &Observation) -> Option<Change> {
+        let needed = self.little(reads_per_s, obs);
+        (needed < self.readers)
+            .then(|| self.apply(needed, self.buffer, Reason::Throttled))
+            .flatten()
+    }
+
+    /// Consumers stall: grows the buffer if it is full, the readers if not.
+    fn feed_starved(&mut self, occupancy: f64, steady_rate: f64) -> Option<Change> {
+        if occupancy >= FULL {
+            // Twice in a row: a single window can hold both the stall of
+            // a new plan's first batch and the buffer filling after it.
+            self.full_stalls += 1;
+            if self.full_stalls < 2 {
                 return None;
             }
-            let probe = self.probe.take().expect("checked above");
-            let gain = steady_rate / probe.baseline.max(f64::MIN_POSITIVE);
-            if gain < PROBE_GAIN && stall > STALL_HIGH {
-                self.ceiling = Some((probe.from, CEILING_TICKS));
-                self.last_gain = 0.0;
-                return self.apply(probe.from, self.buffer, Reason::ProbeFailed);
-            }
-            self.last_gain = gain;
-        }
-        if throttled > 0.3 {
-            self.ahead_ticks = 0;
-            let needed = self.little(reads_per_s, obs);
-            return (needed < self.readers)
-                .then(|| self.apply(needed, self.buffer, Reason::Throttled))
-                .flatten();
-        }
-        if stall > STALL_HIGH {
-            self.ahead_ticks = 0;
-            if occupancy >= FULL {
-                // Twice in a row: a single window can hold both the stall of
-                // a new plan's first batch and the buffer filling after it.
-                self.full_stalls += 1;
-                if self.full_stalls < 2 {
-                    return None;
-                }
-                self.full_stalls = 0;
-                let buffer = self.bounds.clamp_buffer(self.buffer + self.buffer / 2);
-                return self.apply(self.readers, buffer, Reason::BufferBound);
-            }
             self.full_stalls = 0;
-            let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
-            let step = if self.last_gain >= LINEAR_GAIN {
-                self.readers
-            } else {
-                (self.readers / 2).max(1)
-            };
-            let grown = self
-                .bounds
-                .clamp_readers((self.readers + step).min(ceiling));
-            if grown > self.readers {
-                self.probe = Some(Probe {
-                    from: self.readers,
-                    baseline: steady_rate,
-                    windows: 0,
-                });
-                return self.apply(grown, self.buffer, Reason::Starved);
-            }
-            return None;
+            let buffer = self.bounds.clamp_buffer(self.buffer + self.buffer / 2);
+            return self.apply(self.readers, buffer, Reason::BufferBound);
         }
         self.full_stalls = 0;
-        if stall < STALL_LOW && occupancy >= FULL {
-            self.ahead_ticks += 1;
-            if self.ahead_ticks >= AHEAD_TICKS {
-                self.ahead_ticks = 0;
-                let readers = self.little(reads_per_s, obs).min(self.readers);
-                let consumed = obs.delivered_bytes as f64 / secs;
-                let floor = (consumed * LEAD_SECONDS) as u64;
-                let buffer = self
-                    .bounds
-                    .clamp_buffer(floor.max(self.buffer * 4 / 5))
-                    .min(self.buffer);
-                return self.apply(readers, buffer, Reason::Ahead);
-            }
+        self.probe_more_readers(steady_rate)
+    }
+
+    /// Grows the readers by half (doubles them after a linear gain), up to
+    /// the ceiling, and starts a probe that checks the growth paid off.
+    fn probe_more_readers(&mut self, steady_rate: f64) -> Option<Change> {
+        let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
+        let step = if self.last_gain >= LINEAR_GAIN {
+            self.readers
         } else {
-            self.ahead_ticks = 0;
+            (self.readers / 2).max(1)
+        };
+        let grown = self
+            .bounds
+            .clamp_readers((self.readers + step).min(ceiling));
+        if grown <= self.readers {
+            return None;
         }
-        None
+        self.probe = Some(Probe {
+            from: self.readers,
+            baseline: steady_rate,
+            windows: 0,
+        });
+        self.apply(grown, self.buffer, Reason::Starved)
+    }
+
+    /// Fed with a nearly full buffer for long enough: shrinks readers to
+    /// what sustains the consumer and the buffer toward its lead.
+    fn shrink_when_ahead(&mut self, rates: &Rates, obs: &Observation, secs: f64) -> Option<Change> {
+        if !(rates.stall < STALL_LOW && rates.occupancy >= FULL) {
+            self.ahead_ticks = 0;
+            return None;
+        }
+        self.ahead_ticks += 1;
+        if self.ahead_ticks < AHEAD_TICKS {
+            return None;
+        }
+        self.ahead_ticks = 0;
+        let readers = self.little(rates.reads_per_s, obs).min(self.readers);
+        let consumed = obs.delivered_bytes as f64 / secs;
+        let floor = (consumed * LEAD_SECONDS) as u64;
+        let buffer = self
+            .bounds
+            .clamp_buffer(floor.max(self.buffer * 4 / 5))
+            .min(self.buffer);
+        self.apply(readers, buffer, Reason::Ahead)
     }
 
     /// Readers needed to sustain `reads_per_s` at the observed latency, with

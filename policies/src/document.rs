@@ -15,13 +15,10 @@ use serde::Deserialize;
 
 use crate::de::from_node;
 use crate::error::{ErrorKind, Location, PolicyError, suggest};
-use crate::model::{Capacity, Guarantee, Limit, Sharing};
+use crate::model::{API_VERSION, Capacity, Guarantee, Limit, Sharing};
 use crate::selector::Operator;
 use crate::yaml::{Node, Resolved, Value};
 use crate::{ByteSize, Kind};
-
-/// The one `apiVersion` this version understands.
-pub const API_VERSION: &str = "sluice.dev/v1";
 
 /// A whole document: `apiVersion`, `kind`, `metadata` and a kind's `spec`.
 #[derive(Debug, Deserialize)]

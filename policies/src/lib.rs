@@ -42,6 +42,7 @@
 //! set is validated, so [`policy_for_job`] never has to break a tie.
 
 pub mod allocation;
+pub mod coordination;
 mod de;
 mod document;
 mod error;
@@ -49,16 +50,16 @@ mod model;
 pub mod quantity;
 mod selector;
 mod set;
+pub mod simulation;
 mod validate;
 mod yaml;
 
 use std::sync::Arc;
 
-pub use document::API_VERSION;
 pub use error::{ErrorKind, Location, PolicyError, PolicyErrors};
 pub use model::{
-    BufferBounds, Capacity, Guarantee, JobPolicy, JobPolicySpec, Kind, Limit, Metadata, Policy,
-    PoolSpec, Prefetch, ReaderBounds, Sharing, StoragePool,
+    API_VERSION, BufferBounds, Capacity, Guarantee, JobPolicy, JobPolicySpec, Kind, Limit,
+    Metadata, Policy, PoolSpec, Prefetch, ReaderBounds, Sharing, StoragePool,
 };
 pub use quantity::{ByteRate, ByteSize, Millis, OpsRate, QuantityError};
 pub use selector::{Labels, Operator, Requirement, Selector, Witness, WitnessValue};

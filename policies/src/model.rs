@@ -15,11 +15,13 @@ use std::sync::Arc;
 use serde::ser::SerializeStruct;
 use serde::{Deserialize, Serialize, Serializer};
 
-use crate::document::API_VERSION;
 use crate::error::Location;
 use crate::selector::Selector;
 use crate::yaml::Node;
 use crate::{ByteRate, ByteSize, Millis, OpsRate};
+
+/// The one `apiVersion` this version understands.
+pub const API_VERSION: &str = "sluice.dev/v1";
 
 /// The kinds of document.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -80,6 +80,7 @@ fn settings(version: u64) -> Settings {
             job: "resnet50".into(),
             settings: Some(job_settings()),
         }],
+        unmanaged: vec!["notebook".into()],
     }
 }
 

@@ -17,7 +17,7 @@ use sluice_proto::AdminServiceClient;
 use sluice_proto::v1::{
     GetJobRequest, ListJobsRequest, ListPoliciesRequest, ListStagesRequest, Stage, StageState,
 };
-use sluice_stage::protocol::Request as Frame;
+use sluice_stage::Request as Frame;
 use support::{
     KillOnDrop, admin, apply, controller_command_at, eventually, http, stage_command, start,
     trainer,
@@ -278,6 +278,29 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
             "{series} missing from\n{response}"
         );
     }
+
+    // A job new on a stage under a controller reads once the controller's
+    // settings name it, not unlimited before.
+    let starts = |how: &str| {
+        let metrics = http(&a.metrics, "GET", "/metrics", "");
+        let series = format!("sluice_stage_job_starts_total{{how=\"{how}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str())?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (cleared, timed_out) = (starts("settings"), starts("timeout"));
+    assert_eq!(read_file(&a.socket, "second", "a.bin"), b"abc");
+    eventually(
+        "the second job cleared by settings",
+        Duration::from_secs(10),
+        || {
+            let now = starts("settings");
+            async move { (now == cleared + 1).then_some(()) }
+        },
+    )
+    .await;
+    assert_eq!(starts("timeout"), timed_out);
 
     // A stage killed: marked lost within the timeout, and the job's whole
     // limit goes to the stage that still serves it.

@@ -206,6 +206,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             version: 1,
             defaults: None,
             jobs: vec![job_settings("e2e", limited)],
+            unmanaged: vec![],
         },
     )
     .await;
@@ -243,6 +244,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             version: 2,
             defaults: None,
             jobs: vec![job_settings("e2e", impossible)],
+            unmanaged: vec![],
         },
     )
     .await;
@@ -264,6 +266,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             version: 0,
             defaults: None,
             jobs: vec![],
+            unmanaged: vec![],
         },
     )
     .await;

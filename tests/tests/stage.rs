@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use sluice_stage::protocol::{PlanSpec, Request, TO_END};
+use sluice_stage::{PlanSpec, Request, TO_END};
 
 struct Stage {
     child: Child,

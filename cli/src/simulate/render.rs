@@ -2,22 +2,25 @@
 //! all of them), then the engine's problems where they change; or the
 //! report itself as JSON or YAML, every tick.
 
-use sluice_policy::Millis;
-
-use super::timeline::{JobShare, Report, Tick};
 use crate::args::Format;
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
+use sluice_policy::Millis;
+use sluice_policy::coordination::JobShare;
+use sluice_policy::simulation::{JobTick, Report, Tick};
 
-/// The table's columns. Rates and stages are printed whole: they are what
-/// the table is read for.
-const COLUMNS: [Column; 8] = [
+/// The table's columns: the estimated demand, the allocation, what the
+/// stages enforce (allocation plus loan, per stage under STAGES) and why.
+/// Rates and stages are printed whole: they are what the table is read
+/// for.
+const COLUMNS: [Column; 9] = [
     Column::whole("TICK"),
     Column::whole("TIME"),
     Column::text("JOB"),
     Column::text("POOL"),
     Column::whole("DEMAND"),
     Column::whole("ALLOCATED"),
+    Column::whole("LIMIT"),
     Column::whole("REASON"),
     Column::whole("STAGES"),
 ];
@@ -43,7 +46,7 @@ fn table(report: &Report, all_ticks: bool) -> String {
             millis => Millis(millis).to_string(),
         };
         let shares_changed =
-            before.is_none_or(|b| b.jobs != tick.jobs || b.unmanaged != tick.unmanaged);
+            before.is_none_or(|b| shown(b) != shown(tick) || b.unmanaged != tick.unmanaged);
         if all_ticks || shares_changed {
             for job in &tick.jobs {
                 rows.row(job_row(tick.tick, &time, job));
@@ -70,42 +73,53 @@ fn table(report: &Report, all_ticks: bool) -> String {
     lines.join("\n") + "\n"
 }
 
+/// What the table shows of a tick's jobs (not what they read in between).
+fn shown(tick: &Tick) -> Vec<(&str, &JobShare)> {
+    tick.jobs
+        .iter()
+        .map(|j| (j.job.as_str(), &j.share))
+        .collect()
+}
+
 /// True at the first tick when it has no problems: nothing to say yet.
 fn problems_none(before: Option<&Tick>, tick: &Tick) -> bool {
     before.is_none() && tick.problems.is_empty()
 }
 
-fn job_row(tick: u64, time: &str, job: &JobShare) -> Vec<String> {
-    let stages: Vec<String> = job
+fn job_row(tick: u64, time: &str, job: &JobTick) -> Vec<String> {
+    let share = &job.share;
+    let stages: Vec<String> = share
         .stages
         .iter()
-        .map(|s| format!("{} {}", s.stage, human::rate(s.bytes_per_second)))
+        .map(|s| format!("{} {}", s.stage, human::rate(s.enforced_bytes_per_second)))
         .collect();
     vec![
         tick.to_string(),
         time.to_owned(),
         job.job.clone(),
-        job.pool.clone(),
-        job.demand_bytes_per_second
+        share.pool.clone(),
+        share
+            .demand_bytes_per_second
             .map_or_else(|| "greedy".to_owned(), human::rate),
-        human::rate(job.bytes_per_second),
-        job.reason.to_string(),
+        human::rate(share.bytes_per_second),
+        human::rate(share.enforced_bytes_per_second),
+        share.reason.to_string(),
         stages.join(", "),
     ]
 }
 
 fn unmanaged_row(tick: u64, time: &str, job: &str) -> Vec<String> {
     let mut row = vec![tick.to_string(), time.to_owned(), job.to_owned()];
-    row.extend(["-", "-", "-", "unmanaged", "-"].map(str::to_owned));
+    row.extend(["-", "-", "-", "-", "unmanaged", "-"].map(str::to_owned));
     row
 }
 
 #[cfg(test)]
 mod tests {
     use sluice_policy::allocation::Reason;
+    use sluice_policy::coordination::StageShare;
 
     use super::*;
-    use crate::simulate::timeline::StageShare;
 
     const MIB: f64 = 1024.0 * 1024.0;
 
@@ -113,18 +127,24 @@ mod tests {
         Tick {
             tick: n,
             time_s: n as f64,
-            jobs: vec![JobShare {
+            jobs: vec![JobTick {
                 job: "j1".into(),
-                pool: "bench".into(),
-                policy: "j1".into(),
-                demand_bytes_per_second: None,
-                bytes_per_second: rate,
-                ops_per_second: None,
-                reason: Reason::WeightedShare,
-                stages: vec![StageShare {
-                    stage: "stage-a".into(),
+                wants_bytes_per_second: None,
+                share: JobShare {
+                    pool: "bench".into(),
+                    policy: "j1".into(),
                     bytes_per_second: rate,
-                }],
+                    ops_per_second: None,
+                    reason: Reason::WeightedShare,
+                    demand_bytes_per_second: None,
+                    enforced_bytes_per_second: rate,
+                    stages: vec![StageShare {
+                        stage: "stage-a".into(),
+                        bytes_per_second: rate,
+                        enforced_bytes_per_second: rate,
+                    }],
+                },
+                rate_bytes_per_second: rate,
             }],
             unmanaged: if n == 0 { vec!["x".into()] } else { vec![] },
             problems: problems.iter().map(|p| (*p).to_owned()).collect(),
@@ -146,10 +166,10 @@ mod tests {
         assert_eq!(
             text,
             "\
-TICK  TIME  JOB  POOL   DEMAND  ALLOCATED   REASON          STAGES
-0     0s    j1   bench  greedy  20.0 MiB/s  weighted-share  stage-a 20.0 MiB/s
-0     0s    x    -      -       -           unmanaged       -
-1     1s    j1   bench  greedy  20.0 MiB/s  weighted-share  stage-a 20.0 MiB/s
+TICK  TIME  JOB  POOL   DEMAND  ALLOCATED   LIMIT       REASON          STAGES
+0     0s    j1   bench  greedy  20.0 MiB/s  20.0 MiB/s  weighted-share  stage-a 20.0 MiB/s
+0     0s    x    -      -       -           -           unmanaged       -
+1     1s    j1   bench  greedy  20.0 MiB/s  20.0 MiB/s  weighted-share  stage-a 20.0 MiB/s
 
 PROBLEMS
 tick 1 (1s):

@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from conftest import REPO, in_ci
-from sluice.bench.coordination import analysis, controller_allocations
-from sluice.bench.coordination.scenario import (MiB, Phase, SimulateError, oversubscribed, parse_simulate,
-                                                phase_targets, policies_yaml, scenario, scenario_yaml)
+from sluice.bench.coordination import analysis, controller_shares, max_enforced_gap
+from sluice.bench.coordination.scenario import (MiB, Phase, Simulated, SimulateError, oversubscribed,
+                                                parse_simulate, phase_simulated, phase_targets, policies_yaml,
+                                                scenario, scenario_yaml)
 from sluice.bench.coordination.trainer import Pacer
 
 # -- windows, convergence, errors ------------------------------------------------------
@@ -126,9 +127,10 @@ def test_policies_and_scenario_files():
 
 SIMULATE_SAMPLE = {"tick_s": 1.0, "ticks": [
     {"tick": t, "time_s": float(t), "unmanaged": [], "problems": ["p"] if t == 1 else [], "jobs": [
-        {"job": "j1", "pool": "bench", "policy": "j1", "demand_bytes_per_second": None,
-         "bytes_per_second": 2.0e7 + t, "ops_per_second": None, "reason": "weighted-share",
-         "stages": [{"stage": "stage-a", "bytes_per_second": 1.0e7}]}]}
+        {"job": "j1", "pool": "bench", "policy": "j1", "wants_bytes_per_second": 1.0e7,
+         "demand_bytes_per_second": 1.1e7, "bytes_per_second": 1.1e7 + t, "enforced_bytes_per_second": 3.0e7 + t,
+         "rate_bytes_per_second": 1.0e7, "ops_per_second": None, "reason": "demand-limited",
+         "stages": [{"stage": "stage-a", "bytes_per_second": 1.1e7, "enforced_bytes_per_second": 3.0e7}]}]}
     for t in range(4)]}
 
 
@@ -136,20 +138,30 @@ def test_parse_simulate_and_take_each_phases_last_tick():
     ticks, problems = parse_simulate(json.dumps(SIMULATE_SAMPLE))
     assert problems == ["p"]
     assert [t for t, _ in ticks] == [0.0, 1.0, 2.0, 3.0]
-    targets = phase_targets(ticks, [Phase("a", 0, 2), Phase("b", 2, 4)])
-    assert targets == [{"j1": 2.0e7 + 1}, {"j1": 2.0e7 + 3}]
+    phases = phase_simulated(ticks, [Phase("a", 0, 2), Phase("b", 2, 4)])
+    assert phases == [{"j1": Simulated(1.1e7 + 1, 3.0e7 + 1, 1.0e7)}, {"j1": Simulated(1.1e7 + 3, 3.0e7 + 3, 1.0e7)}]
+    # The target is what the job reads: its demand, under the enforced limit.
+    assert phase_targets(phases) == [{"j1": 1.0e7}, {"j1": 1.0e7}]
     with pytest.raises(SimulateError, match="no tick"):
-        phase_targets(ticks, [Phase("c", 4, 6)])
+        phase_simulated(ticks, [Phase("c", 4, 6)])
     with pytest.raises(SimulateError):
-        parse_simulate('{"ticks": [{"jobs": []}]}')
+        parse_simulate('{"ticks": [{"jobs": [{"job": "j1", "bytes_per_second": 1}]}]}')
 
 
-def test_controller_allocations_take_the_last_view_in_each_phase():
-    views = [(0.5, [{"id": "j1", "allocation": {"bytes_per_second": 1.0}}]),
+def test_controller_shares_take_the_last_view_in_each_phase():
+    views = [(0.5, [{"id": "j1", "allocation": {"bytes_per_second": 1.0, "enforced_bytes_per_second": 9.0}}]),
              (1.5, [{"id": "j1", "allocation": {"bytes_per_second": 2.0}}, {"id": "j2"}]),
              (2.5, [{"id": "j1", "allocation": {"bytes_per_second": 3.0}}])]
-    got = controller_allocations(views, [Phase("a", 0, 2), Phase("b", 2, 3), Phase("c", 3, 4)])
-    assert got == [{"j1": 2.0, "j2": None}, {"j1": 3.0}, {"j1": 3.0}]
+    phases = [Phase("a", 0, 2), Phase("b", 2, 3), Phase("c", 3, 4)]
+    assert controller_shares(views, phases) == [{"j1": 2.0, "j2": None}, {"j1": 3.0}, {"j1": 3.0}]
+    assert controller_shares(views[:1], phases[:1], "enforced_bytes_per_second") == [{"j1": 9.0}]
+
+
+def test_the_enforced_gap_compares_simulation_and_controller():
+    limits = [({}, {"j1": 100.0, "j2": 50.0}, {"j1": 103.0, "j2": None}),
+              ({}, {"j1": 100.0}, {"j1": 96.0})]
+    assert max_enforced_gap(limits) == pytest.approx(4.0)
+    assert max_enforced_gap([({}, {}, {})]) is None
 
 
 # -- end to end --------------------------------------------------------------------------
@@ -189,5 +201,11 @@ def test_a_short_run_reports_every_phase(tmp_path):
     assert [j["job"] for j in result["phases"][3]["jobs"]] == ["j1", "j3", "j4", "j5"]
     # the targets of phase a: 50 MiB/s shared 1:2:3:4
     assert [j["target_mib_s"] for j in result["phases"][0]["jobs"]] == [5.0, 10.0, 15.0, 20.0]
+    # both enforced limits, side by side, and how far apart they are
+    for job in result["phases"][0]["jobs"]:
+        assert job["simulated_enforced_mib_s"] == job["target_mib_s"]
+        assert job["controller_enforced_mib_s"] is None or job["controller_enforced_mib_s"] > 0
+    assert "simulated_enforced_mib_s" not in result["uncoordinated"]["phases"][0]["jobs"][0]
+    assert result["max_enforced_gap_pct"] is None or result["max_enforced_gap_pct"] >= 0
     assert (out / "policies.yaml").exists() and (out / "scenario.yaml").exists()
     assert "phase a: all greedy" in done.stdout

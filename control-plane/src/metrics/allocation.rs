@@ -8,7 +8,9 @@ use std::sync::Mutex;
 
 use prometheus::{GaugeVec, IntCounter, IntGauge, Opts, Registry};
 
-use crate::state::{Allocations, lock};
+use sluice_policy::coordination::Shares;
+
+use crate::sync::lock;
 
 /// Bytes per second each job read from storage, by job id.
 pub type Throughput = BTreeMap<String, f64>;
@@ -136,11 +138,11 @@ impl AllocationMetrics {
 
     /// Sets every gauge from the allocation in force and the measured
     /// throughput, and removes the series of jobs and pools that are gone.
-    pub fn set(&self, allocations: &Allocations, throughput: &Throughput) {
+    pub fn set(&self, shares: &Shares, throughput: &Throughput) {
         let (mut allocated, mut ops, mut demand, mut read, mut reason) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut pool_read: BTreeMap<&str, f64> = BTreeMap::new();
-        for (job, share) in &allocations.jobs {
+        for (job, share) in &shares.jobs {
             let labels = vec![job.clone(), share.pool.clone()];
             let bytes = throughput.get(job).copied().unwrap_or(0.0);
             *pool_read.entry(&share.pool).or_default() += bytes;
@@ -153,7 +155,7 @@ impl AllocationMetrics {
             }
             read.push((labels.clone(), bytes));
             let mut with_reason = labels;
-            with_reason.push(share.reason.clone());
+            with_reason.push(share.reason.as_str().to_owned());
             reason.push((with_reason, 1.0));
         }
         self.job_allocated.replace(allocated);
@@ -161,7 +163,7 @@ impl AllocationMetrics {
         self.job_demand.replace(demand);
         self.job_throughput.replace(read);
         self.job_reason.replace(reason);
-        let pools = || allocations.pools.iter().map(|(p, s)| (vec![p.clone()], s));
+        let pools = || shares.pools.iter().map(|(p, s)| (vec![p.clone()], s));
         self.pool_capacity.replace(
             pools()
                 .map(|(l, s)| (l, s.capacity_bytes_per_second))
@@ -175,6 +177,6 @@ impl AllocationMetrics {
         let used = |l: &Vec<String>| pool_read.get(l[0].as_str()).copied().unwrap_or(0.0);
         self.pool_throughput
             .replace(pools().map(|(l, _)| (l.clone(), used(&l))).collect());
-        self.problems.set(allocations.problems.len() as i64);
+        self.problems.set(shares.problems.len() as i64);
     }
 }

@@ -17,18 +17,22 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tracing::{debug, info};
 
+use super::Memory;
 use super::plan_run::{PlanKey, PlanRun};
-use super::{JobSettings, Memory};
+use crate::chunk::Chunk;
+use crate::job_config::JobConfig;
 use crate::metrics::{DatasetMetrics, Metrics};
 use crate::protocol::{ProtocolError, Sample};
-use crate::storage::Chunk;
-use crate::token_bucket::{Limits, TokenBucket};
+use crate::token_bucket::TokenBucket;
 use crate::tuner::{Observation, Tuner};
 
 mod delivery;
+mod gate;
 mod readers;
 
-pub use delivery::{NextBatch, PlanHandle, Reservation};
+pub use delivery::{PlanHandle, Reservation};
+use gate::Gate;
+pub use gate::SETTINGS_WAIT;
 
 /// Completed plans remembered per job, so a late worker that submits an
 /// already finished plan gets `end` instead of a second epoch.
@@ -68,7 +72,7 @@ struct JobState {
     next_id: u64,
     reserved: u64,
     capacity: u64,
-    settings: JobSettings,
+    config: JobConfig,
     tuner: Tuner,
     readers_target: u32,
     readers_running: u32,
@@ -86,11 +90,15 @@ pub struct Job {
     labels: Mutex<BTreeMap<String, String>>,
     state: Mutex<JobState>,
     work: Condvar,
+    /// Closed while a new job waits for the controller's first settings.
+    gate: Gate,
     limiter: TokenBucket,
     stats: Stats,
     memory: Arc<Memory>,
     metrics: Arc<Metrics>,
     throttled_metric: prometheus::Counter,
+    /// Woken when the last trainer leaves (see [`super::Engine::jobs_changed`]).
+    jobs_changed: Arc<tokio::sync::Notify>,
 }
 
 /// How `PLAN` went.
@@ -129,6 +137,7 @@ impl Drop for JobHandle {
         st.connections -= 1;
         if st.connections == 0 {
             st.idle_since = Some(Instant::now());
+            self.job.jobs_changed.notify_one();
         }
     }
 }
@@ -157,18 +166,18 @@ pub struct JobSnapshot {
 }
 
 impl Job {
+    /// Starts a job; with `hold`, its storage reads wait until
+    /// [`Job::start_reading`] or that deadline (see [`SETTINGS_WAIT`]).
     pub(super) fn start(
         id: &str,
         labels: BTreeMap<String, String>,
-        settings: JobSettings,
+        config: JobConfig,
+        hold: Option<Instant>,
+        jobs_changed: Arc<tokio::sync::Notify>,
         memory: Arc<Memory>,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
-        let tuner = Tuner::new(
-            settings.bounds,
-            settings.initial_readers,
-            settings.initial_buffer,
-        );
+        let tuner = Tuner::new(config.bounds, config.initial_readers, config.initial_buffer);
         let job = Arc::new(Self {
             id: id.to_owned(),
             labels: Mutex::new(labels),
@@ -181,7 +190,7 @@ impl Job {
                 capacity: tuner.buffer(),
                 readers_target: tuner.readers(),
                 readers_running: 0,
-                settings,
+                config,
                 tuner,
                 connections: 0,
                 idle_since: Some(Instant::now()),
@@ -190,12 +199,20 @@ impl Job {
                 datasets: HashMap::new(),
             }),
             work: Condvar::new(),
-            limiter: TokenBucket::new(settings.limits),
+            gate: Gate::new(hold),
+            limiter: TokenBucket::new(config.limits),
             stats: Stats::default(),
             throttled_metric: metrics.throttled(id),
+            jobs_changed,
             memory,
             metrics,
         });
+        if hold.is_none() {
+            job.metrics
+                .job_starts
+                .with_label_values(&["no-controller"])
+                .inc();
+        }
         {
             let st = job.lock();
             job.publish_gauges(&st);
@@ -234,13 +251,22 @@ impl Job {
         self.metrics.forget_job(&self.id, &datasets);
     }
 
-    /// Applies new limits and tuner bounds (from flags today, from the
-    /// controller's settings later) without disturbing reads in flight.
-    pub fn apply_settings(self: &Arc<Self>, settings: JobSettings) {
-        self.limiter.set_limits(settings.limits);
+    /// Lets the job's storage reads start, `how` says why (`settings`: the
+    /// controller's settings for it are in force; `no-controller`: there
+    /// is no controller to wait for).
+    pub fn start_reading(&self, how: &str) {
+        if self.gate.open() {
+            self.metrics.job_starts.with_label_values(&[how]).inc();
+        }
+    }
+
+    /// Applies new limits and tuner bounds (from the controller's pushed
+    /// settings) without disturbing reads in flight.
+    pub fn apply_config(self: &Arc<Self>, config: JobConfig) {
+        self.limiter.set_limits(config.limits);
         let mut st = self.lock();
-        st.settings = settings;
-        if let Some(change) = st.tuner.set_bounds(settings.bounds) {
+        st.config = config;
+        if let Some(change) = st.tuner.set_bounds(config.bounds) {
             st.readers_target = change.readers;
             st.capacity = change.buffer;
         }
@@ -249,16 +275,9 @@ impl Job {
         self.work.notify_all();
     }
 
-    pub fn limits(&self) -> Limits {
-        self.limiter.limits()
-    }
-
     /// Returns the hot-path metric handles for a dataset of this job.
     fn dataset_metrics(&self, st: &mut JobState, dataset: &str) -> DatasetMetrics {
-        st.datasets
-            .entry(dataset.to_owned())
-            .or_insert_with(|| self.metrics.dataset(&self.id, dataset))
-            .clone()
+        st.dataset_metrics(&self.metrics, &self.id, dataset)
     }
 
     fn count_read(
@@ -346,11 +365,12 @@ impl Job {
                 buffer_used: st.reserved,
                 has_work: st.plans.values().any(|p| p.remaining > 0),
             };
-            if st.settings.tuner
+            if st.config.tuner
                 && let Some(change) = st.tuner.observe(&obs)
             {
                 debug!(job = %self.id, readers = change.readers, buffer = change.buffer, reason = ?change.reason, "tuned");
                 self.metrics
+                    .job
                     .tuner_changes
                     .with_label_values(&[self.id.as_str(), change.reason.name()])
                     .inc();
@@ -366,7 +386,7 @@ impl Job {
     /// Sets the job's gauges from its state.
     fn publish_gauges(&self, st: &JobState) {
         let id = [self.id.as_str()];
-        let m = &self.metrics;
+        let m = &self.metrics.job;
         m.buffer_used.with_label_values(&id).set(st.reserved as i64);
         m.buffer_capacity
             .with_label_values(&id)
@@ -411,6 +431,15 @@ impl Job {
 }
 
 impl JobState {
+    /// Returns the hot-path metric handles for job `job` reading `dataset`,
+    /// created on first use.
+    fn dataset_metrics(&mut self, metrics: &Metrics, job: &str, dataset: &str) -> DatasetMetrics {
+        self.datasets
+            .entry(dataset.to_owned())
+            .or_insert_with(|| metrics.dataset(job, dataset))
+            .clone()
+    }
+
     /// The job's buffer capacity after the node budget's fair share.
     fn effective_capacity(&self, memory: &Memory) -> u64 {
         self.capacity.min(memory.job_share())

@@ -30,7 +30,7 @@ pub(crate) struct Entry {
 /// buffer accounting.
 #[derive(Debug)]
 pub(crate) struct Fetched {
-    pub data: Result<crate::storage::Chunk, ProtocolError>,
+    pub data: Result<crate::chunk::Chunk, ProtocolError>,
     pub reserved: u64,
 }
 

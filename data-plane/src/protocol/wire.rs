@@ -68,6 +68,8 @@ impl<'a> Decoder<'a> {
         Ok(text.to_owned())
     }
 
+    /// Reads a `bytes` field (only responses carry them: tests decode those).
+    #[cfg(test)]
     pub fn bytes(&mut self) -> Result<&'a [u8], ProtocolError> {
         let len = self.u32()? as usize;
         self.take(len)

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sluice_proto::v1;
 
 use crate::engine::{Engine, JobSnapshot};
-use crate::settings::{JobOverrides, StageSettings};
+use crate::settings::{JobOverrides, PushedSettings};
 
 /// The stage's telemetry now.
 pub fn telemetry(engine: &Engine) -> v1::Telemetry {
@@ -45,7 +45,7 @@ fn job_telemetry(s: JobSnapshot) -> v1::JobTelemetry {
 }
 
 /// Converts a push; refuses fields that cannot be honoured as given.
-pub fn settings(pushed: v1::Settings) -> Result<StageSettings, String> {
+pub fn settings(pushed: v1::Settings) -> Result<PushedSettings, String> {
     let mut jobs = std::collections::HashMap::new();
     for entry in pushed.jobs {
         let overrides = overrides(entry.settings.unwrap_or_default());
@@ -53,10 +53,11 @@ pub fn settings(pushed: v1::Settings) -> Result<StageSettings, String> {
             return Err(format!("job `{}` appears twice", entry.job));
         }
     }
-    Ok(StageSettings {
+    Ok(PushedSettings {
         version: pushed.version,
         defaults: pushed.defaults.map(overrides),
         jobs,
+        unmanaged: pushed.unmanaged.into_iter().collect(),
     })
 }
 
@@ -95,9 +96,11 @@ mod tests {
             version: 7,
             defaults: None,
             jobs: vec![job("a", 100)],
+            unmanaged: vec!["x".into()],
         };
         let s = settings(pushed).unwrap();
         assert_eq!(s.version, 7);
+        assert!(s.names("a") && s.names("x") && !s.names("b"));
         assert_eq!(s.jobs["a"].bytes_per_s, Some(100));
         assert_eq!(
             (s.jobs["a"].min_readers, s.jobs["a"].max_readers),
@@ -112,6 +115,7 @@ mod tests {
             version: 8,
             defaults: None,
             jobs: vec![job("a", 1), job("a", 2)],
+            unmanaged: vec![],
         };
         assert!(settings(twice).unwrap_err().contains("twice"));
     }

@@ -99,7 +99,8 @@ fn share(claim: &Claim, level: f64) -> f64 {
 pub(crate) fn fill_units(claims: &[Claim], budget: u64) -> Vec<u64> {
     let exact = fill(claims, budget as f64).shares;
     let mut units: Vec<u64> = exact.iter().map(|s| s.floor() as u64).collect();
-    let used: u64 = units.iter().sum();
+    // Unbounded claims (u64::MAX) must not overflow the sum.
+    let used = units.iter().fold(0u64, |sum, &u| sum.saturating_add(u));
     let mut left = budget.saturating_sub(used);
     let mut order: Vec<usize> = (0..claims.len()).collect();
     order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
@@ -107,7 +108,7 @@ pub(crate) fn fill_units(claims: &[Claim], budget: u64) -> Vec<u64> {
         if left == 0 {
             break;
         }
-        if ((units[i] + 1) as f64) <= claims[i].ceiling && exact[i] > units[i] as f64 {
+        if (units[i].saturating_add(1) as f64) <= claims[i].ceiling && exact[i] > units[i] as f64 {
             units[i] += 1;
             left -= 1;
         }
@@ -176,5 +177,16 @@ mod tests {
         let units = fill_units(&claims, 10);
         assert_eq!(units.iter().sum::<u64>(), 10);
         assert_eq!(units[0], 3);
+    }
+
+    #[test]
+    fn unbounded_budgets_and_ceilings_do_not_overflow() {
+        let unbounded = Claim {
+            weight: 1.0,
+            floor: 0.0,
+            ceiling: u64::MAX as f64,
+        };
+        let units = fill_units(&[unbounded; 2], u64::MAX);
+        assert!(units.iter().all(|&u| u >= u64::MAX / 2 - 4096), "{units:?}");
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
 use sluice_proto::v1::{ApplyPoliciesRequest, ListStagesRequest, PolicySource, StageState};
-use sluice_stage::protocol::Request as Frame;
+use sluice_stage::Request as Frame;
 use tonic::transport::Channel;
 
 pub use sluice_tests::eventually;

@@ -8,11 +8,12 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Job, PlanState};
+use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
-use crate::storage::{Chunk, io_error, read_range};
+use crate::storage::{io_error, read_range};
 
 /// A connection's attachment to a plan; detaches on drop.
 #[derive(Debug)]
@@ -29,6 +30,13 @@ pub struct NextBatch {
     pub samples: Vec<Sample>,
     pub end: bool,
     pub reservation: Reservation,
+}
+
+/// An entry a whole-file `READ` claimed in a plan: one a reader has already
+/// started (wait for it), or one nobody has (read it in the reader's place).
+enum Claimed {
+    Buffered(u64, u32, DatasetMetrics),
+    Direct(u64, u32, DatasetMetrics, Arc<Dataset>),
 }
 
 /// Buffer bytes held by data on its way to a trainer; released on drop.
@@ -138,11 +146,7 @@ impl Job {
         let empty = |end| NextBatch {
             samples: Vec::new(),
             end,
-            reservation: Reservation {
-                job: Arc::clone(self),
-                plan: 0,
-                bytes: 0,
-            },
+            reservation: self.reservation(0, 0),
         };
         let Some(id) = handle.id else {
             return empty(true);
@@ -173,11 +177,7 @@ impl Job {
         NextBatch {
             samples,
             end,
-            reservation: Reservation {
-                job: Arc::clone(self),
-                plan: id,
-                bytes,
-            },
+            reservation: self.reservation(id, bytes),
         }
     }
 
@@ -242,51 +242,58 @@ impl Job {
         dataset: &str,
         name: &str,
     ) -> Option<(Sample, Reservation)> {
-        enum Claimed {
-            Buffered(u64, u32, DatasetMetrics),
-            Direct(u64, u32, DatasetMetrics, Arc<Dataset>),
-        }
-        let claimed = {
-            let mut st = self.lock();
-            let found = st.plans.values_mut().find_map(|plan| {
-                if plan.dataset.name != dataset {
-                    return None;
-                }
-                let file = plan.listing.position(name)?;
-                let pos = plan.claim_file(file)?;
-                let started = std::mem::replace(&mut plan.entries[pos as usize].started, true);
-                Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
-            });
-            let (id, pos, started, ds) = found?;
-            let m = self.dataset_metrics(&mut st, dataset);
-            if started {
-                Claimed::Buffered(id, pos, m)
-            } else {
-                Claimed::Direct(id, pos, m, ds)
-            }
-        };
-        match claimed {
+        match self.claim_by_name(dataset, name)? {
             Claimed::Buffered(id, pos, m) => {
                 // None: the plan was abandoned meanwhile; the caller reads directly.
                 let (mut samples, _, bytes) = self.wait_for(id, &[pos], &m).await?;
                 self.count_delivered(&m, &samples);
                 let sample = samples.pop()?;
-                Some((
-                    sample,
-                    Reservation {
-                        job: Arc::clone(self),
-                        plan: id,
-                        bytes,
-                    },
-                ))
+                Some((sample, self.reservation(id, bytes)))
             }
             Claimed::Direct(id, pos, m, ds) => {
-                let job = Arc::clone(self);
-                let owned = name.to_owned();
-                let metrics = m.clone();
-                let data = tokio::task::spawn_blocking(move || {
-                    job.read_now(&ds, &owned, 0, TO_END, &metrics)
-                })
+                let sample = self.read_in_place(pos, name, &m, ds).await;
+                self.delivered_outside_readers(id);
+                self.count_delivered(&m, std::slice::from_ref(&sample));
+                Some((sample, self.reservation(id, 0)))
+            }
+        }
+    }
+
+    /// Claims the first undelivered entry of `name` in an active plan on
+    /// `dataset`, marking it started.
+    fn claim_by_name(&self, dataset: &str, name: &str) -> Option<Claimed> {
+        let mut st = self.lock();
+        let found = st.plans.values_mut().find_map(|plan| {
+            if plan.dataset.name != dataset {
+                return None;
+            }
+            let file = plan.listing.position(name)?;
+            let pos = plan.claim_file(file)?;
+            let started = std::mem::replace(&mut plan.entries[pos as usize].started, true);
+            Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
+        });
+        let (id, pos, started, ds) = found?;
+        let m = self.dataset_metrics(&mut st, dataset);
+        Some(if started {
+            Claimed::Buffered(id, pos, m)
+        } else {
+            Claimed::Direct(id, pos, m, ds)
+        })
+    }
+
+    /// Reads plan entry `pos` (file `name`) now, in place of a reader.
+    async fn read_in_place(
+        self: &Arc<Self>,
+        pos: u32,
+        name: &str,
+        m: &DatasetMetrics,
+        ds: Arc<Dataset>,
+    ) -> Sample {
+        let job = Arc::clone(self);
+        let owned = name.to_owned();
+        let metrics = m.clone();
+        let data =
+            tokio::task::spawn_blocking(move || job.read_now(&ds, &owned, 0, TO_END, &metrics))
                 .await
                 .unwrap_or_else(|e| {
                     Err(ProtocolError::new(
@@ -294,30 +301,31 @@ impl Job {
                         format!("read task failed: {e}"),
                     ))
                 });
-                let sample = Sample {
-                    position: pos,
-                    name: name.to_owned(),
-                    data,
-                };
-                {
-                    let mut st = self.lock();
-                    if let Some(plan) = st.plans.get_mut(&id) {
-                        plan.remaining -= 1;
-                        if plan.remaining == 0 {
-                            st.finish_plan(id);
-                        }
-                    }
-                }
-                self.count_delivered(&m, std::slice::from_ref(&sample));
-                Some((
-                    sample,
-                    Reservation {
-                        job: Arc::clone(self),
-                        plan: id,
-                        bytes: 0,
-                    },
-                ))
+        Sample {
+            position: pos,
+            name: name.to_owned(),
+            data,
+        }
+    }
+
+    /// Counts an entry of plan `id` delivered without a reader, finishing
+    /// the plan if it was the last.
+    fn delivered_outside_readers(&self, id: u64) {
+        let mut st = self.lock();
+        if let Some(plan) = st.plans.get_mut(&id) {
+            plan.remaining -= 1;
+            if plan.remaining == 0 {
+                st.finish_plan(id);
             }
+        }
+    }
+
+    /// Holds `bytes` of plan `plan` until dropped.
+    fn reservation(self: &Arc<Self>, plan: u64, bytes: u64) -> Reservation {
+        Reservation {
+            job: Arc::clone(self),
+            plan,
+            bytes,
         }
     }
 
@@ -340,13 +348,6 @@ impl Job {
         let data = read_range(&path, offset, length).map_err(|e| io_error(name, &e));
         self.count_read(m, start.elapsed(), &data);
         data
-    }
-}
-
-impl PlanHandle {
-    /// Whether this handle joined a plan that had already been delivered.
-    pub fn is_complete(&self) -> bool {
-        self.id.is_none()
     }
 }
 

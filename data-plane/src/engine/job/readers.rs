@@ -6,11 +6,12 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Job, JobState, MEMORY_RECHECK};
+use crate::chunk::Chunk;
 use crate::dataset::Dataset;
 use crate::engine::Memory;
 use crate::engine::plan_run::Fetched;
 use crate::metrics::{DatasetMetrics, Metrics};
-use crate::storage::{Chunk, whole_footprint};
+use crate::storage::whole_footprint;
 
 /// A fetch a reader has committed to.
 pub(super) struct Work {
@@ -51,6 +52,7 @@ impl Job {
             }
         }
         self.metrics
+            .job
             .reader_threads
             .with_label_values(&[&self.id])
             .set(i64::from(st.readers_target));
@@ -120,8 +122,15 @@ impl Job {
         }
     }
 
-    /// Waits for the limiter to allow a read of `bytes`, counting the wait.
+    /// Waits for the job's first settings (a new job under a controller),
+    /// then for the limiter to allow a read of `bytes`, counting that wait.
     pub(super) fn throttle(&self, bytes: u64) {
+        if self.gate.wait() {
+            self.metrics
+                .job_starts
+                .with_label_values(&["timeout"])
+                .inc();
+        }
         let waited = self.limiter.acquire_blocking(bytes);
         if !waited.is_zero() {
             self.stats
@@ -175,20 +184,14 @@ impl JobState {
             self.reserved += size;
             let name = plan.name_of(pos).to_owned();
             let dataset = Arc::clone(&plan.dataset);
-            let ds_name = dataset.name.clone();
-            let m = self
-                .datasets
-                .entry(ds_name.clone())
-                .or_insert_with(|| metrics.dataset(job, &ds_name))
-                .clone();
             return Ok(Work {
                 plan: id,
                 pos,
                 size,
                 file_bytes,
                 name,
+                metrics: self.dataset_metrics(metrics, job, &dataset.name),
                 dataset,
-                metrics: m,
             });
         }
         Err(if blocked_on_memory {

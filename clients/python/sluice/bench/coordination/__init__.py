@@ -14,8 +14,11 @@ fair share; (c) j2 leaves; (d) j5 (weight 1, guarantee 60MiB/s) arrives.
 A job with a demand paces itself at it, half on each rank.
 
 Targets come from ``sluicectl simulate`` on the same policies and a
-scenario file written from the phases. Per phase it reports each job's
-target, the controller's own allocation, the measured rate over the steady
+scenario file written from the phases: the controller's own decision
+(demand estimates, allocation, loans) run offline, so a phase's target is
+what each job reads at its last simulated tick. Per phase it reports each
+job's target, the limit the simulation and the live controller enforce at
+the phase's end (they should agree), the measured rate over the steady
 part (after convergence, else the last half) and the error; the time to
 converge (every job's rate, as a moving mean of two 1 s windows, within 5%
 of its target for the rest of the phase); and the pool's use while the jobs want more than it. Then the
@@ -45,8 +48,8 @@ from .analysis import (PhaseResult, analyse_phase, max_abs_error, max_converge, 
                        window_rates)
 from .report import format_tables, phase_json, write_plot, write_trace
 from .run import RunData, run_pass
-from .scenario import (Job, Phase, SimulateError, oversubscribed, parse_simulate, phase_targets, policies_yaml,
-                       scenario, scenario_yaml)
+from .scenario import (Job, Phase, Simulated, SimulateError, oversubscribed, parse_simulate, phase_simulated,
+                       phase_targets, policies_yaml, scenario, scenario_yaml)
 from .trainer import BUCKET_S
 
 __all__ = ["main"]
@@ -73,10 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def simulate_targets(sluicectl: str, policies: str, scenario_file: str,
-                     phases: Sequence[Phase]) -> Tuple[Optional[List[Dict[str, float]]], str]:
-    """Returns each phase's targets from ``sluicectl simulate`` (or None) and
-    what happened."""
+def simulate_phases(sluicectl: str, policies: str, scenario_file: str,
+                    phases: Sequence[Phase]) -> Tuple[Optional[List[Dict[str, Simulated]]], str]:
+    """Returns each phase's last simulated tick from ``sluicectl simulate``
+    (or None) and what happened."""
     done = subprocess.run([sluicectl, "simulate", "-f", policies, "--scenario", scenario_file, "-o", "json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -85,19 +88,22 @@ def simulate_targets(sluicectl: str, policies: str, scenario_file: str,
         ticks, problems = parse_simulate(done.stdout)
         for problem in problems:
             log(f"warning: simulate: {problem}")
-        return phase_targets(ticks, phases), "sluicectl simulate"
+        return phase_simulated(ticks, phases), "sluicectl simulate"
     except SimulateError as e:
         return None, str(e)
 
 
-def controller_allocations(views: Sequence[Tuple[float, list]], phases: Sequence[Phase]) -> List[Dict[str, Optional[float]]]:
-    """Returns, per phase, each job's allocated bytes/s in the controller's
-    last view before the phase ended (None where the view has no allocation)."""
+def controller_shares(views: Sequence[Tuple[float, list]], phases: Sequence[Phase],
+                      key: str = "bytes_per_second") -> List[Dict[str, Optional[float]]]:
+    """Returns, per phase, each job's ``key`` of its allocation (allocated
+    ``bytes_per_second``, or ``enforced_bytes_per_second``) in the
+    controller's last view before the phase ended (None where the view has
+    no allocation)."""
     out = []
     for phase in phases:
         before = [jobs for t, jobs in views if t < phase.end_s]
         last = before[-1] if before else []
-        out.append({j.get("id"): (j.get("allocation") or {}).get("bytes_per_second") for j in last})
+        out.append({j.get("id"): (j.get("allocation") or {}).get(key) for j in last})
     return out
 
 
@@ -115,13 +121,30 @@ def analyse(data: RunData, jobs: Sequence[Job], phases: Sequence[Phase],
     return rates, results
 
 
-def _summary(results: List[PhaseResult], jobs, phases, capacity: float, controller=None) -> dict:
+def _summary(results: List[PhaseResult], jobs, phases, capacity: float, limits=None) -> dict:
+    """Returns the JSON of one pass; ``limits`` (coordinated pass only) is,
+    per phase, ``(allocated, simulated enforced, controller enforced)``
+    by job."""
     busy = [r for r, p in zip(results, phases) if oversubscribed(jobs, p, capacity)]
     u = utilisation(busy, capacity)
-    return {"phases": [phase_json(r, controller[i] if controller else None) for i, r in enumerate(results)],
-            "max_error_pct": None if max_abs_error(results) is None else round(max_abs_error(results), 2),
-            "max_converge_s": max_converge(results),
-            "aggregate_utilisation": None if u is None else round(u, 4)}
+    out = {"phases": [phase_json(r, *(limits[i] if limits else ())) for i, r in enumerate(results)],
+           "max_error_pct": None if max_abs_error(results) is None else round(max_abs_error(results), 2),
+           "max_converge_s": max_converge(results),
+           "aggregate_utilisation": None if u is None else round(u, 4)}
+    if limits:
+        gap = max_enforced_gap(limits)
+        out["max_enforced_gap_pct"] = None if gap is None else round(gap, 2)
+    return out
+
+
+def max_enforced_gap(limits) -> Optional[float]:
+    """Returns the largest difference, in percent of the simulated figure,
+    between what the simulation and the controller enforce for a job at a
+    phase's end (None without a pair to compare)."""
+    gaps = [abs(controller[job] - sim) / sim * 100
+            for _, simulated, controller in limits for job, sim in simulated.items()
+            if sim and controller.get(job) is not None]
+    return max(gaps) if gaps else None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -141,13 +164,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         f.write(policies_yaml(jobs, capacity))
     with open(scenario_file, "w") as f:
         f.write(scenario_yaml(jobs, phases[-1].end_s, parse_tick(args.tick), parse_bytes(args.stage_memory)))
-    targets, source = simulate_targets(bins["sluicectl"], policies, scenario_file, phases)
+    simulated, source = simulate_phases(bins["sluicectl"], policies, scenario_file, phases)
+    targets = phase_targets(simulated) if simulated else None
     log(f"targets: {source}")
     duration = phases[-1].end_s
     with tempfile.TemporaryDirectory(prefix="sluice-coordination-") as tmp:
         log(f"coordinated pass: controller, 2 stages, {2 * len(jobs)} trainers, {duration:.0f} s ...")
         coord = run_pass(bins, ds, jobs, duration, args, tmp, policies)
-    controller = controller_allocations(coord.controller_views, phases)
+    controller = controller_shares(coord.controller_views, phases)
+    enforced = controller_shares(coord.controller_views, phases, "enforced_bytes_per_second")
     if targets is None:
         targets = [{j.id: alloc.get(j.id) for j in jobs} for alloc in controller]
         source = "the controller's allocation at each phase's end (simulate unavailable)"
@@ -159,8 +184,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             uncoord = run_pass(bins, ds, jobs, duration, args, tmp, None)
     rates, results = analyse(coord, jobs, phases, targets)
     u_rates, u_results = analyse(uncoord, jobs, phases, targets) if uncoord else (None, None)
-    print(format_tables(results, u_results, controller, capacity))
-    result = _summary(results, jobs, phases, capacity, controller)
+    sim_enforced = [{j: s.enforced for j, s in phase.items()} for phase in simulated] if simulated \
+        else [{} for _ in phases]
+    limits = list(zip(controller, sim_enforced, enforced))
+    print(format_tables(results, u_results, limits, capacity))
+    result = _summary(results, jobs, phases, capacity, limits)
     result.update({"capacity_mib_s": capacity / 2**20, "phase_s": args.phase_s, "targets_from": source,
                    "cpu_share": _round(coord.cpu_share), "machine_cpu_busy": _round(coord.machine_busy)})
     if uncoord:
@@ -168,7 +196,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        cpu_share=_round(uncoord.cpu_share), machine_cpu_busy=_round(uncoord.machine_busy))
     print(f"max error {_fmt(result['max_error_pct'], '.1f')}%, slowest convergence "
           f"{_fmt(result['max_converge_s'], '.0f')} s, pool used {_fmt(result['aggregate_utilisation'], '.1%')} "
-          f"while oversubscribed; sluice + trainers used {_fmt(coord.cpu_share, '.0%')} of the CPUs "
+          f"while oversubscribed, enforced limits within {_fmt(result['max_enforced_gap_pct'], '.1f')}% of the "
+          f"simulation's; sluice + trainers used {_fmt(coord.cpu_share, '.0%')} of the CPUs "
           f"(machine busy {_fmt(coord.machine_busy, '.0%')})"
           + (f"; uncoordinated: the jobs read {_fmt(result['uncoordinated']['aggregate_utilisation'], '.0%')} "
              f"of the capacity, max error {_fmt(result['uncoordinated']['max_error_pct'], '.0f')}%, "

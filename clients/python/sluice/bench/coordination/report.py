@@ -19,14 +19,23 @@ def _pct(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 2)
 
 
-def phase_json(p: PhaseResult, controller: Optional[Dict[str, Optional[float]]] = None) -> dict:
-    """Returns one phase of the JSON output (rates in MiB/s)."""
+def phase_json(p: PhaseResult, controller: Optional[Dict[str, Optional[float]]] = None,
+               simulated_enforced: Optional[Dict[str, float]] = None,
+               controller_enforced: Optional[Dict[str, Optional[float]]] = None) -> dict:
+    """Returns one phase of the JSON output (rates in MiB/s): per job its
+    target, measured rate and error, and with a controller its allocation
+    there (``controller_mib_s``) and the limit the simulation and the
+    controller enforce at the phase's end."""
     jobs = []
     for j in p.jobs:
         row = {"job": j.job, "target_mib_s": _mib(j.target), "measured_mib_s": _mib(j.measured),
                "error_pct": _pct(j.error_pct)}
         if controller is not None:
             row["controller_mib_s"] = _mib(controller.get(j.job))
+        if simulated_enforced is not None:
+            row["simulated_enforced_mib_s"] = _mib(simulated_enforced.get(j.job))
+        if controller_enforced is not None:
+            row["controller_enforced_mib_s"] = _mib(controller_enforced.get(j.job))
         jobs.append(row)
     return {"name": p.name, "converge_s": p.converge_s, "steady_s": p.steady_s, "jobs": jobs,
             "total_mib_s": _mib(p.total)}
@@ -37,8 +46,10 @@ def _cell(x, fmt: str) -> str:
 
 
 def format_tables(coordinated: Sequence[PhaseResult], uncoordinated: Optional[Sequence[PhaseResult]],
-                  controller: Sequence[Dict[str, Optional[float]]], capacity: float) -> str:
-    """Returns a table per phase: target, the controller's allocation,
+                  limits: Sequence[tuple], capacity: float) -> str:
+    """Returns a table per phase: target, the limits the simulation and
+    the controller enforce at the phase's end (``limits``: per phase,
+    allocated, simulated enforced and controller enforced, by job),
     measured and error with the controller, and without it beside."""
     out: List[str] = []
     for i, p in enumerate(coordinated):
@@ -46,12 +57,13 @@ def format_tables(coordinated: Sequence[PhaseResult], uncoordinated: Optional[Se
         conv = "never" if p.converge_s is None else f"{p.converge_s:.0f} s"
         out.append(f"phase {p.name}: converged after {conv}; pool used {p.total / capacity * 100:.1f}%"
                    + (f" (uncoordinated {u.total / capacity * 100:.1f}%)" if u else ""))
-        out.append(f"  {'job':4} {'target':>9} {'controller':>10} {'measured':>9} {'error':>8}"
+        out.append(f"  {'job':4} {'target':>9} {'sim limit':>10} {'ctl limit':>10} {'measured':>9} {'error':>8}"
                    + (f" | {'uncoord':>9} {'error':>8}" if u else ""))
         by_job = {j.job: j for j in u.jobs} if u else {}
         for j in p.jobs:
-            line = (f"  {j.job:4} {_cell(_mib(j.target), '9.1f')} {_cell(_mib(controller[i].get(j.job)), '10.1f')} "
-                    f"{_mib(j.measured):9.1f} {_cell(j.error_pct, '+7.1f')}%")
+            _, simulated, enforced = limits[i]
+            line = (f"  {j.job:4} {_cell(_mib(j.target), '9.1f')} {_cell(_mib(simulated.get(j.job)), '10.1f')} "
+                    f"{_cell(_mib(enforced.get(j.job)), '10.1f')} {_mib(j.measured):9.1f} {_cell(j.error_pct, '+7.1f')}%")
             if u and j.job in by_job:
                 uj = by_job[j.job]
                 line += f" | {_mib(uj.measured):9.1f} {_cell(uj.error_pct, '+7.1f')}%"

@@ -128,31 +128,50 @@ class SimulateError(ValueError):
     """``sluicectl simulate`` answered something this benchmark cannot read."""
 
 
-def parse_simulate(text: str) -> Tuple[List[Tuple[float, Dict[str, float]]], List[str]]:
-    """Returns ``[(time_s, {job: bytes_per_second})]`` per tick of
-    ``sluicectl simulate -o json``'s answer, sorted by time, and the
-    distinct problems the engine reported."""
+class Simulated(NamedTuple):
+    """One job at one simulated tick (bytes/s): what the engine allocates,
+    what its stages enforce (allocation plus any loan of capacity nobody
+    wants) and what it then reads (its demand, capped by the enforced
+    limit)."""
+
+    allocated: float
+    enforced: float
+    rate: float
+
+
+def parse_simulate(text: str) -> Tuple[List[Tuple[float, Dict[str, Simulated]]], List[str]]:
+    """Returns ``[(time_s, {job: Simulated})]`` per tick of ``sluicectl
+    simulate -o json``'s answer, sorted by time, and the distinct problems
+    the engine reported."""
     try:
         doc = json.loads(text)
         ticks, problems = [], []
         for tick in doc["ticks"]:
             problems += [str(p) for p in tick.get("problems") or [] if str(p) not in problems]
             ticks.append((float(tick["time_s"]),
-                          {j["job"]: float(j["bytes_per_second"]) for j in tick["jobs"]
-                           if j.get("bytes_per_second") is not None}))
+                          {j["job"]: Simulated(float(j["bytes_per_second"]), float(j["enforced_bytes_per_second"]),
+                                               float(j["rate_bytes_per_second"]))
+                           for j in tick["jobs"]}))
     except (ValueError, KeyError, TypeError) as e:
         raise SimulateError(f"cannot read simulate's JSON: {e!r}") from None
     return sorted(ticks, key=lambda t: t[0]), problems
 
 
-def phase_targets(ticks: Sequence[Tuple[float, Dict[str, float]]], phases: Sequence[Phase]) -> List[Dict[str, float]]:
-    """Returns each phase's targets: the allocation of its last tick (where
-    the simulated control loop has settled after the phase's change)."""
+def phase_simulated(ticks: Sequence[Tuple[float, Dict[str, Simulated]]],
+                    phases: Sequence[Phase]) -> List[Dict[str, Simulated]]:
+    """Returns each phase's last simulated tick, where the simulated
+    control loop has settled after the phase's change."""
     out = []
     for phase in phases:
-        inside = [alloc for t, alloc in ticks if phase.start_s <= t < phase.end_s]
+        inside = [jobs for t, jobs in ticks if phase.start_s <= t < phase.end_s]
         if not inside:
             raise SimulateError(f"simulate has no tick in phase {phase.name!r} "
                                 f"({phase.start_s:g}s..{phase.end_s:g}s)")
         out.append(dict(inside[-1]))
     return out
+
+
+def phase_targets(simulated: Sequence[Dict[str, Simulated]]) -> List[Dict[str, float]]:
+    """Returns each phase's targets: what each job reads at the phase's
+    last simulated tick."""
+    return [{job: s.rate for job, s in phase.items()} for phase in simulated]

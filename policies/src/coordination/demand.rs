@@ -1,5 +1,5 @@
 //! Demand estimation: how many bytes per second each job wants from each
-//! stage, from the stage's last two telemetry snapshots.
+//! stage, from the window between the stage's last two telemetry reports.
 //!
 //! The stage reports, per job, cumulative bytes read from storage and
 //! delivered to trainers, the seconds its readers spent waiting for the
@@ -39,11 +39,36 @@
 //! stages: the job's share is split among its stages by demand, and a
 //! stage whose trainer was starved would otherwise keep a small share in
 //! proportion to the little it could read. A job seen on a stage for
-//! the first time (no window yet) is unknown, which also counts as greedy.
+//! the first time (no window yet) is unknown, which also counts as greedy;
+//! so is it in its first window there ([warm-up](StageDemand::warming)):
+//! a trainer that just connected spends that window starting (connecting,
+//! sending its plan, its readers filling the buffer) and reads less than
+//! it will, without waiting long enough to count as stalled. Taking that
+//! window as its demand would hold a greedy job far below its share for
+//! the windows it then takes to press. A job already reading when the
+//! controller first sees it (a controller that restarted) has no warm-up:
+//! its first window is a steady one.
 
 use std::collections::BTreeMap;
 
-use crate::state::JobSample;
+use serde::{Deserialize, Serialize};
+
+/// A job's cumulative counters on one stage, as its telemetry reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobCounters {
+    /// Bytes read from storage for the job.
+    pub storage_read_bytes: u64,
+    /// Bytes delivered to its trainers.
+    pub delivered_bytes: u64,
+    /// Samples delivered to its trainers.
+    pub delivered_samples: u64,
+    /// Reader-seconds spent waiting for the job's token bucket.
+    pub throttled_seconds: f64,
+    /// Seconds its trainers waited for data, summed over connections.
+    pub stall_seconds: f64,
+    /// Trainer connections open now.
+    pub connections: u32,
+}
 
 /// Reader-seconds waited per second above which a job counts as throttled.
 pub const THROTTLED: f64 = 0.1;
@@ -84,6 +109,8 @@ pub struct Window {
     pub read_bytes_per_second: f64,
     /// Bytes delivered to trainers per second.
     pub delivered_bytes_per_second: f64,
+    /// Samples delivered to trainers per second.
+    pub delivered_samples_per_second: f64,
     /// Reader-seconds spent waiting for the job's token bucket, per second.
     pub throttled: f64,
     /// Fraction of the time the job's trainers waited for data (per
@@ -98,8 +125,8 @@ impl Window {
     /// when they cannot be compared (no time passed, or the counters went
     /// back: the stage restarted).
     pub fn between(
-        before: &JobSample,
-        now: &JobSample,
+        before: &JobCounters,
+        now: &JobCounters,
         seconds: f64,
         ends_at: i64,
     ) -> Option<Self> {
@@ -116,6 +143,10 @@ impl Window {
         Some(Window {
             read_bytes_per_second: per_second(now.storage_read_bytes, before.storage_read_bytes),
             delivered_bytes_per_second: per_second(now.delivered_bytes, before.delivered_bytes),
+            delivered_samples_per_second: per_second(
+                now.delivered_samples,
+                before.delivered_samples.min(now.delivered_samples),
+            ),
             throttled: (now.throttled_seconds - before.throttled_seconds) / seconds,
             stalled: ((now.stall_seconds - before.stall_seconds)
                 / seconds
@@ -128,6 +159,27 @@ impl Window {
     /// Returns the job's rate: what it delivered to its trainers.
     pub fn rate(&self) -> f64 {
         self.delivered_bytes_per_second
+    }
+
+    /// Whether the job wants more than it has in this window: its readers
+    /// waited for the limit while its trainers waited for data.
+    pub fn pressed(&self) -> bool {
+        self.throttled >= THROTTLED && self.stalled >= STALLED
+    }
+
+    /// Whether this window may move the job's demand from what `before`
+    /// showed: it started or stopped pressing, or its rate moved past the
+    /// hysteresis band. Lets the controller decide at once when a job's
+    /// behaviour changes rather than at the next tick; windows that cannot
+    /// change anything (no window yet) never ask for it.
+    pub fn moved_from(&self, before: Option<&Window>) -> bool {
+        let Some(b) = before else {
+            return true;
+        };
+        let (rate, was) = (self.rate(), b.rate());
+        self.pressed() != b.pressed()
+            || rate > was * (1.0 + RISE + HEADROOM)
+            || rate < was * (1.0 - FALL - HEADROOM)
     }
 }
 
@@ -156,6 +208,12 @@ impl StageDemand {
         pressing: 0,
         seen_at: 0,
     };
+
+    /// Whether the job was seen on the stage with no window yet: its next
+    /// window is its first there, a warm-up that does not set its demand.
+    pub fn warming(&self) -> bool {
+        self.seen_at == 0 && self.bytes_per_second.is_none()
+    }
 }
 
 /// Returns the demand a window shows, given the demand in force before
@@ -167,6 +225,13 @@ pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDem
     if let Some(b) = before.filter(|b| b.seen_at == w.ends_at) {
         return b;
     }
+    let pressed = w.pressed();
+    if before.is_some_and(|b| b.warming()) && !pressed {
+        return StageDemand {
+            seen_at: w.ends_at,
+            ..StageDemand::UNKNOWN
+        };
+    }
     let fresh = |bytes: f64, wants_more: bool, recent: [f64; RECENT]| StageDemand {
         bytes_per_second: Some(bytes.max(MIN_DEMAND)),
         wants_more,
@@ -177,7 +242,7 @@ pub fn estimate(window: Option<Window>, before: Option<StageDemand>) -> StageDem
     let held = before
         .filter(|b| !b.wants_more)
         .and_then(|b| Some((b, b.bytes_per_second?)));
-    if w.throttled >= THROTTLED && w.stalled >= STALLED {
+    if pressed {
         return match held {
             // Held at its demand: one short window may be a stage that fell
             // behind and is catching up within its headroom.
@@ -280,6 +345,7 @@ mod tests {
         Some(Window {
             read_bytes_per_second: mib * MIB,
             delivered_bytes_per_second: mib * MIB,
+            delivered_samples_per_second: 0.0,
             throttled,
             stalled: throttled.min(1.0),
             ends_at: next_window(),
@@ -404,6 +470,7 @@ mod tests {
         let draining = Some(Window {
             read_bytes_per_second: 0.0,
             delivered_bytes_per_second: 20.0 * MIB,
+            delivered_samples_per_second: 0.0,
             throttled: 0.0,
             stalled: 0.0,
             ends_at: 1,
@@ -416,11 +483,34 @@ mod tests {
         let refilling = Some(Window {
             read_bytes_per_second: 30.0 * MIB,
             delivered_bytes_per_second: 20.0 * MIB,
+            delivered_samples_per_second: 0.0,
             throttled: 3.0,
             stalled: 0.0,
             ends_at: 1,
         });
         assert_eq!(mib(estimate(refilling, None)), (Some(22.0), false));
+    }
+
+    #[test]
+    fn a_new_jobs_first_window_is_a_warm_up() {
+        // Seen without a window, then a first window of a trainer that is
+        // starting: still unknown, so greedy.
+        let new = estimate(None, None);
+        assert!(new.warming());
+        let first = estimate(window(3.0, 0.0), Some(new));
+        assert_eq!(mib(first), (None, true));
+        assert!(!first.warming());
+        // From the second window on the job is measured.
+        assert_eq!(
+            mib(estimate(window(20.0, 0.0), Some(first))),
+            (Some(22.0), false)
+        );
+        // A first window that presses counts at once.
+        let pressed = estimate(window(40.0, 2.0), Some(new));
+        assert_eq!(mib(pressed), (Some(60.0), true));
+        // A job already reading when the controller first sees it (a
+        // restart) is measured from its first window.
+        assert_eq!(mib(estimate(window(20.0, 0.0), None)), (Some(22.0), false));
     }
 
     #[test]
@@ -433,18 +523,32 @@ mod tests {
     }
 
     #[test]
+    fn a_window_asks_for_a_decision_only_when_it_may_move_the_demand() {
+        let w = |mib, throttled| window(mib, throttled).unwrap();
+        assert!(w(20.0, 0.0).moved_from(None));
+        assert!(!w(20.0, 0.0).moved_from(Some(&w(21.0, 0.0))));
+        assert!(!w(20.0, 0.0).moved_from(Some(&w(18.0, 0.0))));
+        assert!(w(20.0, 0.0).moved_from(Some(&w(30.0, 0.0))));
+        assert!(w(20.0, 0.0).moved_from(Some(&w(12.0, 0.0))));
+        // Starting or stopping to press, at any rate.
+        assert!(w(20.0, 1.0).moved_from(Some(&w(20.0, 0.0))));
+        assert!(w(20.0, 0.0).moved_from(Some(&w(20.0, 1.0))));
+    }
+
+    #[test]
     fn windows_need_time_and_monotonic_counters() {
-        let sample = |bytes: u64, throttled: f64| JobSample {
+        let sample = |bytes: u64, throttled: f64| JobCounters {
             storage_read_bytes: bytes,
             delivered_bytes: bytes / 2,
+            delivered_samples: bytes / 1024,
             throttled_seconds: throttled,
             stall_seconds: throttled * 2.0,
             connections: 2,
-            ..JobSample::default()
         };
         let w = Window::between(&sample(0, 1.0), &sample(4 << 20, 1.5), 2.0, 7).unwrap();
         assert_eq!(w.read_bytes_per_second, 2.0 * MIB);
         assert_eq!(w.delivered_bytes_per_second, MIB);
+        assert_eq!(w.delivered_samples_per_second, 2048.0);
         assert_eq!(w.throttled, 0.25);
         // One second of waiting over two seconds and two connections.
         assert_eq!(w.stalled, 0.25);
