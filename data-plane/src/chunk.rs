@@ -1,11 +1,15 @@
-//! Sample bytes ([`Chunk`]) and the pool their prefetch buffers return to.
+//! Sample bytes ([`Chunk`]) and the buffers they live in.
 //!
 //! A chunk is what storage reads produce and what the protocol sends: a
-//! window of an owned buffer. Buffers of delivered prefetched samples go
-//! back to a small pool to be read into again.
+//! window of an owned [`Buffer`], either on the heap or a slot of a job's
+//! shared-memory region ([`crate::shm`]). Heap buffers of delivered
+//! prefetched samples go back to a small pool to be read into again; slots
+//! go back to their region.
 
 use std::ops::Deref;
 use std::sync::Mutex;
+
+use crate::shm::Slot;
 
 /// Bytes of delivered sample buffers kept for reuse. Reuse saves the
 /// allocation, the zeroing and the page faults of a fresh buffer per sample
@@ -57,42 +61,91 @@ pub fn recycle(buf: Vec<u8>) {
     }
 }
 
+/// Memory a prefetch read lands in.
+#[derive(Debug)]
+pub enum Buffer {
+    /// An ordinary allocation (from the pool when one fits).
+    Heap(Vec<u8>),
+    /// A slot of a job's shared-memory region.
+    Shared(Slot),
+}
+
+impl Buffer {
+    /// Returns a heap buffer of exactly `len` bytes, from the pool if it
+    /// has one.
+    pub fn heap(len: usize) -> Self {
+        Self::Heap(take_buffer(len))
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Shared(s) => s.as_slice(),
+        }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Shared(s) => s.as_mut_slice(),
+        }
+    }
+
+    /// Gives the memory back: a heap buffer to the pool, a slot to its
+    /// region (a slot goes back when dropped anyway).
+    pub fn recycle(self) {
+        if let Self::Heap(v) = self {
+            recycle(v);
+        }
+    }
+}
+
 /// Sample bytes: a window of an owned buffer (aligned reads put the data at
-/// an offset). Derefs to the sample's bytes. Prefetch buffers go back to a
-/// small pool when dropped.
-#[derive(Debug, Default)]
+/// an offset). Derefs to the sample's bytes. Prefetch buffers go back to
+/// the pool or their region when dropped.
+#[derive(Debug)]
 pub struct Chunk {
-    buf: Vec<u8>,
+    buf: Option<Buffer>,
     start: usize,
     len: usize,
+    /// Whether a heap buffer goes back to the pool (only prefetch buffers,
+    /// whose sizes are the pool's size classes, are worth keeping).
     pooled: bool,
+}
+
+impl Default for Chunk {
+    fn default() -> Self {
+        Self::from_vec(Vec::new())
+    }
 }
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        if self.pooled {
-            recycle(std::mem::take(&mut self.buf));
+        if let Some(buf) = self.buf.take()
+            && self.pooled
+        {
+            buf.recycle();
         }
     }
 }
 
 impl Chunk {
-    /// Wraps a whole vector.
+    /// Wraps a whole vector (not pooled when dropped).
     pub fn from_vec(buf: Vec<u8>) -> Self {
         let len = buf.len();
         Self {
-            buf,
+            buf: Some(Buffer::Heap(buf)),
             start: 0,
             len,
             pooled: false,
         }
     }
 
-    /// Wraps `len` bytes at `start` of a buffer from [`take_buffer`], which
-    /// goes back to the pool when the chunk is dropped.
-    pub fn pooled(buf: Vec<u8>, start: usize, len: usize) -> Self {
+    /// Wraps `len` bytes at `start` of a prefetch buffer, which goes back to
+    /// the pool or its region when the chunk is dropped.
+    pub fn pooled(buf: Buffer, start: usize, len: usize) -> Self {
         Self {
-            buf,
+            buf: Some(buf),
             start,
             len,
             pooled: true,
@@ -101,7 +154,20 @@ impl Chunk {
 
     /// Bytes of memory this chunk holds (what the buffer budget counts).
     pub fn footprint(&self) -> u64 {
-        self.buf.capacity() as u64
+        match &self.buf {
+            Some(Buffer::Heap(v)) => v.capacity() as u64,
+            Some(Buffer::Shared(s)) => s.len() as u64,
+            None => 0,
+        }
+    }
+
+    /// Where the bytes lie when they are in a shared-memory region: the
+    /// slot, and the bytes' offset in the region.
+    pub fn shared(&self) -> Option<(&Slot, u64)> {
+        match &self.buf {
+            Some(Buffer::Shared(s)) => Some((s, s.offset() + self.start as u64)),
+            _ => None,
+        }
     }
 }
 
@@ -109,6 +175,7 @@ impl Deref for Chunk {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
+        let buf = self.buf.as_ref().map_or(&[][..], Buffer::as_slice);
+        &buf[self.start..self.start + self.len]
     }
 }

@@ -84,6 +84,12 @@ pub struct Args {
     /// buffered reads].
     #[arg(long, env = "SLUICE_DIRECT_IO")]
     pub direct_io: Option<bool>,
+    /// Offer trainers on the UNIX socket shared-memory delivery: a job's
+    /// prefetch buffers live in a memory region its local trainers map,
+    /// and samples are handed over by offset instead of copied through the
+    /// socket [default: true].
+    #[arg(long, env = "SLUICE_SHARED_MEMORY")]
+    pub shared_memory: Option<bool>,
     /// The controller's gRPC address, e.g. `http://controller:7070`
     /// (`https://` with the --tls-* flags); without it the stage runs
     /// standalone on its own configuration.
@@ -143,6 +149,8 @@ pub struct StageFile {
     pub memory_budget: Option<ByteSize>,
     /// Prefetch with O_DIRECT (default false).
     pub direct_io: Option<bool>,
+    /// Offer shared-memory delivery to local trainers (default true).
+    pub shared_memory: Option<bool>,
     /// The controller's gRPC address.
     pub controller: Option<String>,
     /// The node name.
@@ -212,6 +220,7 @@ pub struct StageConfig {
     pub memory_budget: u64,
     pub datasets: Vec<(String, PathBuf)>,
     pub direct_io: bool,
+    pub shared_memory: bool,
     pub job: JobConfig,
     pub controller: Option<String>,
     /// Mutual TLS with the controller (`https://` URLs only).
@@ -270,6 +279,7 @@ impl StageConfig {
             memory_budget,
             datasets,
             direct_io: args.direct_io.or(file.direct_io).unwrap_or(false),
+            shared_memory: args.shared_memory.or(file.shared_memory).unwrap_or(true),
             controller,
             controller_tls,
             node: args.node.or(file.node).unwrap_or_else(hostname),

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::chunk::Chunk;
+use crate::chunk::{Buffer, Chunk};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{direct_unsupported, io_error, read_whole};
 
@@ -149,21 +149,55 @@ impl Dataset {
         Ok(canonical)
     }
 
-    /// Reads the whole file `name` for prefetching: direct I/O when enabled
-    /// and supported, buffered otherwise. Blocking.
-    pub fn read_whole(&self, name: &str) -> Result<Chunk, ProtocolError> {
-        let path = self.resolve(name)?;
+    /// Reads the whole file `name` of the listing for prefetching into a
+    /// buffer from `alloc`: direct I/O when enabled and supported, buffered
+    /// otherwise. Blocking.
+    ///
+    /// Only names of the listing come here (plan entries), and the walk that
+    /// made the listing followed only symlinks that stay beneath the root;
+    /// so the file is opened by its joined path without resolving every
+    /// component again (that cost a readlink per component per sample). The
+    /// last component is opened with `O_NOFOLLOW`; a file that is a symlink
+    /// there is resolved and checked as any trainer-supplied name is.
+    pub fn read_whole(
+        &self,
+        name: &str,
+        listed: u64,
+        alloc: &dyn Fn(usize) -> Buffer,
+    ) -> Result<Chunk, ProtocolError> {
+        check_name(name)?;
+        let joined = self.root.join(name);
+        match self.read_path(&joined, Some(listed), alloc) {
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                let path = self.resolve(name)?;
+                self.read_path(&path, None, alloc)
+            }
+            other => other,
+        }
+        .map_err(|e| io_error(name, &e))
+    }
+
+    /// Reads the file at `path` whole, with direct I/O while the file system
+    /// takes it: the listed file itself (`listed`: its size; the last
+    /// component must not be a symlink), or a resolved path.
+    fn read_path(
+        &self,
+        path: &Path,
+        listed: Option<u64>,
+        alloc: &dyn Fn(usize) -> Buffer,
+    ) -> io::Result<Chunk> {
+        let nofollow = listed.is_some();
         if self.direct.load(Ordering::Relaxed) {
-            match read_whole(&path, true) {
+            match read_whole(path, true, nofollow, listed, alloc) {
                 Err(e) if direct_unsupported(&e) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
                         tracing::warn!(dataset = %self.name, "the file system refuses O_DIRECT: prefetching through the page cache");
                     }
                 }
-                other => return other.map_err(|e| io_error(name, &e)),
+                other => return other,
             }
         }
-        read_whole(&path, false).map_err(|e| io_error(name, &e))
+        read_whole(path, false, nofollow, listed, alloc)
     }
 
     /// Reads `length` bytes (or to the end) of `name` from `offset`. The

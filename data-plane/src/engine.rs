@@ -15,13 +15,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use job::{Job, JobHandle, JobSnapshot, PlanHandle, Reservation, SETTINGS_WAIT};
+pub use job::{Job, JobHandle, JobSnapshot, Lent, PlanHandle, Reservation, SETTINGS_WAIT};
 pub use plan_run::PlanKey;
 
 use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
+use crate::shm::Region;
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
@@ -96,6 +97,9 @@ pub struct Engine {
     /// Whether a controller session is up: new jobs then wait (briefly)
     /// for its settings before reading.
     controller_live: AtomicBool,
+    /// Whether jobs keep their prefetch buffers in shared memory, for the
+    /// trainers that ask (cleared when the system refuses a region).
+    shared_memory: AtomicBool,
     metrics: Arc<Metrics>,
     /// Woken when a job starts or its last trainer leaves, so the
     /// controller session reports it at once rather than at the next
@@ -109,6 +113,7 @@ impl Engine {
         datasets: Vec<Dataset>,
         memory_budget: u64,
         base: JobConfig,
+        shared_memory: bool,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
         metrics.memory_budget.set(memory_budget as i64);
@@ -122,6 +127,7 @@ impl Engine {
             base,
             pushed: Mutex::new(None),
             controller_live: AtomicBool::new(false),
+            shared_memory: AtomicBool::new(shared_memory),
             metrics,
             jobs_changed: Arc::new(tokio::sync::Notify::new()),
         })
@@ -168,15 +174,14 @@ impl Engine {
                     .controller_live
                     .load(Ordering::Acquire)
                     .then(|| Instant::now() + SETTINGS_WAIT);
-                Job::start(
-                    id,
-                    labels.clone(),
-                    config,
+                let start = job::Start {
+                    region: self.region_for(id),
                     hold,
-                    Arc::clone(&self.jobs_changed),
-                    Arc::clone(&self.memory),
-                    Arc::clone(&self.metrics),
-                )
+                    jobs_changed: Arc::clone(&self.jobs_changed),
+                    memory: Arc::clone(&self.memory),
+                    metrics: Arc::clone(&self.metrics),
+                };
+                Job::start(id, labels.clone(), config, start)
             })
             .clone();
         job.set_labels(labels);
@@ -186,6 +191,25 @@ impl Engine {
             self.jobs_changed.notify_one();
         }
         handle
+    }
+
+    /// Returns a shared-memory region for a new job's buffers (as large as
+    /// the node budget: only the pages its slots touch take memory), or
+    /// `None` when shared memory is off or the system refuses it (then it
+    /// is turned off, with one warning).
+    fn region_for(&self, id: &str) -> Option<Arc<Region>> {
+        if !self.shared_memory.load(Ordering::Relaxed) {
+            return None;
+        }
+        match Region::new(id, self.memory.budget() as usize) {
+            Ok(region) => Some(region),
+            Err(e) => {
+                if self.shared_memory.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(error = %e, "cannot create a shared-memory region: delivering through the socket only");
+                }
+                None
+            }
+        }
     }
 
     /// Returns the configuration job `id` runs with now.

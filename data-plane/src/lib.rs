@@ -19,6 +19,7 @@ mod protocol;
 mod server;
 mod session;
 mod settings;
+mod shm;
 mod storage;
 mod token_bucket;
 mod tuner;
@@ -90,7 +91,13 @@ impl Stage {
         let http = TcpListener::bind(config.metrics_addr)
             .await
             .with_context(|| format!("binding the metrics listener on {}", config.metrics_addr))?;
-        let engine = Engine::new(datasets, config.memory_budget, config.job, Metrics::new());
+        let engine = Engine::new(
+            datasets,
+            config.memory_budget,
+            config.job,
+            config.shared_memory,
+            Metrics::new(),
+        );
         let controller = config.controller.map(|url| {
             let identity = session::Identity {
                 stage_id: config.stage_id.clone(),
@@ -208,15 +215,16 @@ impl Accepting {
     async fn run(self, listener: Listener) {
         loop {
             let accepted = match &listener {
-                Listener::Unix(l) => self
-                    .cancel
-                    .run_until_cancelled(l.accept())
-                    .await
-                    .map(|r| r.map(|(s, _)| self.serve(s, "unix".to_owned()))),
+                Listener::Unix(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
+                    r.map(|(s, _)| {
+                        let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+                        self.serve(s, "unix".to_owned(), Some(fd));
+                    })
+                }),
                 Listener::Tcp(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, peer)| {
                         let _ = s.set_nodelay(true);
-                        self.serve(s, peer.to_string());
+                        self.serve(s, peer.to_string(), None);
                     })
                 }),
             };
@@ -228,7 +236,9 @@ impl Accepting {
         }
     }
 
-    fn serve<S>(&self, stream: S, peer: String)
+    /// Serves one connection; `unix` is its socket's descriptor when it is
+    /// a UNIX socket (so a shared-memory region can be passed over it).
+    fn serve<S>(&self, stream: S, peer: String, unix: Option<std::os::fd::RawFd>)
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + std::os::fd::AsFd + Send + 'static,
     {
@@ -237,6 +247,7 @@ impl Accepting {
             Arc::clone(&self.engine),
             Arc::clone(&self.stage_id),
             stream,
+            unix,
             self.cancel.clone(),
         );
         self.tracker

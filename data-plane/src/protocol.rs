@@ -12,8 +12,13 @@ pub use wire::{Decoder, Encoder};
 
 use crate::chunk::Chunk;
 
-/// The protocol version this stage speaks.
-pub const VERSION: u16 = 1;
+/// The newest protocol version this stage speaks; it also speaks every
+/// older one down to [`MIN_VERSION`].
+pub const VERSION: u16 = 2;
+/// The oldest protocol version this stage speaks.
+pub const MIN_VERSION: u16 = 1;
+/// `HELLO` feature bit (version 2): deliver samples in shared memory.
+pub const FEATURE_SHARED_MEMORY: u32 = 1;
 /// The largest frame a trainer may send (type byte plus payload).
 pub const MAX_REQUEST_FRAME: u32 = 16 << 20;
 /// The largest frame the stage sends.
@@ -46,11 +51,12 @@ pub enum ErrorCode {
     NoPlan = 17,
     TooLarge = 18,
     Unavailable = 19,
+    BadRelease = 20,
 }
 
 impl ErrorCode {
     /// Every code, for exhaustive metric cleanup.
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 16] = [
         Self::BadFrame,
         Self::FrameTooLarge,
         Self::UnsupportedVersion,
@@ -66,13 +72,18 @@ impl ErrorCode {
         Self::NoPlan,
         Self::TooLarge,
         Self::Unavailable,
+        Self::BadRelease,
     ];
 
     /// Returns whether the stage closes the connection after this error.
     pub fn is_fatal(self) -> bool {
         matches!(
             self,
-            Self::BadFrame | Self::FrameTooLarge | Self::UnsupportedVersion | Self::OutOfOrder
+            Self::BadFrame
+                | Self::FrameTooLarge
+                | Self::UnsupportedVersion
+                | Self::OutOfOrder
+                | Self::BadRelease
         )
     }
 
@@ -94,6 +105,7 @@ impl ErrorCode {
             Self::NoPlan => "no_plan",
             Self::TooLarge => "too_large",
             Self::Unavailable => "unavailable",
+            Self::BadRelease => "bad_release",
         }
     }
 }
@@ -141,6 +153,8 @@ pub enum Request {
         labels: BTreeMap<String, String>,
         rank: u32,
         world_size: u32,
+        /// Feature bits asked for (version 2; 0 in version 1).
+        features: u32,
     },
     Open {
         dataset: String,
@@ -162,6 +176,15 @@ pub enum Request {
         length: u64,
     },
     Bye,
+    /// Version 2, shared memory: slots (by offset) the trainer is done
+    /// with. A notification: it has no answer.
+    Release {
+        offsets: Vec<u64>,
+    },
+    /// Version 2: whole files by name, answered with one `SAMPLES`.
+    Fetch {
+        names: Vec<String>,
+    },
 }
 
 mod kind {
@@ -172,6 +195,8 @@ mod kind {
     pub const NEXT: u8 = 0x05;
     pub const READ: u8 = 0x06;
     pub const BYE: u8 = 0x07;
+    pub const RELEASE: u8 = 0x08;
+    pub const FETCH: u8 = 0x09;
     pub const WELCOME: u8 = 0x81;
     pub const OPENED: u8 = 0x82;
     pub const FILES: u8 = 0x83;
@@ -190,13 +215,17 @@ impl Request {
         })?;
         let mut d = Decoder::new(payload);
         let request = match kind {
-            kind::HELLO => Self::Hello {
-                version: d.u16()?,
-                job: d.str()?,
-                labels: d.map()?,
-                rank: d.u32()?,
-                world_size: d.u32()?,
-            },
+            kind::HELLO => {
+                let version = d.u16()?;
+                Self::Hello {
+                    version,
+                    job: d.str()?,
+                    labels: d.map()?,
+                    rank: d.u32()?,
+                    world_size: d.u32()?,
+                    features: if version >= 2 { d.u32()? } else { 0 },
+                }
+            }
             kind::OPEN => Self::Open { dataset: d.str()? },
             kind::LIST => Self::List {
                 offset: d.u32()?,
@@ -215,6 +244,18 @@ impl Request {
                 length: d.u64()?,
             },
             kind::BYE => Self::Bye,
+            kind::RELEASE => {
+                let count = d.count(8)?;
+                Self::Release {
+                    offsets: (0..count).map(|_| d.u64()).collect::<Result<_, _>>()?,
+                }
+            }
+            kind::FETCH => {
+                let count = d.count(2)?;
+                Self::Fetch {
+                    names: (0..count).map(|_| d.str()).collect::<Result<_, _>>()?,
+                }
+            }
             other => {
                 return Err(ProtocolError::bad_frame(format!(
                     "unknown request type 0x{other:02x}"
@@ -235,6 +276,7 @@ impl Request {
                 labels,
                 rank,
                 world_size,
+                features,
             } => {
                 e.u8(kind::HELLO)
                     .u16(*version)
@@ -242,6 +284,9 @@ impl Request {
                     .map(labels)
                     .u32(*rank)
                     .u32(*world_size);
+                if *version >= 2 {
+                    e.u32(*features);
+                }
             }
             Self::Open { dataset } => {
                 e.u8(kind::OPEN).str(dataset);
@@ -265,6 +310,18 @@ impl Request {
             }
             Self::Bye => {
                 e.u8(kind::BYE);
+            }
+            Self::Release { offsets } => {
+                e.u8(kind::RELEASE).u32(len32(offsets.len()));
+                offsets.iter().for_each(|o| {
+                    e.u64(*o);
+                });
+            }
+            Self::Fetch { names } => {
+                e.u8(kind::FETCH).u32(len32(names.len()));
+                names.iter().for_each(|n| {
+                    e.str(n);
+                });
             }
         }
         e.finish_frame()
@@ -346,7 +403,27 @@ fn len32(n: usize) -> u32 {
 pub struct Sample {
     pub position: u32,
     pub name: String,
-    pub data: Result<Chunk, ProtocolError>,
+    pub data: Result<Payload, ProtocolError>,
+}
+
+/// Where a delivered sample's bytes are.
+#[derive(Debug)]
+pub enum Payload {
+    /// In the frame.
+    Bytes(Chunk),
+    /// In the connection's shared-memory region (version 2), lent to the
+    /// trainer until it releases the slot at `offset`.
+    Shared { offset: u64, len: u64 },
+}
+
+impl Payload {
+    /// The sample's length in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(chunk) => chunk.len() as u64,
+            Self::Shared { len, .. } => *len,
+        }
+    }
 }
 
 /// Frames the stage sends. `Samples` and `Data` are written by
@@ -354,7 +431,12 @@ pub struct Sample {
 #[derive(Debug)]
 pub enum Response {
     Welcome {
+        version: u16,
         stage_id: String,
+        /// Feature bits granted (version 2).
+        features: u32,
+        /// The shared-memory region's size, when granted (version 2).
+        region_bytes: u64,
     },
     Opened {
         file_count: u32,
@@ -385,12 +467,20 @@ impl Response {
         let mut parts = Vec::new();
         let mut e = Encoder::frame();
         match self {
-            Self::Welcome { stage_id } => {
+            Self::Welcome {
+                version,
+                stage_id,
+                features,
+                region_bytes,
+            } => {
                 e.u8(kind::WELCOME)
-                    .u16(VERSION)
+                    .u16(*version)
                     .str(stage_id)
                     .u32(MAX_REQUEST_FRAME)
                     .u32(MAX_RESPONSE_FRAME);
+                if *version >= 2 {
+                    e.u32(*features).u64(*region_bytes);
+                }
             }
             Self::Opened {
                 file_count,
@@ -418,10 +508,13 @@ impl Response {
                 for sample in samples {
                     e.u32(sample.position).str(&sample.name);
                     match &sample.data {
-                        Ok(data) => {
+                        Ok(Payload::Bytes(data)) => {
                             e.u8(0).u32(len32(data.len()));
                             parts.push(Part::Owned(e.take()));
                             parts.push(Part::Borrowed(data));
+                        }
+                        Ok(Payload::Shared { offset, len }) => {
+                            e.u8(2).u64(*offset).u64(*len);
                         }
                         Err(err) => {
                             e.u8(1).u16(err.code as u16).str(&err.message);
@@ -548,6 +641,15 @@ mod tests {
                 labels: [("team".to_string(), "vision".to_string())].into(),
                 rank: 1,
                 world_size: 4,
+                features: 0,
+            },
+            Request::Hello {
+                version: 2,
+                job: "resnet-a".into(),
+                labels: BTreeMap::new(),
+                rank: 0,
+                world_size: 1,
+                features: FEATURE_SHARED_MEMORY,
             },
             Request::Open {
                 dataset: "imagenet".into(),
@@ -580,6 +682,12 @@ mod tests {
                 length: TO_END,
             },
             Request::Bye,
+            Request::Release {
+                offsets: vec![0, 4096, 1 << 40],
+            },
+            Request::Fetch {
+                names: vec!["a/b.jpg".into(), "c".into()],
+            },
         ]
     }
 
@@ -676,12 +784,20 @@ mod tests {
                 Sample {
                     position: 0,
                     name: "a".into(),
-                    data: Ok(Chunk::from_vec(vec![1, 2, 3])),
+                    data: Ok(Payload::Bytes(Chunk::from_vec(vec![1, 2, 3]))),
                 },
                 Sample {
                     position: 1,
                     name: "b".into(),
                     data: Err(ProtocolError::new(ErrorCode::NotFound, "gone")),
+                },
+                Sample {
+                    position: 2,
+                    name: "c".into(),
+                    data: Ok(Payload::Shared {
+                        offset: 8192,
+                        len: 5,
+                    }),
                 },
             ],
         };
@@ -689,7 +805,7 @@ mod tests {
         let mut d = Decoder::new(body(&frame));
         assert_eq!(d.u8().unwrap(), kind::SAMPLES);
         assert_eq!(d.u8().unwrap(), 1);
-        assert_eq!(d.u32().unwrap(), 2);
+        assert_eq!(d.u32().unwrap(), 3);
         assert_eq!(
             (d.u32().unwrap(), d.str().unwrap(), d.u8().unwrap()),
             (0, "a".into(), 0)
@@ -703,6 +819,11 @@ mod tests {
             (d.u16().unwrap(), d.str().unwrap()),
             (ErrorCode::NotFound as u16, "gone".into())
         );
+        assert_eq!(
+            (d.u32().unwrap(), d.str().unwrap(), d.u8().unwrap()),
+            (2, "c".into(), 2)
+        );
+        assert_eq!((d.u64().unwrap(), d.u64().unwrap()), (8192, 5));
         d.finish().unwrap();
     }
 
@@ -714,7 +835,7 @@ mod tests {
 
         #[test]
         fn arbitrary_payloads_after_a_valid_type_never_panic(
-            kind in 1u8..8,
+            kind in 1u8..10,
             payload in proptest::collection::vec(any::<u8>(), 0..64),
         ) {
             let mut body = vec![kind];

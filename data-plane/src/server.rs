@@ -1,9 +1,14 @@
 //! Trainer connections: one task per connection reading request frames,
 //! answering each, and ending only that connection on a malformed frame.
+//! A local trainer speaking version 2 may take its samples in shared memory
+//! ([`shared`]).
+
+mod shared;
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
 use std::ops::ControlFlow;
+use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -16,9 +21,11 @@ use crate::engine::{JobHandle, Reservation};
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
-    self, ErrorCode, FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, Part, PlanSpec,
-    ProtocolError, Request, Response, TO_END,
+    self, ErrorCode, FEATURE_SHARED_MEMORY, FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME,
+    Part, Payload, PlanSpec, ProtocolError, Request, Response, SAMPLES_FRAME_BUDGET, Sample,
+    TO_END,
 };
+use shared::Shared;
 
 /// Limits on what `HELLO` may carry.
 const MAX_JOB_BYTES: usize = 128;
@@ -27,15 +34,22 @@ const MAX_LABEL_KEY: usize = 63;
 const MAX_LABEL_VALUE: usize = 256;
 
 /// Serves one trainer connection until it says goodbye, breaks the protocol,
-/// disconnects, or the stage shuts down.
-pub async fn serve<S>(engine: Arc<Engine>, stage_id: Arc<str>, stream: S, cancel: CancellationToken)
-where
+/// disconnects, or the stage shuts down. `unix` is the connection's socket
+/// descriptor when it is a UNIX socket, over which a shared-memory region
+/// can be passed.
+pub async fn serve<S>(
+    engine: Arc<Engine>,
+    stage_id: Arc<str>,
+    stream: S,
+    unix: Option<RawFd>,
+    cancel: CancellationToken,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let metrics = Arc::clone(engine.metrics());
     metrics.connections.inc();
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut conn = Connection::new(engine, stage_id);
+    let mut conn = Connection::new(engine, stage_id, unix);
     while let Some(request) = next_request(&mut rd, &mut wr, &metrics, &cancel).await {
         if conn.respond(request, &mut wr, &metrics).await.is_break() {
             break;
@@ -93,6 +107,24 @@ async fn send<W: AsyncWrite + Unpin>(w: &mut W, response: &Response) -> io::Resu
     write_parts(w, &response.encode_parts()).await
 }
 
+/// Sends a response with a descriptor attached to its first byte (the
+/// `WELCOME` that grants shared memory).
+async fn send_with_fd<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    socket: RawFd,
+    response: &Response,
+    fd: &OwnedFd,
+) -> io::Result<()> {
+    let frame: Vec<u8> = response
+        .encode_parts()
+        .iter()
+        .flat_map(|p| p.as_slice().iter().copied())
+        .collect();
+    let sent = shared::send_with_descriptor(socket, &frame, fd).await?;
+    w.write_all(&frame[sent..]).await?;
+    w.flush().await
+}
+
 /// Writes every part with vectored writes, so sample data goes from the
 /// buffer to the socket without being copied into a frame first.
 async fn write_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Part<'_>]) -> io::Result<()> {
@@ -121,16 +153,23 @@ async fn write_parts<W: AsyncWrite + Unpin>(w: &mut W, parts: &[Part<'_>]) -> io
     w.flush().await
 }
 
-type Answer = Result<(Response, Option<Reservation>), ProtocolError>;
+/// An answer and the buffer bytes its samples hold until it is written.
+type Answer = Result<(Response, Vec<Reservation>), ProtocolError>;
 
 struct Connection {
     engine: Arc<Engine>,
     stage_id: Arc<str>,
+    /// The socket's descriptor on a UNIX socket (shared memory possible).
+    unix: Option<RawFd>,
     job: Option<JobHandle>,
     rank: u32,
     world_size: u32,
     dataset: Option<(Arc<Dataset>, Arc<Listing>)>,
     plan: Option<PlanHandle>,
+    /// Shared-memory delivery, when negotiated.
+    shared: Option<Shared>,
+    /// The region's descriptor, sent with the next answer (`WELCOME`).
+    descriptor: Option<OwnedFd>,
 }
 
 fn invalid(message: String) -> ProtocolError {
@@ -138,19 +177,22 @@ fn invalid(message: String) -> ProtocolError {
 }
 
 fn reply(response: Response) -> Answer {
-    Ok((response, None))
+    Ok((response, Vec::new()))
 }
 
 impl Connection {
-    fn new(engine: Arc<Engine>, stage_id: Arc<str>) -> Self {
+    fn new(engine: Arc<Engine>, stage_id: Arc<str>, unix: Option<RawFd>) -> Self {
         Self {
             engine,
             stage_id,
+            unix,
             job: None,
             rank: 0,
             world_size: 1,
             dataset: None,
             plan: None,
+            shared: None,
+            descriptor: None,
         }
     }
 
@@ -166,6 +208,14 @@ impl Connection {
             let _ = send(wr, &Response::Goodbye).await;
             return ControlFlow::Break(());
         }
+        // RELEASE has no answer: only a failure is sent (and is fatal).
+        let request = match request {
+            Ok(Request::Release { offsets }) => match self.release(&offsets) {
+                Ok(()) => return ControlFlow::Continue(()),
+                Err(e) => Err(e),
+            },
+            other => other,
+        };
         let answer = match request {
             Ok(request) => self.handle(request).await,
             Err(e) => Err(e),
@@ -182,7 +232,10 @@ impl Connection {
                 };
             }
         };
-        let written = send(wr, &response).await;
+        let written = match (self.descriptor.take(), self.unix) {
+            (Some(fd), Some(socket)) => send_with_fd(wr, socket, &response, &fd).await,
+            _ => send(wr, &response).await,
+        };
         drop(reservation);
         if let Err(e) = written {
             debug!(error = %e, "writing to the trainer failed");
@@ -198,9 +251,10 @@ impl Connection {
             labels,
             rank,
             world_size,
+            features,
         } = request
         {
-            return self.hello(version, &job, labels, rank, world_size);
+            return self.hello(version, &job, labels, (rank, world_size), features);
         }
         if self.job.is_none() {
             return Err(ProtocolError::new(
@@ -209,7 +263,10 @@ impl Connection {
             ));
         }
         match request {
-            Request::Hello { .. } | Request::Bye => unreachable!("handled above"),
+            Request::Hello { .. } | Request::Bye | Request::Release { .. } => {
+                unreachable!("handled above")
+            }
+            Request::Fetch { names } => self.fetch(names).await,
             Request::Open { dataset } => self.open(&dataset).await,
             Request::List { offset, limit } => self.list(offset, limit),
             Request::Plan { epoch, spec } => self.plan(epoch, spec),
@@ -227,8 +284,8 @@ impl Connection {
         version: u16,
         job: &str,
         labels: BTreeMap<String, String>,
-        rank: u32,
-        world_size: u32,
+        (rank, world_size): (u32, u32),
+        features: u32,
     ) -> Answer {
         if self.job.is_some() {
             return Err(ProtocolError::new(
@@ -236,11 +293,12 @@ impl Connection {
                 "HELLO may be sent only once per connection",
             ));
         }
-        if version != protocol::VERSION {
+        if !(protocol::MIN_VERSION..=protocol::VERSION).contains(&version) {
             return Err(ProtocolError::new(
                 ErrorCode::UnsupportedVersion,
                 format!(
-                    "protocol version {version} is not supported: this stage speaks version {}",
+                    "protocol version {version} is not supported: this stage speaks versions {} to {}",
+                    protocol::MIN_VERSION,
                     protocol::VERSION
                 ),
             ));
@@ -277,9 +335,52 @@ impl Connection {
         self.rank = rank;
         self.world_size = world_size;
         self.job = Some(self.engine.attach(job, labels));
+        let granted = if features & FEATURE_SHARED_MEMORY != 0 {
+            self.grant_shared_memory()
+        } else {
+            0
+        };
         reply(Response::Welcome {
+            version,
             stage_id: self.stage_id.to_string(),
+            features: granted,
+            region_bytes: self.shared.as_ref().map_or(0, Shared::region_bytes),
         })
+    }
+
+    /// Grants shared-memory delivery when the connection is a UNIX socket
+    /// and the job's buffers live in a region; returns the feature bits
+    /// granted. The region's descriptor goes out with `WELCOME`.
+    fn grant_shared_memory(&mut self) -> u32 {
+        let Some(region) = self.job().region().cloned() else {
+            return 0;
+        };
+        if self.unix.is_none() {
+            return 0;
+        }
+        let shared = Shared::new(region);
+        match shared.descriptor() {
+            Ok(fd) => {
+                self.descriptor = Some(fd);
+                self.shared = Some(shared);
+                FEATURE_SHARED_MEMORY
+            }
+            Err(e) => {
+                debug!(error = %e, "no read-only descriptor of the region: delivering in frames");
+                0
+            }
+        }
+    }
+
+    /// Takes back slots the trainer is done with.
+    fn release(&mut self, offsets: &[u64]) -> Result<(), ProtocolError> {
+        match &mut self.shared {
+            Some(shared) => shared.release(offsets),
+            None => Err(ProtocolError::new(
+                ErrorCode::BadRelease,
+                "RELEASE on a connection without shared memory: negotiate it in HELLO",
+            )),
+        }
     }
 
     fn job(&self) -> &Arc<crate::engine::Job> {
@@ -431,13 +532,78 @@ impl Connection {
             )
         })?;
         let job = Arc::clone(self.job());
-        let batch = job.next(handle, max_samples as usize).await;
+        let mut batch = job.next(handle, max_samples as usize).await;
+        let mut held = vec![batch.reservation];
+        if let Some(shared) = &mut self.shared {
+            shared.lend(&mut batch.samples, &mut held, |_| Some(0));
+        }
         Ok((
             Response::Samples {
                 end: batch.end,
                 samples: batch.samples,
             },
-            Some(batch.reservation),
+            held,
+        ))
+    }
+
+    /// Answers `FETCH`: every named file whole, read concurrently, in one
+    /// `SAMPLES` (positions are the names' places in the request). A name
+    /// that is an undelivered entry of one of the job's plans delivers it,
+    /// as a whole-file `READ` does.
+    async fn fetch(&mut self, names: Vec<String>) -> Answer {
+        if names.is_empty() || names.len() > MAX_NEXT as usize {
+            return Err(invalid(format!(
+                "FETCH of {} names is out of range: ask for 1 to {MAX_NEXT}",
+                names.len()
+            )));
+        }
+        let (dataset, listing) = self.opened()?.clone();
+        // One answer carries at most the frame budget in its frame (or one
+        // file): the client splits its batches by the listed sizes.
+        let listed: u64 = names
+            .iter()
+            .filter_map(|n| listing.position(n))
+            .map(|i| listing.files[i as usize].size)
+            .sum();
+        if names.len() > 1 && listed > SAMPLES_FRAME_BUDGET {
+            return Err(invalid(format!(
+                "FETCH of {} files holding {listed} bytes is more than one answer carries \
+                 ({SAMPLES_FRAME_BUDGET} bytes, or a single file): split it",
+                names.len()
+            )));
+        }
+        let job = Arc::clone(self.job());
+        let mut reads = tokio::task::JoinSet::new();
+        for (position, name) in names.into_iter().enumerate() {
+            let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));
+            reads.spawn(async move { (position, read_whole_file(job, dataset, name).await) });
+        }
+        let mut answers: Vec<(usize, Sample, Option<Reservation>)> = Vec::new();
+        while let Some(done) = reads.join_next().await {
+            let (position, (sample, reservation)) = done.map_err(|e| {
+                ProtocolError::new(ErrorCode::IoError, format!("fetch task failed: {e}"))
+            })?;
+            answers.push((position, sample, reservation));
+        }
+        answers.sort_by_key(|(position, ..)| *position);
+        // Sample i's bytes are held by held[holder[i]], if by any.
+        let (mut samples, mut held, mut holder) = (Vec::new(), Vec::new(), Vec::new());
+        for (_, sample, reservation) in answers {
+            samples.push(sample);
+            holder.push(reservation.map(|r| {
+                held.push(r);
+                held.len() - 1
+            }));
+        }
+        if let Some(shared) = &mut self.shared {
+            shared.lend(&mut samples, &mut held, |i| holder[i]);
+        }
+        Ok((
+            Response::Samples {
+                end: false,
+                samples,
+            },
+            held,
         ))
     }
 
@@ -449,27 +615,72 @@ impl Connection {
             && length == TO_END
             && let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await
         {
-            return sample
-                .data
-                .map(|data| (Response::Data(data), Some(reservation)));
+            return data(sample).map(|data| (Response::Data(data), vec![reservation]));
         }
-        let metrics = job.metrics_for(&dataset.name);
-        let task_job = Arc::clone(&job);
-        let task_name = name.clone();
-        let task_metrics = metrics.clone();
-        let data = tokio::task::spawn_blocking(move || {
-            task_job.read_now(&dataset, &task_name, offset, length, &task_metrics)
-        })
-        .await
-        .map_err(|e| ProtocolError::new(ErrorCode::IoError, format!("read task failed: {e}")))?;
-        let sample = protocol::Sample {
+        let sample = read_now(&job, dataset, name, offset, length).await;
+        data(sample).map(|data| (Response::Data(data), Vec::new()))
+    }
+}
+
+/// The bytes of a sample read for `READ` (always in the frame).
+fn data(sample: Sample) -> Result<crate::chunk::Chunk, ProtocolError> {
+    match sample.data? {
+        Payload::Bytes(chunk) => Ok(chunk),
+        Payload::Shared { .. } => unreachable!("only connections lend samples"),
+    }
+}
+
+/// Reads a byte range of `name` for the trainer now (not from a plan), off
+/// the async runtime, counted as delivered.
+async fn read_now(
+    job: &Arc<crate::engine::Job>,
+    dataset: Arc<Dataset>,
+    name: String,
+    offset: u64,
+    length: u64,
+) -> Sample {
+    let metrics = job.metrics_for(&dataset.name);
+    let task_job = Arc::clone(job);
+    let task_name = name.clone();
+    let task_metrics = metrics.clone();
+    let data = tokio::task::spawn_blocking(move || {
+        task_job.read_now(&dataset, &task_name, offset, length, &task_metrics)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        Err(ProtocolError::new(
+            ErrorCode::IoError,
+            format!("read task failed: {e}"),
+        ))
+    });
+    let sample = Sample {
+        position: 0,
+        name,
+        data: data.map(Payload::Bytes),
+    };
+    job.delivered(&metrics, &sample);
+    sample
+}
+
+/// Reads file `name` whole for `FETCH`: the plan entry it is when one of the
+/// job's plans has it undelivered, else straight from storage.
+async fn read_whole_file(
+    job: Arc<crate::engine::Job>,
+    dataset: Arc<Dataset>,
+    name: String,
+) -> (Sample, Option<Reservation>) {
+    if let Err(e) = check_name(&name) {
+        let sample = Sample {
             position: 0,
             name,
-            data,
+            data: Err(e),
         };
-        job.delivered(&metrics, &sample);
-        sample.data.map(|data| (Response::Data(data), None))
+        return (sample, None);
     }
+    if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await {
+        return (sample, Some(reservation));
+    }
+    (read_now(&job, dataset, name, 0, TO_END).await, None)
 }
 
 /// Identifies a plan's content: FNV-1a over its file indices and the

@@ -15,7 +15,7 @@ use std::io::{self, Read, Seek, SeekFrom};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use crate::chunk::{Chunk, recycle, take_buffer};
+use crate::chunk::{Buffer, Chunk};
 use crate::protocol::{ErrorCode, MAX_RESPONSE_FRAME, ProtocolError, TO_END};
 
 /// The largest file one frame can carry, leaving room for headers.
@@ -92,33 +92,65 @@ pub fn direct_unsupported(e: &io::Error) -> bool {
     e.raw_os_error() == Some(libc::EINVAL)
 }
 
-/// Reads a whole regular file for prefetching into a pooled buffer, with
-/// `O_DIRECT` when `direct` is set. Blocking. A direct read fails with
-/// `EINVAL` where the file system does not support direct I/O.
-pub fn read_whole(path: &Path, direct: bool) -> io::Result<Chunk> {
+/// Reads a whole regular file for prefetching into a buffer of
+/// [`whole_footprint`] bytes that `alloc` provides (from the heap pool or a
+/// shared-memory region), with `O_DIRECT` when `direct` is set. Blocking. A
+/// direct read fails with `EINVAL` where the file system does not support
+/// direct I/O. With `nofollow`, a symlink as the last component fails
+/// with `ELOOP`.
+///
+/// `listed` is the size the data set's listing gave, when the file comes
+/// from it: then the file is not stat'ed again (it is opened
+/// non-blocking, so a file replaced by a FIFO cannot hang a reader), and a
+/// read that stops short at exactly that size is the end of the file
+/// without a second read to see it. A file that grew is read again whole.
+pub fn read_whole(
+    path: &Path,
+    direct: bool,
+    nofollow: bool,
+    listed: Option<u64>,
+    alloc: &dyn Fn(usize) -> Buffer,
+) -> io::Result<Chunk> {
     let mut options = OpenOptions::new();
     options.read(true);
+    let mut flags = 0;
     if direct {
-        options.custom_flags(libc::O_DIRECT);
+        flags |= libc::O_DIRECT;
     }
+    if nofollow {
+        flags |= libc::O_NOFOLLOW;
+    }
+    if listed.is_some() {
+        flags |= libc::O_NONBLOCK;
+    }
+    options.custom_flags(flags);
     let mut file = options.open(path)?;
-    let size = check_regular(&file)?;
+    let size = match listed {
+        Some(size) => size,
+        None => check_regular(&file)?,
+    };
     if size > MAX_FILE_BYTES {
         return Err(too_large(size));
     }
-    let mut buf = take_buffer(whole_footprint(size) as usize);
-    let window = buf.len() - ALIGN;
-    let start = buf.as_ptr().align_offset(ALIGN);
+    let mut buf = alloc(whole_footprint(size) as usize);
+    let bytes = buf.as_mut_slice();
+    let window = bytes.len() - ALIGN;
+    let start = bytes.as_ptr().align_offset(ALIGN);
     let mut len = 0;
     loop {
-        let n = file.read(&mut buf[start + len..start + window])?;
+        let asked = window - len;
+        let n = file.read(&mut buf.as_mut_slice()[start + len..start + window])?;
         if n == 0 {
             break;
         }
         len += n;
+        // A regular file gives less than asked only at its end.
+        if listed.is_some() && n < asked && len as u64 == size {
+            break;
+        }
         if len == window {
             // The file grew past its size plus a block: read it the plain way.
-            recycle(buf);
+            buf.recycle();
             return read_range(path, 0, TO_END);
         }
     }
@@ -139,10 +171,22 @@ mod tests {
             let data: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
             std::fs::write(&path, &data).unwrap();
             assert_eq!(&*read_range(&path, 0, TO_END).unwrap(), &data[..]);
-            let buffered = read_whole(&path, false).unwrap();
+            let buffered = read_whole(&path, false, false, None, &Buffer::heap).unwrap();
             assert_eq!(&*buffered, &data[..], "size {size}");
             assert_eq!(buffered.footprint(), whole_footprint(size as u64));
-            match read_whole(&path, true) {
+            // With the listed size: the same bytes, and a file that grew
+            // since it was listed is read whole all the same.
+            let listed = read_whole(&path, false, true, Some(size as u64), &Buffer::heap);
+            assert_eq!(&*listed.unwrap(), &data[..], "size {size}");
+            let grew = read_whole(
+                &path,
+                false,
+                true,
+                Some(size.saturating_sub(1) as u64),
+                &Buffer::heap,
+            );
+            assert_eq!(&*grew.unwrap(), &data[..], "size {size}");
+            match read_whole(&path, true, true, None, &Buffer::heap) {
                 Ok(chunk) => {
                     assert_eq!(&*chunk, &data[..], "size {size}");
                     assert_eq!(

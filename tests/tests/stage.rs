@@ -148,6 +148,7 @@ fn hello(job: &str) -> Request {
         labels: Default::default(),
         rank: 0,
         world_size: 1,
+        features: 0,
     }
 }
 
@@ -274,6 +275,7 @@ fn garbage_ends_only_the_offending_connection() {
             labels: Default::default(),
             rank: 2,
             world_size: 2,
+            features: 0,
         };
         assert_eq!(error_code(&request(&mut s, &bad_rank)), 5);
         assert_eq!(request(&mut s, &hello("x")).0, 0x81);
@@ -306,6 +308,7 @@ fn garbage_ends_only_the_offending_connection() {
             labels: Default::default(),
             rank: 0,
             world_size: 1,
+            features: 0,
         };
         let mut s = stage.connect();
         assert_eq!(error_code(&request(&mut s, &wrong_version)), 3);

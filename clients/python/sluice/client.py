@@ -32,6 +32,7 @@ from typing import Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import plan as _plan
 from . import protocol as p
+from . import shm as _shm
 from .errors import (
     ConnectionClosedError,
     NoDatasetError,
@@ -39,6 +40,7 @@ from .errors import (
     SluiceError,
     StageTimeoutError,
     TooLargeError,
+    UnsupportedVersionError,
     error_from_code,
 )
 
@@ -49,6 +51,9 @@ __all__ = ["Client", "Dataset", "FileList", "PlanIterator", "parse_address"]
 #: Batches a plan iterator receives ahead of the caller by default (see
 #: :meth:`Dataset.epoch`).
 DEFAULT_PREFETCH = 2
+
+#: Listed bytes one ``FETCH`` asks for at most (the stage's frame budget).
+FETCH_BYTES = 32 << 20
 
 #: Buffer of the socket file responses are read through. Measured with
 #: ``python -m sluice.bench receive``: 1 MiB lets 100 KiB samples be read
@@ -185,6 +190,12 @@ class Client:
         timeout: seconds to wait for the stage on each socket operation
             (``None``: wait as long as it takes). A timeout closes the
             connection.
+        shared_memory: take samples in shared memory (a UNIX socket to a
+            stage on this node): they arrive as ``memoryview`` objects over
+            the job's region, with no copy through the socket (see
+            :mod:`sluice.shm` for how long a sample stays valid). ``None``
+            (the default) uses it wherever the stage and the platform offer
+            it, ``False`` always takes bytes in the frames.
 
     Sends ``HELLO`` on construction; the stage's answer is in
     :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
@@ -201,6 +212,7 @@ class Client:
         rank: int = 0,
         world_size: int = 1,
         timeout: Optional[float] = None,
+        shared_memory: Optional[bool] = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -213,7 +225,7 @@ class Client:
         self.address = address if not isinstance(address, socket.socket) else None
         # Validate HELLO's fields before connecting, so a bad job name is a
         # ValueError naming the field instead of a round trip.
-        hello = p.encode_hello(job, self.labels, rank, world_size)
+        p.encode_hello(job, self.labels, rank, world_size)
         _prime_allocator()
         self._pid = os.getpid()
         # Held for each request/response exchange (and across the few
@@ -225,26 +237,94 @@ class Client:
         # Set in a forked child when the fork hook saw this connection idle.
         self._fork_safe = False
         self._closed = False
-        self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
         self._file = None
+        self._region: Optional[_shm.Region] = None
         self._dataset: Optional[Dataset] = None
         self._plan_generation = 0
+        self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
         try:
             if isinstance(address, socket.socket):
                 self._sock.settimeout(timeout)
-            self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
-            welcome = self._call(hello, p.Welcome)
+            welcome = self._hello(p.PROTOCOL_VERSION, shared_memory)
+        except UnsupportedVersionError:
+            # A stage older than protocol version 2: say HELLO again in 1.
+            self._abort()
+            if self.address is None:
+                raise
+            self._closed = False
+            self._sock = _connect(self.address, timeout)
+            try:
+                welcome = self._hello(1, False)
+            except BaseException:
+                self._abort()
+                raise
         except BaseException:
             self._abort()
             raise
-        if welcome.version != p.PROTOCOL_VERSION:
-            self._abort()
-            raise ProtocolError(f"the stage answered HELLO with protocol version {welcome.version}; "
-                                f"this client speaks {p.PROTOCOL_VERSION}", fatal=True)
+        #: The protocol version this connection speaks (2, or 1 with an
+        #: older stage).
+        self.protocol_version: int = welcome.version
         self.stage_id: str = welcome.stage_id
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
         _live_clients.add(self)
+
+    def _hello(self, version: int, shared_memory: Optional[bool]) -> p.Welcome:
+        """Says ``HELLO`` in protocol ``version``, asking for shared memory
+        where ``shared_memory`` allows and this connection can take it, and
+        returns the stage's ``WELCOME`` (mapping the region it granted)."""
+        local = self._sock.family == socket.AF_UNIX
+        if shared_memory and not (local and _shm.supported()):
+            raise ValueError("shared_memory=True needs a UNIX socket to the stage and a platform with "
+                             "socket.recv_fds and mmap.madvise (Linux, Python 3.9+)")
+        want = version >= 2 and local and _shm.supported() and shared_memory is not False
+        features = p.FEATURE_SHARED_MEMORY if want else 0
+        hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
+        if not want:
+            self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
+            welcome = self._call(hello, p.Welcome)
+            return self._check_welcome(welcome, version)
+        # The region's descriptor comes with WELCOME's first byte: receive
+        # that frame with recvmsg, then read the rest through the file.
+        self._sock.sendall(hello)
+        try:
+            frame, fd = _shm.receive_with_fd(self._sock, p.MAX_RESPONSE_FRAME)
+        except socket.timeout:
+            raise StageTimeoutError("the stage did not answer HELLO within the client's timeout",
+                                    fatal=True) from None
+        except OSError as e:
+            raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
+        try:
+            msg_type, payload = p.split_frame(frame, p.MAX_RESPONSE_FRAME)
+            msg = p.decode_response(msg_type, payload)
+        except p.FrameError as e:
+            if fd is not None:
+                os.close(fd)
+            raise ProtocolError(f"malformed answer to HELLO: {e}", fatal=True) from None
+        if type(msg) is p.Error:
+            if fd is not None:
+                os.close(fd)
+            raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
+        welcome = self._check_welcome(msg, version)
+        if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
+            self._region = _shm.Region(fd, welcome.region_bytes)
+        elif fd is not None:
+            os.close(fd)
+        self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
+        return welcome
+
+    @staticmethod
+    def _check_welcome(welcome, version: int) -> p.Welcome:
+        if type(welcome) is not p.Welcome or welcome.version != version:
+            got = welcome.version if type(welcome) is p.Welcome else type(welcome).__name__
+            raise ProtocolError(f"the stage answered HELLO (protocol version {version}) with {got}",
+                                fatal=True)
+        return welcome
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether samples come in shared memory on this connection."""
+        return self._region is not None
 
     # -- public API ---------------------------------------------------------
 
@@ -346,9 +426,19 @@ class Client:
             if self._closed:  # closed while this thread waited for the lock
                 raise ConnectionClosedError("this sluice connection is closed; open a new Client",
                                             fatal=True)
+            region = self._region
+            shared = None
+            if region is not None:
+                shared = region.view
+                # Samples given back since the last request go with this one
+                # (RELEASE has no answer).
+                back = region.returned()
+                if back:
+                    frame = p.encode_release(back) + frame
             try:
                 self._sock.sendall(frame)
-                msg = p.read_response(self._file, getattr(self, "max_response_frame", p.MAX_RESPONSE_FRAME))
+                msg = p.read_response(self._file, getattr(self, "max_response_frame", p.MAX_RESPONSE_FRAME),
+                                      shared)
             except SluiceError:
                 # read_response's own errors (closed mid-frame, malformed).
                 self._abort()
@@ -390,6 +480,9 @@ class Client:
         threads (they report the closed connection to their iterators)."""
         self._closed = True
         self._close_socket(shutdown=True)
+        region = getattr(self, "_region", None)
+        if region is not None:
+            region.close()
         for pf in list(getattr(self, "_prefetchers", ())):
             pf.wake()
 
@@ -623,6 +716,70 @@ class Dataset:
                 e.name = name
                 e.args = (e._render(),)
             raise
+
+    def fetch(self, names: Sequence[str], on_error: str = "raise") -> List[tuple]:
+        """Returns ``[(name, data), ...]``: the whole files ``names``, in that
+        order, read concurrently on the stage with one round trip per batch
+        (``FETCH``; batches are split to fit a response frame, by the
+        listed sizes).
+
+        Like a whole-file :meth:`read`, a name that is an undelivered entry of
+        one of the job's active plans is that entry's delivery (this is how
+        the map-style :class:`sluice.torch.SluiceDataset` reads a batch its
+        sampler planned). ``data`` is bytes, or a ``memoryview`` over shared
+        memory on a connection that has it. ``on_error``: ``"raise"`` raises
+        the first failed file's :class:`SluiceError` (after the whole batch
+        was read), ``"yield"`` puts it in that file's place.
+        """
+        if on_error not in ("raise", "yield"):
+            raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
+        if self.client.protocol_version < 2:
+            out = []
+            for name in names:
+                try:
+                    out.append((name, self.read(name)))
+                except SluiceError as e:
+                    if on_error == "raise":
+                        raise
+                    out.append((name, e))
+            return out
+        out: List[tuple] = []
+        for group in self._fetch_groups(names):
+            got = self._call(p.encode_fetch(group), p.Samples)
+            if len(got.samples) != len(group):
+                raise ProtocolError(f"the stage answered FETCH of {len(group)} files with "
+                                    f"{len(got.samples)} samples", fatal=False)
+            for s in sorted(got.samples, key=lambda s: s.position):
+                if s.status == p.SAMPLE_OK:
+                    out.append((s.name, s.data))
+                else:
+                    out.append((s.name, error_from_code(s.code, s.message, name=s.name)))
+        if on_error == "raise":
+            for _, data in out:
+                if isinstance(data, SluiceError):
+                    raise data
+        return out
+
+    def _fetch_groups(self, names: Sequence[str]) -> Iterator[List[str]]:
+        """Splits ``names`` into ``FETCH`` requests that each fit one answer
+        (at most 32 MiB of listed bytes, or one file, and 4096 names)."""
+        sizes = self._sizes()
+        group: List[str] = []
+        total = 0
+        for name in names:
+            size = sizes.get(name, 0)
+            if group and (total + size > FETCH_BYTES or len(group) == p.MAX_SAMPLES_PER_NEXT):
+                yield group
+                group, total = [], 0
+            group.append(name)
+            total += size
+        if group:
+            yield group
+
+    def _sizes(self) -> dict:
+        if getattr(self, "_size_of", None) is None:
+            self._size_of = dict(self.files)
+        return self._size_of
 
     def _read_ranges(self, name: str, offset: int, length: Optional[int]) -> bytes:
         # Leave room for the frame's own fields and any slack the stage keeps.

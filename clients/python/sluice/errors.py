@@ -38,6 +38,7 @@ __all__ = [
     "NoPlanError",
     "TooLargeError",
     "UnavailableError",
+    "BadReleaseError",
     "ConnectionClosedError",
     "ProtocolError",
     "StageTimeoutError",
@@ -63,6 +64,7 @@ class ErrorCode(enum.IntEnum):
     NO_PLAN = 17
     TOO_LARGE = 18
     UNAVAILABLE = 19
+    BAD_RELEASE = 20
 
 
 class SluiceError(Exception):
@@ -219,6 +221,13 @@ class UnavailableError(SluiceError):
     default_code = ErrorCode.UNAVAILABLE
 
 
+class BadReleaseError(SluiceError):
+    """The client returned a shared-memory slot it did not hold (a client
+    bug); the connection is closed."""
+
+    default_code = ErrorCode.BAD_RELEASE
+
+
 class ConnectionClosedError(SluiceError, ConnectionError):
     """The connection to the stage closed (or failed) unexpectedly."""
 
@@ -257,6 +266,7 @@ _BY_CODE = {
         NoPlanError,
         TooLargeError,
         UnavailableError,
+        BadReleaseError,
     )
 }
 

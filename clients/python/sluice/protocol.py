@@ -1,4 +1,5 @@
-"""The trainer protocol's frame codec (``docs/protocol.md``, version 1).
+"""The trainer protocol's frame codec (``docs/protocol.md``, version 2; a
+version 1 stage is still spoken to).
 
 A frame is ``u32 length`` (big-endian, counts the type byte and the payload),
 ``u8 type``, then the payload. Fields are big-endian; ``str`` is a ``u16``
@@ -40,20 +41,23 @@ __all__ = [
     "ErrorCode",
     "FrameError",
     # messages
-    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye",
+    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye", "Release", "Fetch",
     "Welcome", "Opened", "Files", "Planned", "Sample", "Samples", "Data",
     "Goodbye", "Error",
     # codec
     "encode_frame", "encode_hello", "encode_open", "encode_list",
     "encode_plan_indices", "encode_plan_names", "encode_plan_shuffle",
-    "encode_next", "encode_read", "encode_bye",
+    "encode_next", "encode_read", "encode_bye", "encode_release", "encode_fetch",
     "encode_welcome", "encode_opened", "encode_files", "encode_planned",
     "encode_samples", "encode_data", "encode_goodbye", "encode_error",
     "decode_request", "decode_response", "split_frame", "read_response",
 ]
 
-#: The protocol version this client speaks.
-PROTOCOL_VERSION = 1
+#: The newest protocol version this client speaks (it falls back to 1 for
+#: a stage that refuses it).
+PROTOCOL_VERSION = 2
+#: ``HELLO`` feature bit (version 2): samples in shared memory.
+FEATURE_SHARED_MEMORY = 1
 #: Largest trainer -> stage frame (``length`` field), 16 MiB.
 MAX_REQUEST_FRAME = 16 * 1024 * 1024
 #: Largest stage -> trainer frame in version 1 (the stage announces its own).
@@ -76,6 +80,8 @@ class MsgType(enum.IntEnum):
     NEXT = 0x05
     READ = 0x06
     BYE = 0x07
+    RELEASE = 0x08
+    FETCH = 0x09
     WELCOME = 0x81
     OPENED = 0x82
     FILES = 0x83
@@ -104,6 +110,10 @@ class PlanState(enum.IntEnum):
 
 SAMPLE_OK = 0
 SAMPLE_ERROR = 1
+#: On the wire only: the sample is in the shared-memory region (offset,
+#: length); :func:`read_response` hands it over as ``SAMPLE_OK`` with a
+#: view of the region as its data.
+SAMPLE_SHARED = 2
 
 
 class FrameError(ValueError):
@@ -123,6 +133,7 @@ class Hello(NamedTuple):
     labels: Dict[str, str]
     rank: int
     world_size: int
+    features: int = 0
 
 
 class Open(NamedTuple):
@@ -161,11 +172,21 @@ class Bye(NamedTuple):
     pass
 
 
+class Release(NamedTuple):
+    offsets: list
+
+
+class Fetch(NamedTuple):
+    names: list
+
+
 class Welcome(NamedTuple):
     version: int
     stage_id: str
     max_request_frame: int
     max_response_frame: int
+    features: int = 0
+    region_bytes: int = 0
 
 
 class Opened(NamedTuple):
@@ -185,8 +206,10 @@ class Planned(NamedTuple):
 
 
 class Sample(NamedTuple):
-    """One entry of ``SAMPLES``: ``data`` for status 0, ``code``/``message``
-    for status 1."""
+    """One entry of ``SAMPLES``: ``data`` for status 0 (bytes, or a view of
+    the shared-memory region), ``code``/``message`` for status 1, and, for a
+    sample encoded in shared memory (status 2, fakes and tests), ``offset``
+    and ``length`` in the region."""
 
     position: int
     name: str
@@ -194,6 +217,8 @@ class Sample(NamedTuple):
     data: Optional[bytes] = None
     code: Optional[int] = None
     message: Optional[str] = None
+    offset: Optional[int] = None
+    length: Optional[int] = None
 
 
 class Samples(NamedTuple):
@@ -263,13 +288,16 @@ def encode_frame(msg_type: int, payload: bytes = b"") -> bytes:
 
 
 def encode_hello(job: str, labels: Optional[Mapping[str, str]] = None, rank: int = 0,
-                 world_size: int = 1, version: int = PROTOCOL_VERSION) -> bytes:
-    """Returns a ``HELLO`` frame."""
+                 world_size: int = 1, version: int = PROTOCOL_VERSION, features: int = 0) -> bytes:
+    """Returns a ``HELLO`` frame (``features`` are sent from version 2 on)."""
     _u(16, version, "version")
     _u(32, rank, "rank")
     _u(32, world_size, "world_size")
+    _u(32, features, "features")
     payload = (_U16.pack(version) + _enc_str(job, "job") + _enc_map(labels or {}, "labels")
                + struct.pack(">II", rank, world_size))
+    if version >= 2:
+        payload += _U32.pack(features)
     return encode_frame(MsgType.HELLO, payload)
 
 
@@ -336,12 +364,27 @@ def encode_bye() -> bytes:
     return encode_frame(MsgType.BYE)
 
 
+def encode_release(offsets: Sequence[int]) -> bytes:
+    """Returns a ``RELEASE`` frame (version 2; it has no answer)."""
+    for o in offsets:
+        _u(64, o, "slot offset")
+    return encode_frame(MsgType.RELEASE, _U32.pack(len(offsets)) + struct.pack(f">{len(offsets)}Q", *offsets))
+
+
+def encode_fetch(names: Sequence[str]) -> bytes:
+    """Returns a ``FETCH`` frame (version 2): whole files by name."""
+    _u(32, len(names), "name count")
+    return encode_frame(MsgType.FETCH, _U32.pack(len(names)) + b"".join(_enc_str(n, "file name") for n in names))
+
+
 def encode_welcome(stage_id: str, max_request_frame: int = MAX_REQUEST_FRAME,
                    max_response_frame: int = MAX_RESPONSE_FRAME,
-                   version: int = PROTOCOL_VERSION) -> bytes:
+                   version: int = PROTOCOL_VERSION, features: int = 0, region_bytes: int = 0) -> bytes:
     """Returns a ``WELCOME`` frame."""
     payload = (_U16.pack(version) + _enc_str(stage_id, "stage_id")
                + struct.pack(">II", max_request_frame, max_response_frame))
+    if version >= 2:
+        payload += struct.pack(">IQ", features, region_bytes)
     return encode_frame(MsgType.WELCOME, payload)
 
 
@@ -371,6 +414,8 @@ def encode_samples(end: bool, samples: Sequence[Sample]) -> bytes:
         parts.append(_U32.pack(s.position) + _enc_str(s.name, "sample name") + _U8.pack(s.status))
         if s.status == SAMPLE_OK:
             parts.append(_enc_bytes(s.data, "sample data"))
+        elif s.status == SAMPLE_SHARED:
+            parts.append(_U64.pack(s.offset) + _U64.pack(s.length))
         else:
             parts.append(_U16.pack(s.code) + _enc_str(s.message, "sample error message"))
     return encode_frame(MsgType.SAMPLES, b"".join(parts))
@@ -474,7 +519,9 @@ def decode_request(msg_type: int, payload) -> tuple:
     """
     d = _Decoder(payload)
     if msg_type == MsgType.HELLO:
-        msg = Hello(d.u16("version"), d.text("job"), d.pairs("labels"), d.u32("rank"), d.u32("world_size"))
+        version = d.u16("version")
+        msg = Hello(version, d.text("job"), d.pairs("labels"), d.u32("rank"), d.u32("world_size"),
+                    d.u32("features") if version >= 2 else 0)
     elif msg_type == MsgType.OPEN:
         msg = Open(d.text("dataset"))
     elif msg_type == MsgType.LIST:
@@ -500,6 +547,12 @@ def decode_request(msg_type: int, payload) -> tuple:
         msg = Read(d.text("name"), d.u64("offset"), d.u64("length"))
     elif msg_type == MsgType.BYE:
         msg = Bye()
+    elif msg_type == MsgType.RELEASE:
+        n = d.u32("slot count")
+        msg = Release(list(struct.unpack(f">{n}Q", d._take(8 * n, "slot offsets"))))
+    elif msg_type == MsgType.FETCH:
+        n = d.u32("name count")
+        msg = Fetch([d.text("file name") for _ in range(n)])
     else:
         raise FrameError(f"unknown request type 0x{msg_type:02x}")
     d.finish(MsgType(msg_type).name)
@@ -513,8 +566,12 @@ def decode_response(msg_type: int, payload) -> tuple:
     """
     d = _Decoder(payload)
     if msg_type == MsgType.WELCOME:
-        msg = Welcome(d.u16("version"), d.text("stage_id"), d.u32("max_request_frame"),
-                      d.u32("max_response_frame"))
+        version = d.u16("version")
+        stage_id, max_req, max_resp = d.text("stage_id"), d.u32("max_request_frame"), d.u32("max_response_frame")
+        if version >= 2:
+            msg = Welcome(version, stage_id, max_req, max_resp, d.u32("features"), d.u64("region bytes"))
+        else:
+            msg = Welcome(version, stage_id, max_req, max_resp)
     elif msg_type == MsgType.OPENED:
         msg = Opened(d.u32("file_count"), d.u64("total_bytes"), d.u64("digest"))
     elif msg_type == MsgType.FILES:
@@ -536,6 +593,9 @@ def decode_response(msg_type: int, payload) -> tuple:
             elif status == SAMPLE_ERROR:
                 samples.append(Sample(pos, name, status, code=d.u16("sample error code"),
                                       message=d.text("sample error message")))
+            elif status == SAMPLE_SHARED:
+                samples.append(Sample(pos, name, status, offset=d.u64("slot offset"),
+                                      length=d.u64("sample length")))
             else:
                 raise FrameError(f"unknown sample status {status} for {name!r}")
         msg = Samples(bool(flags & 1), samples)
@@ -614,8 +674,12 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def read_response(f: BinaryIO, max_length: int = MAX_RESPONSE_FRAME) -> tuple:
+def read_response(f: BinaryIO, max_length: int = MAX_RESPONSE_FRAME, shared=None) -> tuple:
     """Reads one response frame from ``f`` and returns its message.
+
+    ``shared(offset, length)`` turns a sample the stage placed in shared
+    memory into its data (a view of the region); without it such a sample
+    is a protocol error (the connection did not negotiate shared memory).
 
     ``f`` is a buffered binary file (``sock.makefile("rb")``). ``SAMPLES`` and
     ``DATA`` are parsed while streaming: each sample's data is one
@@ -631,7 +695,7 @@ def read_response(f: BinaryIO, max_length: int = MAX_RESPONSE_FRAME) -> tuple:
     try:
         _check_length(length, max_length)
         if msg_type == MsgType.SAMPLES:
-            return _read_samples(_Stream(f, length - 1))
+            return _read_samples(_Stream(f, length - 1), shared)
         if msg_type == MsgType.DATA:
             s = _Stream(f, length - 1)
             (n,) = _U32.unpack(s.take(4, "length of data"))
@@ -645,7 +709,19 @@ def read_response(f: BinaryIO, max_length: int = MAX_RESPONSE_FRAME) -> tuple:
         raise ProtocolError(f"malformed response from the stage: {e}", fatal=True) from None
 
 
-def _read_samples(s: _Stream) -> Samples:
+_SHARED_REST = struct.Struct(">IQ")  # the rest of a shared sample's offset, its length
+_SHARED_BOTH = struct.Struct(">QQ")  # a shared sample's offset and length
+
+
+#: A ``SAMPLES`` frame at most this long is read whole and parsed in
+#: memory (one read instead of several per sample): in shared memory a
+#: sample takes a few dozen bytes of the frame.
+_SMALL_FRAME = 256 << 10
+
+
+def _read_samples(s: _Stream, shared=None) -> Samples:
+    if s.left <= _SMALL_FRAME:
+        return _parse_samples(s.take(s.left, "SAMPLES payload"), shared)
     flags, count = _SAMPLES_HEAD.unpack(s.take(5, "SAMPLES header"))
     samples = []
     append = samples.append
@@ -665,8 +741,61 @@ def _read_samples(s: _Stream) -> Samples:
             code, msg_len = struct.unpack_from(">HH", rest, name_len + 1)
             message = _utf8(take(msg_len, "sample error message"), "sample error message")
             append(Sample(pos, name, SAMPLE_ERROR, None, code, message))
+        elif status == SAMPLE_SHARED and shared is not None:
+            (high,) = _U32.unpack_from(rest, name_len + 1)
+            low, length = _SHARED_REST.unpack(take(12, "shared sample offset and length"))
+            append(Sample(pos, name, SAMPLE_OK, shared((high << 32) | low, length)))
         else:
             raise FrameError(f"unknown sample status {status} for {name!r}")
     if s.left:
         raise FrameError(f"{s.left} bytes left over after the SAMPLES payload")
+    return Samples(bool(flags & 1), samples)
+
+
+def _parse_samples(payload: bytes, shared) -> Samples:
+    """Parses a whole ``SAMPLES`` payload held in memory (the client's fast
+    path for small frames; same rules as the streaming reader)."""
+    n = len(payload)
+    if n < 5:
+        raise FrameError("SAMPLES header runs past the end of the frame")
+    flags, count = _SAMPLES_HEAD.unpack_from(payload, 0)
+    pos = 5
+    samples = []
+    append = samples.append
+    unpack_head = _SAMPLE_HEAD.unpack_from
+    try:
+        for _ in range(count):
+            position, name_len = unpack_head(payload, pos)
+            pos += 6
+            end = pos + name_len
+            if end + 1 > n:
+                raise FrameError("sample name and status run past the end of the frame")
+            name = _utf8(payload[pos:end], "sample name")
+            status = payload[end]
+            pos = end + 1
+            if status == SAMPLE_SHARED and shared is not None:
+                offset, length = _SHARED_BOTH.unpack_from(payload, pos)
+                pos += 16
+                append(Sample(position, name, SAMPLE_OK, shared(offset, length)))
+            elif status == SAMPLE_OK:
+                (size,) = _U32.unpack_from(payload, pos)
+                pos += 4
+                if pos + size > n:
+                    raise FrameError("sample data runs past the end of the frame")
+                append(Sample(position, name, SAMPLE_OK, payload[pos:pos + size]))
+                pos += size
+            elif status == SAMPLE_ERROR:
+                code, msg_len = struct.unpack_from(">HH", payload, pos)
+                pos += 4
+                if pos + msg_len > n:
+                    raise FrameError("sample error message runs past the end of the frame")
+                message = _utf8(payload[pos:pos + msg_len], "sample error message")
+                pos += msg_len
+                append(Sample(position, name, SAMPLE_ERROR, None, code, message))
+            else:
+                raise FrameError(f"unknown sample status {status} for {name!r}")
+    except struct.error:
+        raise FrameError("a sample runs past the end of the frame") from None
+    if pos != n:
+        raise FrameError(f"{n - pos} bytes left over after the SAMPLES payload")
     return Samples(bool(flags & 1), samples)

@@ -33,9 +33,23 @@ entry to exactly one of them::
             ...
 
 Both datasets yield ``(name, sample)`` pairs: ``sample`` is the file's
-bytes, or ``transform(bytes)`` when a transform is given. The name lets a
-transform-free pipeline derive labels from paths; the default collate turns
-a batch into ``[names, samples]``.
+bytes as a ``torch.uint8`` tensor (``sample="tensor"``, the default), or
+``transform(tensor)`` when a transform is given (``torchvision.io.decode_jpeg``
+takes it as it is). The name lets a transform-free pipeline derive labels
+from paths. The default collate turns a batch into ``[names, samples]``,
+stacking the samples when they have one shape (fixed-size records, or a
+transform that gives one shape); for raw files of different sizes pass
+``collate_fn=sluice.torch.collate``, which keeps such a batch a list.
+``sample="bytes"`` gives ``bytes`` instead (as before the tensors), and
+``sample="memoryview"`` the client's own objects.
+
+On a stage on the same node, samples arrive in shared memory: a tensor is a
+view of the job's region, with no copy through the socket (see
+:mod:`sluice.shm` for how long it stays valid: as long as it is referred
+to). In a ``DataLoader`` worker, the batch then reaches the main process
+the way PyTorch hands any tensor over, in shared memory by descriptor, not
+pickled. The map-style dataset reads each batch with one request
+(``__getitems__``), the iterable one with one ``NEXT`` per ``batch``.
 
 Every process (the main one and each ``DataLoader`` worker) opens its own
 connection, lazily, on first use: datasets can be pickled and forked freely.
@@ -52,12 +66,57 @@ from typing import Callable, Iterator, Mapping, Optional, Tuple
 import torch.distributed as _dist
 import torch.utils.data as _data
 
+import torch as _torch
+from torch.utils.data import default_collate as _default_collate
+
 from . import plan as _plan
 from .client import DEFAULT_PREFETCH, Client, Dataset
 from .errors import ErrorCode, SluiceError, error_from_code
 from .protocol import PlanState
 
-__all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset"]
+__all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "collate"]
+
+#: What a sample is handed over as (``sample=``).
+SAMPLE_TYPES = ("tensor", "bytes", "memoryview")
+
+
+def _as_tensor(data):
+    """A ``uint8`` tensor over the sample's memory (a view of shared memory
+    when it came that way; bytes from a frame are copied once, as a tensor
+    must own writable memory)."""
+    if isinstance(data, memoryview):
+        if not data.nbytes:
+            return _torch.empty(0, dtype=_torch.uint8)
+        return _torch.frombuffer(data, dtype=_torch.uint8)
+    if not data:
+        return _torch.empty(0, dtype=_torch.uint8)
+    return _torch.frombuffer(bytearray(data), dtype=_torch.uint8)
+
+
+def _as_bytes(data):
+    return bytes(data) if isinstance(data, memoryview) else data
+
+
+_CONVERT = {"tensor": _as_tensor, "bytes": _as_bytes, "memoryview": lambda data: data}
+
+
+def _converter(sample: str):
+    if sample not in _CONVERT:
+        raise ValueError(f"sample must be one of {', '.join(SAMPLE_TYPES)}, got {sample!r}")
+    return _CONVERT[sample]
+
+
+def collate(batch):
+    """``[names, samples]`` like the default collate, but samples of
+    different shapes (raw files of different sizes) stay a list instead of
+    failing to stack. Samples of one shape are stacked as the default
+    collate does (in shared memory, inside a ``DataLoader`` worker)."""
+    names = [name for name, _ in batch]
+    samples = [sample for _, sample in batch]
+    if samples and all(isinstance(s, _torch.Tensor) for s in samples) \
+            and len({tuple(s.shape) for s in samples}) > 1:
+        return [names, samples]
+    return [names, _default_collate(samples)]
 
 
 def _distributed_place(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -126,7 +185,8 @@ class _PerProcess:
         return state
 
 
-def _apply(transform: Optional[Callable], name: str, data):
+def _apply(transform: Optional[Callable], convert, name: str, data):
+    data = convert(data)
     return (name, data if transform is None else transform(data))
 
 
@@ -135,29 +195,36 @@ class SluiceDataset(_data.Dataset):
 
     Item ``i`` is ``(name, sample)`` for the file with index ``i`` (files
     sorted by name bytes, as the stage lists them), where ``sample`` is the
-    file's bytes or ``transform(bytes)``. ``len()`` is the file count.
+    file's bytes as ``sample`` says, or ``transform`` of them. ``len()`` is
+    the file count. A ``DataLoader`` batch is read with one request
+    (``__getitems__``); the files its sampler planned come from the
+    stage's prefetch buffer.
 
     Args:
         address: the stage's address (see :func:`sluice.parse_address`).
         dataset: the dataset name the stage serves.
         job: the job name; use the same one for the sampler and every rank.
         labels: job labels for the stage's policies.
-        transform: applied to each file's bytes.
+        transform: applied to each sample (in the worker that reads it).
         timeout: per-operation socket timeout in seconds (None: no limit).
+        sample: ``"tensor"`` (a ``torch.uint8`` tensor, the default),
+            ``"bytes"`` or ``"memoryview"``.
 
     Connects once in the constructor (to learn the file count) and then once
     per process that reads.
     """
 
     def __init__(self, address, dataset: str, job: str, labels: Optional[Mapping[str, str]] = None,
-                 transform: Optional[Callable[[bytes], object]] = None,
-                 timeout: Optional[float] = None) -> None:
+                 transform: Optional[Callable[[object], object]] = None,
+                 timeout: Optional[float] = None, sample: str = "tensor") -> None:
         self.address = address
         self.dataset = dataset
         self.job = job
         self.labels = dict(labels or {})
         self.transform = transform
         self.timeout = timeout
+        self.sample = sample
+        self._convert = _converter(sample)
         self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
@@ -170,7 +237,15 @@ class SluiceDataset(_data.Dataset):
     def __getitem__(self, index: int):
         ds = self._conn.get()
         name = ds.files[index][0]
-        return _apply(self.transform, name, ds.read(name))
+        return _apply(self.transform, self._convert, name, ds.read(name))
+
+    def __getitems__(self, indices):
+        """Reads a batch of items with one request (PyTorch's ``DataLoader``
+        calls this for each batch)."""
+        ds = self._conn.get()
+        files = ds.files
+        got = ds.fetch([files[i][0] for i in indices])
+        return [_apply(self.transform, self._convert, name, data) for name, data in got]
 
     def name(self, index: int) -> str:
         """Returns the name of file ``index``."""
@@ -252,7 +327,7 @@ class SluiceIterableDataset(_data.IterableDataset):
     within a worker follows the plan.
 
     Args:
-        address, dataset, job, labels, transform, timeout: as for
+        address, dataset, job, labels, transform, timeout, sample: as for
             :class:`SluiceDataset`.
         seed, shuffle: the plan's shuffle (see :mod:`sluice.plan`).
         rank, world_size: default to torch.distributed's, else 0 and 1.
@@ -270,9 +345,10 @@ class SluiceIterableDataset(_data.IterableDataset):
 
     def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,
                  rank: Optional[int] = None, world_size: Optional[int] = None, batch: int = 32,
-                 transform: Optional[Callable[[bytes], object]] = None,
+                 transform: Optional[Callable[[object], object]] = None,
                  labels: Optional[Mapping[str, str]] = None, on_error: str = "raise",
-                 timeout: Optional[float] = None, prefetch: int = DEFAULT_PREFETCH) -> None:
+                 timeout: Optional[float] = None, prefetch: int = DEFAULT_PREFETCH,
+                 sample: str = "tensor") -> None:
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -286,6 +362,8 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.batch = batch
         self.transform = transform
+        self.sample = sample
+        self._convert = _converter(sample)
         self.on_error = on_error
         self.epoch = 0
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout)
@@ -309,13 +387,15 @@ class SluiceIterableDataset(_data.IterableDataset):
             raise RuntimeError(
                 f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
                 "call set_epoch(epoch) with a new epoch before iterating again")
-        transform = self.transform
+        transform, convert = self.transform, self._convert
         # The iterator's prefetch thread stops when this generator is closed
         # (the DataLoader drops it, or the loop breaks).
         with it:
             for name, data in it:
-                if transform is not None and not isinstance(data, SluiceError):
-                    data = transform(data)
+                if not isinstance(data, SluiceError):
+                    data = convert(data)
+                    if transform is not None:
+                        data = transform(data)
                 yield name, data
 
     def close(self) -> None:

@@ -48,8 +48,10 @@ class FakeStage:
     """
 
     def __init__(self, path, datasets, max_response_frame=p.MAX_RESPONSE_FRAME, script=None,
-                 next_delay=0.0):
+                 next_delay=0.0, versions=(1, 2)):
         self.path = path
+        # Protocol versions spoken (it never grants shared memory).
+        self.versions = versions
         self.datasets = datasets
         self.max_response_frame = max_response_frame
         self.script = script or {}
@@ -117,12 +119,13 @@ class FakeStage:
         if isinstance(msg, p.Hello):
             if st["hello"] is not None:
                 return p.encode_error(4, "second HELLO", True), True
-            if msg.version != 1:
+            if msg.version not in self.versions:
                 return p.encode_error(3, f"version {msg.version} unsupported", True), True
             if msg.rank >= msg.world_size:
                 return p.encode_error(5, "rank >= world_size", False), False
             st["hello"] = msg
-            return p.encode_welcome("fake", p.MAX_REQUEST_FRAME, self.max_response_frame), False
+            return p.encode_welcome("fake", p.MAX_REQUEST_FRAME, self.max_response_frame,
+                                    version=msg.version), False
         if isinstance(msg, p.Bye):
             return p.encode_goodbye(), True
         if isinstance(msg, p.Open):
@@ -150,6 +153,15 @@ class FakeStage:
             if len(data) > self.max_response_frame - 16:
                 return p.encode_error(18, "file too large for one frame"), False
             return p.encode_data(data), False
+        if isinstance(msg, p.Fetch):
+            samples = []
+            for pos, name in enumerate(msg.names):
+                try:
+                    with open(os.path.join(root, name), "rb") as fh:
+                        samples.append(p.Sample(pos, name, 0, fh.read()))
+                except OSError as e:
+                    samples.append(p.Sample(pos, name, 1, None, 12, f"{name}: {e.strerror}"))
+            return p.encode_samples(False, samples), False
         if isinstance(msg, p.Plan):
             h = st["hello"]
             if msg.kind == p.PlanKind.SHUFFLE:

@@ -9,7 +9,10 @@ from sluice import protocol as p
 from sluice.errors import ConnectionClosedError, ProtocolError
 
 REQUESTS = [
-    (p.encode_hello("job-1.a_b", {"team": "vision", "prio": ""}, 3, 8), p.Hello(1, "job-1.a_b", {"team": "vision", "prio": ""}, 3, 8)),
+    (p.encode_hello("job-1.a_b", {"team": "vision", "prio": ""}, 3, 8, version=1),
+     p.Hello(1, "job-1.a_b", {"team": "vision", "prio": ""}, 3, 8)),
+    (p.encode_hello("j", {}, 0, 1, features=p.FEATURE_SHARED_MEMORY),
+     p.Hello(2, "j", {}, 0, 1, p.FEATURE_SHARED_MEMORY)),
     (p.encode_open("imagenet"), p.Open("imagenet")),
     (p.encode_list(65536, 65536), p.ListFiles(65536, 65536)),
     (p.encode_plan_indices(7, [0, 5, 5, 2**32 - 1]), p.Plan(7, p.PlanKind.INDICES, indices=[0, 5, 5, 2**32 - 1])),
@@ -22,10 +25,15 @@ REQUESTS = [
     (p.encode_next(4096), p.Next(4096)),
     (p.encode_read("x/y", 10, p.READ_TO_END), p.Read("x/y", 10, p.READ_TO_END)),
     (p.encode_bye(), p.Bye()),
+    (p.encode_release([0, 4096, 2**40]), p.Release([0, 4096, 2**40])),
+    (p.encode_release([]), p.Release([])),
+    (p.encode_fetch(["a/b.jpg", "c"]), p.Fetch(["a/b.jpg", "c"])),
 ]
 
 RESPONSES = [
-    (p.encode_welcome("stage-a", 16 << 20, 256 << 20), p.Welcome(1, "stage-a", 16 << 20, 256 << 20)),
+    (p.encode_welcome("stage-a", 16 << 20, 256 << 20, version=1), p.Welcome(1, "stage-a", 16 << 20, 256 << 20)),
+    (p.encode_welcome("stage-a", 16 << 20, 256 << 20, features=1, region_bytes=1 << 30),
+     p.Welcome(2, "stage-a", 16 << 20, 256 << 20, 1, 1 << 30)),
     (p.encode_opened(3, 2**40, 0xCBF29CE484222325), p.Opened(3, 2**40, 0xCBF29CE484222325)),
     (p.encode_files(3, [("a", 0), ("b/c", 2**33)]), p.Files(3, [("a", 0), ("b/c", 2**33)])),
     (p.encode_planned(10, 1), p.Planned(10, 1)),
@@ -53,6 +61,20 @@ def test_response_round_trip(frame, msg):
     f = io.BufferedReader(io.BytesIO(frame + frame), buffer_size=7)
     assert p.read_response(f) == msg
     assert p.read_response(f) == msg
+
+
+def test_shared_samples_become_views_of_the_region():
+    frame = p.encode_samples(False, [p.Sample(0, "a", p.SAMPLE_SHARED, offset=2**33 + 4096, length=7),
+                                     p.Sample(1, "b", 0, b"xy")])
+    # In memory: the wire form.
+    wire = p.decode_response(*p.split_frame(frame, p.MAX_RESPONSE_FRAME))
+    assert wire.samples[0] == p.Sample(0, "a", p.SAMPLE_SHARED, offset=2**33 + 4096, length=7)
+    # Streamed by the client: the data is what the region gives for it.
+    got = p.read_response(io.BufferedReader(io.BytesIO(frame)), shared=lambda o, n: ("view", o, n))
+    assert got.samples == [p.Sample(0, "a", 0, ("view", 2**33 + 4096, 7)), p.Sample(1, "b", 0, b"xy")]
+    # Without a region a shared sample is a protocol error.
+    with pytest.raises(ProtocolError):
+        p.read_response(io.BufferedReader(io.BytesIO(frame)))
 
 
 def test_frame_layout_is_big_endian():

@@ -309,7 +309,7 @@ def test_hello_rules(stage_factory, dataset):
     raw.close()
     # An unsupported version.
     raw = Raw(stage.socket)
-    raw.send(p.encode_hello("raw", version=2))
+    raw.send(p.encode_hello("raw", version=3))
     expect_error_then_close(raw, p.ErrorCode.UNSUPPORTED_VERSION)
     raw.close()
     # Impossible fields are refused without closing.

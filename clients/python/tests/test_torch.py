@@ -24,15 +24,20 @@ except ImportError as e:  # pragma: no cover - depends on the machine
 import sluice
 from sluice import plan as splan
 from sluice import protocol as p
-from sluice.torch import SluiceDataset, SluiceIterableDataset, SluiceSampler
+from sluice.torch import SluiceDataset, SluiceIterableDataset, SluiceSampler, collate
 
 WORLD = 2
+
+
+def _bytes(sample) -> bytes:
+    """A sample's bytes, whatever it was handed over as."""
+    return sample.numpy().tobytes() if isinstance(sample, torch.Tensor) else bytes(sample)
 
 
 def _collect(loader):
     out = []
     for names, datas in loader:
-        out += list(zip(names, datas))
+        out += [(n, _bytes(d)) for n, d in zip(names, datas)]
     return out
 
 
@@ -48,7 +53,7 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
         sampler = SluiceSampler(ds, seed=5, rank=rank, world_size=WORLD)
         assert len(sampler) == len(splan.shuffle_plan(len(files), 5, 3, True, rank, WORLD))
         sampler.set_epoch(3)
-        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers, collate_fn=collate)
         got = _collect(loader)
         # Order follows the plan (the DataLoader keeps sampler order).
         expected = [names[i] for i in splan.shuffle_plan(len(files), 5, 3, True, rank, WORLD)]
@@ -76,7 +81,7 @@ def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers
         assert len(ds) == len(splan.shuffle_plan(len(files), 8, 0, True, rank, WORLD))
         for epoch in (0, 1):
             ds.set_epoch(epoch)
-            got = _collect(DataLoader(ds, batch_size=4, num_workers=workers))
+            got = _collect(DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate))
             share = {sorted_names(files)[i] for i in splan.shuffle_plan(len(files), 8, epoch, True, rank, WORLD)}
             assert sorted(n for n, _ in got) == sorted(share), f"rank {rank} epoch {epoch}"
             if epoch == 0:
@@ -96,9 +101,15 @@ def test_transform_and_repeat_guard(stage_factory, dataset):
         list(iter(ds))
     ds.set_epoch(1)
     assert len(list(iter(ds))) == len(files)
-    m = SluiceDataset(stage.socket, "d", job="xf-map", transform=lambda b: b[:2])
+    m = SluiceDataset(stage.socket, "d", job="xf-map", transform=lambda t: _bytes(t[:2]))
     name = sorted_names(files)[4]
     assert m[4] == (name, files[name][:2]) and m.name(4) == name
+    # The sample types on offer.
+    as_bytes = SluiceDataset(stage.socket, "d", job="xf-bytes", sample="bytes")
+    assert as_bytes[4] == (name, files[name])
+    assert type(as_bytes[4][1]) is bytes
+    with pytest.raises(ValueError, match="sample must be"):
+        SluiceDataset(stage.socket, "d", job="xf-bad", sample="array")
 
 
 def test_datasets_pickle_without_their_connection(stage_factory, dataset):
@@ -108,7 +119,7 @@ def test_datasets_pickle_without_their_connection(stage_factory, dataset):
     clone = pickle.loads(pickle.dumps(ds))
     assert clone._conn._client is None
     name = sorted_names(files)[0]
-    assert clone[0] == (name, files[name])
+    assert _bytes(clone[0][1]) == files[name] and clone[0][0] == name
     it = SluiceIterableDataset(stage.socket, "d", job="pickle2")
     assert pickle.loads(pickle.dumps(it))._conn._client is None
 
@@ -122,7 +133,7 @@ def test_forked_child_opens_its_own_connection(stage_factory, dataset):
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         try:
-            ok = ds[1][1] == files[sorted_names(files)[1]] and ds._conn._client is not parent_client
+            ok = _bytes(ds[1][1]) == files[sorted_names(files)[1]] and ds._conn._client is not parent_client
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)
@@ -130,4 +141,4 @@ def test_forked_child_opens_its_own_connection(stage_factory, dataset):
     assert os.read(r, 1) == b"1"
     os.waitpid(pid, 0)
     # The parent's connection is untouched by the child.
-    assert ds[2][1] == files[sorted_names(files)[2]] and ds._conn._client is parent_client
+    assert _bytes(ds[2][1]) == files[sorted_names(files)[2]] and ds._conn._client is parent_client

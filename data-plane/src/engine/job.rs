@@ -19,10 +19,11 @@ use tracing::{debug, info};
 
 use super::Memory;
 use super::plan_run::{PlanKey, PlanRun};
-use crate::chunk::Chunk;
+use crate::chunk::{Buffer, Chunk};
 use crate::job_config::JobConfig;
 use crate::metrics::{DatasetMetrics, Metrics};
-use crate::protocol::{ProtocolError, Sample};
+use crate::protocol::{Payload, ProtocolError, Sample};
+use crate::shm::Region;
 use crate::token_bucket::TokenBucket;
 use crate::tuner::{Observation, Tuner};
 
@@ -30,7 +31,7 @@ mod delivery;
 mod gate;
 mod readers;
 
-pub use delivery::{PlanHandle, Reservation};
+pub use delivery::{Lent, PlanHandle, Reservation};
 use gate::Gate;
 pub use gate::SETTINGS_WAIT;
 
@@ -40,6 +41,8 @@ const COMPLETED_MEMORY: usize = 256;
 /// How long a reader blocked on the node budget waits before looking again
 /// (another job's consumer may have freed memory).
 const MEMORY_RECHECK: Duration = Duration::from_millis(5);
+/// The least a full buffer drains before its readers refill it.
+const REFILL_MIN: u64 = 4 << 20;
 
 /// Cumulative counters the tuner and the telemetry snapshot read.
 #[derive(Debug, Default)]
@@ -72,10 +75,17 @@ struct JobState {
     next_id: u64,
     reserved: u64,
     capacity: u64,
+    /// Set when a reader found the buffer full: readers then wait until it
+    /// drains below the low-water mark ([`JobState::can_refill`]), so they
+    /// refill in bursts rather than waking once per delivered sample.
+    full: bool,
     config: JobConfig,
     tuner: Tuner,
     readers_target: u32,
     readers_running: u32,
+    /// Readers waiting for work: a wake-up is only worth its system call
+    /// when one is.
+    readers_idle: u32,
     connections: usize,
     idle_since: Option<Instant>,
     stopped: bool,
@@ -92,6 +102,8 @@ pub struct Job {
     work: Condvar,
     /// Closed while a new job waits for the controller's first settings.
     gate: Gate,
+    /// Where its prefetch buffers live when its trainers may map them.
+    region: Option<Arc<Region>>,
     limiter: TokenBucket,
     stats: Stats,
     memory: Arc<Memory>,
@@ -165,18 +177,33 @@ pub struct JobSnapshot {
     pub ops_per_second_limit: Option<u64>,
 }
 
+/// What a new job gets from the engine besides its own configuration.
+pub(super) struct Start {
+    /// Where its buffers live for shared-memory delivery, if anywhere.
+    pub region: Option<Arc<Region>>,
+    /// Until when its storage reads wait for the controller's settings.
+    pub hold: Option<Instant>,
+    pub jobs_changed: Arc<tokio::sync::Notify>,
+    pub memory: Arc<Memory>,
+    pub metrics: Arc<Metrics>,
+}
+
 impl Job {
-    /// Starts a job; with `hold`, its storage reads wait until
+    /// Starts a job; with `start.hold`, its storage reads wait until
     /// [`Job::start_reading`] or that deadline (see [`SETTINGS_WAIT`]).
     pub(super) fn start(
         id: &str,
         labels: BTreeMap<String, String>,
         config: JobConfig,
-        hold: Option<Instant>,
-        jobs_changed: Arc<tokio::sync::Notify>,
-        memory: Arc<Memory>,
-        metrics: Arc<Metrics>,
+        start: Start,
     ) -> Arc<Self> {
+        let Start {
+            region,
+            hold,
+            jobs_changed,
+            memory,
+            metrics,
+        } = start;
         let tuner = Tuner::new(config.bounds, config.initial_readers, config.initial_buffer);
         let job = Arc::new(Self {
             id: id.to_owned(),
@@ -188,8 +215,10 @@ impl Job {
                 next_id: 1,
                 reserved: 0,
                 capacity: tuner.buffer(),
+                full: false,
                 readers_target: tuner.readers(),
                 readers_running: 0,
+                readers_idle: 0,
                 config,
                 tuner,
                 connections: 0,
@@ -200,6 +229,7 @@ impl Job {
             }),
             work: Condvar::new(),
             gate: Gate::new(hold),
+            region,
             limiter: TokenBucket::new(config.limits),
             stats: Stats::default(),
             throttled_metric: metrics.throttled(id),
@@ -249,6 +279,20 @@ impl Job {
         };
         self.work.notify_all();
         self.metrics.forget_job(&self.id, &datasets);
+    }
+
+    /// The shared-memory region its buffers live in, if any.
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        self.region.as_ref()
+    }
+
+    /// Returns a buffer of `len` bytes for a prefetch read: a slot of the
+    /// job's region while it has room, else from the heap pool.
+    fn buffer(&self, len: usize) -> Buffer {
+        self.region
+            .as_ref()
+            .and_then(|r| r.alloc(len))
+            .map_or_else(|| Buffer::heap(len), Buffer::Shared)
     }
 
     /// Lets the job's storage reads start, `how` says why (`settings`: the
@@ -309,7 +353,7 @@ impl Job {
     fn count_delivered(&self, m: &DatasetMetrics, samples: &[Sample]) {
         let bytes: u64 = samples
             .iter()
-            .map(|s| s.data.as_ref().map_or(0, |d| d.len() as u64))
+            .map(|s| s.data.as_ref().map_or(0, Payload::len))
             .sum();
         self.stats
             .delivered_bytes
@@ -443,6 +487,18 @@ impl JobState {
     /// The job's buffer capacity after the node budget's fair share.
     fn effective_capacity(&self, memory: &Memory) -> u64 {
         self.capacity.min(memory.job_share())
+    }
+
+    /// Whether readers may fill the buffer now: it is not marked full, or
+    /// it drained below the low-water mark (an eighth of the capacity, at
+    /// least 4 MiB, below it), which clears the mark.
+    fn can_refill(&mut self, memory: &Memory) -> bool {
+        if self.full {
+            let capacity = self.effective_capacity(memory);
+            let margin = (capacity / 8).max(REFILL_MIN).min(capacity / 2);
+            self.full = self.reserved > capacity - margin;
+        }
+        !self.full
     }
 
     /// Forgets a fully delivered plan and remembers that it completed.

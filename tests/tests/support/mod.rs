@@ -110,6 +110,7 @@ pub fn trainer(socket: &Path, job: &str) -> UnixStream {
         labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
         rank: 0,
         world_size: 1,
+        features: 0,
     };
     s.write_all(&hello.encode()).unwrap();
     let mut head = [0u8; 5];

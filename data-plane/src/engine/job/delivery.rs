@@ -12,7 +12,7 @@ use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
-use crate::protocol::{ErrorCode, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
+use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
 use crate::storage::{io_error, read_range};
 
 /// A connection's attachment to a plan; detaches on drop.
@@ -55,6 +55,36 @@ impl Drop for Reservation {
     }
 }
 
+impl Reservation {
+    /// Moves `bytes` of this reservation to a sample lent to a trainer in
+    /// shared memory: they leave the plan's buffer now, and the node budget
+    /// when the trainer releases the slot (or its connection ends).
+    pub fn lend(&mut self, bytes: u64) -> Lent {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        self.job.lend_out(self.plan, bytes);
+        Lent {
+            job: Arc::clone(&self.job),
+            bytes,
+        }
+    }
+}
+
+/// Budget bytes of a sample lent to a trainer; returned on drop.
+#[derive(Debug)]
+pub struct Lent {
+    job: Arc<Job>,
+    bytes: u64,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.job.return_lent(self.bytes);
+        }
+    }
+}
+
 impl Job {
     /// Returns `bytes` of a delivered batch to the buffer and the node budget.
     pub(super) fn release(&self, plan: u64, bytes: u64) {
@@ -64,8 +94,35 @@ impl Job {
             p.reserved -= bytes;
         }
         self.memory.release(bytes);
-        drop(st);
-        self.work.notify_all();
+        self.wake_reader(st);
+    }
+
+    /// Wakes one reader when the buffer may be refilled: it wakes the next
+    /// if there is more to do (see `reader_loop`), instead of every reader
+    /// racing for one slot; a buffer marked full waits for its low-water
+    /// mark.
+    fn wake_reader(&self, mut st: std::sync::MutexGuard<'_, super::JobState>) {
+        if st.can_refill(&self.memory) {
+            self.wake_idle_reader(&st);
+        }
+    }
+
+    /// Takes `bytes` delivered into shared memory off plan `plan`'s buffer;
+    /// they stay reserved for the job until [`Job::return_lent`].
+    fn lend_out(&self, plan: u64, bytes: u64) {
+        let mut st = self.lock();
+        if let Some(p) = st.plans.get_mut(&plan) {
+            p.reserved -= bytes;
+        }
+        self.wake_reader(st);
+    }
+
+    /// Returns the bytes of lent samples to the job and the node budget.
+    fn return_lent(&self, bytes: u64) {
+        let mut st = self.lock();
+        st.reserved -= bytes;
+        self.memory.release(bytes);
+        self.wake_reader(st);
     }
 
     /// Creates the plan `key` or joins the identical one already active.
@@ -210,7 +267,7 @@ impl Job {
                                 samples.push(Sample {
                                     position: p,
                                     name: plan.name_of(p).to_owned(),
-                                    data: fetched.data,
+                                    data: fetched.data.map(Payload::Bytes),
                                 });
                             }
                         }
@@ -304,7 +361,7 @@ impl Job {
         Sample {
             position: pos,
             name: name.to_owned(),
-            data,
+            data: data.map(Payload::Bytes),
         }
     }
 

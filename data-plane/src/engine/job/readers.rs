@@ -68,14 +68,26 @@ impl Job {
                         return;
                     }
                     match st.pick_work(&self.memory, &self.metrics, &self.id) {
-                        Ok(work) => break work,
-                        Err(Idle::NoWork) => st = self.work.wait(st).expect("job lock poisoned"),
+                        Ok(work) => {
+                            // Wakes are one at a time: pass it on, in case
+                            // there is more (each reader that finds work
+                            // wakes the next, up to the running count).
+                            self.wake_idle_reader(&st);
+                            break work;
+                        }
+                        Err(Idle::NoWork) => {
+                            st.readers_idle += 1;
+                            st = self.work.wait(st).expect("job lock poisoned");
+                            st.readers_idle -= 1;
+                        }
                         Err(Idle::NoMemory) => {
+                            st.readers_idle += 1;
                             st = self
                                 .work
                                 .wait_timeout(st, MEMORY_RECHECK)
                                 .expect("job lock poisoned")
                                 .0;
+                            st.readers_idle -= 1;
                         }
                     }
                 }
@@ -89,7 +101,9 @@ impl Job {
         self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
         self.throttle(work.file_bytes);
         let start = Instant::now();
-        let data = work.dataset.read_whole(&work.name);
+        let data = work
+            .dataset
+            .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len));
         self.count_read(&work.metrics, start.elapsed(), &data);
         self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
 
@@ -99,8 +113,7 @@ impl Job {
             // The plan was dropped while we read (every consumer left).
             st.reserved -= work.size;
             self.memory.release(work.size);
-            drop(st);
-            self.work.notify_one();
+            self.wake_idle_reader(&st);
             return;
         };
         plan.reserved = plan.reserved - work.size + actual;
@@ -116,8 +129,16 @@ impl Job {
         }
         st.reserved = st.reserved - work.size + actual;
         self.memory.adjust(work.size, actual);
-        drop(st);
         if actual < work.size {
+            self.wake_idle_reader(&st);
+        }
+    }
+
+    /// Wakes one waiting reader, if any waits (a notification nobody waits
+    /// for still costs a system call). Called with the job's lock held, so
+    /// the count is current.
+    pub(super) fn wake_idle_reader(&self, st: &JobState) {
+        if st.readers_idle > 0 {
             self.work.notify_one();
         }
     }
@@ -164,6 +185,7 @@ impl JobState {
         }
         candidates.sort_unstable_by_key(|&(waiting, reserved, id)| (!waiting, reserved, id));
         let share = capacity / candidates.len() as u64;
+        let refill = self.can_refill(memory);
         let mut blocked_on_memory = false;
         for (waiting, _, id) in candidates {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
@@ -171,8 +193,11 @@ impl JobState {
             let file_bytes = plan.size_of(pos);
             let size = whole_footprint(file_bytes);
             let empty = plan.reserved == 0;
-            let fits = self.reserved + size <= capacity && plan.reserved + size <= share;
+            let fits = refill && self.reserved + size <= capacity && plan.reserved + size <= share;
             if !(fits || waiting || empty) {
+                if refill && self.reserved + size > capacity {
+                    self.full = true;
+                }
                 continue;
             }
             if !memory.try_reserve(size, empty) {

@@ -1,0 +1,343 @@
+//! Shared-memory delivery: a job's prefetch buffers live in a [`Region`], a
+//! `memfd` the stage maps read-write and hands to the job's local trainers
+//! read-only over the UNIX socket ([`send_with_fd`]). A prefetched sample is
+//! read from storage straight into a [`Slot`] of the region, and a trainer
+//! that negotiated shared memory receives only the slot's offset and length:
+//! no byte is copied into the socket or out of it.
+//!
+//! Why this module uses `unsafe`: mapping memory (`mmap`), viewing a mapped
+//! range as a slice, and passing a file descriptor (`sendmsg` with
+//! `SCM_RIGHTS`) have no safe interface in `std`. Each unsafe block states
+//! the invariant it relies on. The ones that matter: the mapping lives as
+//! long as the `Region` (slots hold an `Arc` of it); slots never overlap
+//! (the allocator hands each range to one slot until it is dropped); and no
+//! other process can write the region (trainers get a read-only descriptor,
+//! and a private mapping of it at most), so a slice over a slot only
+//! changes when its owner writes it.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Slot sizes are multiples of this (a page: `O_DIRECT` and the trainers'
+/// page-granular mappings both need it).
+pub const PAGE: usize = 4096;
+
+/// Free slots kept resident for reuse before freed ranges are given back to
+/// the kernel (a hole punched in the memfd): bounds what the region holds
+/// beyond the bytes the engine has reserved from the node budget.
+const RETAIN: usize = 256 << 20;
+
+/// A shared-memory region: a `memfd` mapped read-write, carved into slots.
+#[derive(Debug)]
+pub struct Region {
+    fd: OwnedFd,
+    base: NonNull<u8>,
+    size: usize,
+    free: Mutex<Free>,
+}
+
+// SAFETY: the mapping is plain memory owned by the region for its whole
+// life; every access goes through a `Slot`, which owns its range alone.
+unsafe impl Send for Region {}
+// SAFETY: as above; the allocator's state is behind a mutex.
+unsafe impl Sync for Region {}
+
+/// The allocator's state: never-used space from `bump` on, and freed slots
+/// by size (resident ones first in line, then ones whose pages went back to
+/// the kernel).
+#[derive(Debug, Default)]
+struct Free {
+    bump: usize,
+    resident: HashMap<usize, Vec<usize>>,
+    released: HashMap<usize, Vec<usize>>,
+    resident_bytes: usize,
+}
+
+impl Region {
+    /// Creates a region of `size` bytes (rounded up to a page). Only the
+    /// pages slots touch take memory.
+    pub fn new(name: &str, size: usize) -> io::Result<Arc<Self>> {
+        let size = size.div_ceil(PAGE).max(1) * PAGE;
+        let name = CString::new(format!("sluice-{name}"))
+            .map_err(|_| io::Error::other("a region name holds a NUL byte"))?;
+        // SAFETY: `name` is a valid C string; the flags are valid.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a new descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        File::from(fd.try_clone()?).set_len(size as u64)?;
+        // SAFETY: a fresh shared mapping of the whole memfd; the result is
+        // checked below and unmapped only in `drop`.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(Arc::new(Self {
+            fd,
+            base,
+            size,
+            free: Mutex::new(Free::default()),
+        }))
+    }
+
+    /// The region's size in bytes (what a trainer maps).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Returns a new descriptor of the region that can only be read: what a
+    /// trainer receives, so it can never write what the stage reads.
+    pub fn read_only_fd(&self) -> io::Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        let file = std::fs::OpenOptions::new().read(true).open(path)?;
+        Ok(OwnedFd::from(file))
+    }
+
+    /// Takes a slot of `len` bytes (rounded up to a page), or `None` when
+    /// the region has no room for it.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slot> {
+        let len = len.div_ceil(PAGE).max(1) * PAGE;
+        let mut free = self.lock();
+        let offset = if let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) {
+            free.resident_bytes -= len;
+            offset
+        } else if let Some(offset) = free.released.get_mut(&len).and_then(Vec::pop) {
+            offset
+        } else if free.bump + len <= self.size {
+            free.bump += len;
+            free.bump - len
+        } else {
+            return None;
+        };
+        Some(Slot {
+            region: Arc::clone(self),
+            offset,
+            len,
+        })
+    }
+
+    /// Returns a slot's range to the allocator, giving its pages back to
+    /// the kernel when enough free ones are resident already.
+    fn release(&self, offset: usize, len: usize) {
+        let mut free = self.lock();
+        if free.resident_bytes + len <= RETAIN || !self.punch(offset, len) {
+            free.resident_bytes += len;
+            free.resident.entry(len).or_default().push(offset);
+        } else {
+            free.released.entry(len).or_default().push(offset);
+        }
+    }
+
+    /// Frees the pages of a range (they read as zeros afterwards).
+    fn punch(&self, offset: usize, len: usize) -> bool {
+        // SAFETY: the range lies inside the memfd; punching keeps its size.
+        let rc = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        rc == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Free> {
+        self.free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`; no slot outlives the region
+        // (each holds an `Arc` of it).
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.size);
+        }
+    }
+}
+
+/// A range of a [`Region`] owned by one chunk of sample bytes; returned to
+/// the region when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    region: Arc<Region>,
+    offset: usize,
+    len: usize,
+}
+
+impl Slot {
+    /// The slot's offset in its region.
+    pub fn offset(&self) -> u64 {
+        self.offset as u64
+    }
+
+    /// The slot's length (a whole number of pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slot lies in `region`.
+    pub fn is_in(&self, region: &Arc<Region>) -> bool {
+        Arc::ptr_eq(&self.region, region)
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range is inside the live mapping and owned by this
+        // slot alone; no other process can write it (see the module doc).
+        unsafe { std::slice::from_raw_parts(self.region.base.as_ptr().add(self.offset), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.region.base.as_ptr().add(self.offset), self.len)
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.region.release(self.offset, self.len);
+    }
+}
+
+/// Sends `bytes` on the UNIX socket `socket` with `fd` attached as
+/// `SCM_RIGHTS` ancillary data. Returns how many bytes went out (the
+/// descriptor travels with the first of them). `EAGAIN` comes back as
+/// [`io::ErrorKind::WouldBlock`]: the caller waits for the socket to be
+/// writable and tries again.
+pub fn send_with_fd(socket: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: msghdr is plain data; every pointer set below outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `control` holds room for one cmsg with one descriptor, so the
+    // first header and its data lie inside it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    // SAFETY: `msg` describes valid buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(socket, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_disjoint_reused_and_bounded() {
+        let region = Region::new("t", 64 * PAGE).unwrap();
+        let mut a = region.alloc(100).unwrap();
+        let mut b = region.alloc(3 * PAGE).unwrap();
+        assert_eq!((a.len(), b.len()), (PAGE, 3 * PAGE));
+        assert_ne!(a.offset(), b.offset());
+        a.as_mut_slice().fill(1);
+        b.as_mut_slice().fill(2);
+        assert!(a.as_slice().iter().all(|&x| x == 1));
+        assert!(b.as_slice().iter().all(|&x| x == 2));
+        let at = a.offset();
+        drop(a);
+        assert_eq!(
+            region.alloc(PAGE).unwrap().offset(),
+            at,
+            "a freed slot is reused"
+        );
+        // No room: `None`, not a panic.
+        assert!(region.alloc(65 * PAGE).is_none());
+    }
+
+    #[test]
+    fn a_read_only_descriptor_cannot_be_mapped_for_writing() {
+        let region = Region::new("t", 4 * PAGE).unwrap();
+        let ro = region.read_only_fd().unwrap();
+        // SAFETY: a throwaway mapping attempt, unmapped if it succeeds.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                ro.as_raw_fd(),
+                0,
+            )
+        };
+        assert_eq!(ptr, libc::MAP_FAILED);
+    }
+
+    #[test]
+    fn a_descriptor_travels_over_a_unix_socket() {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::net::UnixStream;
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(b"shared").unwrap();
+        assert_eq!(
+            send_with_fd(a.as_raw_fd(), b"x", file.as_raw_fd()).unwrap(),
+            1
+        );
+        let mut byte = [0u8; 1];
+        let mut space = vec![0u8; 64];
+        let mut iov = libc::iovec {
+            iov_base: byte.as_mut_ptr().cast(),
+            iov_len: 1,
+        };
+        // SAFETY: test-only recvmsg into buffers that outlive the call.
+        let received = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = space.as_mut_ptr().cast();
+            msg.msg_controllen = space.len() as _;
+            assert_eq!(libc::recvmsg(b.as_raw_fd(), &mut msg, 0), 1);
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            File::from_raw_fd(std::ptr::read_unaligned(
+                libc::CMSG_DATA(cmsg).cast::<RawFd>(),
+            ))
+        };
+        let mut text = String::new();
+        let mut received = received;
+        received.rewind().unwrap();
+        received.read_to_string(&mut text).unwrap();
+        assert_eq!((byte[0], text.as_str()), (b'x', "shared"));
+    }
+}
