@@ -177,6 +177,18 @@ impl Dataset {
         .map_err(|e| io_error(name, &e))
     }
 
+    /// Reads whole the file `name` resolved to (`path`, from
+    /// [`Dataset::resolve`]) into a buffer from `alloc`.
+    pub fn read_resolved(
+        &self,
+        name: &str,
+        path: &Path,
+        alloc: &dyn Fn(usize) -> Buffer,
+    ) -> Result<Chunk, ProtocolError> {
+        self.read_path(path, None, alloc)
+            .map_err(|e| io_error(name, &e))
+    }
+
     /// Reads the file at `path` whole, with direct I/O while the file system
     /// takes it: the listed file itself (`listed`: its size; the last
     /// component must not be a symlink), or a resolved path.

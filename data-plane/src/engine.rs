@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use job::{Job, JobHandle, JobSnapshot, Lent, PlanHandle, Reservation, SETTINGS_WAIT};
+pub use job::{
+    Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, Reservation, SETTINGS_WAIT,
+};
 pub use plan_run::PlanKey;
 
 use crate::dataset::Dataset;

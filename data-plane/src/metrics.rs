@@ -57,6 +57,8 @@ pub struct JobSeries {
     pub readers_active: IntGaugeVec,
     pub reader_threads: IntGaugeVec,
     pub job_connections: IntGaugeVec,
+    pub shared_lent: IntGaugeVec,
+    pub shared_samples: IntCounterVec,
     pub tuner_changes: IntCounterVec,
     throttled_seconds: CounterVec,
 }
@@ -269,6 +271,15 @@ impl DatasetSeries {
 impl JobSeries {
     fn new(r: &Registrar) -> Self {
         Self {
+            shared_lent: r.gauge(
+                "sluice_stage_shared_lent_bytes",
+                "Bytes of the job's samples its trainers hold in shared memory (lent, not yet returned).",
+            ),
+            shared_samples: r.counter(
+                "sluice_stage_shared_samples_total",
+                "Samples handed to the job's trainers in shared memory (the rest of sluice_stage_delivered_samples_total went through the socket).",
+                &["job"],
+            ),
             buffer_used: r.gauge(
                 "sluice_stage_buffer_used_bytes",
                 "Bytes held in the job's prefetch buffer (buffered and in flight).",
@@ -314,9 +325,11 @@ impl JobSeries {
             &self.readers_active,
             &self.reader_threads,
             &self.job_connections,
+            &self.shared_lent,
         ] {
             let _ = g.remove_label_values(&[job]);
         }
         let _ = self.throttled_seconds.remove_label_values(&[job]);
+        let _ = self.shared_samples.remove_label_values(&[job]);
     }
 }

@@ -185,6 +185,12 @@ pub enum Request {
     Fetch {
         names: Vec<String>,
     },
+    /// Version 2, shared memory: slots this connection holds that it gives
+    /// to its job (another process of the job returns them). A
+    /// notification: it has no answer.
+    HandOff {
+        offsets: Vec<u64>,
+    },
 }
 
 mod kind {
@@ -197,6 +203,7 @@ mod kind {
     pub const BYE: u8 = 0x07;
     pub const RELEASE: u8 = 0x08;
     pub const FETCH: u8 = 0x09;
+    pub const HAND_OFF: u8 = 0x0A;
     pub const WELCOME: u8 = 0x81;
     pub const OPENED: u8 = 0x82;
     pub const FILES: u8 = 0x83;
@@ -244,12 +251,12 @@ impl Request {
                 length: d.u64()?,
             },
             kind::BYE => Self::Bye,
-            kind::RELEASE => {
-                let count = d.count(8)?;
-                Self::Release {
-                    offsets: (0..count).map(|_| d.u64()).collect::<Result<_, _>>()?,
-                }
-            }
+            kind::RELEASE => Self::Release {
+                offsets: offsets(&mut d)?,
+            },
+            kind::HAND_OFF => Self::HandOff {
+                offsets: offsets(&mut d)?,
+            },
             kind::FETCH => {
                 let count = d.count(2)?;
                 Self::Fetch {
@@ -312,10 +319,12 @@ impl Request {
                 e.u8(kind::BYE);
             }
             Self::Release { offsets } => {
-                e.u8(kind::RELEASE).u32(len32(offsets.len()));
-                offsets.iter().for_each(|o| {
-                    e.u64(*o);
-                });
+                e.u8(kind::RELEASE);
+                encode_offsets(&mut e, offsets);
+            }
+            Self::HandOff { offsets } => {
+                e.u8(kind::HAND_OFF);
+                encode_offsets(&mut e, offsets);
             }
             Self::Fetch { names } => {
                 e.u8(kind::FETCH).u32(len32(names.len()));
@@ -391,6 +400,19 @@ impl PlanSpec {
                     .u64(*digest);
             }
         }
+    }
+}
+
+/// Reads a `u32` count and that many `u64` slot offsets.
+fn offsets(d: &mut Decoder<'_>) -> Result<Vec<u64>, ProtocolError> {
+    let count = d.count(8)?;
+    (0..count).map(|_| d.u64()).collect()
+}
+
+fn encode_offsets(e: &mut Encoder, offsets: &[u64]) {
+    e.u32(len32(offsets.len()));
+    for o in offsets {
+        e.u64(*o);
     }
 }
 
@@ -685,6 +707,9 @@ mod tests {
             Request::Release {
                 offsets: vec![0, 4096, 1 << 40],
             },
+            Request::HandOff {
+                offsets: vec![8192],
+            },
             Request::Fetch {
                 names: vec!["a/b.jpg".into(), "c".into()],
             },
@@ -835,7 +860,7 @@ mod tests {
 
         #[test]
         fn arbitrary_payloads_after_a_valid_type_never_panic(
-            kind in 1u8..10,
+            kind in 1u8..11,
             payload in proptest::collection::vec(any::<u8>(), 0..64),
         ) {
             let mut body = vec![kind];

@@ -208,9 +208,14 @@ impl Connection {
             let _ = send(wr, &Response::Goodbye).await;
             return ControlFlow::Break(());
         }
-        // RELEASE has no answer: only a failure is sent (and is fatal).
+        // RELEASE and HAND_OFF have no answer: only a failure is sent (and
+        // is fatal).
         let request = match request {
             Ok(Request::Release { offsets }) => match self.release(&offsets) {
+                Ok(()) => return ControlFlow::Continue(()),
+                Err(e) => Err(e),
+            },
+            Ok(Request::HandOff { offsets }) => match self.hand_off(&offsets) {
                 Ok(()) => return ControlFlow::Continue(()),
                 Err(e) => Err(e),
             },
@@ -263,9 +268,10 @@ impl Connection {
             ));
         }
         match request {
-            Request::Hello { .. } | Request::Bye | Request::Release { .. } => {
-                unreachable!("handled above")
-            }
+            Request::Hello { .. }
+            | Request::Bye
+            | Request::Release { .. }
+            | Request::HandOff { .. } => unreachable!("handled above"),
             Request::Fetch { names } => self.fetch(names).await,
             Request::Open { dataset } => self.open(&dataset).await,
             Request::List { offset, limit } => self.list(offset, limit),
@@ -358,7 +364,7 @@ impl Connection {
         if self.unix.is_none() {
             return 0;
         }
-        let shared = Shared::new(region);
+        let shared = Shared::new(Arc::clone(self.job()), region);
         match shared.descriptor() {
             Ok(fd) => {
                 self.descriptor = Some(fd);
@@ -372,15 +378,24 @@ impl Connection {
         }
     }
 
-    /// Takes back slots the trainer is done with.
-    fn release(&mut self, offsets: &[u64]) -> Result<(), ProtocolError> {
-        match &mut self.shared {
-            Some(shared) => shared.release(offsets),
-            None => Err(ProtocolError::new(
+    /// Takes back slots the job's trainers are done with.
+    fn release(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
+        self.shared()?.release(offsets)
+    }
+
+    /// Hands this connection's slots to its job.
+    fn hand_off(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
+        self.shared()?.hand_off(offsets);
+        Ok(())
+    }
+
+    fn shared(&self) -> Result<&Shared, ProtocolError> {
+        self.shared.as_ref().ok_or_else(|| {
+            ProtocolError::new(
                 ErrorCode::BadRelease,
-                "RELEASE on a connection without shared memory: negotiate it in HELLO",
-            )),
-        }
+                "RELEASE or HAND_OFF on a connection without shared memory: negotiate it in HELLO",
+            )
+        })
     }
 
     fn job(&self) -> &Arc<crate::engine::Job> {
@@ -534,7 +549,7 @@ impl Connection {
         let job = Arc::clone(self.job());
         let mut batch = job.next(handle, max_samples as usize).await;
         let mut held = vec![batch.reservation];
-        if let Some(shared) = &mut self.shared {
+        if let Some(shared) = &self.shared {
             shared.lend(&mut batch.samples, &mut held, |_| Some(0));
         }
         Ok((
@@ -595,7 +610,7 @@ impl Connection {
                 held.len() - 1
             }));
         }
-        if let Some(shared) = &mut self.shared {
+        if let Some(shared) = &self.shared {
             shared.lend(&mut samples, &mut held, |i| holder[i]);
         }
         Ok((
@@ -680,7 +695,10 @@ async fn read_whole_file(
     if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await {
         return (sample, Some(reservation));
     }
-    (read_now(&job, dataset, name, 0, TO_END).await, None)
+    let metrics = job.metrics_for(&dataset.name);
+    let (sample, reservation) = job.read_whole_now(dataset, &name, 0, &metrics).await;
+    job.delivered(&metrics, &sample);
+    (sample, Some(reservation))
 }
 
 /// Identifies a plan's content: FNV-1a over its file indices and the

@@ -21,6 +21,7 @@ from .client import Client, Dataset, FileList, PlanIterator, parse_address
 from .errors import (
     BadFrameError,
     BadPlanError,
+    BadReleaseError,
     ConnectionClosedError,
     ErrorCode,
     ForbiddenPathError,
@@ -55,6 +56,7 @@ __all__ = [
     "SluiceError",
     "BadFrameError",
     "BadPlanError",
+    "BadReleaseError",
     "ConnectionClosedError",
     "ForbiddenPathError",
     "FrameTooLargeError",

@@ -307,7 +307,8 @@ class Client:
             raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
         welcome = self._check_welcome(msg, version)
         if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
-            self._region = _shm.Region(fd, welcome.region_bytes)
+            self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self))
+            _shm.register(welcome.stage_id, self.job, self._region)
         elif fd is not None:
             os.close(fd)
         self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
@@ -325,6 +326,35 @@ class Client:
     def shared_memory(self) -> bool:
         """Whether samples come in shared memory on this connection."""
         return self._region is not None
+
+    def hand_off(self, owners) -> None:
+        """Gives samples this client received in shared memory (their owning
+        objects, see :meth:`sluice.shm.Region.slot`) to the job: another
+        process of the job maps them and returns them (``HAND_OFF``)."""
+        if self._region is None or self._closed:
+            return
+        self._notify(p.encode_hand_off(self._region.hand_off(owners)))
+
+    def _flush_returns(self) -> None:
+        """Sends the returns waiting in the region now (the client is idle)."""
+        region = self._region
+        if region is not None and not self._closed:
+            with self._lock:
+                back = region.returned()
+                if back and not self._closed:
+                    self._sock.sendall(p.encode_release(back))
+
+    def _notify(self, frame: bytes) -> None:
+        """Sends a frame that has no answer (between exchanges)."""
+        self._check_process()
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._sock.sendall(frame)
+            except OSError as e:
+                self._abort()
+                raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
 
     # -- public API ---------------------------------------------------------
 
@@ -500,6 +530,19 @@ class Client:
                     obj.close()
                 except OSError:
                     pass
+
+
+def _returns_flusher(client: "Client"):
+    """The region's way to send waiting returns: through the client, held
+    weakly (the region lives in the client and its samples)."""
+    ref = weakref.ref(client)
+
+    def flush() -> None:
+        c = ref()
+        if c is not None:
+            c._flush_returns()
+
+    return flush
 
 
 def _connect(address: Address, timeout: Optional[float]) -> socket.socket:

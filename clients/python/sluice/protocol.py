@@ -41,13 +41,13 @@ __all__ = [
     "ErrorCode",
     "FrameError",
     # messages
-    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye", "Release", "Fetch",
+    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye", "Release", "Fetch", "HandOff",
     "Welcome", "Opened", "Files", "Planned", "Sample", "Samples", "Data",
     "Goodbye", "Error",
     # codec
     "encode_frame", "encode_hello", "encode_open", "encode_list",
     "encode_plan_indices", "encode_plan_names", "encode_plan_shuffle",
-    "encode_next", "encode_read", "encode_bye", "encode_release", "encode_fetch",
+    "encode_next", "encode_read", "encode_bye", "encode_release", "encode_fetch", "encode_hand_off",
     "encode_welcome", "encode_opened", "encode_files", "encode_planned",
     "encode_samples", "encode_data", "encode_goodbye", "encode_error",
     "decode_request", "decode_response", "split_frame", "read_response",
@@ -82,6 +82,7 @@ class MsgType(enum.IntEnum):
     BYE = 0x07
     RELEASE = 0x08
     FETCH = 0x09
+    HAND_OFF = 0x0A
     WELCOME = 0x81
     OPENED = 0x82
     FILES = 0x83
@@ -178,6 +179,10 @@ class Release(NamedTuple):
 
 class Fetch(NamedTuple):
     names: list
+
+
+class HandOff(NamedTuple):
+    offsets: list
 
 
 class Welcome(NamedTuple):
@@ -364,11 +369,20 @@ def encode_bye() -> bytes:
     return encode_frame(MsgType.BYE)
 
 
-def encode_release(offsets: Sequence[int]) -> bytes:
-    """Returns a ``RELEASE`` frame (version 2; it has no answer)."""
+def _enc_offsets(offsets: Sequence[int]) -> bytes:
     for o in offsets:
         _u(64, o, "slot offset")
-    return encode_frame(MsgType.RELEASE, _U32.pack(len(offsets)) + struct.pack(f">{len(offsets)}Q", *offsets))
+    return _U32.pack(len(offsets)) + struct.pack(f">{len(offsets)}Q", *offsets)
+
+
+def encode_release(offsets: Sequence[int]) -> bytes:
+    """Returns a ``RELEASE`` frame (version 2; it has no answer)."""
+    return encode_frame(MsgType.RELEASE, _enc_offsets(offsets))
+
+
+def encode_hand_off(offsets: Sequence[int]) -> bytes:
+    """Returns a ``HAND_OFF`` frame (version 2; it has no answer)."""
+    return encode_frame(MsgType.HAND_OFF, _enc_offsets(offsets))
 
 
 def encode_fetch(names: Sequence[str]) -> bytes:
@@ -547,9 +561,10 @@ def decode_request(msg_type: int, payload) -> tuple:
         msg = Read(d.text("name"), d.u64("offset"), d.u64("length"))
     elif msg_type == MsgType.BYE:
         msg = Bye()
-    elif msg_type == MsgType.RELEASE:
+    elif msg_type in (MsgType.RELEASE, MsgType.HAND_OFF):
         n = d.u32("slot count")
-        msg = Release(list(struct.unpack(f">{n}Q", d._take(8 * n, "slot offsets"))))
+        offsets = list(struct.unpack(f">{n}Q", d._take(8 * n, "slot offsets")))
+        msg = Release(offsets) if msg_type == MsgType.RELEASE else HandOff(offsets)
     elif msg_type == MsgType.FETCH:
         n = d.u32("name count")
         msg = Fetch([d.text("file name") for _ in range(n)])

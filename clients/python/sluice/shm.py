@@ -9,11 +9,17 @@ frame. :class:`Region` maps the region and turns each sample into a
 Lifetime: a sample's memory stays valid as long as anything refers to it:
 the ``memoryview``, a slice of it, or a numpy array or torch tensor made
 from it (``numpy.frombuffer``, ``torch.frombuffer``). When the last
-reference goes, the slot is queued for return to the stage, and the
-client's next request carries the return (``RELEASE``). Keep a sample past
-that only by copying it (``bytes(view)``). A connection holds at most a
-bounded number of bytes of slots (64 MiB on the stage's side); beyond that
-the stage sends samples as bytes, so holding samples never stalls reading.
+reference goes, the slot is queued for return to the stage (``RELEASE``),
+which goes with the client's next request or, when the client is idle,
+from a small background thread. A job holds at most half its buffer (at
+least 64 MiB) in slots; beyond that the stage sends samples as bytes, so
+holding samples never stalls reading.
+
+A process may hand its samples to another process of the same job without
+copying them (:meth:`Region.hand_off`): the stage then counts them as the
+job's, and the process that maps them (its own connection to the same job)
+returns them. ``sluice.torch`` does this to pass a ``DataLoader`` worker's
+batch to the main process.
 
 The region is mapped private and writable: writing into a sample (an
 in-place transform) changes only this process's copy of those pages, never
@@ -28,9 +34,11 @@ import ctypes
 import mmap
 import os
 import socket
-from typing import Dict, List
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
-__all__ = ["Region", "supported", "receive_with_fd"]
+__all__ = ["Region", "supported", "receive_with_fd", "region_of", "register"]
 
 PAGE = mmap.PAGESIZE
 
@@ -63,14 +71,24 @@ def receive_with_fd(sock: socket.socket, limit: int):
     return data, fd
 
 
+#: Bytes of returns waiting in a region before its flusher sends them
+#: without waiting for the client's next request (well under the least a
+#: job may hold in slots, 64 MiB). A client that keeps asking never needs
+#: it: its requests carry the returns.
+FLUSH_BYTES = 16 << 20
+#: How long returns may wait for a request to carry them.
+FLUSH_AFTER_S = 0.05
+
+
 class Region:
     """A job's shared-memory region as this process maps it.
 
     :meth:`view` returns a sample's bytes; :meth:`returned` drains the
-    offsets of samples nobody refers to any more.
+    offsets of samples nobody refers to any more. ``flush`` (set by the
+    client) sends returns that have waited too long.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, flush: Optional[Callable[[], None]] = None) -> None:
         try:
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -79,13 +97,26 @@ class Region:
         # Offsets of samples whose last reference went; appended from
         # whatever thread drops it (deque operations are atomic).
         self._returned: collections.deque = collections.deque()
+        # Bytes returned since the flusher was last woken (approximate:
+        # updated without a lock from whichever thread drops a sample).
+        self._waiting = 0
         self._types: Dict[int, type] = {}
         self._open = True
+        self._flush = flush
+        self._wake = threading.Event()
+        self._flusher: Optional[threading.Thread] = None
+        self._pid = os.getpid()
 
     def view(self, offset: int, length: int) -> memoryview:
         """Returns the ``length`` bytes at ``offset`` as a read-write
         ``memoryview`` of this process's mapping, returned to the stage when
         the last reference to it (or anything made from it) goes."""
+        return memoryview(self.slot(offset, length)).cast("B")
+
+    def slot(self, offset: int, length: int):
+        """Returns the object that owns the sample at ``offset`` (a ctypes
+        array over it): the sample goes back when it is collected, unless
+        it was handed off."""
         if offset < 0 or length < 0 or offset + length > self.size or offset % PAGE:
             raise ValueError(f"the stage placed a sample at {offset}+{length}, outside its "
                              f"{self.size}-byte region or off a page boundary")
@@ -94,7 +125,8 @@ class Region:
             kind = self._slot_type(length)
         owner = kind.from_buffer(self._mm, offset)
         owner.offset = offset
-        return memoryview(owner).cast("B")
+        owner.handed = False
+        return owner
 
     def _slot_type(self, length: int) -> type:
         """A ctypes array type of ``length`` bytes whose instances give their
@@ -105,31 +137,95 @@ class Region:
         give_back = self._give_back
 
         def __del__(slot, _length=length):
-            give_back(slot.offset, _length)
+            give_back(slot.offset, _length, slot.handed)
 
         kind = type(f"Slot{length}", (ctypes.c_char * length,), {"__del__": __del__})
         self._types[length] = kind
         return kind
 
-    def _give_back(self, offset: int, length: int) -> None:
-        if self._open and length:
-            # Drop any page this process wrote (copy-on-write) so the slot's
-            # next sample is read from the stage's pages.
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED, offset, -(-length // PAGE) * PAGE)
-            except (OSError, ValueError):
-                pass
-        self._returned.append(offset)
+    def _give_back(self, offset: int, length: int, handed: bool) -> None:
+        if handed:
+            return
+        self._returned.append((offset, length))
+        self._waiting += length
+        if self._waiting >= FLUSH_BYTES and self._flush is not None:
+            self._waiting = 0
+            self._wake.set()
+        if self._flusher is None and self._flush is not None and os.getpid() == self._pid:
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        region = weakref.ref(self)
+
+        def run() -> None:
+            while True:
+                me = region()
+                if me is None or not me._open:
+                    return
+                wake = me._wake
+                del me
+                wake.wait(FLUSH_AFTER_S)
+                wake.clear()
+                me = region()
+                if me is None or not me._open:
+                    return
+                if me._returned and me._flush is not None:
+                    try:
+                        me._flush()
+                    except Exception:  # the client's own errors end it; returns are then moot
+                        return
+                del me
+
+        self._flusher = threading.Thread(target=run, name="sluice-returns", daemon=True)
+        self._flusher.start()
 
     def returned(self) -> List[int]:
-        """Takes the offsets of the samples given back since the last call."""
-        out = []
+        """Takes the offsets of the samples given back since the last call,
+        first dropping any page of theirs this process wrote (copy-on-write),
+        so that a slot's next sample is read from the stage's pages."""
+        taken = []
         pop = self._returned.popleft
         try:
             while True:
-                out.append(pop())
+                taken.append(pop())
         except IndexError:
-            return out
+            pass
+        if taken and self._open:
+            self._drop_pages(taken)
+        return [offset for offset, _ in taken]
+
+    def _drop_pages(self, slots: List[Tuple[int, int]]) -> None:
+        """``MADV_DONTNEED`` over the slots, adjacent ones in one call (each
+        call is a system call and a TLB flush on every core running this
+        process)."""
+        start = end = -1
+        for offset, length in sorted(slots):
+            stop = offset + -(-length // PAGE) * PAGE
+            if offset <= end:
+                end = max(end, stop)
+                continue
+            if end > start:
+                self._madvise(start, end)
+            start, end = offset, stop
+        if end > start:
+            self._madvise(start, end)
+
+    def _madvise(self, start: int, end: int) -> None:
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
+    @staticmethod
+    def hand_off(owners) -> List[int]:
+        """Marks samples (their owning objects, from :meth:`slot`) as handed
+        to another process of the job: they will not be returned from here.
+        Returns their offsets, for ``HAND_OFF``."""
+        offsets = []
+        for owner in owners:
+            owner.handed = True
+            offsets.append(owner.offset)
+        return offsets
 
     def close(self) -> None:
         """Forgets the returns (the stage reclaims every slot when the
@@ -137,3 +233,28 @@ class Region:
         viewing it does."""
         self._open = False
         self._returned.clear()
+        self._wake.set()
+
+
+# -- which region a process holds for a job --------------------------------------------
+
+#: (stage id, job) -> the region of a client of this process connected to
+#: that job. Samples handed over by another process of the job are mapped
+#: through it.
+_REGIONS: Dict[Tuple[str, str], "weakref.ref[Region]"] = {}
+
+
+def register(stage_id: str, job: str, region: Region) -> None:
+    """Records ``region`` as this process's mapping of ``job`` on stage
+    ``stage_id``."""
+    _REGIONS[(stage_id, job)] = weakref.ref(region)
+
+
+def region_of(stage_id: str, job: str) -> Optional[Region]:
+    """Returns this process's open region of ``job`` on stage ``stage_id``,
+    if a client of it is connected."""
+    ref = _REGIONS.get((stage_id, job))
+    region = ref() if ref is not None else None
+    if region is None or not region._open or region._pid != os.getpid():
+        return None
+    return region

@@ -80,24 +80,28 @@ __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "collate"]
 SAMPLE_TYPES = ("tensor", "bytes", "memoryview")
 
 
-def _as_tensor(data):
+def _as_tensor(data, client: Client):
     """A ``uint8`` tensor over the sample's memory (a view of shared memory
     when it came that way; bytes from a frame are copied once, as a tensor
-    must own writable memory)."""
+    must own writable memory). A view of shared memory remembers its slot
+    and client, so that :func:`collate` can hand it to the main process."""
     if isinstance(data, memoryview):
         if not data.nbytes:
             return _torch.empty(0, dtype=_torch.uint8)
-        return _torch.frombuffer(data, dtype=_torch.uint8)
+        tensor = _torch.frombuffer(data, dtype=_torch.uint8)
+        if hasattr(data.obj, "handed"):
+            tensor._sluice_slot = (client, data.obj)
+        return tensor
     if not data:
         return _torch.empty(0, dtype=_torch.uint8)
     return _torch.frombuffer(bytearray(data), dtype=_torch.uint8)
 
 
-def _as_bytes(data):
+def _as_bytes(data, _client=None):
     return bytes(data) if isinstance(data, memoryview) else data
 
 
-_CONVERT = {"tensor": _as_tensor, "bytes": _as_bytes, "memoryview": lambda data: data}
+_CONVERT = {"tensor": _as_tensor, "bytes": _as_bytes, "memoryview": lambda data, _client=None: data}
 
 
 def _converter(sample: str):
@@ -107,16 +111,74 @@ def _converter(sample: str):
 
 
 def collate(batch):
-    """``[names, samples]`` like the default collate, but samples of
-    different shapes (raw files of different sizes) stay a list instead of
-    failing to stack. Samples of one shape are stacked as the default
-    collate does (in shared memory, inside a ``DataLoader`` worker)."""
+    """``[names, samples]`` like the default collate, for a batch of
+    ``(name, sample)`` pairs, with two differences:
+
+    * samples of different shapes (raw files of different sizes) stay a
+      list instead of failing to stack;
+    * in a ``DataLoader`` worker, samples that are still the stage's shared
+      memory (no transform replaced them) are not copied into a new
+      shared-memory batch: they are handed to the main process by
+      reference, and stacked there (one copy instead of two, and none of
+      PyTorch's per-batch shared-memory setup in the worker).
+
+    Anything else is collated as the default collate does."""
     names = [name for name, _ in batch]
     samples = [sample for _, sample in batch]
+    if samples and _data.get_worker_info() is not None \
+            and all(getattr(s, "_sluice_slot", None) is not None for s in samples):
+        return [names, _SlotBatch(samples)]
     if samples and all(isinstance(s, _torch.Tensor) for s in samples) \
             and len({tuple(s.shape) for s in samples}) > 1:
         return [names, samples]
     return [names, _default_collate(samples)]
+
+
+class _SlotBatch:
+    """A worker's batch of samples in the stage's shared memory, on its way
+    to the main process. Pickling it (as the ``DataLoader`` does to send it)
+    hands the slots to the job (``HAND_OFF``) and sends only where they
+    are; unpickling it in the main process maps them through its own
+    connection to the job and stacks them (a list when their sizes
+    differ)."""
+
+    def __init__(self, samples) -> None:
+        self.samples = samples
+
+    def __reduce__(self):
+        client = self.samples[0]._sluice_slot[0]
+        owners = [s._sluice_slot[1] for s in self.samples]
+        slots = [(o.offset, s.numel()) for o, s in zip(owners, self.samples)]
+        client.hand_off(owners)
+        return (_rebuild_batch, (client.address, client.job, client.labels, client.stage_id, slots))
+
+
+#: Connections the main process opened to map samples handed to it, by
+#: (address, job); kept for the process's life.
+_mapping_clients: dict = {}
+
+
+def _rebuild_batch(address, job: str, labels, stage_id: str, slots):
+    """In the main process: the samples at ``slots`` of ``job``'s region on
+    stage ``stage_id``, stacked (or a list when their sizes differ)."""
+    from . import shm as _shm
+
+    region = _shm.region_of(stage_id, job)
+    if region is None and address is not None:
+        key = (str(address), job)
+        client = _mapping_clients.get(key)
+        if client is None or client.closed:
+            client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True)
+        if client.stage_id == stage_id:
+            region = client._region
+    if region is None:
+        raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in stage "
+                           f"{stage_id!r}'s shared memory, and this process cannot map them")
+    views = [_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
+             else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
+    if len({v.numel() for v in views}) == 1:
+        return _torch.stack(views)
+    return views
 
 
 def _distributed_place(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -185,8 +247,8 @@ class _PerProcess:
         return state
 
 
-def _apply(transform: Optional[Callable], convert, name: str, data):
-    data = convert(data)
+def _apply(transform: Optional[Callable], convert, client: Client, name: str, data):
+    data = convert(data, client)
     return (name, data if transform is None else transform(data))
 
 
@@ -237,7 +299,7 @@ class SluiceDataset(_data.Dataset):
     def __getitem__(self, index: int):
         ds = self._conn.get()
         name = ds.files[index][0]
-        return _apply(self.transform, self._convert, name, ds.read(name))
+        return _apply(self.transform, self._convert, ds.client, name, ds.read(name))
 
     def __getitems__(self, indices):
         """Reads a batch of items with one request (PyTorch's ``DataLoader``
@@ -245,7 +307,7 @@ class SluiceDataset(_data.Dataset):
         ds = self._conn.get()
         files = ds.files
         got = ds.fetch([files[i][0] for i in indices])
-        return [_apply(self.transform, self._convert, name, data) for name, data in got]
+        return [_apply(self.transform, self._convert, ds.client, name, data) for name, data in got]
 
     def name(self, index: int) -> str:
         """Returns the name of file ``index``."""
@@ -387,13 +449,13 @@ class SluiceIterableDataset(_data.IterableDataset):
             raise RuntimeError(
                 f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
                 "call set_epoch(epoch) with a new epoch before iterating again")
-        transform, convert = self.transform, self._convert
+        transform, convert, client = self.transform, self._convert, ds.client
         # The iterator's prefetch thread stops when this generator is closed
         # (the DataLoader drops it, or the loop breaks).
         with it:
             for name, data in it:
                 if not isinstance(data, SluiceError):
-                    data = convert(data)
+                    data = convert(data, client)
                     if transform is not None:
                         data = transform(data)
                 yield name, data

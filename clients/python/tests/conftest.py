@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+import re
 import socket
 import sys
 import time
@@ -136,3 +137,10 @@ def http_get(addr: str, path: str, timeout: float = 5.0) -> str:
     head, _, body = raw.partition("\r\n\r\n")
     assert " 200 " in head.split("\r\n")[0], f"GET {path} answered {head.splitlines()[:1]}"
     return body
+
+
+def job_metric(stage, name: str, job: str) -> float:
+    """The value of the stage's ``name{job="<job>"}`` series (0 when absent)."""
+    body = http_get(stage.metrics, "/metrics")
+    found = re.search(rf'^{name}{{job="{re.escape(job)}"}} (\S+)$', body, re.M)
+    return float(found.group(1)) if found else 0.0

@@ -11,7 +11,7 @@ import pickle
 
 import pytest
 
-from conftest import in_ci, sorted_names
+from conftest import in_ci, job_metric, sorted_names, wait_for
 
 try:
     import torch  # noqa: F401
@@ -28,6 +28,9 @@ from sluice.torch import SluiceDataset, SluiceIterableDataset, SluiceSampler, co
 
 WORLD = 2
 
+# Four workers on a two-core machine is the point of some tests.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
 
 def _bytes(sample) -> bytes:
     """A sample's bytes, whatever it was handed over as."""
@@ -41,7 +44,7 @@ def _collect(loader):
     return out
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 4])
 def test_map_style_with_sampler(stage_factory, dataset, workers):
     root, files = dataset
     stage = stage_factory({"d": root})
@@ -68,9 +71,11 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
         seen += got
     assert sorted(n for n, _ in seen) == sorted(files)
     assert all(files[n] == d for n, d in seen)
+    # The samples came in shared memory.
+    assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 4])
 def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers):
     root, files = dataset
     stage = stage_factory({"d": root})
@@ -89,6 +94,48 @@ def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers
         ds.close()
     assert sorted(n for n, _ in seen) == sorted(files)
     assert all(files[n] == d for n, d in seen)
+    assert job_metric(stage, "sluice_stage_shared_samples_total", f"iter{workers}") > 0
+
+
+RECORD = 4096
+
+
+@pytest.fixture
+def records(tmp_path):
+    """Fixed-size records (the default collate stacks them): ``(root, {name: bytes})``."""
+    root = tmp_path / "records"
+    root.mkdir()
+    files = {f"r{i:03d}.bin": os.urandom(RECORD) for i in range(96)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root, files
+
+
+@pytest.mark.parametrize("collate_fn", [None, collate], ids=["default-collate", "sluice-collate"])
+def test_batches_of_records_reach_the_main_process_whole(stage_factory, records, collate_fn):
+    root, files = records
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="records")
+    sampler = SluiceSampler(ds, seed=2)
+    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=4, persistent_workers=True,
+                        collate_fn=collate_fn)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        seen = {}
+        for names, batch in loader:
+            assert isinstance(batch, torch.Tensor) and batch.dtype == torch.uint8
+            assert tuple(batch.shape) == (len(names), RECORD)
+            for name, row in zip(names, batch):
+                assert name not in seen
+                seen[name] = row.numpy().tobytes()
+        assert seen == files, f"epoch {epoch}"
+    del loader
+    sampler.close()
+    ds.close()
+    assert job_metric(stage, "sluice_stage_shared_samples_total", "records") >= 2 * len(files)
+    # Every slot the workers handed to the main process came back.
+    wait_for(lambda: job_metric(stage, "sluice_stage_shared_lent_bytes", "records") == 0,
+             what="the handed-over slots to come back")
 
 
 def test_transform_and_repeat_guard(stage_factory, dataset):

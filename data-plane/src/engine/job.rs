@@ -29,11 +29,13 @@ use crate::tuner::{Observation, Tuner};
 
 mod delivery;
 mod gate;
+mod lending;
 mod readers;
 
-pub use delivery::{Lent, PlanHandle, Reservation};
+pub use delivery::{PlanHandle, Reservation};
 use gate::Gate;
 pub use gate::SETTINGS_WAIT;
+pub use lending::{Lending, NotLent};
 
 /// Completed plans remembered per job, so a late worker that submits an
 /// already finished plan gets `end` instead of a second epoch.
@@ -86,6 +88,10 @@ struct JobState {
     /// Readers waiting for work: a wake-up is only worth its system call
     /// when one is.
     readers_idle: u32,
+    /// Of those, readers that have work but no buffer room: freed memory
+    /// only matters to them (waking a reader that has nothing to fetch,
+    /// once per delivered sample, is most of a hot stage's CPU).
+    readers_short: u32,
     connections: usize,
     idle_since: Option<Instant>,
     stopped: bool,
@@ -104,6 +110,13 @@ pub struct Job {
     gate: Gate,
     /// Where its prefetch buffers live when its trainers may map them.
     region: Option<Arc<Region>>,
+    /// The samples its trainers hold in shared memory. Locked before the
+    /// state when both are (lending a sample moves its bytes out of the
+    /// plan's buffer), never after.
+    lending: Mutex<Lending>,
+    /// The bytes in the book, as the job's gauge shows them (set whenever
+    /// the book changes).
+    lent_gauge: prometheus::IntGauge,
     limiter: TokenBucket,
     stats: Stats,
     memory: Arc<Memory>,
@@ -147,10 +160,45 @@ impl Drop for JobHandle {
     fn drop(&mut self) {
         let mut st = self.job.lock();
         st.connections -= 1;
-        if st.connections == 0 {
+        let last = st.connections == 0;
+        if last {
             st.idle_since = Some(Instant::now());
             self.job.jobs_changed.notify_one();
         }
+        drop(st);
+        if last {
+            // Samples handed to the job by its trainers come back once none
+            // is left to hold them.
+            let returned = self.job.lend_book().reclaim_all();
+            drop(returned);
+        }
+    }
+}
+
+/// A job's book of lent slots, locked; records its total when dropped.
+pub struct LendBook<'a> {
+    book: MutexGuard<'a, Lending>,
+    gauge: &'a prometheus::IntGauge,
+}
+
+impl std::ops::Deref for LendBook<'_> {
+    type Target = Lending;
+
+    fn deref(&self) -> &Lending {
+        &self.book
+    }
+}
+
+impl std::ops::DerefMut for LendBook<'_> {
+    fn deref_mut(&mut self) -> &mut Lending {
+        &mut self.book
+    }
+}
+
+impl Drop for LendBook<'_> {
+    fn drop(&mut self) {
+        self.gauge
+            .set(i64::try_from(self.book.bytes()).unwrap_or(i64::MAX));
     }
 }
 
@@ -219,6 +267,7 @@ impl Job {
                 readers_target: tuner.readers(),
                 readers_running: 0,
                 readers_idle: 0,
+                readers_short: 0,
                 config,
                 tuner,
                 connections: 0,
@@ -230,6 +279,8 @@ impl Job {
             work: Condvar::new(),
             gate: Gate::new(hold),
             region,
+            lending: Mutex::new(Lending::default()),
+            lent_gauge: metrics.job.shared_lent.with_label_values(&[id]),
             limiter: TokenBucket::new(config.limits),
             stats: Stats::default(),
             throttled_metric: metrics.throttled(id),
@@ -279,6 +330,43 @@ impl Job {
         };
         self.work.notify_all();
         self.metrics.forget_job(&self.id, &datasets);
+    }
+
+    /// The book of the samples its trainers hold in shared memory; its
+    /// total shows in the gauges when the guard goes.
+    pub fn lend_book(&self) -> LendBook<'_> {
+        LendBook {
+            book: self
+                .lending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            gauge: &self.lent_gauge,
+        }
+    }
+
+    /// Counts samples handed to trainers in shared memory.
+    pub fn count_shared(&self, samples: u64) {
+        if samples > 0 {
+            self.metrics
+                .job
+                .shared_samples
+                .with_label_values(&[self.id.as_str()])
+                .inc_by(samples);
+        }
+    }
+
+    /// Takes back the slots at `offsets`, from whichever of the job's
+    /// connections holds them.
+    pub fn release_slots(&self, offsets: &[u64]) -> Result<(), NotLent> {
+        let mut returned = lending::Returned::default();
+        let result = self.lend_book().release(offsets, &mut returned);
+        drop(returned);
+        result
+    }
+
+    /// The job's buffer capacity now (after the node budget's share).
+    pub fn buffer_capacity(&self) -> u64 {
+        self.lock().effective_capacity(&self.memory)
     }
 
     /// The shared-memory region its buffers live in, if any.

@@ -1,45 +1,45 @@
 //! A connection's shared-memory delivery (protocol version 2): the job's
 //! region handed over once with `WELCOME`, the samples lent to the trainer
-//! by slot, and their return. A trainer holds at most [`LENT_MAX`] bytes of
-//! slots at a time; past that its samples come in the frame, so a trainer
-//! that stops returning slots cannot take the job's buffer or the node's
-//! budget. Everything it holds goes back when its connection ends, however
-//! it ends.
+//! by slot, and their return (`RELEASE`) or hand-over to the job
+//! (`HAND_OFF`). The book of lent slots is the job's
+//! ([`crate::engine::Lending`]): any connection of the job may return any
+//! of them, and the job holds at most half its buffer (at least 64 MiB) in
+//! them; past that samples come in the frame. What this connection holds
+//! goes back when it ends, however it ends.
 
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::chunk::Chunk;
-use crate::engine::{Lent, Reservation};
+use crate::engine::{Job, Lending, NotLent, Reservation};
 use crate::protocol::{ErrorCode, Payload, ProtocolError, Sample};
 use crate::shm::{Region, send_with_fd};
-
-/// The most bytes of slots one connection may hold unreturned.
-pub const LENT_MAX: u64 = 64 << 20;
 
 /// How often a `WELCOME` whose descriptor the socket cannot take yet is
 /// tried again, and for how long.
 const FD_RETRY: Duration = Duration::from_millis(2);
 const FD_ATTEMPTS: u32 = 500;
 
+/// Distinguishes connections in a job's book of lent slots.
+static NEXT_HOLDER: AtomicU64 = AtomicU64::new(1);
+
 /// What a connection that negotiated shared memory holds.
 #[derive(Debug)]
 pub struct Shared {
+    job: Arc<Job>,
     region: Arc<Region>,
-    /// Slots lent, by the offset the trainer was told.
-    lent: HashMap<u64, (Chunk, Lent)>,
-    lent_bytes: u64,
+    /// This connection in the job's book.
+    holder: u64,
 }
 
 impl Shared {
-    pub fn new(region: Arc<Region>) -> Self {
+    pub fn new(job: Arc<Job>, region: Arc<Region>) -> Self {
         Self {
+            job,
             region,
-            lent: HashMap::new(),
-            lent_bytes: 0,
+            holder: NEXT_HOLDER.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -53,17 +53,19 @@ impl Shared {
         self.region.read_only_fd()
     }
 
-    /// Lends every sample whose bytes lie in this connection's region, while
-    /// the connection holds less than [`LENT_MAX`]: its payload becomes the
-    /// slot's offset and length, and its chunk and budget bytes (taken from
-    /// `reservations[holder(i)]` for sample `i`) wait for the trainer's
-    /// `RELEASE`.
+    /// Lends every sample whose bytes lie in the job's region, while the job
+    /// has room in its book: its payload becomes the slot's offset and
+    /// length, and its chunk and budget bytes (taken from
+    /// `reservations[holder(i)]` for sample `i`) wait for a `RELEASE`.
     pub fn lend(
-        &mut self,
+        &self,
         samples: &mut [Sample],
         reservations: &mut [Reservation],
         holder: impl Fn(usize) -> Option<usize>,
     ) {
+        let limit = Lending::limit(self.job.buffer_capacity());
+        let mut book = self.job.lend_book();
+        let mut lent = 0;
         for (i, sample) in samples.iter_mut().enumerate() {
             let Ok(Payload::Bytes(chunk)) = &sample.data else {
                 continue;
@@ -72,38 +74,47 @@ impl Shared {
                 continue;
             };
             let footprint = chunk.footprint();
-            if !slot.is_in(&self.region) || self.lent_bytes + footprint > LENT_MAX {
+            if !slot.is_in(&self.region) || !book.has_room(footprint, limit) {
                 continue;
             }
             let Some(held) = holder(i).and_then(|h| reservations.get_mut(h)) else {
                 continue;
             };
             let len = chunk.len() as u64;
-            let lent = held.lend(footprint);
+            let budget = held.lend(footprint);
             let Ok(Payload::Bytes(chunk)) =
                 std::mem::replace(&mut sample.data, Ok(Payload::Shared { offset, len }))
             else {
                 unreachable!("matched above");
             };
-            self.lent_bytes += footprint;
-            self.lent.insert(offset, (chunk, lent));
+            book.lend(offset, chunk, budget, self.holder);
+            lent += 1;
         }
+        drop(book);
+        self.job.count_shared(lent);
     }
 
-    /// Takes back the slots at `offsets`; one the trainer does not hold is a
+    /// Takes back the slots at `offsets`; one the job did not lend is a
     /// fatal error (a client that lost track of its slots).
-    pub fn release(&mut self, offsets: &[u64]) -> Result<(), ProtocolError> {
-        for offset in offsets {
-            let Some((chunk, lent)) = self.lent.remove(offset) else {
-                return Err(ProtocolError::new(
-                    ErrorCode::BadRelease,
-                    format!("RELEASE names offset {offset}, which this connection does not hold"),
-                ));
-            };
-            self.lent_bytes -= chunk.footprint();
-            drop((chunk, lent));
-        }
-        Ok(())
+    pub fn release(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
+        self.job.release_slots(offsets).map_err(|NotLent(offset)| {
+            ProtocolError::new(
+                ErrorCode::BadRelease,
+                format!("RELEASE names offset {offset}, which the job does not hold"),
+            )
+        })
+    }
+
+    /// Hands this connection's slots at `offsets` to the job.
+    pub fn hand_off(&self, offsets: &[u64]) {
+        self.job.lend_book().hand_off(offsets, self.holder);
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let returned = self.job.lend_book().reclaim(self.holder);
+        drop(returned);
     }
 }
 

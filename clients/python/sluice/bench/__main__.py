@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery} ...``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _SUBCOMMANDS = {
     "tuner": "fixed reader counts vs the auto-tuner from 1 reader, then a compute-bound phase",
     "apply": "time from sluicectl apply until every stage acknowledged the new settings",
     "coordination": "a controller sharing one pool among weighted jobs through four phases, vs stages on their own",
+    "delivery": "into the training loop: socket vs shared memory (hot), PyTorch DataLoaders (cold, and decoding)",
 }
 
 
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
         from .apply import main as run
     elif argv[0] == "coordination":
         from .coordination import main as run
+    elif argv[0] == "delivery":
+        from .delivery import main as run
     else:
         from .receive import main as run
     return run(argv[1:])

@@ -2,18 +2,23 @@
 //! entries for `NEXT` and `READ`, waiting for them, and returning their
 //! bytes to the budget once written.
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::debug;
 
 use super::{Job, PlanState};
-use crate::chunk::Chunk;
+use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
-use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
+use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
 use crate::storage::{io_error, read_range};
+
+/// The plan of reservations that belong to none: whole files read for a
+/// trainer outside the readers.
+const NO_PLAN: u64 = u64::MAX;
 
 /// A connection's attachment to a plan; detaches on drop.
 #[derive(Debug)]
@@ -39,30 +44,35 @@ enum Claimed {
     Direct(u64, u32, DatasetMetrics, Arc<Dataset>),
 }
 
-/// Buffer bytes held by data on its way to a trainer; released on drop.
+/// Buffer bytes held by data on its way to a trainer; released on drop
+/// (with one lock of the job for the whole batch).
 #[derive(Debug)]
 pub struct Reservation {
     job: Arc<Job>,
     plan: u64,
     bytes: u64,
+    /// Bytes moved to samples lent in shared memory: they leave the plan's
+    /// share on drop, and the job's when the trainer returns them.
+    lent: u64,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.bytes > 0 {
-            self.job.release(self.plan, self.bytes);
+        if self.bytes > 0 || self.lent > 0 {
+            self.job.settle(self.plan, self.bytes, self.lent);
         }
     }
 }
 
 impl Reservation {
     /// Moves `bytes` of this reservation to a sample lent to a trainer in
-    /// shared memory: they leave the plan's buffer now, and the node budget
-    /// when the trainer releases the slot (or its connection ends).
+    /// shared memory: they leave the plan's buffer when the reservation
+    /// goes, and the node budget when the trainer releases the slot (or
+    /// its connection ends).
     pub fn lend(&mut self, bytes: u64) -> Lent {
         let bytes = bytes.min(self.bytes);
         self.bytes -= bytes;
-        self.job.lend_out(self.plan, bytes);
+        self.lent += bytes;
         Lent {
             job: Arc::clone(&self.job),
             bytes,
@@ -70,7 +80,8 @@ impl Reservation {
     }
 }
 
-/// Budget bytes of a sample lent to a trainer; returned on drop.
+/// Budget bytes of a sample lent to a trainer; returned on drop, or with
+/// others in one step by [`Lent::return_all`].
 #[derive(Debug)]
 pub struct Lent {
     job: Arc<Job>,
@@ -85,15 +96,35 @@ impl Drop for Lent {
     }
 }
 
-impl Job {
-    /// Returns `bytes` of a delivered batch to the buffer and the node budget.
-    pub(super) fn release(&self, plan: u64, bytes: u64) {
-        let mut st = self.lock();
-        st.reserved -= bytes;
-        if let Some(p) = st.plans.get_mut(&plan) {
-            p.reserved -= bytes;
+impl Lent {
+    /// Returns the bytes of many lent samples of one job with one lock of
+    /// it (a `RELEASE` names dozens).
+    pub fn return_all<'a>(lent: impl IntoIterator<Item = &'a mut Lent>) {
+        let mut job = None;
+        let mut total = 0;
+        for l in lent {
+            total += std::mem::take(&mut l.bytes);
+            job.get_or_insert_with(|| Arc::clone(&l.job));
         }
-        self.memory.release(bytes);
+        if let Some(job) = job
+            && total > 0
+        {
+            job.return_lent(total);
+        }
+    }
+}
+
+impl Job {
+    /// Returns a delivered batch's bytes to the buffer and the node budget
+    /// (`released`), and takes the bytes it lent in shared memory off the
+    /// plan's share (`lent`: they stay the job's until returned).
+    fn settle(&self, plan: u64, released: u64, lent: u64) {
+        let mut st = self.lock();
+        st.reserved -= released;
+        if let Some(p) = st.plans.get_mut(&plan) {
+            p.reserved -= released + lent;
+        }
+        self.memory.release(released);
         self.wake_reader(st);
     }
 
@@ -103,18 +134,8 @@ impl Job {
     /// mark.
     fn wake_reader(&self, mut st: std::sync::MutexGuard<'_, super::JobState>) {
         if st.can_refill(&self.memory) {
-            self.wake_idle_reader(&st);
+            self.wake_reader_short(&st);
         }
-    }
-
-    /// Takes `bytes` delivered into shared memory off plan `plan`'s buffer;
-    /// they stay reserved for the job until [`Job::return_lent`].
-    fn lend_out(&self, plan: u64, bytes: u64) {
-        let mut st = self.lock();
-        if let Some(p) = st.plans.get_mut(&plan) {
-            p.reserved -= bytes;
-        }
-        self.wake_reader(st);
     }
 
     /// Returns the bytes of lent samples to the job and the node budget.
@@ -308,10 +329,10 @@ impl Job {
                 Some((sample, self.reservation(id, bytes)))
             }
             Claimed::Direct(id, pos, m, ds) => {
-                let sample = self.read_in_place(pos, name, &m, ds).await;
+                let (sample, reservation) = self.read_whole_now(ds, name, pos, &m).await;
                 self.delivered_outside_readers(id);
                 self.count_delivered(&m, std::slice::from_ref(&sample));
-                Some((sample, self.reservation(id, 0)))
+                Some((sample, reservation))
             }
         }
     }
@@ -338,30 +359,70 @@ impl Job {
         })
     }
 
-    /// Reads plan entry `pos` (file `name`) now, in place of a reader.
-    async fn read_in_place(
+    /// Reads file `name` whole now, outside the readers (a plan entry no
+    /// reader started, or a `FETCH` of a file no plan holds), under the
+    /// limiter. While the node budget has room its bytes go into the job's
+    /// buffer memory, held by the returned reservation, so that a
+    /// shared-memory connection can lend them; else into the heap.
+    pub async fn read_whole_now(
         self: &Arc<Self>,
-        pos: u32,
+        dataset: Arc<Dataset>,
         name: &str,
+        position: u32,
         m: &DatasetMetrics,
-        ds: Arc<Dataset>,
-    ) -> Sample {
+    ) -> (Sample, Reservation) {
         let job = Arc::clone(self);
         let owned = name.to_owned();
         let metrics = m.clone();
-        let data =
-            tokio::task::spawn_blocking(move || job.read_now(&ds, &owned, 0, TO_END, &metrics))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ProtocolError::new(
-                        ErrorCode::IoError,
-                        format!("read task failed: {e}"),
-                    ))
-                });
-        Sample {
-            position: pos,
+        let (data, reserved) = tokio::task::spawn_blocking(move || {
+            job.read_whole_blocking(&dataset, &owned, &metrics)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            let failed = ProtocolError::new(ErrorCode::IoError, format!("read task failed: {e}"));
+            (Err(failed), 0)
+        });
+        let sample = Sample {
+            position,
             name: name.to_owned(),
             data: data.map(Payload::Bytes),
+        };
+        (sample, self.reservation(NO_PLAN, reserved))
+    }
+
+    /// [`Job::read_whole_now`]'s read; returns the data and the budget
+    /// bytes it holds. Blocking.
+    fn read_whole_blocking(
+        &self,
+        dataset: &Dataset,
+        name: &str,
+        m: &DatasetMetrics,
+    ) -> (Result<Chunk, ProtocolError>, u64) {
+        let path = match dataset.resolve(name) {
+            Ok(path) => path,
+            Err(e) => return (Err(e), 0),
+        };
+        self.throttle(std::fs::metadata(&path).map_or(0, |meta| meta.len()));
+        let reserved = Cell::new(0);
+        let alloc = |len: usize| {
+            let bytes = len as u64;
+            if self.region.is_some() && self.memory.try_reserve(bytes, false) {
+                self.lock().reserved += bytes;
+                reserved.set(bytes);
+                self.buffer(len)
+            } else {
+                Buffer::heap(len)
+            }
+        };
+        let start = Instant::now();
+        let data = dataset.read_resolved(name, &path, &alloc);
+        self.count_read(m, start.elapsed(), &data);
+        match (data, reserved.get()) {
+            (Err(e), bytes) if bytes > 0 => {
+                self.settle(NO_PLAN, bytes, 0);
+                (Err(e), 0)
+            }
+            (data, bytes) => (data, bytes),
         }
     }
 
@@ -383,6 +444,7 @@ impl Job {
             job: Arc::clone(self),
             plan,
             bytes,
+            lent: 0,
         }
     }
 

@@ -28,8 +28,14 @@ pub(super) struct Work {
 
 /// Why a reader found nothing to do.
 pub(super) enum Idle {
-    NoWork,
-    NoMemory,
+    /// No plan has an entry left to start.
+    Nothing,
+    /// There are entries, but the job's buffer has no room for them:
+    /// delivering (or returning) samples makes room.
+    Full,
+    /// The node's budget has no room: other jobs may free some, so look
+    /// again after a while.
+    OverBudget,
 }
 
 impl Job {
@@ -75,19 +81,20 @@ impl Job {
                             self.wake_idle_reader(&st);
                             break work;
                         }
-                        Err(Idle::NoWork) => {
+                        Err(idle) => {
+                            let short = u32::from(!matches!(idle, Idle::Nothing));
                             st.readers_idle += 1;
-                            st = self.work.wait(st).expect("job lock poisoned");
+                            st.readers_short += short;
+                            st = if matches!(idle, Idle::OverBudget) {
+                                self.work
+                                    .wait_timeout(st, MEMORY_RECHECK)
+                                    .expect("job lock poisoned")
+                                    .0
+                            } else {
+                                self.work.wait(st).expect("job lock poisoned")
+                            };
                             st.readers_idle -= 1;
-                        }
-                        Err(Idle::NoMemory) => {
-                            st.readers_idle += 1;
-                            st = self
-                                .work
-                                .wait_timeout(st, MEMORY_RECHECK)
-                                .expect("job lock poisoned")
-                                .0;
-                            st.readers_idle -= 1;
+                            st.readers_short -= short;
                         }
                     }
                 }
@@ -113,7 +120,7 @@ impl Job {
             // The plan was dropped while we read (every consumer left).
             st.reserved -= work.size;
             self.memory.release(work.size);
-            self.wake_idle_reader(&st);
+            self.wake_reader_short(&st);
             return;
         };
         plan.reserved = plan.reserved - work.size + actual;
@@ -130,7 +137,7 @@ impl Job {
         st.reserved = st.reserved - work.size + actual;
         self.memory.adjust(work.size, actual);
         if actual < work.size {
-            self.wake_idle_reader(&st);
+            self.wake_reader_short(&st);
         }
     }
 
@@ -139,6 +146,15 @@ impl Job {
     /// the count is current.
     pub(super) fn wake_idle_reader(&self, st: &JobState) {
         if st.readers_idle > 0 {
+            self.work.notify_one();
+        }
+    }
+
+    /// Wakes one waiting reader when buffer room came free and a reader
+    /// waits for room (the one woken may be any idle reader: there is work,
+    /// since one was short of room for it).
+    pub(super) fn wake_reader_short(&self, st: &JobState) {
+        if st.readers_short > 0 {
             self.work.notify_one();
         }
     }
@@ -181,12 +197,13 @@ impl JobState {
             })
             .collect();
         if candidates.is_empty() {
-            return Err(Idle::NoWork);
+            return Err(Idle::Nothing);
         }
         candidates.sort_unstable_by_key(|&(waiting, reserved, id)| (!waiting, reserved, id));
         let share = capacity / candidates.len() as u64;
         let refill = self.can_refill(memory);
         let mut blocked_on_memory = false;
+        let mut no_room = false;
         for (waiting, _, id) in candidates {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
@@ -198,6 +215,7 @@ impl JobState {
                 if refill && self.reserved + size > capacity {
                     self.full = true;
                 }
+                no_room = true;
                 continue;
             }
             if !memory.try_reserve(size, empty) {
@@ -220,9 +238,11 @@ impl JobState {
             });
         }
         Err(if blocked_on_memory {
-            Idle::NoMemory
+            Idle::OverBudget
+        } else if no_room {
+            Idle::Full
         } else {
-            Idle::NoWork
+            Idle::Nothing
         })
     }
 }

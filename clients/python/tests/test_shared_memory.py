@@ -1,0 +1,199 @@
+"""Shared-memory delivery (protocol version 2) against the real stage:
+exact bytes, slots that come back however a trainer ends, one region per
+job, the socket fallback, and the cap on what a job's trainers may hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import sluice
+from sluice import protocol as p
+from sluice import shm
+
+from conftest import job_metric, sorted_names, wait_for
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared-memory delivery on this platform")
+
+MiB = 1 << 20
+
+
+def lent(stage, job: str) -> float:
+    return job_metric(stage, "sluice_stage_shared_lent_bytes", job)
+
+
+def test_samples_arrive_in_shared_memory_byte_for_byte(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="exact") as c:
+        assert c.protocol_version == 2
+        assert c.shared_memory
+        ds = c.dataset("d")
+        got = {}
+        with ds.epoch(0, seed=3, batch=5) as it:
+            for name, data in it:
+                got[name] = bytes(data)
+        assert got == files
+        # Whole-file reads and FETCH come the same way.
+        names = sorted_names(files)
+        for name, data in ds.fetch(names):
+            assert bytes(data) == files[name], name
+        assert ds.read(names[-1]) == files[names[-1]]
+    # Every non-empty sample of the plan and of FETCH went by slot.
+    non_empty = sum(1 for d in files.values() if d)
+    assert job_metric(stage, "sluice_stage_shared_samples_total", "exact") >= 2 * non_empty
+    wait_for(lambda: lent(stage, "exact") == 0, what="the job's slots to come back")
+
+
+def test_writing_into_a_sample_changes_only_this_process(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    name = max(files, key=lambda n: len(files[n]))
+    with sluice.Client(stage.socket, job="cow") as c:
+        ds = c.dataset("d")
+        (_, first), = ds.fetch([name])
+        assert isinstance(first, memoryview) and not first.readonly
+        first[:4] = b"XXXX"  # an in-place transform
+        del first
+        for _ in range(3):  # the slot is reused: its next sample is the stage's bytes
+            (_, again), = ds.fetch([name])
+            assert bytes(again) == files[name]
+            del again
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time, sluice
+    c = sluice.Client(sys.argv[1], job=sys.argv[2])
+    assert c.shared_memory
+    held = []
+    it = c.dataset("d").epoch(0, seed=1, batch=4)
+    for _ in range(int(sys.argv[3])):
+        held.append(next(it))
+    print("holding", len(held), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_trainers_slots_come_back_and_the_job_goes_on(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    # Another trainer of the job stays connected: the killed one's slots
+    # must come back on their own, not because the job ended.
+    with sluice.Client(stage.socket, job="killed") as other:
+        other.dataset("d")
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(stage.socket), "killed", "20"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().startswith("holding 20")
+            held = wait_for(lambda: lent(stage, "killed"), what="the holder's slots")
+            assert held > 0
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        wait_for(lambda: lent(stage, "killed") == 0, what="the killed trainer's slots to come back")
+        # The next trainer of the job reads a whole epoch, exactly.
+        with sluice.Client(stage.socket, job="killed") as c:
+            got = {n: bytes(d) for n, d in c.dataset("d").epoch(1, seed=2)}
+        assert got == files
+
+
+def test_each_job_maps_only_its_own_region(stage_factory, tmp_path):
+    secret = b"JOB-A-ONLY-" * 400
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    for i in range(8):
+        (a / f"{i}.bin").write_bytes(secret + bytes([i]))
+        (b / f"{i}.bin").write_bytes(os.urandom(len(secret)))
+    stage = stage_factory({"a": a, "b": b})
+    with sluice.Client(stage.socket, job="job-a") as ca, sluice.Client(stage.socket, job="job-b") as cb:
+        assert ca.shared_memory and cb.shared_memory
+        held_a = [d for _, d in ca.dataset("a").epoch(0)]
+        assert all(bytes(d).startswith(secret) for d in held_a)
+        # Job b reads too, even the same data set's names; its region holds
+        # none of job a's bytes.
+        held_b = [d for _, d in cb.dataset("b").epoch(0)]
+        assert len(held_b) == 8
+        region_b = cb._region
+        assert region_b is not ca._region
+        assert bytes(region_b._mm[:]).find(secret[:64]) < 0
+        # Offsets name slots of the connection's own job's region only: a
+        # RELEASE of one job b was never lent ends b's connection, and
+        # changes nothing for job a.
+        lent_a = wait_for(lambda: lent(stage, "job-a"), what="job a's slots")
+        offset = max(d.obj.offset for d in held_a + held_b) + 64 * shm.PAGE
+        cb._notify(p.encode_release([offset]))
+        with pytest.raises(sluice.BadReleaseError):
+            cb.dataset("b").fetch(["0.bin"])
+        # Job a is untouched and still holds its slots.
+        assert bytes(held_a[0]).startswith(secret)
+        assert lent(stage, "job-a") == lent_a
+        assert bytes(ca.dataset("a").read("0.bin")) == secret + bytes([0])
+
+
+@pytest.mark.parametrize("how", ["stage-off", "client-off", "tcp"])
+def test_the_socket_path_when_shared_memory_is_not_used(stage_factory, dataset, how):
+    root, files = dataset
+    args = ("--shared-memory", "false") if how == "stage-off" else ()
+    stage = stage_factory({"d": root}, *args, tcp=(how == "tcp"))
+    address = f"tcp://{stage.tcp}" if how == "tcp" else stage.socket
+    with sluice.Client(address, job="sock", shared_memory=False if how == "client-off" else None) as c:
+        assert c.protocol_version == 2
+        assert not c.shared_memory
+        ds = c.dataset("d")
+        got = {}
+        for name, data in ds.epoch(0, seed=4, batch=3):
+            assert isinstance(data, bytes)
+            got[name] = data
+        assert got == files
+        assert {n: d for n, d in ds.fetch(sorted_names(files))} == files
+    assert job_metric(stage, "sluice_stage_shared_samples_total", "sock") == 0
+
+
+def test_a_trainer_that_keeps_its_samples_gets_the_rest_through_the_socket(stage_factory, tmp_path):
+    root = tmp_path / "big"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(MiB) for i in range(72)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    # A 16 MiB buffer: the job may hold 64 MiB (the floor) of slots.
+    stage = stage_factory({"d": root}, "--max-buffer", "16MiB", "--initial-buffer", "16MiB")
+    with sluice.Client(stage.socket, job="hoard") as c:
+        kept = list(c.dataset("d").epoch(0, batch=4))
+        assert {n: bytes(d) for n, d in kept} == files
+        in_slots = sum(isinstance(d, memoryview) for _, d in kept)
+        assert 0 < in_slots < len(files)
+        assert lent(stage, "hoard") <= 64 * MiB
+        del kept
+        wait_for(lambda: lent(stage, "hoard") == 0, what="the hoarded slots to come back")
+        # With its slots back the job delivers in shared memory again.
+        kinds = set()
+        for name, data in c.dataset("d").epoch(1, batch=4):
+            kinds.add(type(data))
+            assert bytes(data) == files[name]
+        assert kinds == {memoryview}
+
+
+def test_a_sample_handed_to_another_connection_is_returned_there(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    name = max(files, key=lambda n: len(files[n]))
+    with sluice.Client(stage.socket, job="hand") as worker, sluice.Client(stage.socket, job="hand") as main:
+        (_, data), = worker.dataset("d").fetch([name])
+        owner = data.obj
+        worker.hand_off([owner])
+        main.dataset("d")
+        view = main._region.view(owner.offset, len(data))
+        assert bytes(view) == files[name]
+        del data, owner
+        worker.close()  # the worker going does not take the handed slot back
+        assert lent(stage, "hand") > 0
+        assert bytes(view) == files[name]
+        del view  # the process it was handed to returns it
+        main.dataset("d").fetch([name])
+        wait_for(lambda: lent(stage, "hand") == 0, what="the handed slot to come back")

@@ -1,0 +1,145 @@
+//! Samples a job's trainers hold in shared memory: the slots lent to them,
+//! by the offset the trainer was told, with the connection that holds each
+//! (or none: handed to the job, as a `DataLoader` worker does when it
+//! passes its samples to the main process by reference).
+//!
+//! Any connection of the job may return any of the job's slots: a sample
+//! read by one process is often finished with in another. A connection's
+//! own slots come back when it ends, however it ends; slots handed to the
+//! job come back when the job's last connection ends. The job holds at most
+//! [`Lending::limit`] bytes of lent slots; past that its samples travel in
+//! the frame, so trainers that keep samples cannot take the job's buffer or
+//! the node's budget.
+
+use std::collections::HashMap;
+
+use super::delivery::Lent;
+use crate::chunk::Chunk;
+
+/// The least a job may hold in slots, whatever its buffer: room for the
+/// batches its clients receive ahead.
+pub const LENT_MIN: u64 = 64 << 20;
+
+/// A lent slot: its bytes, the budget bytes they hold, and who holds it.
+#[derive(Debug)]
+struct LentSlot {
+    chunk: Chunk,
+    budget: Lent,
+    holder: Option<u64>,
+}
+
+/// The slots a job has lent.
+#[derive(Debug, Default)]
+pub struct Lending {
+    slots: HashMap<u64, LentSlot>,
+    bytes: u64,
+}
+
+/// Why a slot could not be returned.
+#[derive(Debug, PartialEq, Eq)]
+pub struct NotLent(pub u64);
+
+/// Slots taken back: their memory and budget go back when this is
+/// dropped, which the caller does after letting go of the job's locks.
+#[derive(Debug, Default)]
+#[must_use]
+pub struct Returned(Vec<LentSlot>);
+
+impl Drop for Returned {
+    fn drop(&mut self) {
+        Lent::return_all(self.0.iter_mut().map(|slot| &mut slot.budget));
+    }
+}
+
+impl Lending {
+    /// The most a job with buffer `capacity` may hold in slots.
+    pub fn limit(capacity: u64) -> u64 {
+        (capacity / 2).max(LENT_MIN)
+    }
+
+    /// Whether `bytes` more may be lent under `limit`.
+    pub fn has_room(&self, bytes: u64, limit: u64) -> bool {
+        self.bytes + bytes <= limit
+    }
+
+    /// Records a slot lent to connection `holder` at `offset`.
+    pub fn lend(&mut self, offset: u64, chunk: Chunk, budget: Lent, holder: u64) {
+        self.bytes += chunk.footprint();
+        let slot = LentSlot {
+            chunk,
+            budget,
+            holder: Some(holder),
+        };
+        if let Some(old) = self.slots.insert(offset, slot) {
+            // Cannot happen (a slot is in one chunk at a time); keep the
+            // books right if it did.
+            self.bytes -= old.chunk.footprint();
+        }
+    }
+
+    /// Takes back the slots at `offsets` (whoever holds them); stops at
+    /// the first one the job did not lend.
+    pub fn release(&mut self, offsets: &[u64], returned: &mut Returned) -> Result<(), NotLent> {
+        for &offset in offsets {
+            let slot = self.slots.remove(&offset).ok_or(NotLent(offset))?;
+            self.bytes -= slot.chunk.footprint();
+            returned.0.push(slot);
+        }
+        Ok(())
+    }
+
+    /// Hands the slots at `offsets` that connection `holder` holds to the
+    /// job. Slots already returned (by the process they were handed to) or
+    /// held by another connection are left as they are.
+    pub fn hand_off(&mut self, offsets: &[u64], holder: u64) {
+        for offset in offsets {
+            if let Some(slot) = self.slots.get_mut(offset)
+                && slot.holder == Some(holder)
+            {
+                slot.holder = None;
+            }
+        }
+    }
+
+    /// Takes back every slot connection `holder` holds (it ended).
+    pub fn reclaim(&mut self, holder: u64) -> Returned {
+        self.take(|slot| slot.holder == Some(holder))
+    }
+
+    /// Takes back every slot (the job's last connection ended).
+    pub fn reclaim_all(&mut self) -> Returned {
+        self.take(|_| true)
+    }
+
+    fn take(&mut self, which: impl Fn(&LentSlot) -> bool) -> Returned {
+        let offsets: Vec<u64> = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| which(slot))
+            .map(|(offset, _)| *offset)
+            .collect();
+        let mut returned = Returned::default();
+        // Present by construction.
+        let _ = self.release(&offsets, &mut returned);
+        returned
+    }
+
+    /// Bytes lent now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limit_is_half_the_buffer_at_least_the_minimum() {
+        assert_eq!(Lending::limit(256 << 20), 128 << 20);
+        assert_eq!(Lending::limit(16 << 20), LENT_MIN);
+        let lending = Lending::default();
+        assert!(lending.has_room(LENT_MIN, LENT_MIN));
+        assert!(!lending.has_room(LENT_MIN + 1, LENT_MIN));
+    }
+}
