@@ -55,6 +55,14 @@ const TLS_CA_HELP: &str = "\
 The CA certificates (PEM) that must have signed the
 controller's certificate. [env: SLUICE_TLS_CA]";
 
+/// `--token` in `--help`.
+const TOKEN_HELP: &str = "\
+The bearer token sent to the controller's admin API: an admin
+token for apply and delete, a read or admin token for the
+rest. Needed when the controller has a --token-file. Prefer
+the variable: a flag shows in the process list.
+[env: SLUICE_TOKEN]";
+
 /// `--filename` in `validate --help`.
 const FILENAME_HELP: &str = "\
 A policy file (any name), a directory (its *.yaml and *.yml files),
@@ -116,6 +124,18 @@ pub struct Cli {
         long_help = TLS_CA_HELP
     )]
     pub tls_ca: Option<PathBuf>,
+
+    /// Bearer token of the admin API (env SLUICE_TOKEN)
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TOKEN",
+        hide_env = true,
+        hide_env_values = true,
+        value_name = "TOKEN",
+        long_help = TOKEN_HELP
+    )]
+    pub token: Option<String>,
 
     /// What to do.
     #[command(subcommand)]

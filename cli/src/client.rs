@@ -1,6 +1,8 @@
 //! The connection to the controller's `AdminService`, and how its failures
 //! read: one line for a controller that cannot be reached, the
-//! controller's own message for a request it refused.
+//! controller's own message for a request it refused. Every request
+//! carries `authorization: Bearer TOKEN` when `--token` (or
+//! `SLUICE_TOKEN`) is given.
 
 use std::error::Error as _;
 use std::fmt;
@@ -10,6 +12,9 @@ use std::time::Duration;
 
 use sluice_proto::AdminServiceClient;
 use sluice_proto::tls::TlsFiles;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
@@ -22,17 +27,71 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A client of the controller at one address.
-pub type Admin = AdminServiceClient<Channel>;
+pub type Admin = AdminServiceClient<InterceptedService<Channel, Bearer>>;
 
-/// Where the controller is (`--server`) and, for an `https://` server, the
+/// Where the controller is (`--server`), for an `https://` server the
 /// files of the client's mutual TLS (`--tls-cert`, `--tls-key`, `--tls-ca`,
-/// or the daemons' `SLUICE_TLS_*` variables).
-#[derive(Debug, Clone, Default)]
+/// or the daemons' `SLUICE_TLS_*` variables), and the admin API's bearer
+/// token (`--token`, `SLUICE_TOKEN`).
+#[derive(Clone, Default)]
 pub struct Controller {
     pub server: String,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_ca: Option<PathBuf>,
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for Controller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Controller")
+            .field("server", &self.server)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("tls_ca", &self.tls_ca)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// Adds `authorization: Bearer TOKEN` to every request (nothing without
+/// a token).
+#[derive(Clone)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl fmt::Debug for Bearer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Bearer(<redacted>)"
+        } else {
+            "Bearer(none)"
+        })
+    }
+}
+
+impl Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+impl Bearer {
+    /// Returns the header for `token`; an empty one counts as not given.
+    fn new(token: Option<&str>) -> Result<Self, CallError> {
+        let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) else {
+            return Ok(Self(None));
+        };
+        let mut value: MetadataValue<Ascii> = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| CallError::BadToken)?;
+        value.set_sensitive(true);
+        Ok(Self(Some(value)))
+    }
 }
 
 /// Why a command could not get its answer from the controller.
@@ -46,6 +105,8 @@ pub enum CallError {
     Unreachable { server: String, reason: String },
     /// An `https://` server without usable TLS files (a usage error).
     Tls { reason: String },
+    /// `--token` holds characters a header cannot carry (a usage error).
+    BadToken,
     /// The controller answered with an error.
     Refused(Status),
 }
@@ -100,7 +161,7 @@ impl CallError {
     /// are a usage error (2), anything else an error (1).
     pub fn exit(&self) -> Exit {
         match self {
-            Self::BadAddress { .. } | Self::Tls { .. } => Exit::Usage,
+            Self::BadAddress { .. } | Self::Tls { .. } | Self::BadToken => Exit::Usage,
             _ => Exit::Failed,
         }
     }
@@ -117,6 +178,20 @@ impl fmt::Display for CallError {
                 write!(f, "cannot reach the controller at {server}: {reason}")
             }
             Self::Tls { reason } => f.write_str(reason),
+            Self::BadToken => f.write_str(
+                "--token (or SLUICE_TOKEN) holds a character a header cannot carry: give the \
+                 token exactly as the controller's token file has it",
+            ),
+            Self::Refused(status) if status.code() == Code::Unauthenticated => write!(
+                f,
+                "{}; give a valid token with --token or SLUICE_TOKEN",
+                status.message().trim()
+            ),
+            Self::Refused(status) if status.code() == Code::PermissionDenied => write!(
+                f,
+                "{}; give one with --token or SLUICE_TOKEN",
+                status.message().trim()
+            ),
             Self::Refused(status) => {
                 let message = status.message().trim();
                 if message.is_empty() {
@@ -185,11 +260,12 @@ pub async fn connect(controller: &Controller) -> Result<Admin, CallError> {
     } else {
         endpoint
     };
+    let bearer = Bearer::new(controller.token.as_deref())?;
     let channel = endpoint
         .connect()
         .await
         .map_err(|e| unreachable(deepest_reason(&e)))?;
-    Ok(AdminServiceClient::new(channel))
+    Ok(AdminServiceClient::with_interceptor(channel, bearer))
 }
 
 /// Connects, then runs one request; a failure of either is a [`CallError`].
@@ -316,6 +392,36 @@ mod tests {
             error.lines(),
             ["sluicectl: --server `localhost:7070` is not an address like http://127.0.0.1:7070"]
         );
+    }
+
+    #[test]
+    fn token_refusals_say_what_to_do() {
+        let status = Status::unauthenticated("a bearer token is required");
+        let error = CallError::from_status("http://x:1", status);
+        assert_eq!(
+            error.lines(),
+            [
+                "sluicectl: a bearer token is required; give a valid token with --token or SLUICE_TOKEN"
+            ]
+        );
+        let status = Status::permission_denied("the token is read-only: X needs an admin token");
+        let error = CallError::from_status("http://x:1", status);
+        assert_eq!(error.exit(), Exit::Failed);
+        assert!(error.lines()[0].ends_with("admin token; give one with --token or SLUICE_TOKEN"));
+    }
+
+    #[test]
+    fn the_token_goes_in_a_bearer_header() {
+        let mut bearer = Bearer::new(Some(" s3cret-token ")).unwrap();
+        let request = bearer.call(tonic::Request::new(())).unwrap();
+        let sent = request.metadata().get("authorization").unwrap();
+        assert_eq!(sent.to_str().unwrap(), "Bearer s3cret-token");
+        assert!(!format!("{bearer:?}").contains("s3cret"));
+        let mut none = Bearer::new(Some("")).unwrap();
+        let request = none.call(tonic::Request::new(())).unwrap();
+        assert!(request.metadata().get("authorization").is_none());
+        let error = Bearer::new(Some("bad\ntoken")).unwrap_err();
+        assert_eq!(error.exit(), Exit::Usage);
     }
 
     #[test]

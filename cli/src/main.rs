@@ -49,6 +49,7 @@ fn main() -> ExitCode {
         tls_cert: cli.tls_cert,
         tls_key: cli.tls_key,
         tls_ca: cli.tls_ca,
+        token: cli.token,
     };
     match cli.command {
         Command::Validate(args) => validate::run(&args),

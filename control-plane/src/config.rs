@@ -11,6 +11,8 @@ use sluice_policy::Millis;
 use sluice_proto::tls::TlsFiles;
 use tonic::transport::ServerTlsConfig;
 
+use crate::auth::{AdminAccess, Tokens};
+
 /// The controller's flags.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "sluice-controller", version, about = "The sluice controller")]
@@ -48,6 +50,17 @@ pub struct Args {
     /// certificate (stages and sluicectl).
     #[arg(long, env = "SLUICE_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// Bearer tokens of the admin API (gRPC AdminService and /api/): one
+    /// `ROLE TOKEN` line each, ROLE `admin` (may apply and delete) or `read`
+    /// (may list, get and watch); `#` starts a comment line. Read again
+    /// every 2s and on SIGHUP. Without it every caller is admin, which is
+    /// allowed on loopback addresses only (see --insecure-admin).
+    #[arg(long, env = "SLUICE_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+    /// Serve the admin API without --token-file on non-loopback addresses:
+    /// anyone who reaches them may change every policy.
+    #[arg(long, env = "SLUICE_INSECURE_ADMIN")]
+    pub insecure_admin: bool,
 }
 
 /// A validated configuration.
@@ -67,6 +80,8 @@ pub struct ControllerConfig {
     pub policies: Option<PathBuf>,
     /// Mutual TLS for the gRPC server (`None`: plain text).
     pub tls: Option<ServerTlsConfig>,
+    /// Who may use the admin API.
+    pub admin: AdminAccess,
 }
 
 /// Why a configuration was refused.
@@ -82,9 +97,12 @@ pub struct ConfigError {
 impl ControllerConfig {
     /// Validates parsed flags.
     pub fn from_args(args: Args) -> Result<Self, ConfigError> {
+        let grpc_addr = addr("--grpc-addr", &args.grpc_addr)?;
+        let http_addr = addr("--http-addr", &args.http_addr)?;
         Ok(Self {
-            grpc_addr: addr("--grpc-addr", &args.grpc_addr)?,
-            http_addr: addr("--http-addr", &args.http_addr)?,
+            admin: admin_access(&args, grpc_addr, http_addr)?,
+            grpc_addr,
+            http_addr,
             database_url: args.database_url,
             tick: duration("--tick", &args.tick)?,
             stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
@@ -108,7 +126,43 @@ impl ControllerConfig {
             stage_timeout: Duration::from_secs(3),
             policies: None,
             tls: None,
+            admin: AdminAccess::Open,
         }
+    }
+}
+
+/// Returns how the admin API admits callers: the tokens of --token-file;
+/// without one, everyone, which needs loopback addresses or
+/// --insecure-admin.
+fn admin_access(
+    args: &Args,
+    grpc: SocketAddr,
+    http: SocketAddr,
+) -> Result<AdminAccess, ConfigError> {
+    if let Some(path) = &args.token_file {
+        let tokens = Tokens::read(path).map_err(|e| ConfigError {
+            flag: "--token-file",
+            reason: e.to_string(),
+        })?;
+        return Ok(AdminAccess::Tokens {
+            path: path.clone(),
+            tokens,
+        });
+    }
+    let exposed = [("--grpc-addr", grpc), ("--http-addr", http)]
+        .into_iter()
+        .find(|(_, a)| !a.ip().is_loopback());
+    match exposed {
+        Some((flag, addr)) if !args.insecure_admin => Err(ConfigError {
+            flag,
+            reason: format!(
+                "{addr} is not a loopback address and no --token-file is given, so anyone who \
+                 reaches it could change every policy: give --token-file PATH (see \
+                 docs/operations.md, \"Admin access\"), listen on 127.0.0.1, or pass \
+                 --insecure-admin to accept that"
+            ),
+        }),
+        _ => Ok(AdminAccess::Open),
     }
 }
 
@@ -180,11 +234,48 @@ mod tests {
     }
 
     #[test]
-    fn tls_flags_go_together_and_bad_files_are_named() {
+    fn an_open_admin_api_needs_loopback_or_insecure_admin() {
+        assert!(matches!(parse(&[]).unwrap().admin, AdminAccess::Open));
+        let e = parse(&["--grpc-addr", "0.0.0.0:7070"]).unwrap_err();
+        assert_eq!(e.flag, "--grpc-addr");
+        assert!(e.reason.contains("--insecure-admin"), "{e}");
+        let e = parse(&["--http-addr", "10.1.2.3:7080"]).unwrap_err();
+        assert_eq!(e.flag, "--http-addr");
+        let c = parse(&["--grpc-addr", "0.0.0.0:7070", "--insecure-admin"]).unwrap();
+        assert!(matches!(c.admin, AdminAccess::Open));
+        let c = parse(&["--grpc-addr", "[::1]:7070"]).unwrap();
+        assert!(matches!(c.admin, AdminAccess::Open));
+    }
+
+    /// Returns a temporary directory holding a file `name` with `text`,
+    /// and the file's path.
+    fn temp_file(name: &str, text: &str) -> (tempfile::TempDir, String) {
         let dir = tempfile::tempdir().unwrap();
-        let garbage = dir.path().join("garbage.pem");
-        std::fs::write(&garbage, "not pem").unwrap();
-        let garbage = garbage.to_str().unwrap();
+        let file = dir.path().join(name);
+        std::fs::write(&file, text).unwrap();
+        let path = file.to_str().unwrap().to_owned();
+        (dir, path)
+    }
+
+    #[test]
+    fn a_token_file_is_read_at_start() {
+        let (_dir, file) = temp_file("tokens", "admin 0123456789abcdef0123\n");
+        let path = file.as_str();
+        let c = parse(&["--grpc-addr", "0.0.0.0:7070", "--token-file", path]).unwrap();
+        let AdminAccess::Tokens { tokens, .. } = c.admin else {
+            panic!("tokens expected");
+        };
+        assert_eq!(tokens.count(crate::auth::Role::Admin), 1);
+        std::fs::write(&file, "root 0123456789abcdef0123\n").unwrap();
+        let e = parse(&["--token-file", path]).unwrap_err();
+        assert_eq!(e.flag, "--token-file");
+        assert!(e.reason.contains(":1: unknown role `root`"), "{e}");
+    }
+
+    #[test]
+    fn tls_flags_go_together_and_bad_files_are_named() {
+        let (_dir, garbage) = temp_file("garbage.pem", "not pem");
+        let garbage = garbage.as_str();
         let e = parse(&["--tls-cert", garbage, "--tls-ca", garbage]).unwrap_err();
         assert_eq!(e.flag, "--tls-key");
         assert!(e.to_string().contains("go together"), "{e}");

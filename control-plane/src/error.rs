@@ -18,6 +18,12 @@ pub enum ApiError {
     /// The request conflicts with the current state (a pool still in use).
     #[error("{0}")]
     Conflict(String),
+    /// No bearer token, or one the controller does not accept.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// The token's role does not allow the operation.
+    #[error("{0}")]
+    Forbidden(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -30,6 +36,8 @@ impl ApiError {
             Self::Invalid(_) => (Code::InvalidArgument, StatusCode::BAD_REQUEST),
             Self::NotFound(_) => (Code::NotFound, StatusCode::NOT_FOUND),
             Self::Conflict(_) => (Code::FailedPrecondition, StatusCode::CONFLICT),
+            Self::Unauthenticated(_) => (Code::Unauthenticated, StatusCode::UNAUTHORIZED),
+            Self::Forbidden(_) => (Code::PermissionDenied, StatusCode::FORBIDDEN),
             Self::Store(e) => match e {
                 StoreError::PolicyNotFound { .. } | StoreError::StageNotFound { .. } => {
                     (Code::NotFound, StatusCode::NOT_FOUND)

@@ -11,9 +11,11 @@
 //! replica leads) serves as a standby until it can: see [`leader`].
 //! Modules: [`sessions`] (stage sessions), [`control`] (the loop, on the
 //! policy crate's `Coordinator`), [`policies`] (policy changes), [`views`]
-//! (the read model), [`admin`] and [`http`] (the edges).
+//! (the read model), [`admin`] and [`http`] (the edges), [`auth`] (who may
+//! use the admin API).
 
 mod admin;
+mod auth;
 mod config;
 mod control;
 mod error;
@@ -35,11 +37,13 @@ use sluice_proto::{AdminServiceServer, StageServiceServer};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 use tracing::{Instrument, info, info_span};
 
 use leader::GrpcGate;
 
+pub use auth::{AdminAccess, Auth, Role, TokenFileError, Tokens};
 pub use config::{Args, ControllerConfig};
 use state::Shared;
 use store::{Leadership, Store};
@@ -52,6 +56,8 @@ pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5)
 pub struct Controller {
     shared: Arc<Shared>,
     config: ControllerConfig,
+    /// Who may use the admin API.
+    auth: Arc<Auth>,
     grpc: TcpListener,
     http: TcpListener,
     /// The lease, or `None` for a standby.
@@ -106,6 +112,8 @@ impl Controller {
             .try_acquire_leadership()
             .await
             .context("trying the leader lease")?;
+        let auth = Arc::new(Auth::new(config.admin.clone()));
+        auth.announce(grpc.local_addr()?, http.local_addr()?);
         let shared = Arc::new(Shared::new(store, config.stage_timeout));
         let pending_policies = if leadership.is_some() {
             leader::take_office(&shared, sources).await?;
@@ -116,6 +124,7 @@ impl Controller {
         Ok(Self {
             shared,
             config,
+            auth,
             grpc,
             http,
             leadership,
@@ -127,6 +136,11 @@ impl Controller {
     /// standby, until it takes the lease in [`Controller::run`]).
     pub fn is_leader(&self) -> bool {
         self.leadership.is_some()
+    }
+
+    /// Returns the admin API's gatekeeper ([`Auth::reload_now`] on SIGHUP).
+    pub fn auth(&self) -> Arc<Auth> {
+        self.auth.clone()
     }
 
     /// Returns the bound addresses.
@@ -159,24 +173,40 @@ impl Controller {
         if let Some(tls) = self.config.tls {
             server = server.tls_config(tls).context("configuring TLS")?;
         }
+        let watch = self.auth.clone().watch(cancel.child_token());
+        tasks
+            .spawn(async move { ("token file watch", watch.await) }.instrument(info_span!("auth")));
+        // Tokens are checked before the leader gate: a caller without one
+        // learns nothing, not even that this replica stands by.
+        let routes = Routes::new(StageServiceServer::with_interceptor(
+            sessions::Sessions::new(shared.clone()),
+            gate.clone(),
+        ))
+        .add_service(AdminServiceServer::with_interceptor(
+            admin::Admin::new(shared.clone()),
+            gate,
+        ))
+        .into_axum_router()
+        .layer(axum::middleware::from_fn_with_state(
+            self.auth.clone(),
+            auth::grpc_gate,
+        ));
         let grpc = server
-            .add_service(StageServiceServer::with_interceptor(
-                sessions::Sessions::new(shared.clone()),
-                gate.clone(),
-            ))
-            .add_service(AdminServiceServer::with_interceptor(
-                admin::Admin::new(shared.clone()),
-                gate,
-            ))
+            .add_routes(routes.into())
             .serve_with_incoming_shutdown(TcpIncoming::from(self.grpc), async move {
                 grpc_cancel.cancelled().await;
             });
         tasks.spawn(async move { ("gRPC server", grpc.await.map_err(Into::into)) });
         let http_cancel = cancel.child_token();
-        let router = http::router(shared.clone()).layer(axum::middleware::from_fn_with_state(
-            shared.clone(),
-            leader::http_gate,
-        ));
+        let router = http::router(shared.clone())
+            .layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                leader::http_gate,
+            ))
+            .layer(axum::middleware::from_fn_with_state(
+                self.auth.clone(),
+                auth::http_gate,
+            ));
         let http = axum::serve(self.http, router)
             .with_graceful_shutdown(async move { http_cancel.cancelled().await });
         tasks.spawn(async move { ("HTTP server", http.await.map_err(Into::into)) });

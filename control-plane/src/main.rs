@@ -1,6 +1,7 @@
 //! `sluice-controller` binary: parse the configuration, bind, print the
 //! ready line (with the role: `leader` or `standby`), serve until SIGTERM
-//! or SIGINT (a second signal exits at once).
+//! or SIGINT (a second signal exits at once). SIGHUP re-reads
+//! `--token-file`.
 
 use std::process::ExitCode;
 
@@ -43,7 +44,15 @@ async fn run(config: ControllerConfig) -> anyhow::Result<()> {
     // Handlers first: a signal right after the ready line shuts down cleanly.
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
     let controller = Controller::bind(config).await?;
+    let auth = controller.auth();
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: reading the token file again");
+            auth.reload_now();
+        }
+    });
     let addrs = controller.addresses()?;
     let role = if controller.is_leader() {
         "leader"

@@ -2,6 +2,13 @@
 //! stage and re-pushes its desired settings when it runs another version;
 //! telemetry is kept in memory (jobs are recorded in the store); acks and
 //! nacks are recorded with an event. A failing session ends only itself.
+//!
+//! A stage id has one session at a time. A hello for an id whose session
+//! is open and heard from within the stage timeout is refused with
+//! `ALREADY_EXISTS` and a sentence naming where the holder connected from;
+//! the holder keeps its session and settings, and the refused stage
+//! retries until the holder goes away. A holder silent past the timeout
+//! (a dead connection) is replaced.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,6 +20,7 @@ use sluice_proto::StageService;
 use sluice_proto::v1::{self, ControllerMessage, StageMessage, controller_message, stage_message};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -28,6 +36,11 @@ const DOWNSTREAM_DEPTH: usize = 16;
 /// How often a job a stage keeps reporting is recorded again in the store
 /// (its `last_seen`); new jobs and label changes are recorded at once.
 const JOB_REFRESH: Duration = Duration::from_secs(30);
+
+/// How long a hello for a stage id whose session is open waits for that
+/// session to end before it is refused: a restarted stage's new
+/// connection can overtake the close of its old one.
+const TAKEOVER_GRACE: Duration = Duration::from_secs(1);
 
 /// The StageService implementation.
 #[derive(Debug, Clone)]
@@ -50,6 +63,7 @@ impl StageService for Sessions {
         &self,
         request: Request<Streaming<StageMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let hello = match inbound.message().await? {
             Some(StageMessage {
@@ -66,9 +80,14 @@ impl StageService for Sessions {
         let session = SessionHandle {
             id: self.shared.next_session_id(),
             tx,
+            peer,
+            ended: CancellationToken::new(),
         };
+        // The task keeps no sender: the stream ends once the session is
+        // replaced or the controller shuts down.
+        let (id, ended) = (session.id, session.ended.clone());
         let stage = hello.stage_id.clone();
-        opened(&self.shared, hello, session.clone()).await?;
+        opened(&self.shared, hello, session).await?;
         let shared = self.shared.clone();
         let span = info_span!("session", stage = %stage);
         tokio::spawn(
@@ -79,6 +98,7 @@ impl StageService for Sessions {
                     let next = tokio::select! {
                         next = inbound.message() => next,
                         () = shared.shutdown.cancelled() => break,
+                        () = ended.cancelled() => break,
                     };
                     match next {
                         Ok(Some(message)) => handle(&shared, &stage, message).await,
@@ -89,7 +109,7 @@ impl StageService for Sessions {
                         }
                     }
                 }
-                closed(&shared, &stage, session.id);
+                closed(&shared, &stage, id);
             }
             .instrument(span),
         );
@@ -97,27 +117,26 @@ impl StageService for Sessions {
     }
 }
 
-/// Records a hello and decides what the stage must be sent.
+/// Records a hello and decides what the stage must be sent; refuses it
+/// (changing nothing) when another session holds the stage id.
 async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Result<(), Status> {
     let stage = hello.stage_id.clone();
     let running = hello.settings_version;
+    let was_lost = claim(shared, &stage, &session).await?;
     let record = StageHello {
         id: stage.clone(),
         node: hello.node.clone(),
         labels: hello.labels.clone(),
         running_version: running,
     };
-    shared
-        .store
-        .stage_hello(&record, now_ms())
-        .await
-        .map_err(crate::error::status)?;
+    if let Err(e) = shared.store.stage_hello(&record, now_ms()).await {
+        closed(shared, &stage, session.id);
+        return Err(crate::error::status(e));
+    }
     let desired = lock(&shared.desired).get(&stage).cloned();
     let known = desired.as_ref().map_or(0, |d| d.version);
     let resend = desired.filter(|d| d.version > running);
-    let was_lost = shared.with_live(&stage, |live| {
-        let was_lost = live.lost || live.session.is_none();
-        live.session = Some(session.clone());
+    shared.with_live(&stage, |live| {
         live.hello = HelloInfo {
             software_version: hello.software_version,
             capabilities: hello.capabilities,
@@ -134,7 +153,6 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
         // knows): publish a fresh one over it.
         live.force_push = running != known && resend.is_none();
         live.running_version = running;
-        was_lost
     });
     if let Some(d) = resend {
         push(&session, d.version, &d.settings);
@@ -153,6 +171,45 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
     }
     shared.recompute.notify_one();
     Ok(())
+}
+
+/// Makes `session` the one of `stage`, replacing a closed or silent one,
+/// and returns whether the stage was lost or disconnected. A session that
+/// still holds the id is given [`TAKEOVER_GRACE`] to end; then the hello
+/// is refused with the sentence the stage logs.
+async fn claim(shared: &Shared, stage: &str, session: &SessionHandle) -> Result<bool, Status> {
+    let mut waited = false;
+    loop {
+        let held = shared.with_live(stage, |live| {
+            if let Some(holder) = &live.session
+                && holder.holds(live.last_heard, shared.stage_timeout)
+            {
+                return Err((holder.clone(), live.hello.node.clone()));
+            }
+            let was_lost = live.lost || live.session.is_none();
+            if let Some(stale) = live.session.replace(session.clone()) {
+                stale.ended.cancel();
+            }
+            // Heard now: a twin's hello must find this session holding.
+            live.last_heard = Instant::now();
+            Ok(was_lost)
+        });
+        let (holder, node) = match held {
+            Ok(was_lost) => return Ok(was_lost),
+            Err(held) => held,
+        };
+        if waited {
+            let address = |s: &SessionHandle| s.peer.map_or("elsewhere".into(), |p| p.to_string());
+            let (from, refused) = (address(&holder), address(session));
+            warn!(stage, %from, %refused, "refused a hello: the stage id is connected");
+            return Err(Status::already_exists(format!(
+                "stage id `{stage}` is already connected from {from} (node {node}); give each \
+                 stage on a host its own --stage-id"
+            )));
+        }
+        let _ = tokio::time::timeout(TAKEOVER_GRACE, holder.tx.closed()).await;
+        waited = true;
+    }
 }
 
 /// Forgets a session that ended (a newer one of the same stage stays).

@@ -5,6 +5,7 @@
 //! the store's, reloaded at start).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -31,6 +32,20 @@ pub struct SessionHandle {
     pub id: u64,
     /// Where settings go.
     pub tx: Downstream,
+    /// Where the stage connected from, when known.
+    pub peer: Option<SocketAddr>,
+    /// Cancelled to end the session (a silent one that a new hello of its
+    /// stage replaced).
+    pub ended: CancellationToken,
+}
+
+impl SessionHandle {
+    /// Whether the session still holds its stage id: its stream is open
+    /// and the stage was heard from within `timeout` (a session silent
+    /// longer is likely a dead connection nobody closed).
+    pub fn holds(&self, last_heard: Instant, timeout: Duration) -> bool {
+        !self.tx.is_closed() && last_heard.elapsed() < timeout
+    }
 }
 
 /// What a stage's hello said beyond what the store keeps.

@@ -19,6 +19,9 @@ use crate::tuner::Bounds;
 
 const MIB: u64 = 1 << 20;
 
+/// The trainer socket unless --socket says otherwise.
+const DEFAULT_SOCKET: &str = "/tmp/sluice-stage.sock";
+
 /// Command-line flags of `sluice-stage`.
 #[derive(Debug, Default, Parser)]
 #[command(
@@ -46,7 +49,10 @@ pub struct Args {
     /// Address of the HTTP server for `/metrics` and `/healthz` [default: 127.0.0.1:7190].
     #[arg(long, env = "SLUICE_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
-    /// This stage's id as reported to trainers [default: the host name].
+    /// This stage's id, for the controller (one session per id) and
+    /// trainers [default: the host name; with a --socket other than
+    /// /tmp/sluice-stage.sock, the host name, `-` and 8 hex digits of a
+    /// hash of the socket's absolute path, so stages on one host differ].
     #[arg(long, env = "SLUICE_STAGE_ID")]
     pub stage_id: Option<String>,
     /// Run exactly this many readers per job and switch the tuner off.
@@ -250,7 +256,6 @@ impl StageConfig {
         let datasets = merge_datasets(&file.datasets, &args.datasets)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
         let job = job_config(&args, &file, memory_budget)?;
-        let stage_id = args.stage_id.or(file.stage_id).unwrap_or_else(hostname);
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
@@ -265,12 +270,17 @@ impl StageConfig {
         .and_then(|files| files.map(TlsFiles::client).transpose())
         .map_err(|e| ConfigError(e.to_string()))?;
         check_controller(controller.as_deref(), controller_tls.is_some())?;
+        let socket = args
+            .socket
+            .or(file.socket)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
+        let stage_id = args
+            .stage_id
+            .or(file.stage_id)
+            .unwrap_or_else(|| default_stage_id(&hostname(), &socket));
         Ok(Self {
             stage_id,
-            socket: args
-                .socket
-                .or(file.socket)
-                .unwrap_or_else(|| PathBuf::from("/tmp/sluice-stage.sock")),
+            socket,
             listen: args.listen.or(file.listen),
             metrics_addr: args
                 .metrics_addr
@@ -474,6 +484,26 @@ fn load_file(path: &Path) -> Result<StageFile, ConfigError> {
     })
 }
 
+/// Returns the stage id used without --stage-id: `host` for the default
+/// socket, else `host-XXXXXXXX`, the hex digits a hash (FNV-1a, stable
+/// across builds) of the socket's absolute path. Two live stages cannot
+/// share a socket on one host, so their ids differ, and a restarted stage
+/// keeps its id.
+fn default_stage_id(host: &str, socket: &Path) -> String {
+    if socket == Path::new(DEFAULT_SOCKET) {
+        return host.to_owned();
+    }
+    let path = std::path::absolute(socket).unwrap_or_else(|_| socket.to_owned());
+    let hash = path
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("{host}-{:08x}", hash as u32)
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
@@ -553,6 +583,28 @@ mod tests {
         }
         assert!(Args::try_parse_from(["s", "--dataset", "nodir"]).is_err());
         assert!(Args::try_parse_from(["s", "--memory-budget", "1KB"]).is_err());
+    }
+
+    #[test]
+    fn default_stage_ids_differ_by_socket_and_stay_put() {
+        let id = |socket: &str| default_stage_id("vm", Path::new(socket));
+        assert_eq!(id(DEFAULT_SOCKET), "vm");
+        // Pinned: a changed hash would rename every such stage.
+        let a = id("/run/sluice/a.sock");
+        assert_eq!(a, "vm-7ddd08a9");
+        assert_ne!(a, id("/run/sluice/b.sock"));
+        assert!(a.starts_with("vm-") && a.len() == "vm-".len() + 8, "{a}");
+        // A relative socket is named by its absolute path.
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(id("s.sock"), id(cwd.join("s.sock").to_str().unwrap()));
+        let c = StageConfig::from_args(args(&["--dataset", "a=/tmp", "--socket", "/x/y.sock"]))
+            .unwrap();
+        assert_eq!(
+            c.stage_id,
+            default_stage_id(&hostname(), Path::new("/x/y.sock"))
+        );
+        let c = StageConfig::from_args(args(&["--dataset", "a=/tmp", "--stage-id", "s1"])).unwrap();
+        assert_eq!(c.stage_id, "s1");
     }
 
     #[test]

@@ -20,6 +20,7 @@ use sluice_proto::{StageServiceClient, error_chain};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tonic::Code;
 use tracing::{info, warn};
 
 use crate::engine::Engine;
@@ -86,6 +87,11 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
                      with --tls-cert, --tls-key and --tls-ca"
                 };
                 warn!(error = %e, hint, retry_in = ?backoff, "controller session ended; keeping the last settings")
+            }
+            // Another stage holds this id: say so in its words (it names
+            // the holder and the fix) and retry, to take over once it goes.
+            Some(Err(SessionError::Refused(status))) if status.code() == Code::AlreadyExists => {
+                warn!(retry_in = ?backoff, "{}; retrying until that session ends", status.message())
             }
             Some(Err(e)) => {
                 warn!(error = %e, retry_in = ?backoff, "controller session ended; keeping the last settings")

@@ -38,6 +38,12 @@ SCENARIOS = {
     "monitoring": "values-monitoring.yaml",
 }
 
+# Admin-auth settings checked on top of the default scenario.
+AUTH_VARIANTS = {
+    "auth off": {"auth": {"enabled": False}},
+    "auth from an existing Secret": {"auth": {"existingSecret": "ops-tokens", "secretKey": "file"}},
+}
+
 # Values the chart must refuse, with a piece of the message it must give.
 MUST_FAIL = {
     "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
@@ -200,6 +206,47 @@ def properties(scenario: str, objs: list[tuple[str, dict]], values: dict | None)
     record(f"{scenario}: hardening, probes and references", not problems, "; ".join(problems))
 
 
+def auth_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None) -> None:
+    """The controller gets its admin tokens: `--token-file` names a file in
+    a mounted Secret that the release holds (or the operator's own), whose
+    lines the controller accepts; with auth off it runs `--insecure-admin`."""
+    auth = (values or {}).get("auth") or {}
+    enabled, key = auth.get("enabled", True), auth.get("secretKey", "tokens")
+    secrets = {o["metadata"]["name"]: o for _, o in objs if o["kind"] == "Secret"}
+    for obj, pod in pod_specs(objs):
+        if obj["kind"] != "Deployment":
+            continue
+        problems = []
+        c = next(c for c in pod["containers"] if c["name"] == "controller")
+        args = c.get("args", [])
+        token_args = [a for a in args if a.startswith("--token-file=")]
+        if not enabled:
+            if token_args or "--insecure-admin" not in args:
+                problems.append(f"auth off: args {args} lack --insecure-admin or still name a token file")
+            record(f"{scenario}: admin auth wiring", not problems, "; ".join(problems))
+            continue
+        if "--insecure-admin" in args or token_args != [f"--token-file=/etc/sluice/auth/{key}"]:
+            problems.append(f"args {args}: want exactly --token-file=/etc/sluice/auth/{key}")
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        if mounts.get("auth", {}).get("mountPath") != "/etc/sluice/auth" or "subPath" in mounts.get("auth", {}):
+            problems.append("the auth Secret is not mounted whole at /etc/sluice/auth")
+        volume = next((v for v in pod.get("volumes", []) if v["name"] == "auth"), {})
+        name = volume.get("secret", {}).get("secretName")
+        if auth.get("existingSecret"):
+            if name != auth["existingSecret"] or name in secrets:
+                problems.append(f"auth volume uses {name!r}, want the existing {auth['existingSecret']!r} (not rendered)")
+        elif name not in secrets:
+            problems.append(f"auth volume names Secret {name!r}, which the chart does not render")
+        else:
+            import base64
+            text = base64.b64decode(secrets[name]["data"].get(key, "")).decode()
+            lines = [ln.split() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+            roles = sorted(ln[0] for ln in lines if len(ln) == 2 and len(ln[1]) >= 32)
+            if roles != ["admin", "read"] or len(lines) != 2:
+                problems.append(f"the token file holds {len(lines)} lines with roles {roles}, want one admin and one read token")
+        record(f"{scenario}: admin auth wiring", not problems, "; ".join(problems))
+
+
 def documented_values() -> None:
     """Every value has a `# --` comment (on itself or a parent) in values.yaml
     and a row in the chart's README."""
@@ -255,6 +302,9 @@ def main() -> int:
             crd_validate(scenario, objs)
             policies_validate(scenario, objs, Path(tmp))
             properties(scenario, objs, values)
+            auth_wiring(scenario, objs, values)
+    for scenario, values in AUTH_VARIANTS.items():
+        auth_wiring(scenario, objects(render(values)), values)
     documented_values()
     for name, (values, message) in MUST_FAIL.items():
         try:

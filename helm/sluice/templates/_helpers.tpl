@@ -116,6 +116,11 @@ app.kubernetes.io/component: {{ .component }}
 - --tls-ca={{ .Values.tls.mountPath }}/ca.crt
 {{- end }}
 
+{{/* Secret holding the admin API's token file. */}}
+{{- define "sluice.auth.secretName" -}}
+{{- default (printf "%s-tokens" (include "sluice.controller.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
 {{/* The controller URL stages connect to. */}}
 {{- define "sluice.controller.url" -}}
 {{- printf "%s://%s.%s.svc:%d" (ternary "https" "http" .Values.tls.enabled) (include "sluice.controller.fullname" .) .Release.Namespace (.Values.controller.grpcPort | int) }}

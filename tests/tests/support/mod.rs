@@ -123,10 +123,15 @@ pub fn trainer(socket: &Path, job: &str) -> UnixStream {
 
 /// Sends one HTTP/1.1 request and returns the whole response.
 pub fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    http_with(addr, method, path, "", body)
+}
+
+/// [`http`] with extra header lines (`"Name: value\r\n"` each).
+pub fn http_with(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
