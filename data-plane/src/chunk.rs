@@ -10,6 +10,7 @@ use std::ops::Deref;
 use std::sync::Mutex;
 
 use crate::shm::Slot;
+use crate::sync::lock;
 
 /// Bytes of delivered sample buffers kept for reuse. Reuse saves the
 /// allocation, the zeroing and the page faults of a fresh buffer per sample
@@ -35,9 +36,7 @@ struct Pool {
 /// has one.
 pub fn take_buffer(len: usize) -> Vec<u8> {
     {
-        let mut pool = POOL
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut pool = lock(&POOL);
         if let Some(i) = pool.buffers.iter().rposition(|b| b.len() == len) {
             let buf = pool.buffers.swap_remove(i);
             pool.bytes -= buf.len();
@@ -52,9 +51,7 @@ pub fn recycle(buf: Vec<u8>) {
     if buf.len() < MIN_POOLED {
         return;
     }
-    let mut pool = POOL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut pool = lock(&POOL);
     if pool.bytes + buf.len() <= POOL_BYTES {
         pool.bytes += buf.len();
         pool.buffers.push(buf);

@@ -15,6 +15,7 @@ use tonic::transport::ClientTlsConfig;
 
 use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
 use crate::token_bucket::Limits;
+use crate::trust::{TrainerAccess, TrainerRule};
 use crate::tuner::Bounds;
 
 const MIB: u64 = 1 << 20;
@@ -176,6 +177,9 @@ pub struct StageFile {
     /// QoS limits per job.
     #[serde(default)]
     pub limits: LimitsFile,
+    /// Which jobs and labels trainers may claim (none: any).
+    #[serde(default)]
+    pub trainers: Vec<TrainerRule>,
 }
 
 /// `readers:` in the YAML file.
@@ -233,6 +237,8 @@ pub struct StageConfig {
     pub controller_tls: Option<ClientTlsConfig>,
     pub node: String,
     pub labels: BTreeMap<String, String>,
+    /// Which jobs and labels trainers may claim.
+    pub trainer_access: TrainerAccess,
 }
 
 /// Why a configuration was refused.
@@ -278,6 +284,10 @@ impl StageConfig {
             .stage_id
             .or(file.stage_id)
             .unwrap_or_else(|| default_stage_id(&hostname(), &socket));
+        for (i, rule) in file.trainers.iter().enumerate() {
+            rule.validate(i).map_err(ConfigError)?;
+        }
+        let trainer_access = TrainerAccess::new(file.trainers);
         Ok(Self {
             stage_id,
             socket,
@@ -294,6 +304,7 @@ impl StageConfig {
             controller_tls,
             node: args.node.or(file.node).unwrap_or_else(hostname),
             labels,
+            trainer_access,
             job,
         })
     }

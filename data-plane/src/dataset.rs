@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use crate::chunk::{Buffer, Chunk};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{direct_unsupported, io_error, read_whole};
+use crate::sync::lock;
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
@@ -117,7 +118,7 @@ impl Dataset {
     /// Returns the listing, walking the root again when the cached one is
     /// older than a few seconds. Blocking: call off the async runtime.
     pub fn listing(&self) -> io::Result<Arc<Listing>> {
-        let mut cached = self.cached.lock().expect("listing lock");
+        let mut cached = lock(&self.cached);
         if let Some((at, listing)) = cached.as_ref()
             && at.elapsed() < LISTING_TTL
         {

@@ -25,6 +25,7 @@ use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
 use crate::shm::Region;
+use crate::sync::lock;
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
@@ -163,7 +164,7 @@ impl Engine {
     /// force for it.
     /// The caller holds a connection to it until the handle is dropped.
     pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
-        let mut jobs = self.jobs.lock().expect("jobs lock");
+        let mut jobs = lock(&self.jobs);
         let mut started = false;
         let job = jobs
             .entry(id.to_owned())
@@ -216,7 +217,7 @@ impl Engine {
 
     /// Returns the configuration job `id` runs with now.
     fn config_for(&self, id: &str) -> JobConfig {
-        match self.pushed.lock().expect("settings lock").as_ref() {
+        match lock(&self.pushed).as_ref() {
             Some(pushed) => pushed.resolve(id, self.base),
             None => self.base,
         }
@@ -235,7 +236,7 @@ impl Engine {
             ));
         }
         let settings = Arc::new(settings);
-        *self.pushed.lock().expect("settings lock") = Some(Arc::clone(&settings));
+        *lock(&self.pushed) = Some(Arc::clone(&settings));
         for job in self.jobs() {
             job.apply_config(settings.resolve(job.id(), self.base));
             if settings.names(job.id()) {
@@ -260,22 +261,12 @@ impl Engine {
 
     /// The version of the controller's settings in force (0: none yet).
     pub fn settings_version(&self) -> u64 {
-        self.pushed
-            .lock()
-            .expect("settings lock")
-            .as_ref()
-            .map_or(0, |s| s.version)
+        lock(&self.pushed).as_ref().map_or(0, |s| s.version)
     }
 
     /// Returns every job known now.
     pub fn jobs(&self) -> Vec<Arc<Job>> {
-        let mut jobs: Vec<Arc<Job>> = self
-            .jobs
-            .lock()
-            .expect("jobs lock")
-            .values()
-            .cloned()
-            .collect();
+        let mut jobs: Vec<Arc<Job>> = lock(&self.jobs).values().cloned().collect();
         jobs.sort_by(|a, b| a.id().cmp(b.id()));
         jobs
     }
@@ -286,7 +277,7 @@ impl Engine {
         for job in self.jobs() {
             job.tune(now);
         }
-        let mut jobs = self.jobs.lock().expect("jobs lock");
+        let mut jobs = lock(&self.jobs);
         jobs.retain(|_, job| {
             let keep = job
                 .idle_since(now)
@@ -308,7 +299,7 @@ impl Engine {
 
     /// Stops every job's readers (shutdown).
     pub fn stop(&self) {
-        for job in self.jobs.lock().expect("jobs lock").values() {
+        for job in lock(&self.jobs).values() {
             job.stop();
         }
     }

@@ -11,6 +11,8 @@ mod chunk;
 mod config;
 mod dataset;
 mod engine;
+#[cfg(debug_assertions)]
+mod fault;
 mod http;
 mod job_config;
 mod metrics;
@@ -21,9 +23,12 @@ mod session;
 mod settings;
 mod shm;
 mod storage;
+mod sync;
 mod token_bucket;
+mod trust;
 mod tuner;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -32,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use tokio::net::{TcpListener, UnixListener};
+use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
@@ -43,6 +49,7 @@ pub use protocol::{PlanSpec, Request, TO_END};
 use dataset::Dataset;
 use engine::Engine;
 use metrics::Metrics;
+use trust::{Peer, TrainerAccess};
 
 /// How long shutdown waits for connections to finish their current answer.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -60,6 +67,7 @@ pub struct Stage {
     tcp: Option<TcpListener>,
     http: TcpListener,
     controller: Option<(String, session::Identity)>,
+    access: Arc<TrainerAccess>,
 }
 
 /// The addresses a bound stage listens on (printed as its ready line).
@@ -98,6 +106,10 @@ impl Stage {
             config.shared_memory,
             Metrics::new(),
         );
+        if config.trainer_access.restricts() {
+            info!("trainers may claim only the jobs and labels the `trainers:` rules allow");
+        }
+        let access = Arc::new(config.trainer_access);
         let controller = config.controller.map(|url| {
             let identity = session::Identity {
                 stage_id: config.stage_id.clone(),
@@ -115,6 +127,7 @@ impl Stage {
             tcp,
             http,
             controller,
+            access,
         })
     }
 
@@ -137,28 +150,49 @@ impl Stage {
             tcp,
             http,
             controller,
+            access,
         } = self;
         let tracker = TaskTracker::new();
+        // The long-lived tasks: each runs until `cancel` fires, so one that
+        // ends first (an error or a panic) is a failure of the stage.
+        let mut critical = Supervised::default();
         if let Some((url, identity)) = controller {
             let session = session::run(Arc::clone(&engine), url, identity, cancel.clone());
-            tokio::spawn(session.instrument(info_span!("controller")));
+            critical.spawn(
+                "controller session",
+                async move {
+                    session.await;
+                    Ok(())
+                }
+                .instrument(info_span!("controller")),
+            );
         }
-
         let app = http::router(Arc::clone(&engine));
         let http_cancel = cancel.clone();
-        let http_task = tokio::spawn(
+        critical.spawn(
+            "metrics server",
             async move {
                 axum::serve(http, app)
                     .with_graceful_shutdown(http_cancel.cancelled_owned())
                     .await
+                    .context("serving /metrics")
             }
             .instrument(info_span!("http")),
         );
-        tokio::spawn(tick(Arc::clone(&engine), cancel.clone()).instrument(info_span!("tuner")));
+        let ticking = tick(Arc::clone(&engine), cancel.clone());
+        critical.spawn(
+            "tuner",
+            async move {
+                ticking.await;
+                Ok(())
+            }
+            .instrument(info_span!("tuner")),
+        );
 
         let ctx = Accepting {
             engine: Arc::clone(&engine),
             stage_id,
+            access,
             cancel: cancel.clone(),
             tracker: tracker.clone(),
         };
@@ -168,7 +202,15 @@ impl Stage {
                 ctx.clone().run(Listener::Tcp(tcp)).await;
             }
         };
-        tokio::join!(accept_unix, accept_tcp);
+        let accepting = async { tokio::join!(accept_unix, accept_tcp) };
+        let mut failure = tokio::select! {
+            _ = accepting => None,
+            Some((name, ended)) = critical.join_next() => task_failure(name, ended, cancel.is_cancelled()),
+        };
+        if let Some(failure) = &failure {
+            tracing::error!("{failure:#}; the stage stops");
+        }
+        cancel.cancel();
         info!("shutting down: draining trainer connections");
         tracker.close();
         if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait())
@@ -179,11 +221,75 @@ impl Stage {
         }
         engine.stop();
         let _ = std::fs::remove_file(&socket_path);
-        match http_task.await {
-            Ok(result) => result.context("serving /metrics"),
-            Err(e) => bail!("the metrics server task failed: {e}"),
+        while let Some((name, ended)) = critical.join_next().await {
+            failure = failure.or(task_failure(name, ended, true));
         }
+        failure.map_or(Ok(()), Err)
     }
+}
+
+/// The stage's long-lived tasks, by name.
+#[derive(Default)]
+struct Supervised {
+    tasks: JoinSet<anyhow::Result<()>>,
+    names: HashMap<tokio::task::Id, &'static str>,
+}
+
+impl Supervised {
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = anyhow::Result<()>> + Send + 'static,
+    ) {
+        #[cfg(debug_assertions)]
+        let task = async move {
+            fault::panic_task_if_asked(name);
+            task.await
+        };
+        let id = self.tasks.spawn(task).id();
+        self.names.insert(id, name);
+    }
+
+    /// The next task to end, with its name.
+    async fn join_next(&mut self) -> Option<(&'static str, Result<anyhow::Result<()>, JoinError>)> {
+        let ended = self.tasks.join_next_with_id().await?;
+        let id = match &ended {
+            Ok((id, _)) => *id,
+            Err(e) => e.id(),
+        };
+        let name = self.names.remove(&id).unwrap_or("unnamed");
+        Some((name, ended.map(|(_, result)| result)))
+    }
+}
+
+/// Says why a long-lived task's end is a failure: its error, its panic, or
+/// that it returned before shutdown (it must run until cancelled). `None`:
+/// it finished as asked, during shutdown.
+fn task_failure(
+    name: &str,
+    ended: Result<anyhow::Result<()>, JoinError>,
+    shutting_down: bool,
+) -> Option<anyhow::Error> {
+    match ended {
+        Ok(Ok(())) if shutting_down => None,
+        Ok(Ok(())) => Some(anyhow::anyhow!("the {name} task stopped on its own")),
+        Ok(Err(e)) => Some(e.context(format!("the {name} task failed"))),
+        Err(e) if e.is_panic() => Some(anyhow::anyhow!(
+            "the {name} task panicked: {}",
+            panic_text(e)
+        )),
+        Err(e) => Some(anyhow::anyhow!("the {name} task was cancelled: {e}")),
+    }
+}
+
+/// The message of a task's panic, when it has one.
+fn panic_text(e: JoinError) -> String {
+    let payload = e.into_panic();
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_owned())
 }
 
 /// Runs every job's tuner once per tick until `cancel` fires.
@@ -206,6 +312,7 @@ enum Listener {
 struct Accepting {
     engine: Arc<Engine>,
     stage_id: Arc<str>,
+    access: Arc<TrainerAccess>,
     cancel: CancellationToken,
     tracker: TaskTracker,
 }
@@ -218,13 +325,20 @@ impl Accepting {
                 Listener::Unix(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, _)| {
                         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-                        self.serve(s, "unix".to_owned(), Some(fd));
+                        let peer = match s.peer_cred() {
+                            Ok(c) => Peer::Unix {
+                                uid: c.uid(),
+                                gid: c.gid(),
+                            },
+                            Err(_) => Peer::Unknown,
+                        };
+                        self.serve(s, peer, Some(fd));
                     })
                 }),
                 Listener::Tcp(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, peer)| {
                         let _ = s.set_nodelay(true);
-                        self.serve(s, peer.to_string(), None);
+                        self.serve(s, Peer::Tcp(peer), None);
                     })
                 }),
             };
@@ -238,7 +352,7 @@ impl Accepting {
 
     /// Serves one connection; `unix` is its socket's descriptor when it is
     /// a UNIX socket (so a shared-memory region can be passed over it).
-    fn serve<S>(&self, stream: S, peer: String, unix: Option<std::os::fd::RawFd>)
+    fn serve<S>(&self, stream: S, peer: Peer, unix: Option<std::os::fd::RawFd>)
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + std::os::fd::AsFd + Send + 'static,
     {
@@ -246,8 +360,9 @@ impl Accepting {
         let task = server::serve(
             Arc::clone(&self.engine),
             Arc::clone(&self.stage_id),
+            Arc::clone(&self.access),
             stream,
-            unix,
+            (peer, unix),
             self.cancel.clone(),
         );
         self.tracker

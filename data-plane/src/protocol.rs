@@ -52,11 +52,12 @@ pub enum ErrorCode {
     TooLarge = 18,
     Unavailable = 19,
     BadRelease = 20,
+    ClaimRefused = 21,
 }
 
 impl ErrorCode {
     /// Every code, for exhaustive metric cleanup.
-    pub const ALL: [Self; 16] = [
+    pub const ALL: [Self; 17] = [
         Self::BadFrame,
         Self::FrameTooLarge,
         Self::UnsupportedVersion,
@@ -73,6 +74,7 @@ impl ErrorCode {
         Self::TooLarge,
         Self::Unavailable,
         Self::BadRelease,
+        Self::ClaimRefused,
     ];
 
     /// Returns whether the stage closes the connection after this error.
@@ -84,6 +86,7 @@ impl ErrorCode {
                 | Self::UnsupportedVersion
                 | Self::OutOfOrder
                 | Self::BadRelease
+                | Self::ClaimRefused
         )
     }
 
@@ -106,6 +109,7 @@ impl ErrorCode {
             Self::TooLarge => "too_large",
             Self::Unavailable => "unavailable",
             Self::BadRelease => "bad_release",
+            Self::ClaimRefused => "claim_refused",
         }
     }
 }

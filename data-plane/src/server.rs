@@ -25,6 +25,7 @@ use crate::protocol::{
     Part, Payload, PlanSpec, ProtocolError, Request, Response, SAMPLES_FRAME_BUDGET, Sample,
     TO_END,
 };
+use crate::trust::{Peer, TrainerAccess};
 use shared::Shared;
 
 /// Limits on what `HELLO` may carry.
@@ -40,8 +41,9 @@ const MAX_LABEL_VALUE: usize = 256;
 pub async fn serve<S>(
     engine: Arc<Engine>,
     stage_id: Arc<str>,
+    access: Arc<TrainerAccess>,
     stream: S,
-    unix: Option<RawFd>,
+    (peer, unix): (Peer, Option<RawFd>),
     cancel: CancellationToken,
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -50,6 +52,8 @@ pub async fn serve<S>(
     metrics.connections.inc();
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut conn = Connection::new(engine, stage_id, unix);
+    conn.peer = peer;
+    conn.access = access;
     while let Some(request) = next_request(&mut rd, &mut wr, &metrics, &cancel).await {
         if conn.respond(request, &mut wr, &metrics).await.is_break() {
             break;
@@ -161,6 +165,9 @@ struct Connection {
     stage_id: Arc<str>,
     /// The socket's descriptor on a UNIX socket (shared memory possible).
     unix: Option<RawFd>,
+    /// Who is connected, and what they may claim in `HELLO`.
+    peer: Peer,
+    access: Arc<TrainerAccess>,
     job: Option<JobHandle>,
     rank: u32,
     world_size: u32,
@@ -186,6 +193,8 @@ impl Connection {
             engine,
             stage_id,
             unix,
+            peer: Peer::Unknown,
+            access: Arc::default(),
             job: None,
             rank: 0,
             world_size: 1,
@@ -338,9 +347,15 @@ impl Connection {
                 "rank {rank} of world size {world_size} is impossible: world size is at least 1 and rank is below it"
             )));
         }
+        if let Err(why) = self.access.check(&self.peer, job, &labels) {
+            return Err(ProtocolError::new(ErrorCode::ClaimRefused, why));
+        }
         self.rank = rank;
         self.world_size = world_size;
-        self.job = Some(self.engine.attach(job, labels));
+        let handle = self.engine.attach(job, labels);
+        #[cfg(debug_assertions)]
+        crate::fault::panic_job_if_asked(handle.job());
+        self.job = Some(handle);
         let granted = if features & FEATURE_SHARED_MEMORY != 0 {
             self.grant_shared_memory()
         } else {

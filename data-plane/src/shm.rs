@@ -16,6 +16,7 @@
 //! changes when its owner writes it.
 #![allow(unsafe_code)]
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
@@ -162,9 +163,7 @@ impl Region {
     }
 
     fn lock(&self) -> MutexGuard<'_, Free> {
-        self.free
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.free)
     }
 }
 

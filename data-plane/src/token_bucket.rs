@@ -8,6 +8,7 @@
 //! change at any time; readers already waiting re-check within a few
 //! milliseconds and see the new rate.
 
+use crate::sync::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -96,13 +97,13 @@ impl TokenBucket {
 
     /// Returns the limits in force.
     pub fn limits(&self) -> Limits {
-        self.state.lock().expect("limiter lock").limits
+        lock(&self.state).limits
     }
 
     /// Changes the limits. Tokens already earned are kept (up to the new
     /// burst); a bucket that was unlimited starts full.
     pub fn set_limits(&self, limits: Limits) {
-        let mut s = self.state.lock().expect("limiter lock");
+        let mut s = lock(&self.state);
         s.refill(Instant::now());
         if s.limits.bytes_per_s.is_none() {
             s.bytes.tokens = limits
@@ -124,7 +125,7 @@ impl TokenBucket {
     /// Takes `bytes` and one operation if both are available now; otherwise
     /// returns how long to wait before asking again.
     pub fn try_acquire(&self, bytes: u64) -> Result<(), Duration> {
-        let mut s = self.state.lock().expect("limiter lock");
+        let mut s = lock(&self.state);
         let limits = s.limits;
         if limits.bytes_per_s.is_none() && limits.ops_per_s.is_none() {
             return Ok(());

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Iterator, List, Mapping, Optional, Tuple, Union
@@ -40,11 +41,12 @@ from .errors import (
     SluiceError,
     StageTimeoutError,
     TooLargeError,
+    UnavailableError,
     UnsupportedVersionError,
     error_from_code,
 )
 
-from .iterator import PlanIterator, _Prefetcher
+from .iterator import PlanIterator, _Prefetcher, _Resume
 
 __all__ = ["Client", "Dataset", "FileList", "PlanIterator", "parse_address"]
 
@@ -196,6 +198,15 @@ class Client:
             :mod:`sluice.shm` for how long a sample stays valid). ``None``
             (the default) uses it wherever the stage and the platform offer
             it, ``False`` always takes bytes in the frames.
+        reconnect: seconds to keep trying to connect again when the stage
+            goes away (a restart, a rolling update), with backoff from
+            50 ms to 1 s; ``0`` gives up at once. Requests that read
+            (``read``, ``fetch``, listing) are sent again on the new
+            connection, and a plan iterator resumes at the first sample it
+            has not received (see :meth:`Dataset.epoch`). Past the time,
+            the failure is a :class:`sluice.ConnectionClosedError` that
+            says so. :attr:`reconnects` counts the reconnections and
+            :attr:`reconnect_wait_s` the time spent waiting for them.
 
     Sends ``HELLO`` on construction; the stage's answer is in
     :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
@@ -213,6 +224,7 @@ class Client:
         world_size: int = 1,
         timeout: Optional[float] = None,
         shared_memory: Optional[bool] = None,
+        reconnect: float = 60.0,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -241,6 +253,19 @@ class Client:
         self._region: Optional[_shm.Region] = None
         self._dataset: Optional[Dataset] = None
         self._plan_generation = 0
+        self._timeout = timeout
+        self._want_shm = shared_memory
+        self.reconnect = reconnect
+        #: How many times this client connected again after losing the stage.
+        self.reconnects = 0
+        #: Seconds spent waiting for the stage to come back, in all.
+        self.reconnect_wait_s = 0.0
+        # Which connection this is (bumped by each reconnection), and the
+        # region of the one before, kept mapped for samples handed over
+        # from it.
+        self._connection = 0
+        self._previous_region: Optional[_shm.Region] = None
+        self._user_closed = False
         self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
         try:
             if isinstance(address, socket.socket):
@@ -308,7 +333,7 @@ class Client:
         welcome = self._check_welcome(msg, version)
         if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
             self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self))
-            _shm.register(welcome.stage_id, self.job, self._region)
+            _shm.register(self._region)
         elif fd is not None:
             os.close(fd)
         self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
@@ -327,13 +352,26 @@ class Client:
         """Whether samples come in shared memory on this connection."""
         return self._region is not None
 
-    def hand_off(self, owners) -> None:
+    def hand_off(self, owners, region: "_shm.Region") -> bool:
         """Gives samples this client received in shared memory (their owning
-        objects, see :meth:`sluice.shm.Region.slot`) to the job: another
-        process of the job maps them and returns them (``HAND_OFF``)."""
-        if self._region is None or self._closed:
-            return
-        self._notify(p.encode_hand_off(self._region.hand_off(owners)))
+        objects, see :meth:`sluice.shm.Region.slot`, all from ``region``) to
+        the job: another process of the job maps them and returns them
+        (``HAND_OFF``). Returns False, handing nothing, when ``region`` is
+        no longer this connection's (the stage went away since): the
+        caller must then pass the samples' bytes instead."""
+        self._check_process()
+        with self._lock:
+            if self._closed or self._region is not region:
+                return False
+            frame = p.encode_hand_off(region.hand_off(owners))
+            try:
+                self._sock.sendall(frame)
+            except OSError:
+                self._abort()
+                for owner in owners:
+                    owner.handed = False
+                return False
+        return True
 
     def _flush_returns(self) -> None:
         """Sends the returns waiting in the region now (the client is idle)."""
@@ -395,6 +433,7 @@ class Client:
         of this client then end with :class:`sluice.ConnectionClosedError`
         after the batches they already received, and their threads exit.
         """
+        self._user_closed = True
         if self._closed:
             return
         if os.getpid() != self._pid:
@@ -498,6 +537,52 @@ class Client:
             self._abort()
             raise ProtocolError(f"the stage answered with {type(msg).__name__.upper()} where "
                                 f"{expect.__name__.upper()} was expected", fatal=True)
+
+    def _reconnect(self, cause: BaseException, seen: int) -> None:
+        """Connects again after the stage went away (``cause``), unless
+        another thread already did since connection ``seen``. Says
+        ``HELLO`` as before and re-opens the open dataset; raises ``cause``
+        when this client may not reconnect, and a
+        :class:`ConnectionClosedError` that says so when the stage did not
+        come back within :attr:`reconnect` seconds."""
+        if (self._user_closed or self.address is None or not self.reconnect
+                or os.getpid() != self._pid):
+            raise cause
+        with self._lock:
+            if self._connection != seen:
+                return
+            self._abort()
+            if self._region is not None:
+                self._previous_region, self._region = self._region, None
+            start = time.monotonic()
+            delay, last = 0.05, cause
+            while True:
+                if self._user_closed:
+                    raise cause
+                try:
+                    self._sock = _connect(self.address, self._timeout)
+                    self._closed = False
+                    welcome = self._hello(self.protocol_version, self._want_shm)
+                    break
+                except (OSError, ConnectionClosedError, UnavailableError, StageTimeoutError) as e:
+                    self._abort()
+                    last = e
+                if time.monotonic() - start + delay > self.reconnect:
+                    raise ConnectionClosedError(
+                        f"the stage at {self.address} went away ({cause}) and did not come back "
+                        f"within {self.reconnect:g} s (last attempt: {last}); start it again, or give "
+                        "the client a longer reconnect time", fatal=True) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            self._connection += 1
+            self.reconnects += 1
+            self.reconnect_wait_s += time.monotonic() - start
+            self.stage_id = welcome.stage_id
+            self.max_request_frame = welcome.max_request_frame
+            self.max_response_frame = welcome.max_response_frame
+            dataset, self._dataset = self._dataset, None
+            if dataset is not None:
+                dataset._reopen_if_needed()
 
     def _pending_error(self):
         try:
@@ -650,11 +735,18 @@ class Dataset:
         return f"<sluice.Dataset {self.name!r} files={self.file_count} bytes={self.total_bytes}>"
 
     def _call(self, frame: bytes, expect: type) -> tuple:
+        """One request that only reads (sent again on a new connection if
+        the stage went away meanwhile)."""
         c = self.client
         c._check_process()
-        with c._lock:  # re-OPEN and the request are not split by another thread
-            self._reopen_if_needed()
-            return c._call(frame, expect)
+        while True:
+            seen = c._connection
+            try:
+                with c._lock:  # re-OPEN and the request are not split by another thread
+                    self._reopen_if_needed()
+                    return c._call(frame, expect)
+            except (ConnectionClosedError, UnavailableError) as e:
+                c._reconnect(e, seen)
 
     def _reopen_if_needed(self) -> None:
         c = self.client
@@ -696,21 +788,27 @@ class Dataset:
         ``with`` block, or dropping it) to stop the thread early.
         """
         frame = p.encode_plan_shuffle(epoch, seed, shuffle, self.file_count, self.digest)
-        return self._submit(frame, epoch, batch, on_error, prefetch)
+        return self._submit(frame, epoch, batch, on_error, prefetch,
+                            _Resume(lambda: self.local_order(epoch, seed, shuffle),
+                                    lambda rest: p.encode_plan_indices(epoch, rest)))
 
     def plan_indices(self, indices: Sequence[int], epoch: int, batch: int = 32,
                      on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits an explicit plan of file indices (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
-        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error, prefetch)
+        indices = list(indices)
+        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error, prefetch,
+                            _Resume(lambda: indices, lambda rest: p.encode_plan_indices(epoch, rest)))
 
     def plan_names(self, names: Sequence[str], epoch: int, batch: int = 32,
                    on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits an explicit plan of file names (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
-        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error, prefetch)
+        names = list(names)
+        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error, prefetch,
+                            _Resume(lambda: names, lambda rest: p.encode_plan_names(epoch, rest)))
 
     def local_order(self, epoch: int, seed: int = 0, shuffle: bool = True) -> List[int]:
         """Returns the file indices :meth:`epoch` delivers for this client's
@@ -718,7 +816,8 @@ class Dataset:
         c = self.client
         return _plan.shuffle_plan(self.file_count, seed, epoch, shuffle, c.rank, c.world_size)
 
-    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str, prefetch: int) -> "PlanIterator":
+    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str, prefetch: int,
+                resume: "_Resume") -> "PlanIterator":
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(batch, int) or not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
@@ -733,7 +832,7 @@ class Dataset:
             self._reopen_if_needed()
             planned = c._call(frame, p.Planned)
             c._plan_generation += 1
-            return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch)
+            return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
 
     # -- random access -------------------------------------------------------
 

@@ -39,6 +39,7 @@ __all__ = [
     "TooLargeError",
     "UnavailableError",
     "BadReleaseError",
+    "ClaimRefusedError",
     "ConnectionClosedError",
     "ProtocolError",
     "StageTimeoutError",
@@ -65,6 +66,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 18
     UNAVAILABLE = 19
     BAD_RELEASE = 20
+    CLAIM_REFUSED = 21
 
 
 class SluiceError(Exception):
@@ -228,6 +230,14 @@ class BadReleaseError(SluiceError):
     default_code = ErrorCode.BAD_RELEASE
 
 
+class ClaimRefusedError(SluiceError, PermissionError):
+    """The stage's rules do not let this trainer (its uid and gid on a UNIX
+    socket, or TCP) claim the job or a label it named in ``HELLO``; the
+    message says which. The connection is closed."""
+
+    default_code = ErrorCode.CLAIM_REFUSED
+
+
 class ConnectionClosedError(SluiceError, ConnectionError):
     """The connection to the stage closed (or failed) unexpectedly."""
 
@@ -267,6 +277,7 @@ _BY_CODE = {
         TooLargeError,
         UnavailableError,
         BadReleaseError,
+        ClaimRefusedError,
     )
 }
 

@@ -6,15 +6,21 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple, Union
 
 from . import protocol as p
-from .errors import ProtocolError, SluiceError, error_from_code
+from .errors import (ConnectionClosedError, PlanConflictError, ProtocolError, SluiceError, UnavailableError,
+                     error_from_code)
 
 if TYPE_CHECKING:
     from .client import Client, Dataset
 
 __all__ = ["PlanIterator"]
+
+#: How long a resumed plan keeps meeting the old connection's plan (on a
+#: stage that did not restart) before the conflict is an error.
+RESUBMIT_CONFLICT_S = 2.0
 
 
 class PlanIterator:
@@ -38,7 +44,7 @@ class PlanIterator:
     """
 
     def __init__(self, dataset: Dataset, epoch: int, planned: p.Planned, batch: int, yield_errors: bool,
-                 prefetch: int = 0):
+                 prefetch: int = 0, resume: Optional["_Resume"] = None):
         self.dataset = dataset
         self.epoch = epoch
         self.length: int = planned.length
@@ -47,7 +53,8 @@ class PlanIterator:
         self.prefetch = prefetch
         self._batch = batch
         self._yield_errors = yield_errors
-        self._generation = dataset.client._plan_generation
+        self._exchanger = _Exchanger(dataset, batch, planned,
+                                     resume if planned.state == p.PlanState.CREATED else None)
         self._pending: List[p.Sample] = []
         self._next_pending = 0
         self._end = False
@@ -145,18 +152,15 @@ class PlanIterator:
     def _exchange_fn(self):
         """Returns a callable doing one NEXT exchange that holds no
         reference to this iterator (the prefetch thread runs it)."""
-        client = self.dataset.client
-        dataset = self.dataset
-        generation = self._generation
-        frame = p.encode_next(self._batch)
-
-        def exchange() -> p.Samples:
-            return _next_exchange(client, dataset, generation, frame)
-
-        return exchange
+        return self._exchanger
 
     def _exchange(self) -> p.Samples:
-        return _next_exchange(self.dataset.client, self.dataset, self._generation, p.encode_next(self._batch))
+        return self._exchanger()
+
+    @property
+    def resumed(self) -> int:
+        """How many times this plan was resumed on a new connection."""
+        return self._exchanger.resumed
 
     def __repr__(self) -> str:
         mode = f"prefetch={self.prefetch}" if self.prefetch else "synchronous"
@@ -178,6 +182,87 @@ def _next_exchange(client: Client, dataset: Dataset, generation: int, frame: byt
         raise ProtocolError("the stage answered NEXT with no samples and without the end flag",
                             fatal=False)
     return got
+
+
+class _Resume:
+    """How to submit what is left of a plan: ``order()`` gives the whole
+    plan's entries (indices or names) in order, ``encode(rest)`` the
+    ``PLAN`` frame of a tail of them."""
+
+    __slots__ = ("order", "encode")
+
+    def __init__(self, order, encode) -> None:
+        self.order = order
+        self.encode = encode
+
+
+class _Exchanger:
+    """Does one plan's ``NEXT`` exchanges, and resumes the plan when the
+    stage goes away: after the client connected again, it submits the
+    entries from the first one not yet received, so that none is delivered
+    twice or skipped. Only a plan this connection created and read alone
+    (its positions came without gaps) resumes; any other raises the lost
+    connection. Holds no reference to the iterator."""
+
+    def __init__(self, dataset: Dataset, batch: int, planned: p.Planned, resume: Optional[_Resume]) -> None:
+        self.client = dataset.client
+        self.dataset = dataset
+        self.generation = dataset.client._plan_generation
+        self.frame = p.encode_next(batch)
+        self.length = planned.length
+        self.resume = resume
+        # Plan position of the current submission's entry 0, and the next
+        # position expected.
+        self.base = 0
+        self.next = 0
+        self.resumed = 0
+
+    def __call__(self) -> p.Samples:
+        while True:
+            seen = self.client._connection
+            try:
+                got = _next_exchange(self.client, self.dataset, self.generation, self.frame)
+            except (ConnectionClosedError, UnavailableError) as e:
+                if self.resume is None:
+                    raise
+                self.client._reconnect(e, seen)
+                if self.next >= self.length:
+                    return p.Samples(end=True, samples=[])
+                self._resubmit()
+                continue
+            if self.resume is not None:
+                self._track(got)
+            return got
+
+    def _track(self, got: p.Samples) -> None:
+        base = self.base
+        for s in got.samples:
+            if base + s.position != self.next:
+                # Another connection claims entries of this plan: resuming
+                # from here could deliver theirs again.
+                self.resume = None
+                return
+            self.next += 1
+
+    def _resubmit(self) -> None:
+        c = self.client
+        rest = self.resume.order()[self.next:]
+        # On a stage that stayed up, the old connection's plan lives until
+        # the stage sees that connection close: a moment, so try again.
+        deadline = time.monotonic() + RESUBMIT_CONFLICT_S
+        while True:
+            try:
+                with c._lock:
+                    c._call(self.resume.encode(rest), p.Planned)
+                    c._plan_generation += 1
+                    self.generation = c._plan_generation
+                break
+            except PlanConflictError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+        self.base = self.next
+        self.resumed += 1
 
 
 class _Failed:

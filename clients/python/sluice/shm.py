@@ -38,6 +38,8 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .errors import ConnectionClosedError
+
 __all__ = ["Region", "supported", "receive_with_fd", "region_of", "register"]
 
 PAGE = mmap.PAGESIZE
@@ -51,7 +53,8 @@ def supported() -> bool:
 
 def receive_with_fd(sock: socket.socket, limit: int):
     """Receives one whole frame (``u32`` length first) and the descriptor
-    that came with its first byte, if any. Returns ``(frame, fd or None)``."""
+    that came with its first byte, if any. Returns ``(frame, fd or None)``;
+    raises :class:`ConnectionClosedError` when the stream ends first."""
     data, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
     fd = fds[0] if fds else None
     for extra in fds[1:]:
@@ -62,7 +65,8 @@ def receive_with_fd(sock: socket.socket, limit: int):
                 break
             more = sock.recv(65536)
             if not more:
-                break
+                what = "before answering" if not data else "in the middle of its answer"
+                raise ConnectionClosedError(f"the stage closed the connection {what}", fatal=True)
             data += more
     except BaseException:
         if fd is not None:
@@ -90,10 +94,15 @@ class Region:
 
     def __init__(self, fd: int, size: int, flush: Optional[Callable[[], None]] = None) -> None:
         try:
+            st = os.fstat(fd)
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.size = size
+        #: Names this region among every process that maps it (the
+        #: stage's memory file), so that samples handed over from another
+        #: process are mapped through the same region, never another.
+        self.ident: Tuple[int, int] = (st.st_dev, st.st_ino)
         # Offsets of samples whose last reference went; appended from
         # whatever thread drops it (deque operations are atomic).
         self._returned: collections.deque = collections.deque()
@@ -238,23 +247,20 @@ class Region:
 
 # -- which region a process holds for a job --------------------------------------------
 
-#: (stage id, job) -> the region of a client of this process connected to
-#: that job. Samples handed over by another process of the job are mapped
-#: through it.
-_REGIONS: Dict[Tuple[str, str], "weakref.ref[Region]"] = {}
+#: Region identity -> the region as this process maps it. Samples handed
+#: over by another process of the job are mapped through it.
+_REGIONS: "weakref.WeakValueDictionary[Tuple[int, int], Region]" = weakref.WeakValueDictionary()
 
 
-def register(stage_id: str, job: str, region: Region) -> None:
-    """Records ``region`` as this process's mapping of ``job`` on stage
-    ``stage_id``."""
-    _REGIONS[(stage_id, job)] = weakref.ref(region)
+def register(region: Region) -> None:
+    """Records ``region`` as this process's mapping of its memory file."""
+    _REGIONS[region.ident] = region
 
 
-def region_of(stage_id: str, job: str) -> Optional[Region]:
-    """Returns this process's open region of ``job`` on stage ``stage_id``,
-    if a client of it is connected."""
-    ref = _REGIONS.get((stage_id, job))
-    region = ref() if ref is not None else None
-    if region is None or not region._open or region._pid != os.getpid():
+def region_of(ident: Tuple[int, int]) -> Optional[Region]:
+    """Returns this process's mapping of the region ``ident``, if a client
+    of this process holds it (open, or kept after its stage went away)."""
+    region = _REGIONS.get(tuple(ident))
+    if region is None or region._pid != os.getpid():
         return None
     return region

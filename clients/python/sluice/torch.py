@@ -21,8 +21,8 @@ The sampler hands the stage this rank's plan for the epoch when the
 the workers will ask; each worker's whole-file ``READ`` of a planned file is
 then served from the stage's buffer.
 
-**Iterable**: every worker joins the same plan and the stage hands each
-entry to exactly one of them::
+**Iterable**: each worker reads every ``num_workers``-th entry of the
+rank's order as a plan of its own, so every entry comes exactly once::
 
     ds = SluiceIterableDataset("/run/sluice/stage.sock", "imagenet",
                                job="resnet50", seed=1234, transform=decode)
@@ -53,6 +53,11 @@ pickled. The map-style dataset reads each batch with one request
 
 Every process (the main one and each ``DataLoader`` worker) opens its own
 connection, lazily, on first use: datasets can be pickled and forked freely.
+When the stage restarts (a rolling update), each connection waits for it
+(``reconnect`` seconds, 60 by default) and goes on: the sampler submits its
+plan again and the workers' reads are sent again, an iterable worker resumes
+its plan at the first sample it had not received. No sample is lost or
+delivered twice.
 With ``persistent_workers=True`` a worker keeps the copy of an iterable
 dataset it started with, so ``set_epoch`` in the main process does not reach
 it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
@@ -61,6 +66,8 @@ it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
 from __future__ import annotations
 
 import os
+import select
+import socket
 from typing import Callable, Iterator, Mapping, Optional, Tuple
 
 import torch.distributed as _dist
@@ -71,7 +78,7 @@ from torch.utils.data import default_collate as _default_collate
 
 from . import plan as _plan
 from .client import DEFAULT_PREFETCH, Client, Dataset
-from .errors import ErrorCode, SluiceError, error_from_code
+from .errors import ConnectionClosedError, ErrorCode, SluiceError, error_from_code
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "collate"]
@@ -90,7 +97,7 @@ def _as_tensor(data, client: Client):
             return _torch.empty(0, dtype=_torch.uint8)
         tensor = _torch.frombuffer(data, dtype=_torch.uint8)
         if hasattr(data.obj, "handed"):
-            tensor._sluice_slot = (client, data.obj)
+            tensor._sluice_slot = (client, data.obj, client._region)
         return tensor
     if not data:
         return _torch.empty(0, dtype=_torch.uint8)
@@ -146,11 +153,16 @@ class _SlotBatch:
         self.samples = samples
 
     def __reduce__(self):
-        client = self.samples[0]._sluice_slot[0]
+        client, _, region = self.samples[0]._sluice_slot
         owners = [s._sluice_slot[1] for s in self.samples]
+        same = all(s._sluice_slot[2] is region for s in self.samples)
+        if region is None or not same or not client.hand_off(owners, region):
+            # The stage went away since these samples came (or they span
+            # two of its lives): nobody would return the slots the main
+            # process maps, so send the bytes instead.
+            return (_stack, ([s.clone() for s in self.samples],))
         slots = [(o.offset, s.numel()) for o, s in zip(owners, self.samples)]
-        client.hand_off(owners)
-        return (_rebuild_batch, (client.address, client.job, client.labels, client.stage_id, slots))
+        return (_rebuild_batch, (client.address, client.job, client.labels, region.ident, slots))
 
 
 #: Connections the main process opened to map samples handed to it, by
@@ -158,27 +170,49 @@ class _SlotBatch:
 _mapping_clients: dict = {}
 
 
-def _rebuild_batch(address, job: str, labels, stage_id: str, slots):
-    """In the main process: the samples at ``slots`` of ``job``'s region on
-    stage ``stage_id``, stacked (or a list when their sizes differ)."""
+def _rebuild_batch(address, job: str, labels, ident, slots):
+    """In the main process: the samples at ``slots`` of ``job``'s region
+    ``ident`` (see :attr:`sluice.shm.Region.ident`), stacked (or a list when
+    their sizes differ)."""
     from . import shm as _shm
 
-    region = _shm.region_of(stage_id, job)
+    region = _shm.region_of(ident)
     if region is None and address is not None:
         key = (str(address), job)
         client = _mapping_clients.get(key)
         if client is None or client.closed:
             client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True)
-        if client.stage_id == stage_id:
-            region = client._region
+        region = _shm.region_of(ident)
     if region is None:
-        raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in stage "
-                           f"{stage_id!r}'s shared memory, and this process cannot map them")
-    views = [_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
-             else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
+        raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
+                           "region this process cannot map (the stage restarted in between?)")
+    return _stack([_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
+                   else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots])
+
+
+def _stack(views):
+    """One tensor of the samples when their sizes agree, else the list."""
     if len({v.numel() for v in views}) == 1:
         return _torch.stack(views)
     return views
+
+
+#: How many indices a sampler yields between checks that its stage is
+#: still there.
+RECHECK_EVERY = 256
+
+
+def _went_away(client: Optional[Client]) -> bool:
+    """Whether the stage closed ``client``'s idle connection (it sends
+    nothing unasked, so a readable socket that reads as end of file means
+    it is gone)."""
+    if client is None or client.closed:
+        return client is not None
+    try:
+        ready, _, _ = select.select([client._sock], [], [], 0)
+        return bool(ready) and client._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _distributed_place(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -203,7 +237,7 @@ class _PerProcess:
     """
 
     def __init__(self, address, dataset: str, job: str, labels, rank: int, world_size: int,
-                 timeout: Optional[float]) -> None:
+                 timeout: Optional[float], reconnect: float = 60.0) -> None:
         self.address = address
         self.dataset_name = dataset
         self.job = job
@@ -211,6 +245,7 @@ class _PerProcess:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.reconnect = reconnect
         self._pid: Optional[int] = None
         self._client: Optional[Client] = None
         self._dataset: Optional[Dataset] = None
@@ -221,7 +256,8 @@ class _PerProcess:
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
             self._client = Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
-                                  world_size=self.world_size, timeout=self.timeout)
+                                  world_size=self.world_size, timeout=self.timeout,
+                                  reconnect=self.reconnect)
             self._pid = os.getpid()
             ds = self._client.dataset(self.dataset_name)
             if self.expected_digest is not None and ds.digest != self.expected_digest:
@@ -271,6 +307,9 @@ class SluiceDataset(_data.Dataset):
         timeout: per-operation socket timeout in seconds (None: no limit).
         sample: ``"tensor"`` (a ``torch.uint8`` tensor, the default),
             ``"bytes"`` or ``"memoryview"``.
+        reconnect: seconds each process keeps trying to reach its stage
+            again after losing it (see :class:`sluice.Client`): a restarted
+            stage costs the epoch a wait, not an error.
 
     Connects once in the constructor (to learn the file count) and then once
     per process that reads.
@@ -278,7 +317,7 @@ class SluiceDataset(_data.Dataset):
 
     def __init__(self, address, dataset: str, job: str, labels: Optional[Mapping[str, str]] = None,
                  transform: Optional[Callable[[object], object]] = None,
-                 timeout: Optional[float] = None, sample: str = "tensor") -> None:
+                 timeout: Optional[float] = None, sample: str = "tensor", reconnect: float = 60.0) -> None:
         self.address = address
         self.dataset = dataset
         self.job = job
@@ -287,7 +326,8 @@ class SluiceDataset(_data.Dataset):
         self.timeout = timeout
         self.sample = sample
         self._convert = _converter(sample)
-        self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout)
+        self.reconnect = reconnect
+        self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout, reconnect)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.total_bytes: int = ds.total_bytes
@@ -343,7 +383,7 @@ class SluiceSampler(_data.Sampler):
         self.epoch = 0
         self.plan_state: Optional[PlanState] = None
         self._conn = _PerProcess(dataset.address, dataset.dataset, dataset.job, dataset.labels,
-                                 self.rank, self.world_size, dataset.timeout)
+                                 self.rank, self.world_size, dataset.timeout, dataset.reconnect)
         self._conn.expected_digest = dataset.digest
         self._plan = None
 
@@ -370,7 +410,27 @@ class SluiceSampler(_data.Sampler):
             raise error_from_code(ErrorCode.BAD_PLAN,
                                   f"the stage planned {self._plan.length} entries for rank {self.rank} "
                                   f"but the local derivation gives {len(order)}")
-        return iter(order)
+        return self._indices(order)
+
+    def _indices(self, order) -> Iterator[int]:
+        """Yields ``order``; when the stage went away meanwhile (its
+        restart dropped the plan), plans the rest again once it is back,
+        so the workers' reads are prefetched again."""
+        for i, index in enumerate(order):
+            if i and i % RECHECK_EVERY == 0 and _went_away(self._conn._client):
+                self._replan(order[i:])
+            yield index
+
+    def _replan(self, rest) -> None:
+        client = self._conn._client
+        try:
+            client._reconnect(ConnectionClosedError("the stage closed the connection", fatal=True),
+                              client._connection)
+            self._plan = self._conn._dataset.plan_indices(rest, self.epoch, prefetch=0)
+        except SluiceError:
+            # Not back (yet): the workers' reads go on without the plan,
+            # and reconnect on their own.
+            self._plan = None
 
     def close(self) -> None:
         """Closes the sampler's connection (the stage frees the plan's buffer)."""
@@ -379,18 +439,20 @@ class SluiceSampler(_data.Sampler):
 
 
 class SluiceIterableDataset(_data.IterableDataset):
-    """Streams this rank's epoch in plan order; workers share one plan.
+    """Streams this rank's epoch in plan order, split between workers.
 
     In every process that iterates it (each ``DataLoader`` worker, or the
-    main process with ``num_workers=0``) it connects, submits the ``SHUFFLE``
-    plan for ``(job, rank, epoch)`` (the first creates it, the others join)
-    and yields ``(name, sample)`` for the entries the stage hands it until the
-    plan ends. Across workers every entry comes exactly once; the order
-    within a worker follows the plan.
+    main process with ``num_workers=0``) it connects, submits the
+    ``SHUFFLE`` plan of its share and yields ``(name, sample)`` in plan
+    order until the plan ends. With ``W`` workers, worker ``w`` of rank
+    ``r`` (world size ``R``) reads the shard ``w * R + r`` of ``R * W`` (the
+    stage sees it as that rank): every ``W``-th entry of the rank's order,
+    so across workers every entry comes exactly once, and a worker whose
+    stage restarts resumes its own plan where it stopped.
 
     Args:
-        address, dataset, job, labels, transform, timeout, sample: as for
-            :class:`SluiceDataset`.
+        address, dataset, job, labels, transform, timeout, sample, reconnect:
+            as for :class:`SluiceDataset`.
         seed, shuffle: the plan's shuffle (see :mod:`sluice.plan`).
         rank, world_size: default to torch.distributed's, else 0 and 1.
         batch: samples asked for per ``NEXT`` round trip.
@@ -410,7 +472,7 @@ class SluiceIterableDataset(_data.IterableDataset):
                  transform: Optional[Callable[[object], object]] = None,
                  labels: Optional[Mapping[str, str]] = None, on_error: str = "raise",
                  timeout: Optional[float] = None, prefetch: int = DEFAULT_PREFETCH,
-                 sample: str = "tensor") -> None:
+                 sample: str = "tensor", reconnect: float = 60.0) -> None:
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -428,7 +490,8 @@ class SluiceIterableDataset(_data.IterableDataset):
         self._convert = _converter(sample)
         self.on_error = on_error
         self.epoch = 0
-        self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout)
+        self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
+                                 reconnect)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.digest: int = ds.digest
@@ -442,6 +505,13 @@ class SluiceIterableDataset(_data.IterableDataset):
         return n // w + (1 if self.rank < n % w else 0)
 
     def __iter__(self) -> Iterator[tuple]:
+        info = _data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            # Each worker reads its own share of the rank's order (every
+            # num_workers-th entry), as a plan of its own: a worker that
+            # loses its stage resumes its plan alone, exactly once.
+            self._conn.rank = info.id * self.world_size + self.rank
+            self._conn.world_size = self.world_size * info.num_workers
         ds = self._conn.get()
         it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
                       on_error=self.on_error, prefetch=self.prefetch)

@@ -142,7 +142,7 @@ def test_connection_lost_mid_epoch(tmp_path, data):
     hook = nth_next(2, lambda: (b"", True))  # the stage hangs up
     stage = FakeStage(str(tmp_path / "s.sock"), {"d": str(data[0])}, script={p.MsgType.NEXT: hook})
     try:
-        c = sluice.Client(stage.path, job="j")
+        c = sluice.Client(stage.path, job="j", reconnect=0)
         it = c.dataset("d").epoch(0, batch=5)
         assert len([next(it) for _ in range(5)]) == 5
         with pytest.raises(sluice.ConnectionClosedError):

@@ -186,7 +186,7 @@ def test_a_sample_handed_to_another_connection_is_returned_there(stage_factory, 
     with sluice.Client(stage.socket, job="hand") as worker, sluice.Client(stage.socket, job="hand") as main:
         (_, data), = worker.dataset("d").fetch([name])
         owner = data.obj
-        worker.hand_off([owner])
+        assert worker.hand_off([owner], worker._region)
         main.dataset("d")
         view = main._region.view(owner.offset, len(data))
         assert bytes(view) == files[name]

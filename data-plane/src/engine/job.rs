@@ -32,6 +32,7 @@ mod gate;
 mod lending;
 mod readers;
 
+use crate::sync::lock;
 pub use delivery::{PlanHandle, Reservation};
 use gate::Gate;
 pub use gate::SETTINGS_WAIT;
@@ -307,11 +308,22 @@ impl Job {
     }
 
     pub(super) fn set_labels(&self, labels: BTreeMap<String, String>) {
-        *self.labels.lock().expect("labels lock") = labels;
+        *lock(&self.labels) = labels;
+    }
+
+    /// Panics while holding this job's lock (a test's injected fault: see
+    /// `server::fault`).
+    #[cfg(debug_assertions)]
+    pub fn panic_holding_lock(&self) {
+        let _held = self.lock();
+        panic!(
+            "injected fault: a panic while holding job `{}`'s lock",
+            self.id
+        );
     }
 
     fn lock(&self) -> MutexGuard<'_, JobState> {
-        self.state.lock().expect("job lock poisoned")
+        lock(&self.state)
     }
 
     /// Returns how long the job has had no connection, if it has none.
@@ -336,10 +348,7 @@ impl Job {
     /// total shows in the gauges when the guard goes.
     pub fn lend_book(&self) -> LendBook<'_> {
         LendBook {
-            book: self
-                .lending
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            book: lock(&self.lending),
             gauge: &self.lent_gauge,
         }
     }
@@ -541,7 +550,7 @@ impl Job {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         JobSnapshot {
             job: self.id.clone(),
-            labels: self.labels.lock().expect("labels lock").clone(),
+            labels: lock(&self.labels).clone(),
             delivered_bytes: load(&self.stats.delivered_bytes),
             delivered_samples: load(&self.stats.delivered_samples),
             storage_reads: load(&self.stats.reads),

@@ -6,6 +6,7 @@
 //! hold never outlasts [`SETTINGS_WAIT`]: a slow or unreachable controller
 //! delays a job's start by that much at most (fail-static).
 
+use crate::sync::{lock, wait_timeout};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,7 +33,7 @@ impl Gate {
     /// Opens the gate for good and wakes every waiter; returns whether
     /// this call opened it (it was closed).
     pub fn open(&self) -> bool {
-        let mut closed = self.closed_until.lock().unwrap_or_else(|e| e.into_inner());
+        let mut closed = lock(&self.closed_until);
         let was_closed = closed.take().is_some();
         if was_closed {
             self.opened.notify_all();
@@ -44,18 +45,14 @@ impl Gate {
     /// it stays open). Returns whether this call opened it at the
     /// deadline.
     pub fn wait(&self) -> bool {
-        let mut closed = self.closed_until.lock().unwrap_or_else(|e| e.into_inner());
+        let mut closed = lock(&self.closed_until);
         while let Some(deadline) = *closed {
             let now = Instant::now();
             if now >= deadline {
                 *closed = None;
                 return true;
             }
-            closed = self
-                .opened
-                .wait_timeout(closed, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            closed = wait_timeout(&self.opened, closed, deadline - now);
         }
         false
     }

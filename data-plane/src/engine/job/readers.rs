@@ -11,7 +11,9 @@ use crate::dataset::Dataset;
 use crate::engine::Memory;
 use crate::engine::plan_run::Fetched;
 use crate::metrics::{DatasetMetrics, Metrics};
+use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::whole_footprint;
+use crate::sync::{wait, wait_timeout};
 
 /// A fetch a reader has committed to.
 pub(super) struct Work {
@@ -86,12 +88,9 @@ impl Job {
                             st.readers_idle += 1;
                             st.readers_short += short;
                             st = if matches!(idle, Idle::OverBudget) {
-                                self.work
-                                    .wait_timeout(st, MEMORY_RECHECK)
-                                    .expect("job lock poisoned")
-                                    .0
+                                wait_timeout(&self.work, st, MEMORY_RECHECK)
                             } else {
-                                self.work.wait(st).expect("job lock poisoned")
+                                wait(&self.work, st)
                             };
                             st.readers_idle -= 1;
                             st.readers_short -= short;
@@ -108,9 +107,19 @@ impl Job {
         self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
         self.throttle(work.file_bytes);
         let start = Instant::now();
-        let data = work
-            .dataset
-            .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len));
+        // A panic while reading (a bug) becomes this sample's error: the
+        // reader thread, and the plan waiting for the entry, go on.
+        let data = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            work.dataset
+                .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len))
+        }))
+        .unwrap_or_else(|_| {
+            tracing::error!(job = %self.id, file = %work.name, "a reader panicked reading this file");
+            Err(ProtocolError::new(
+                ErrorCode::IoError,
+                format!("the stage failed internally reading `{}` (its log has the details)", work.name),
+            ))
+        });
         self.count_read(&work.metrics, start.elapsed(), &data);
         self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
 

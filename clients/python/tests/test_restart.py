@@ -1,0 +1,296 @@
+"""Trainers across a stage restart, a panicking connection, and refused
+claims, against the real sluice-stage."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import sluice
+from sluice.bench.stage import StageProcess
+
+from conftest import READY_TIMEOUT, stage_binary, wait_for
+
+FILES = 1200
+
+
+@pytest.fixture
+def many_files(tmp_path):
+    """FILES small files: ``(root, {name: bytes})``."""
+    root = tmp_path / "many"
+    rng = random.Random(7)
+    files = {}
+    for i in range(FILES):
+        name = f"d{i % 7}/s{i:05d}.bin"
+        files[name] = rng.randbytes(rng.randrange(1, 3000))
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(files[name])
+    return root, files
+
+
+class Restartable:
+    """A stage on a fixed socket that a test kills (SIGKILL) and starts again."""
+
+    def __init__(self, tmp_path, root, *extra, env=None):
+        self.sock = str(tmp_path / "restart.sock")
+        self.root = str(root)
+        self.extra = list(extra)
+        self.env = env
+        self.tmp_path = tmp_path
+        self.stage = None
+        self.starts = 0
+        self.start()
+
+    def start(self):
+        self.starts += 1
+        old = os.environ.copy()
+        os.environ.update(self.env or {})
+        try:
+            self.stage = StageProcess.start(
+                str(stage_binary()), self.sock, {"ds": self.root}, self.extra,
+                stderr_path=str(self.tmp_path / f"stage-{self.starts}.stderr"), timeout=READY_TIMEOUT)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+
+    def kill(self):
+        self.stage.proc.send_signal(signal.SIGKILL)
+        self.stage.proc.wait()
+
+    def stop(self):
+        if self.stage is not None and self.stage.alive():
+            assert self.stage.stop() == 0, self.stage.stderr_tail()
+
+
+@pytest.fixture
+def restartable(tmp_path):
+    made = []
+
+    def make(root, *extra, env=None):
+        r = Restartable(tmp_path, root, *extra, env=env)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def restart_after(stage: Restartable, delay: float) -> threading.Thread:
+    """Kills the stage now and starts it again after ``delay`` seconds."""
+    stage.kill()
+    t = threading.Thread(target=lambda: (time.sleep(delay), stage.start()), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_plan_resumes_exactly_once_after_a_restart(restartable, many_files):
+    root, files = many_files
+    stage = restartable(root, "--ops-limit", "600")
+    with sluice.Client(stage.sock, job="resume", reconnect=20) as c:
+        ds = c.dataset("ds")
+        got = []
+        with ds.epoch(0, seed=3, batch=16) as it:
+            for name, data in it:
+                assert data == files[name], name
+                got.append(name)
+                if len(got) == 300:
+                    restarted = restart_after(stage, 0.5)
+            assert it.resumed == 1
+        restarted.join()
+        assert sorted(got) == sorted(files), "every sample exactly once across the restart"
+        assert got == [ds.files[i][0] for i in ds.local_order(0, seed=3)], "in plan order"
+        assert c.reconnects == 1 and c.reconnect_wait_s >= 0.4
+
+
+def test_a_dropped_connection_to_a_live_stage_resumes_its_plan(stage_factory, many_files):
+    import socket
+
+    root, files = many_files
+    stage = stage_factory({"ds": root}, "--ops-limit", "2000")
+    with sluice.Client(stage.socket, job="drop", reconnect=10) as c:
+        ds = c.dataset("ds")
+        got = []
+        with ds.epoch(0, seed=9, batch=16, prefetch=0) as it:
+            for name, data in it:
+                assert data == files[name], name
+                got.append(name)
+                if len(got) == 200:
+                    # The stage stays up and must drop the old plan before
+                    # the resumed one can take its place.
+                    c._sock.shutdown(socket.SHUT_RDWR)
+            assert it.resumed == 1
+        assert got == [ds.files[i][0] for i in ds.local_order(0, seed=9)]
+        assert c.reconnects == 1
+
+
+def test_reads_are_sent_again_after_a_restart(restartable, many_files):
+    root, files = many_files
+    stage = restartable(root)
+    with sluice.Client(stage.sock, job="reads", reconnect=20) as c:
+        ds = c.dataset("ds")
+        names = sorted(files)[:50]
+        assert [d for _, d in ds.fetch(names)] == [files[n] for n in names]
+        restarted = restart_after(stage, 0.3)
+        assert [bytes(d) for _, d in ds.fetch(names)] == [files[n] for n in names]
+        assert ds.read(names[0]) == files[names[0]]
+        restarted.join()
+        assert c.reconnects == 1
+
+
+def test_a_stage_that_does_not_come_back_is_a_clear_error(restartable, many_files):
+    root, _ = many_files
+    stage = restartable(root)
+    c = sluice.Client(stage.sock, job="gone", reconnect=0.5)
+    ds = c.dataset("ds")
+    stage.kill()
+    t0 = time.monotonic()
+    with pytest.raises(sluice.ConnectionClosedError, match="did not come back within 0.5 s"):
+        ds.fetch([ds.files[0][0]])
+    assert time.monotonic() - t0 < 5
+    c.close()
+    # reconnect=0 gives up at once.
+    stage.start()
+    c = sluice.Client(stage.sock, job="gone", reconnect=0)
+    ds = c.dataset("ds")
+    stage.kill()
+    with pytest.raises(sluice.ConnectionClosedError):
+        ds.fetch([ds.files[0][0]])
+    assert c.reconnects == 0
+    c.close()
+
+
+@pytest.mark.parametrize("loader", ["map", "iterable"])
+def test_dataloader_with_4_workers_survives_a_stage_restart(restartable, many_files, loader):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    import sluice.torch as st
+
+    root, files = many_files
+    stage = restartable(root, "--ops-limit", "800")
+    if loader == "map":
+        ds = st.SluiceDataset(stage.sock, "ds", job="dl-restart", sample="bytes", reconnect=30)
+        sampler = st.SluiceSampler(ds, seed=5)
+        dl = DataLoader(ds, batch_size=16, sampler=sampler, num_workers=4, collate_fn=st.collate)
+    else:
+        ds = st.SluiceIterableDataset(stage.sock, "ds", job="dl-restart", seed=5, batch=16,
+                                      reconnect=30)
+        dl = DataLoader(ds, batch_size=16, num_workers=4, collate_fn=st.collate)
+    counts = collections.Counter()
+    gaps = []
+    last = time.monotonic()
+    restarted = None
+    for names, samples in dl:
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        for name, data in zip(names, samples):
+            data = bytes(data) if not isinstance(data, torch.Tensor) else data.numpy().tobytes()
+            assert data == files[name], name
+            counts[name] += 1
+        if restarted is None and sum(counts.values()) >= FILES // 3:
+            restarted = restart_after(stage, 1.0)
+    restarted.join()
+    dupes = {n: k for n, k in counts.items() if k != 1}
+    assert not dupes, f"delivered more than once: {list(dupes.items())[:5]}"
+    assert set(counts) == set(files), f"{len(set(files) - set(counts))} samples never delivered"
+    # The wait across the restart is the stage's 1 s down time plus the
+    # reconnection's backoff (at most 1 s): report it.
+    print(f"\n{loader}: longest wait for a batch across the restart {max(gaps):.2f} s")
+    assert max(gaps) >= 0.9
+
+
+def test_a_panic_in_one_connection_leaves_every_other_job_served(stage_factory, many_files, monkeypatch):
+    root, files = many_files
+    monkeypatch.setenv("SLUICE_STAGE_PANIC_JOB", "victim")
+    stage = stage_factory({"ds": root})
+    other = sluice.Client(stage.socket, job="other")
+    ds = other.dataset("ds")
+    it = ds.epoch(0, batch=8)
+    got = [next(it) for _ in range(100)]
+    # The injected panic takes the job's lock and ends this connection only.
+    with pytest.raises(sluice.ConnectionClosedError):
+        sluice.Client(stage.socket, job="victim", reconnect=0).dataset("ds")
+    assert stage.alive()
+    got += list(it)
+    assert sorted(n for n, _ in got) == sorted(files)
+    assert all(d == files[n] for n, d in got)
+    # The job whose lock was held by the panicking thread is served too.
+    with sluice.Client(stage.socket, job="victim") as again:
+        vds = again.dataset("ds")
+        assert sorted(n for n, _ in vds.epoch(0, batch=64)) == sorted(files)
+    with sluice.Client(stage.socket, job="third") as third:
+        assert third.dataset("ds").read(sorted(files)[1]) == files[sorted(files)[1]]
+    other.close()
+    assert "injected fault" in stage.stderr_tail(100_000)
+
+
+def test_claims_outside_the_trainer_rules_are_refused(stage_factory, dataset, tmp_path):
+    root, files = dataset
+    uid, gid = os.getuid(), os.getgid()
+    config = tmp_path / "stage.yaml"
+    config.write_text(f"""
+trainers:
+  - uids: [{uid}]
+    jobs: ["team-a-*"]
+    labels:
+      team: [a]
+      priority: [low, normal]
+  - gids: [{gid + 1}]
+    jobs: ["*"]
+""")
+    stage = stage_factory({"ds": root}, "--config", str(config))
+    with sluice.Client(stage.socket, job="team-a-resnet", labels={"team": "a"}) as ok:
+        name = sorted(files)[3]
+        assert ok.dataset("ds").read(name) == files[name]
+    with pytest.raises(sluice.ClaimRefusedError, match=rf"uid {uid} .*may not claim job `team-b-x`"):
+        sluice.Client(stage.socket, job="team-b-x")
+    with pytest.raises(sluice.ClaimRefusedError, match=r"may not claim label `team=b`"):
+        sluice.Client(stage.socket, job="team-a-resnet", labels={"team": "b"})
+    with pytest.raises(sluice.ClaimRefusedError, match=r"`priority=high`"):
+        sluice.Client(stage.socket, job="team-a-resnet", labels={"priority": "high"})
+    # Refused claims changed nothing: no job was made for them.
+    metrics = sluice_metrics(stage)
+    assert 'job="team-b-x"' not in metrics
+    assert stage.alive()
+
+
+def sluice_metrics(stage) -> str:
+    from conftest import http_get
+
+    return http_get(stage.metrics, "/metrics")
+
+
+def test_a_bad_trainers_rule_is_refused_at_start(tmp_path, dataset):
+    from conftest import start_stage
+
+    root, _ = dataset
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainers:\n  - jobs: [x]\n")
+    with pytest.raises(AssertionError, match="trainers\\[0\\] covers nobody"):
+        start_stage(tmp_path, {"ds": root}, "--config", str(config))
+
+
+@pytest.mark.parametrize("task", ["tuner", "metrics server"])
+def test_a_critical_task_that_dies_stops_the_stage_with_an_error(tmp_path, dataset, task):
+    import subprocess
+
+    root, _ = dataset
+    sock = tmp_path / "dies.sock"
+    env = dict(os.environ, SLUICE_STAGE_PANIC_TASK=task)
+    proc = subprocess.run(
+        [str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
+         "--dataset", f"ds={root}"],
+        env=env, capture_output=True, text=True, timeout=READY_TIMEOUT)
+    assert proc.returncode != 0, proc.stderr
+    assert f"the {task} task panicked: injected fault" in proc.stderr
+    assert "the stage stops" in proc.stderr
+    assert not sock.exists(), "the socket is removed on the way out"
