@@ -381,6 +381,33 @@ mod tests {
         assert_eq!(ByteSize::parse("1Gi").unwrap().0, 1 << 30);
     }
 
+    /// The table the Python parser is tested against too.
+    #[test]
+    fn the_shared_table_of_byte_sizes() {
+        let table = include_str!("byte_size_cases.txt");
+        let cases = table
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty());
+        let mut n = 0;
+        for line in cases {
+            let (input, want) = line.rsplit_once('|').expect("input|expected");
+            let got = ByteSize::parse(input);
+            match want.strip_prefix("error: ") {
+                Some(words) => {
+                    let err = got.expect_err(input).to_string();
+                    assert!(err.contains(words), "{input:?}: {err}");
+                }
+                None => assert_eq!(
+                    got.expect(input).0,
+                    want.parse::<u64>().unwrap(),
+                    "{input:?}"
+                ),
+            }
+            n += 1;
+        }
+        assert!(n >= 30, "{n} cases");
+    }
+
     #[test]
     fn rates() {
         assert_eq!(ByteRate::parse("800MiB/s").unwrap().0, 800 << 20);

@@ -63,3 +63,16 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// [`eventually`] for a test without a runtime: polls the blocking `check`.
+pub fn eventually_blocking<T>(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> Option<T>,
+) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("a runtime for polling")
+        .block_on(eventually(what, limit, || std::future::ready(check())))
+}

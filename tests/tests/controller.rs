@@ -435,24 +435,21 @@ async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
         limits_become(&client, "resnet", rate * 1_000_000 / 2).await;
         // What the operator sees: every stage runs the version the
         // controller wants.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let stages = stages_json();
-            let in_sync = stages.len() == 2
-                && stages.iter().all(|s| {
-                    s["state"] == "connected"
-                        && s["acked_version"].as_u64().unwrap_or(0) >= 1
-                        && s["acked_version"] == s["desired_version"]
-                });
-            if in_sync {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "stages never in sync: {stages:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually(
+            "every stage to run the version the controller wants",
+            Duration::from_secs(10),
+            || {
+                let stages = stages_json();
+                let in_sync = stages.len() == 2
+                    && stages.iter().all(|s| {
+                        s["state"] == "connected"
+                            && s["acked_version"].as_u64().unwrap_or(0) >= 1
+                            && s["acked_version"] == s["desired_version"]
+                    });
+                async move { in_sync.then_some(()) }
+            },
+        )
+        .await;
     }
     let (_, before, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
     let bad = dir.path().join("bad.yaml");
@@ -497,16 +494,15 @@ async fn invalid_flags_exit_64_and_sigterm_shuts_down_cleanly() {
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());
     let started = Instant::now();
-    let status = loop {
-        if let Some(status) = process.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the controller did not stop on SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = eventually(
+        "the controller to stop on SIGTERM",
+        Duration::from_secs(10),
+        || {
+            let done = process.0.try_wait().unwrap();
+            async move { done }
+        },
+    )
+    .await;
     assert_eq!(status.code(), Some(0));
     // Drained, not cut off by the drain timeout.
     assert!(

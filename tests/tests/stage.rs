@@ -7,9 +7,13 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sluice_stage::{PlanSpec, Request, TO_END};
+use sluice_tests::eventually_blocking;
+
+/// How long a test waits for the stage to get somewhere.
+const WAIT: Duration = Duration::from_secs(10);
 
 struct Stage {
     child: Child,
@@ -106,17 +110,11 @@ impl Stage {
             .args(["-TERM", &self.child.id().to_string()])
             .status()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the stage did not exit after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually_blocking(
+            "the stage to exit after SIGTERM",
+            Duration::from_secs(10),
+            || self.child.try_wait().unwrap(),
+        )
     }
 }
 
@@ -373,15 +371,6 @@ fn a_second_stage_cannot_steal_a_live_socket() {
     good_epoch(&stage, "still-here", 3);
 }
 
-/// Polls `f` until it returns true or the deadline passes.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn memory_used(stage: &Stage) -> u64 {
     let metrics = stage.http_get("/metrics");
     let line = metrics
@@ -407,10 +396,14 @@ fn a_consumer_that_leaves_mid_epoch_frees_its_buffer() {
     assert_eq!(request(&mut s, &plan).0, 0x84);
     assert_eq!(request(&mut s, &Request::Next { max_samples: 1 }).0, 0x85);
     // The readers fill the buffer ahead of the consumer, up to the budget.
-    eventually("the buffer to fill", || memory_used(&stage) > 1 << 20);
+    eventually_blocking("the buffer to fill", WAIT, || {
+        (memory_used(&stage) > 1 << 20).then_some(())
+    });
     assert!(memory_used(&stage) <= 2 << 20, "the node budget holds");
     drop(s);
-    eventually("the buffer to be freed", || memory_used(&stage) == 0);
+    eventually_blocking("the buffer to be freed", WAIT, || {
+        (memory_used(&stage) == 0).then_some(())
+    });
     // The job is still served afterwards.
     good_epoch(&stage, "leaver", 200);
 }

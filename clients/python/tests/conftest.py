@@ -14,10 +14,10 @@ import random
 import re
 import socket
 import sys
-import time
 
 import pytest
 
+from sluice.bench.common import wait_for as bench_wait_for
 from sluice.bench.stage import StageProcess, StageStartError
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -111,15 +111,9 @@ def sorted_names(files) -> list:
 
 
 def wait_for(condition, timeout=10.0, interval=0.02, what="condition"):
-    """Polls ``condition()`` until truthy or raises after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """Polls ``condition()`` until truthy (the benchmarks' helper, with the
+    tests' defaults)."""
+    return bench_wait_for(what, condition, timeout=timeout, every=interval)
 
 
 def http_get(addr: str, path: str, timeout: float = 5.0) -> str:

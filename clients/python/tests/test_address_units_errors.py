@@ -49,18 +49,32 @@ def test_connecting_to_nothing_says_what_to_check(tmp_path):
         sluice.Client(str(tmp_path / "missing.sock"), job="j", rank=1, world_size=1)
 
 
-@pytest.mark.parametrize("text,n", [
-    ("4096", 4096), ("100KiB", 102400), ("100kib", 102400), ("2.5MiB", 2621440), ("1GB", 10**9),
-    ("1k", 1000), ("3 MiB", 3 << 20), (".5KiB", 512), (17, 17),
-])
-def test_parse_bytes(text, n):
-    assert parse_bytes(text) == n
+def byte_size_cases():
+    """The table the Rust parser is tested against too."""
+    table = pathlib.Path(__file__).resolve().parents[3] / "policies" / "src" / "byte_size_cases.txt"
+    cases = []
+    for line in table.read_text().splitlines():
+        if line and not line.startswith("#"):
+            text, want = line.rsplit("|", 1)
+            cases.append(pytest.param(text, want, id=repr(text)))
+    assert len(cases) >= 30
+    return cases
 
 
-@pytest.mark.parametrize("bad", ["", "MiB", "1.2.3KiB", "5 parsecs", "-1", "1e3"])
-def test_parse_bytes_rejects(bad):
-    with pytest.raises(ValueError, match="100KiB"):
-        parse_bytes(bad)
+@pytest.mark.parametrize("text,want", byte_size_cases())
+def test_byte_sizes_read_as_the_stage_reads_them(text, want):
+    if want.startswith("error: "):
+        with pytest.raises(ValueError) as e:
+            parse_bytes(text)
+        assert want[len("error: "):] in str(e.value)
+    else:
+        assert parse_bytes(text) == int(want)
+
+
+def test_parse_bytes_takes_integers():
+    assert parse_bytes(17) == 17
+    with pytest.raises(ValueError, match="negative"):
+        parse_bytes(-1)
 
 
 def test_format_bytes():

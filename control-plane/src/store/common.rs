@@ -1,8 +1,10 @@
 //! Queries that read the same on both backends (sqlx takes `$N` placeholders
 //! on SQLite too): written once, expanded into each backend's `impl`.
 //!
-//! The expansion site provides `self.pool`, the `stage_columns!` macro and the
-//! error and row helpers, so the same text serves both pool types.
+//! The expansion site provides `self.pool`, `begin_write` and `begin_snapshot`,
+//! the `stage_columns!`, `job_columns!` and `labels_param!` macros (the SQL
+//! that differs) and the error and row helpers, so the same text serves both
+//! pool types.
 
 macro_rules! common_queries {
     () => {
@@ -147,6 +149,77 @@ macro_rules! common_queries {
         .await
         .map_err(db("reading a stage"))?;
         row.map(rows::stage_from_row).transpose()
+    }
+
+    pub(super) async fn upsert_job(
+        &self,
+        sighting: &JobSighting,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        const OP: &str = "recording a job";
+        let mut tx = self.begin_write(OP).await?;
+        sqlx::query(concat!(
+            "INSERT INTO jobs (id, labels, first_seen_ms, last_seen_ms) VALUES ($1, ",
+            labels_param!(),
+            ", $3, $3)
+             ON CONFLICT (id) DO UPDATE SET labels = excluded.labels,
+                                            last_seen_ms = excluded.last_seen_ms"
+        ))
+        .bind(&sighting.job)
+        .bind(rows::labels_to_json(&sighting.labels))
+        .bind(now_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        sqlx::query(
+            "INSERT INTO job_stages (job_id, stage_id, last_seen_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (job_id, stage_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms",
+        )
+        .bind(&sighting.job)
+        .bind(&sighting.stage)
+        .bind(now_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| unknown_stage(e, &sighting.stage, OP))?;
+        tx.commit().await.map_err(db(OP))
+    }
+
+    pub(super) async fn jobs(&self) -> Result<Vec<JobRecord>, StoreError> {
+        const OP: &str = "listing jobs";
+        // The jobs and their links from one snapshot.
+        let mut tx = self.begin_snapshot(OP).await?;
+        let rows: Vec<JobRow> =
+            sqlx::query_as(concat!("SELECT ", job_columns!(), " FROM jobs ORDER BY id"))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        let links: Vec<(String, String)> =
+            sqlx::query_as("SELECT job_id, stage_id FROM job_stages ORDER BY job_id, stage_id")
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        tx.commit().await.map_err(db(OP))?;
+        rows::jobs_with_stages(rows, links)
+    }
+
+    pub(super) async fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
+        const OP: &str = "reading a job";
+        let mut tx = self.begin_snapshot(OP).await?;
+        let row: Option<JobRow> =
+            sqlx::query_as(concat!("SELECT ", job_columns!(), " FROM jobs WHERE id = $1"))
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        let stages: Vec<String> = sqlx::query_scalar(
+            "SELECT stage_id FROM job_stages WHERE job_id = $1 ORDER BY stage_id",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        tx.commit().await.map_err(db(OP))?;
+        row.map(|row| rows::job_from_row(row, stages)).transpose()
     }
 
     pub(super) async fn events_since(

@@ -31,6 +31,20 @@ macro_rules! stage_columns {
     };
 }
 
+/// Every job `SELECT` lists these columns, in [`JobRow`] order.
+macro_rules! job_columns {
+    () => {
+        "id, labels::text, first_seen_ms, last_seen_ms"
+    };
+}
+
+/// The labels parameter of a job `INSERT`.
+macro_rules! labels_param {
+    () => {
+        "$2::jsonb"
+    };
+}
+
 #[derive(Clone, Debug)]
 pub(super) struct PgStore {
     pool: PgPool,
@@ -94,6 +108,10 @@ impl PgStore {
 
     /// Starts a read-only transaction that sees one snapshot (READ
     /// COMMITTED would give each statement its own).
+    async fn begin_write(&self, op: &'static str) -> Result<PgTransaction<'static>, StoreError> {
+        self.pool.begin().await.map_err(db(op))
+    }
+
     async fn begin_snapshot(&self, op: &'static str) -> Result<PgTransaction<'static>, StoreError> {
         let begin = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
         self.pool.begin_with(begin).await.map_err(db(op))
@@ -173,76 +191,6 @@ impl PgStore {
         .await
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
-    }
-
-    pub(super) async fn upsert_job(
-        &self,
-        sighting: &JobSighting,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
-        const OP: &str = "recording a job";
-        let mut tx = self.pool.begin().await.map_err(db(OP))?;
-        sqlx::query(
-            "INSERT INTO jobs (id, labels, first_seen_ms, last_seen_ms) VALUES ($1, $2::jsonb, $3, $3)
-             ON CONFLICT (id) DO UPDATE SET labels = excluded.labels,
-                                            last_seen_ms = excluded.last_seen_ms",
-        )
-        .bind(&sighting.job)
-        .bind(rows::labels_to_json(&sighting.labels))
-        .bind(now_ms)
-        .execute(&mut *tx)
-        .await
-        .map_err(db(OP))?;
-        sqlx::query(
-            "INSERT INTO job_stages (job_id, stage_id, last_seen_ms) VALUES ($1, $2, $3)
-             ON CONFLICT (job_id, stage_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms",
-        )
-        .bind(&sighting.job)
-        .bind(&sighting.stage)
-        .bind(now_ms)
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| unknown_stage(e, &sighting.stage, OP))?;
-        tx.commit().await.map_err(db(OP))
-    }
-
-    pub(super) async fn jobs(&self) -> Result<Vec<JobRecord>, StoreError> {
-        const OP: &str = "listing jobs";
-        let mut tx = self.begin_snapshot(OP).await?;
-        let rows: Vec<JobRow> = sqlx::query_as(
-            "SELECT id, labels::text, first_seen_ms, last_seen_ms FROM jobs ORDER BY id",
-        )
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db(OP))?;
-        let links: Vec<(String, String)> =
-            sqlx::query_as("SELECT job_id, stage_id FROM job_stages ORDER BY job_id, stage_id")
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(db(OP))?;
-        tx.commit().await.map_err(db(OP))?;
-        rows::jobs_with_stages(rows, links)
-    }
-
-    pub(super) async fn job(&self, id: &str) -> Result<Option<JobRecord>, StoreError> {
-        const OP: &str = "reading a job";
-        let mut tx = self.begin_snapshot(OP).await?;
-        let row: Option<JobRow> = sqlx::query_as(
-            "SELECT id, labels::text, first_seen_ms, last_seen_ms FROM jobs WHERE id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(db(OP))?;
-        let stages: Vec<String> = sqlx::query_scalar(
-            "SELECT stage_id FROM job_stages WHERE job_id = $1 ORDER BY stage_id",
-        )
-        .bind(id)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db(OP))?;
-        tx.commit().await.map_err(db(OP))?;
-        row.map(|row| rows::job_from_row(row, stages)).transpose()
     }
 
     pub(super) async fn append_event(&self, event: &NewEvent) -> Result<u64, StoreError> {

@@ -39,7 +39,11 @@ def main(argv=None) -> int:
         from .delivery import main as run
     else:
         from .receive import main as run
-    return run(argv[1:])
+    try:
+        return run(argv[1:])
+    except TimeoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

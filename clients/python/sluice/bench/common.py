@@ -366,13 +366,14 @@ def get_json(http: str, path: str, timeout: float = 5.0):
 
 
 def wait_for(what: str, check, timeout: float = 20.0, every: float = 0.01):
-    """Polls ``check()`` until it returns something other than None and
-    returns that; exits saying ``what`` it waited for after ``timeout``."""
+    """Polls ``check()`` until it returns something truthy and returns that;
+    raises ``TimeoutError`` saying ``what`` it waited for after ``timeout``
+    seconds. The one polling helper of the benchmarks and the tests."""
     deadline = time.monotonic() + timeout
     while True:
         found = check()
-        if found is not None:
+        if found:
             return found
         if time.monotonic() > deadline:
-            raise SystemExit(f"error: timed out after {timeout:.0f}s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(every)

@@ -2,37 +2,64 @@
 
 from __future__ import annotations
 
-import re
-
 __all__ = ["parse_bytes", "format_bytes"]
 
+# The same grammar as the stage and the policies (policies/src/quantity.rs):
+# units are case-sensitive, SI prefixes are powers of 1000 and IEC ones
+# powers of 1024, and `K`/`KB` is refused as ambiguous. Both parsers are
+# tested against policies/src/byte_size_cases.txt.
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
+    "": 1, "B": 1,
+    "k": 1000, "kB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+    "T": 1000**4, "TB": 1000**4,
+    "Ki": 1024, "KiB": 1024, "Mi": 1024**2, "MiB": 1024**2, "Gi": 1024**3, "GiB": 1024**3,
+    "Ti": 1024**4, "TiB": 1024**4,
 }
-_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_HELP = ("write a number with an optional unit: B, kB, MB, GB, TB (powers of 1000) "
+         "or KiB, MiB, GiB, TiB (powers of 1024)")
+_NUMBER = frozenset("0123456789.")
 
 
 def parse_bytes(text: "str | int") -> int:
-    """Returns the number of bytes ``text`` names.
+    """Returns the number of bytes ``text`` names: ``4096``, ``100KiB``,
+    ``2.5MiB``, ``1GB``, ``100kB``.
 
-    Accepts a plain integer, or a number with a unit: decimal ``KB``/``MB``/
-    ``GB``/``TB`` (or ``k``, ``M``, ...) and binary ``KiB``/``MiB``/``GiB``/
-    ``TiB``; units are case-insensitive. Raises ``ValueError`` with the
-    accepted forms otherwise.
+    Raises ``ValueError`` saying what to write otherwise, in the stage's
+    words.
     """
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise ValueError(f"a byte quantity must be >= 0, got {text}")
+            raise ValueError(f"invalid byte size `{text}`: quantities cannot be negative")
         return text
-    m = _RE.match(text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a byte quantity; write e.g. 4096, 100KiB, 2.5MiB or 1GB")
-    return int(round(float(m.group(1)) * _UNITS[unit]))
+    return _scale(str(text))
+
+
+def _scale(text: str) -> int:
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"invalid byte size `{text}`: {reason}")
+
+    trimmed = text.strip()
+    split = next((i for i, c in enumerate(trimmed) if c not in _NUMBER), len(trimmed))
+    number, unit = trimmed[:split], trimmed[split:].lstrip()
+    if not number:
+        if trimmed.startswith("-"):
+            raise refuse("quantities cannot be negative")
+        raise refuse(f"it does not start with a number; {_HELP}")
+    if unit in ("K", "KB", "Kb", "kb"):
+        raise refuse("`K`/`KB` is ambiguous: write `kB` for 1000 bytes or `KiB` for 1024 bytes")
+    if unit not in _UNITS:
+        raise refuse(f"unknown unit `{unit}`; {_HELP}")
+    whole, dot, fraction = number.partition(".")
+    if not whole or "." in fraction or (dot and not fraction):
+        raise refuse("malformed number")
+    scaled = int(whole + fraction) * _UNITS[unit]
+    divisor = 10 ** len(fraction)
+    if scaled % divisor:
+        raise refuse("it is not a whole number of bytes")
+    value = scaled // divisor
+    if value >= 1 << 64:
+        raise refuse("the number is too large")
+    return value
 
 
 def format_bytes(n: float) -> str:
