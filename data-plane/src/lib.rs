@@ -362,7 +362,8 @@ impl Accepting {
             Arc::clone(&self.stage_id),
             Arc::clone(&self.access),
             stream,
-            (peer, unix),
+            peer,
+            unix,
             self.cancel.clone(),
         );
         self.tracker

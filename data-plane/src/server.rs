@@ -43,7 +43,8 @@ pub async fn serve<S>(
     stage_id: Arc<str>,
     access: Arc<TrainerAccess>,
     stream: S,
-    (peer, unix): (Peer, Option<RawFd>),
+    peer: Peer,
+    unix: Option<RawFd>,
     cancel: CancellationToken,
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -51,9 +52,7 @@ pub async fn serve<S>(
     let metrics = Arc::clone(engine.metrics());
     metrics.connections.inc();
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut conn = Connection::new(engine, stage_id, unix);
-    conn.peer = peer;
-    conn.access = access;
+    let mut conn = Connection::new(engine, stage_id, access, peer, unix);
     while let Some(request) = next_request(&mut rd, &mut wr, &metrics, &cancel).await {
         if conn.respond(request, &mut wr, &metrics).await.is_break() {
             break;
@@ -188,13 +187,19 @@ fn reply(response: Response) -> Answer {
 }
 
 impl Connection {
-    fn new(engine: Arc<Engine>, stage_id: Arc<str>, unix: Option<RawFd>) -> Self {
+    fn new(
+        engine: Arc<Engine>,
+        stage_id: Arc<str>,
+        access: Arc<TrainerAccess>,
+        peer: Peer,
+        unix: Option<RawFd>,
+    ) -> Self {
         Self {
             engine,
             stage_id,
             unix,
-            peer: Peer::Unknown,
-            access: Arc::default(),
+            peer,
+            access,
             job: None,
             rank: 0,
             world_size: 1,

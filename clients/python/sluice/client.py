@@ -270,7 +270,7 @@ class Client:
         try:
             if isinstance(address, socket.socket):
                 self._sock.settimeout(timeout)
-            welcome = self._hello(p.PROTOCOL_VERSION, shared_memory)
+            self._hello(p.PROTOCOL_VERSION, shared_memory)
         except UnsupportedVersionError:
             # A stage older than protocol version 2: say HELLO again in 1.
             self._abort()
@@ -279,25 +279,19 @@ class Client:
             self._closed = False
             self._sock = _connect(self.address, timeout)
             try:
-                welcome = self._hello(1, False)
+                self._hello(1, False)
             except BaseException:
                 self._abort()
                 raise
         except BaseException:
             self._abort()
             raise
-        #: The protocol version this connection speaks (2, or 1 with an
-        #: older stage).
-        self.protocol_version: int = welcome.version
-        self.stage_id: str = welcome.stage_id
-        self.max_request_frame: int = welcome.max_request_frame
-        self.max_response_frame: int = welcome.max_response_frame
         _live_clients.add(self)
 
-    def _hello(self, version: int, shared_memory: Optional[bool]) -> p.Welcome:
+    def _hello(self, version: int, shared_memory: Optional[bool]) -> None:
         """Says ``HELLO`` in protocol ``version``, asking for shared memory
         where ``shared_memory`` allows and this connection can take it, and
-        returns the stage's ``WELCOME`` (mapping the region it granted)."""
+        records the stage's ``WELCOME`` (mapping the region it granted)."""
         local = self._sock.family == socket.AF_UNIX
         if shared_memory and not (local and _shm.supported()):
             raise ValueError("shared_memory=True needs a UNIX socket to the stage and a platform with "
@@ -307,8 +301,8 @@ class Client:
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
             self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
-            welcome = self._call(hello, p.Welcome)
-            return self._check_welcome(welcome, version)
+            self._welcomed(self._call(hello, p.Welcome), version)
+            return
         # The region's descriptor comes with WELCOME's first byte: receive
         # that frame with recvmsg, then read the rest through the file.
         self._sock.sendall(hello)
@@ -330,21 +324,26 @@ class Client:
             if fd is not None:
                 os.close(fd)
             raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
-        welcome = self._check_welcome(msg, version)
+        welcome = self._welcomed(msg, version)
         if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
             self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self))
             _shm.register(self._region)
         elif fd is not None:
             os.close(fd)
         self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
-        return welcome
 
-    @staticmethod
-    def _check_welcome(welcome, version: int) -> p.Welcome:
+    def _welcomed(self, welcome, version: int) -> p.Welcome:
+        """Checks the answer to ``HELLO`` and records what it says."""
         if type(welcome) is not p.Welcome or welcome.version != version:
             got = welcome.version if type(welcome) is p.Welcome else type(welcome).__name__
             raise ProtocolError(f"the stage answered HELLO (protocol version {version}) with {got}",
                                 fatal=True)
+        #: The protocol version this connection speaks (2, or 1 with an
+        #: older stage).
+        self.protocol_version: int = welcome.version
+        self.stage_id: str = welcome.stage_id
+        self.max_request_frame: int = welcome.max_request_frame
+        self.max_response_frame: int = welcome.max_response_frame
         return welcome
 
     @property
@@ -562,7 +561,7 @@ class Client:
                 try:
                     self._sock = _connect(self.address, self._timeout)
                     self._closed = False
-                    welcome = self._hello(self.protocol_version, self._want_shm)
+                    self._hello(self.protocol_version, self._want_shm)
                     break
                 except (OSError, ConnectionClosedError, UnavailableError, StageTimeoutError) as e:
                     self._abort()
@@ -577,9 +576,6 @@ class Client:
             self._connection += 1
             self.reconnects += 1
             self.reconnect_wait_s += time.monotonic() - start
-            self.stage_id = welcome.stage_id
-            self.max_request_frame = welcome.max_request_frame
-            self.max_response_frame = welcome.max_response_frame
             dataset, self._dataset = self._dataset, None
             if dataset is not None:
                 dataset._reopen_if_needed()

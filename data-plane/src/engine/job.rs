@@ -312,7 +312,7 @@ impl Job {
     }
 
     /// Panics while holding this job's lock (a test's injected fault: see
-    /// `server::fault`).
+    /// `crate::fault`).
     #[cfg(debug_assertions)]
     pub fn panic_holding_lock(&self) {
         let _held = self.lock();

@@ -23,7 +23,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use clap::Parser;
@@ -172,7 +172,7 @@ impl Shared {
         };
         let took = Duration::from_secs_f64(bytes as f64 / *rate as f64);
         let done = {
-            let mut free_at = free_at.lock().unwrap_or_else(|p| p.into_inner());
+            let mut free_at = lock(free_at);
             let start = (*free_at).max(Instant::now());
             *free_at = start + took;
             *free_at
@@ -181,11 +181,7 @@ impl Shared {
     }
 
     fn file(&self, fh: u64) -> Option<Arc<File>> {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&fh)
-            .cloned()
+        lock(&self.open).get(&fh).cloned()
     }
 }
 
@@ -266,10 +262,15 @@ impl SlowFs {
     }
 }
 
+/// Locks `m`, taking it as it is if a panicking thread held it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 fn serve(queue: &Mutex<Receiver<Job>>) {
     loop {
         let job = {
-            let queue = queue.lock().unwrap_or_else(|p| p.into_inner());
+            let queue = lock(queue);
             queue.recv()
         };
         match job {
@@ -345,11 +346,7 @@ impl Filesystem for SlowFs {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.delayed(move |shared| match File::open(&path) {
             Ok(file) => {
-                shared
-                    .open
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(fh, Arc::new(file));
+                lock(&shared.open).insert(fh, Arc::new(file));
                 // No FOPEN_KEEP_CACHE: every open reads through, as each
                 // epoch of a filer that does not cache would.
                 reply.opened(fh, 0);
@@ -401,11 +398,7 @@ impl Filesystem for SlowFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.shared
-            .open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&fh);
+        lock(&self.shared.open).remove(&fh);
         reply.ok();
     }
 
