@@ -9,11 +9,17 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice_policy::{ByteRate, ByteSize, OpsRate};
+use sluice_policy::{ByteRate, ByteSize, Millis, OpsRate};
 use sluice_proto::tls::TlsFiles;
 use tonic::transport::ClientTlsConfig;
 
 use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
+use crate::source::S3Options;
+
+/// The default most readers (requests in flight) per job on a stage that
+/// serves an object store: enough for 100 KiB objects at 50 ms each to
+/// reach about 1 GiB/s.
+const REMOTE_MAX_READERS: u32 = 512;
 use crate::token_bucket::Limits;
 use crate::trust::{TrainerAccess, TrainerRule};
 use crate::tuner::Bounds;
@@ -40,8 +46,8 @@ pub struct Args {
     /// Also accept trainers over TCP on this address.
     #[arg(long, env = "SLUICE_LISTEN")]
     pub listen: Option<SocketAddr>,
-    /// A dataset to serve, as NAME=DIR (repeatable; comma-separated in the
-    /// environment variable).
+    /// A dataset to serve, as NAME=DIR or NAME=s3://BUCKET/PREFIX
+    /// (repeatable; comma-separated in the environment variable).
     #[arg(long = "dataset", env = "SLUICE_DATASETS", value_delimiter = ',', value_parser = parse_dataset)]
     pub datasets: Vec<(String, PathBuf)>,
     /// Memory for all jobs' prefetch buffers together, e.g. `1GiB` [default: 1GiB].
@@ -62,7 +68,9 @@ pub struct Args {
     /// Fewest readers the tuner may use per job [default: 1].
     #[arg(long, env = "SLUICE_MIN_READERS")]
     pub min_readers: Option<u32>,
-    /// Most readers the tuner may use per job [default: 64].
+    /// Most readers the tuner may use per job [default: 64; 512 when a
+    /// dataset is in an object store, where a reader is a request in
+    /// flight, not a thread].
     #[arg(long, env = "SLUICE_MAX_READERS")]
     pub max_readers: Option<u32>,
     /// Readers a new job starts with [default: 16].
@@ -113,6 +121,26 @@ pub struct Args {
     /// certificate.
     #[arg(long, env = "SLUICE_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// An S3-compatible object store's URL for `s3://` datasets, e.g.
+    /// `http://minio:9000` [default: AWS_ENDPOINT_URL, else AWS S3].
+    #[arg(long, env = "SLUICE_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    /// The object store's region [default: AWS_REGION, AWS_DEFAULT_REGION,
+    /// the profile's region, else us-east-1].
+    #[arg(long, env = "SLUICE_S3_REGION")]
+    pub s3_region: Option<String>,
+    /// Path-style addressing (ENDPOINT/BUCKET/KEY), which most
+    /// S3-compatible servers need [default: true with an endpoint, false
+    /// for AWS S3 (virtual-hosted style)].
+    #[arg(long, env = "SLUICE_S3_PATH_STYLE")]
+    pub s3_path_style: Option<bool>,
+    /// Send unsigned requests, for public buckets [default: false].
+    #[arg(long, env = "SLUICE_S3_ANONYMOUS")]
+    pub s3_anonymous: Option<bool>,
+    /// How long one sample from an object store may take, retries
+    /// included, before it fails, e.g. `30s` [default: 30s].
+    #[arg(long, env = "SLUICE_S3_DEADLINE")]
+    pub s3_deadline: Option<Millis>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -180,6 +208,20 @@ pub struct StageFile {
     /// Which jobs and labels trainers may claim (none: any).
     #[serde(default)]
     pub trainers: Vec<TrainerRule>,
+    /// How to reach the object store of `s3://` datasets.
+    #[serde(default)]
+    pub s3: S3File,
+}
+
+/// `s3:` in the YAML file (the `--s3-*` flags).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3File {
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub path_style: Option<bool>,
+    pub anonymous: Option<bool>,
+    pub deadline: Option<Millis>,
 }
 
 /// `readers:` in the YAML file.
@@ -239,6 +281,8 @@ pub struct StageConfig {
     pub labels: BTreeMap<String, String>,
     /// Which jobs and labels trainers may claim.
     pub trainer_access: TrainerAccess,
+    /// How `s3://` datasets are reached.
+    pub s3: S3Options,
 }
 
 /// Why a configuration was refused.
@@ -261,7 +305,11 @@ impl StageConfig {
     fn merge(args: Args, file: StageFile) -> Result<Self, ConfigError> {
         let datasets = merge_datasets(&file.datasets, &args.datasets)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
-        let job = job_config(&args, &file, memory_budget)?;
+        let remote = datasets
+            .iter()
+            .any(|(_, location)| location.to_str().is_some_and(|l| l.starts_with("s3://")));
+        let job = job_config(&args, &file, memory_budget, remote)?;
+        let s3 = s3_options(&args, &file.s3)?;
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
@@ -306,6 +354,7 @@ impl StageConfig {
             labels,
             trainer_access,
             job,
+            s3,
         })
     }
 }
@@ -350,11 +399,44 @@ fn memory_budget(given: Option<ByteSize>) -> Result<u64, ConfigError> {
     Ok(memory_budget)
 }
 
+/// Returns how `s3://` datasets are reached: the `--s3-*` flags laid over
+/// the file's `s3:`.
+fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
+    let endpoint = args.s3_endpoint.clone().or_else(|| file.endpoint.clone());
+    let deadline = args
+        .s3_deadline
+        .or(file.deadline)
+        .map_or(S3Options::default().deadline, Millis::duration);
+    if deadline < Duration::from_millis(100) {
+        return Err(ConfigError(format!(
+            "an S3 deadline of {deadline:?} leaves no time for a request: give at least 100ms"
+        )));
+    }
+    Ok(S3Options {
+        path_style: args
+            .s3_path_style
+            .or(file.path_style)
+            .unwrap_or(endpoint.is_some()),
+        endpoint,
+        region: args.s3_region.clone().or_else(|| file.region.clone()),
+        anonymous: args.s3_anonymous.or(file.anonymous).unwrap_or(false),
+        deadline,
+    })
+}
+
 /// Returns the configuration every job starts with: the reader, buffer and
 /// limit flags laid over the file's `readers:`, `buffer:` and `limits:`.
-fn job_config(args: &Args, file: &StageFile, memory_budget: u64) -> Result<JobConfig, ConfigError> {
+/// With an object-store dataset (`remote`), a reader is a request in
+/// flight rather than a thread, and the default ceiling is higher.
+fn job_config(
+    args: &Args,
+    file: &StageFile,
+    memory_budget: u64,
+    remote: bool,
+) -> Result<JobConfig, ConfigError> {
     let fixed = args.readers.or(file.readers.fixed);
-    let (min_readers, max_readers, initial_readers) = reader_counts(args, &file.readers, fixed)?;
+    let (min_readers, max_readers, initial_readers) =
+        reader_counts(args, &file.readers, fixed, remote)?;
     let (min_buffer, max_buffer, initial_buffer) = buffer_sizes(args, &file.buffer, memory_budget)?;
     Ok(JobConfig {
         bounds: Bounds {
@@ -376,9 +458,14 @@ fn reader_counts(
     args: &Args,
     file: &ReadersFile,
     fixed: Option<u32>,
+    remote: bool,
 ) -> Result<(u32, u32, u32), ConfigError> {
     let min_readers = fixed.or(args.min_readers).or(file.min).unwrap_or(1);
-    let max_readers = fixed.or(args.max_readers).or(file.max).unwrap_or(64);
+    let default_max = if remote { REMOTE_MAX_READERS } else { 64 };
+    let max_readers = fixed
+        .or(args.max_readers)
+        .or(file.max)
+        .unwrap_or(default_max);
     if min_readers == 0 || max_readers > MAX_READERS || min_readers > max_readers {
         return Err(ConfigError(format!(
             "reader bounds {min_readers}..{max_readers} are impossible: use 1 <= min <= max <= {MAX_READERS}"

@@ -11,6 +11,7 @@ mod chunk;
 mod config;
 mod dataset;
 mod engine;
+mod entry;
 #[cfg(debug_assertions)]
 mod fault;
 mod http;
@@ -22,6 +23,7 @@ mod server;
 mod session;
 mod settings;
 mod shm;
+mod source;
 mod storage;
 mod sync;
 mod token_bucket;
@@ -49,6 +51,7 @@ pub use protocol::{PlanSpec, Request, TO_END};
 use dataset::Dataset;
 use engine::Engine;
 use metrics::Metrics;
+use source::Source;
 use trust::{Peer, TrainerAccess};
 
 /// How long shutdown waits for connections to finish their current answer.
@@ -82,11 +85,14 @@ impl Stage {
     /// Opens the datasets and binds the trainer socket, the optional TCP
     /// listener and the metrics listener.
     pub async fn bind(config: StageConfig) -> anyhow::Result<Self> {
-        let datasets = config
-            .datasets
-            .iter()
-            .map(|(name, dir)| Dataset::new(name, dir, config.direct_io))
-            .collect::<Result<Vec<_>, _>>()?;
+        let metrics = Metrics::new();
+        let mut datasets = Vec::new();
+        for (name, location) in &config.datasets {
+            let source =
+                Source::open(name, location, config.direct_io, &config.s3, &metrics).await?;
+            info!(dataset = %name, source = %source.describe(), "serving a dataset");
+            datasets.push(Dataset::new(name, source));
+        }
         let unix = bind_socket(&config.socket)?;
         let tcp = match config.listen {
             Some(addr) => Some(
@@ -104,7 +110,7 @@ impl Stage {
             config.memory_budget,
             config.job,
             config.shared_memory,
-            Metrics::new(),
+            metrics,
         );
         if config.trainer_access.restricts() {
             info!("trainers may claim only the jobs and labels the `trainers:` rules allow");

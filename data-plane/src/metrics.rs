@@ -35,6 +35,45 @@ pub struct Metrics {
     /// controller's settings named the job), `timeout` (they did not come
     /// in time), `no-controller` (no session was up).
     pub job_starts: IntCounterVec,
+    source: SourceSeries,
+}
+
+/// The series of remote sources' requests, by dataset.
+#[derive(Debug)]
+struct SourceSeries {
+    requests: IntCounterVec,
+    request_latency: HistogramVec,
+    retried: IntCounterVec,
+    sample_errors: IntCounterVec,
+}
+
+/// The handles one remote dataset's requests update.
+#[derive(Debug, Clone)]
+pub struct SourceMetrics {
+    dataset: String,
+    requests: IntCounterVec,
+    request_latency: prometheus::Histogram,
+    retried: IntCounter,
+    sample_errors: IntCounterVec,
+}
+
+impl SourceMetrics {
+    /// Counts one request that ended with `outcome` (one the source
+    /// retries, if `retried`) after `elapsed`.
+    pub fn request(&self, outcome: &str, retried: bool, elapsed: std::time::Duration) {
+        self.requests
+            .with_label_values(&[&self.dataset, outcome])
+            .inc();
+        self.request_latency.observe(elapsed.as_secs_f64());
+        if retried {
+            self.retried.inc();
+        }
+    }
+
+    /// The counter of samples that failed for `kind`.
+    pub fn sample_errors(&self, kind: &str) -> IntCounter {
+        self.sample_errors.with_label_values(&[&self.dataset, kind])
+    }
 }
 
 /// The series labelled by job and dataset.
@@ -158,8 +197,52 @@ impl Metrics {
                  time), no-controller (no session was up).",
                 &["how"],
             ),
+            source: SourceSeries {
+                requests: r.counter(
+                    "sluice_stage_source_requests_total",
+                    "Requests to remote sources, by how they ended: ok, throttled (503 SlowDown, 429), \
+                     server_error (other 5xx), denied (401, 403), not_found, client_error (other 4xx), \
+                     connection (refused, reset, timed out).",
+                    &["dataset", "outcome"],
+                ),
+                request_latency: r.add(
+                    HistogramVec::new(
+                        HistogramOpts::new(
+                            "sluice_stage_source_request_seconds",
+                            "Latency of one request to a remote source (retries count separately).",
+                        )
+                        .buckets(LATENCY_BUCKETS.to_vec()),
+                        &["dataset"],
+                    )
+                    .expect("valid metric"),
+                ),
+                retried: r.counter(
+                    "sluice_stage_source_retries_total",
+                    "Requests to remote sources that failed in a way the stage retries \
+                     (throttled, server_error, connection), within each sample's deadline.",
+                    &["dataset"],
+                ),
+                sample_errors: r.counter(
+                    "sluice_stage_source_errors_total",
+                    "Samples a remote source failed, by kind: not_found, denied, deadline \
+                     (retries ran out of time), other.",
+                    &["dataset", "kind"],
+                ),
+            },
             registry: r.0,
         })
+    }
+
+    /// Returns the handles of remote dataset `dataset`'s requests.
+    pub fn source(&self, dataset: &str) -> SourceMetrics {
+        let s = &self.source;
+        SourceMetrics {
+            dataset: dataset.to_owned(),
+            requests: s.requests.clone(),
+            request_latency: s.request_latency.with_label_values(&[dataset]),
+            retried: s.retried.with_label_values(&[dataset]),
+            sample_errors: s.sample_errors.clone(),
+        }
     }
 
     /// Returns the hot-path handles for one job reading one dataset.

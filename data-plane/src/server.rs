@@ -15,9 +15,10 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::dataset::{Dataset, Fnv64, Listing, check_name};
+use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey};
 use crate::engine::{JobHandle, Reservation};
+use crate::entry::{Fnv64, check_name};
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{

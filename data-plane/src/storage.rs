@@ -65,16 +65,23 @@ fn too_large(want: u64) -> io::Error {
     )
 }
 
-/// Reads a byte range of a regular file through the page cache. Blocking.
-pub fn read_range(path: &Path, offset: u64, length: u64) -> io::Result<Chunk> {
-    let mut file = File::open(path)?;
-    let size = check_regular(&file)?;
+/// The part of a `size`-byte sample that `READ offset/length` asks for:
+/// its start and length (empty past the end; `TO_END`: the rest).
+pub fn clamp_range(size: u64, offset: u64, length: u64) -> (u64, u64) {
     let start = offset.min(size);
     let want = if length == TO_END {
         size - start
     } else {
         length.min(size - start)
     };
+    (start, want)
+}
+
+/// Reads a byte range of a regular file through the page cache. Blocking.
+pub fn read_range(path: &Path, offset: u64, length: u64) -> io::Result<Chunk> {
+    let mut file = File::open(path)?;
+    let size = check_regular(&file)?;
+    let (start, want) = clamp_range(size, offset, length);
     if want > MAX_FILE_BYTES {
         return Err(too_large(want));
     }

@@ -36,6 +36,7 @@ SCENARIOS = {
     "sidecar": "values-sidecar.yaml",
     "tls": "values-tls.yaml",
     "monitoring": "values-monitoring.yaml",
+    "s3": "values-s3.yaml",
 }
 
 # Admin-auth settings checked on top of the default scenario.
@@ -49,7 +50,7 @@ MUST_FAIL = {
     "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
     "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
     "tls without a secret": ({"tls": {"enabled": True}}, "tls.controllerSecret"),
-    "dataset without a path": ({"stage": {"datasets": [{"name": "x"}]}}, "needs hostPath or volume"),
+    "dataset without a path": ({"stage": {"datasets": [{"name": "x"}]}}, "needs hostPath, volume or s3"),
     "policy file name": ({"policies": {"files": {"pools.txt": "x: 1"}}}, "must end in .yaml"),
     "misspelled value (values.schema.json)": ({"store": {"typ": "postgres"}}, "additional properties 'typ' not allowed"),
     "port out of range (values.schema.json)": ({"controller": {"grpcPort": 70000}}, "/controller/grpcPort"),

@@ -84,7 +84,11 @@ struct JobState {
     full: bool,
     config: JobConfig,
     tuner: Tuner,
+    /// Reads in flight the job may have (the tuner's reader count).
     readers_target: u32,
+    /// Reads in flight now.
+    in_flight: u32,
+    /// Reader threads running.
     readers_running: u32,
     /// Readers waiting for work: a wake-up is only worth its system call
     /// when one is.
@@ -266,6 +270,7 @@ impl Job {
                 capacity: tuner.buffer(),
                 full: false,
                 readers_target: tuner.readers(),
+                in_flight: 0,
                 readers_running: 0,
                 readers_idle: 0,
                 readers_short: 0,

@@ -168,17 +168,15 @@ impl PlanRun {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataset::FileEntry;
+    use crate::entry::FileEntry;
 
     fn plan(files: Vec<u32>) -> PlanRun {
         let dir = tempfile::tempdir().unwrap();
-        let ds = Arc::new(Dataset::new("d", dir.path(), false).unwrap());
+        let source = crate::source::DirSource::open("d", dir.path(), false).unwrap();
+        let ds = Arc::new(Dataset::new("d", crate::source::Source::Dir(source)));
         let listing = Arc::new(Listing::new(
             (0..4)
-                .map(|i| FileEntry {
-                    name: format!("f{i}"),
-                    size: 10,
-                })
+                .map(|i| FileEntry::new(format!("f{i}"), 10, 0))
                 .collect(),
         ));
         PlanRun::new(1, PlanKey { rank: 0, epoch: 0 }, 0, ds, listing, files)

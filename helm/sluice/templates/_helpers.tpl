@@ -146,7 +146,23 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
     - --memory-budget={{ $v.memoryBudget }}
     - --direct-io={{ $v.directIO }}
     {{- range $v.datasets }}
+    {{- if .s3 }}
+    - --dataset={{ .name }}={{ .s3 }}
+    {{- else }}
     - --dataset={{ .name }}=/data/{{ .name }}
+    {{- end }}
+    {{- end }}
+    {{- with $v.s3.endpoint }}
+    - --s3-endpoint={{ . }}
+    {{- end }}
+    {{- with $v.s3.region }}
+    - --s3-region={{ . }}
+    {{- end }}
+    {{- with $v.s3.pathStyle }}
+    - --s3-path-style={{ . }}
+    {{- end }}
+    {{- with $v.s3.deadline }}
+    - --s3-deadline={{ . }}
     {{- end }}
     {{- if $v.tcp.enabled }}
     - --listen=0.0.0.0:{{ $v.tcp.port }}
@@ -204,6 +220,18 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
       valueFrom:
         fieldRef:
           fieldPath: {{ .stageIdField }}
+    {{- with $v.s3.credentialsSecret }}
+    - name: AWS_ACCESS_KEY_ID
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $v.s3.accessKeyIdKey }}
+    - name: AWS_SECRET_ACCESS_KEY
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $v.s3.secretAccessKeyKey }}
+    {{- end }}
     {{- with $v.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -244,9 +272,11 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
     - name: socket
       mountPath: /run/sluice
     {{- range $v.datasets }}
+    {{- if not .s3 }}
     - name: dataset-{{ .name }}
       mountPath: /data/{{ .name }}
       readOnly: true
+    {{- end }}
     {{- end }}
     {{- if $ctx.Values.tls.enabled }}
     - name: tls
@@ -261,13 +291,15 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .name) }}
 {{- fail (printf "stage.datasets: name %q must be lowercase letters, digits and '-' (it names a volume)" .name) }}
 {{- end }}
+{{- if not .s3 }}
 - name: dataset-{{ .name }}
   {{- if .volume }}
   {{- toYaml .volume | nindent 2 }}
   {{- else }}
   hostPath:
-    path: {{ required (printf "stage.datasets: %s needs hostPath or volume" .name) .hostPath }}
+    path: {{ required (printf "stage.datasets: %s needs hostPath, volume or s3" .name) .hostPath }}
     type: Directory
   {{- end }}
+{{- end }}
 {{- end }}
 {{- end }}

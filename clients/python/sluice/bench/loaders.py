@@ -108,22 +108,32 @@ def _chunks(seq: Sequence, n: int) -> Iterator[list]:
         yield list(seq[i:i + n])
 
 
-def run_naive(ds: BenchDataset, batch: int, epochs: int, compute_s: float, seed: int) -> LoopResult:
-    """The trainer reads each file itself, one at a time."""
+Read = Callable[[int], bytes]
+
+
+def _file_reader(ds: BenchDataset) -> Read:
     paths = ds.paths()
+    return lambda i: _read(paths[i])
+
+
+def run_naive(ds: BenchDataset, batch: int, epochs: int, compute_s: float, seed: int,
+              read: Optional[Read] = None) -> LoopResult:
+    """The trainer reads each sample itself, one at a time (``read``: sample
+    index -> bytes; default: the data set's files)."""
+    read = read or _file_reader(ds)
 
     def batches(epoch: int) -> Batches:
         for idx in _chunks(epoch_order(ds, seed, epoch), batch):
-            yield [_read(paths[i]) for i in idx]
+            yield [read(i) for i in idx]
 
     return train_loop(batches, epochs, compute_s)
 
 
 def run_threadpool(ds: BenchDataset, batch: int, epochs: int, compute_s: float, seed: int,
-                   threads: int) -> LoopResult:
+                   threads: int, read: Optional[Read] = None) -> LoopResult:
     """A hand-tuned read-ahead pool: ``threads`` readers keep a bounded window
     of futures (4 per thread, at least two batches) ahead of the loop."""
-    paths = ds.paths()
+    read = read or _file_reader(ds)
     window = max(4 * threads, 2 * batch)
 
     def batches(epoch: int) -> Batches:
@@ -132,30 +142,32 @@ def run_threadpool(ds: BenchDataset, batch: int, epochs: int, compute_s: float, 
             pending: collections.deque = collections.deque()
             it = iter(order)
             for i in itertools.islice(it, window):
-                pending.append(pool.submit(_read, paths[i]))
+                pending.append(pool.submit(read, i))
             while pending:
                 out = []
                 while pending and len(out) < batch:
                     out.append(pending.popleft().result())
                     nxt = next(it, None)
                     if nxt is not None:
-                        pending.append(pool.submit(_read, paths[nxt]))
+                        pending.append(pool.submit(read, nxt))
                 yield out
 
     return train_loop(batches, epochs, compute_s)
 
 
-class _FileDataset:
-    """A map-style dataset reading whole files (the plain PyTorch baseline)."""
+class _ReadDataset:
+    """A map-style dataset reading whole samples (the plain PyTorch
+    baseline: files, or objects through a plain S3 client)."""
 
-    def __init__(self, paths: List[str]) -> None:
-        self.paths = paths
+    def __init__(self, read: Read, n: int) -> None:
+        self.read = read
+        self.n = n
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return self.n
 
     def __getitem__(self, i: int) -> bytes:
-        return _read(self.paths[i])
+        return self.read(i)
 
 
 def _collate_list(batch: list) -> list:
@@ -163,11 +175,11 @@ def _collate_list(batch: list) -> list:
 
 
 def run_torch(ds: BenchDataset, batch: int, epochs: int, compute_s: float, seed: int,
-              workers: int) -> LoopResult:
+              workers: int, read: Optional[Read] = None) -> LoopResult:
     """``torch.utils.data.DataLoader`` with ``workers`` worker processes."""
     from torch.utils.data import DataLoader
 
-    dataset = _FileDataset(ds.paths())
+    dataset = _ReadDataset(read or _file_reader(ds), ds.files)
 
     def batches(epoch: int) -> Batches:
         loader = DataLoader(dataset, batch_size=batch, sampler=epoch_order(ds, seed, epoch),

@@ -6,11 +6,19 @@ batch, sleep ``--compute-ms``), reporting samples/s, MiB/s, accelerator
 utilisation (AU = compute time / loop wall time), stall time and CPU time.
 
 Loaders: ``naive`` (the loop reads each file itself), ``threadpool`` (a
-read-ahead pool of 4, 8, 16 and 32 threads), ``torch`` (DataLoader with 1, 2
-and 4 workers, when torch imports), ``sluice`` (a ``sluice-stage`` started
-from ``--bin-dir``) and ``fio`` (random whole-file reads, ``O_DIRECT`` at
-queue depths 1, 16 and 64 and buffered at 16 and 64, when fio is on PATH:
-the device limit).
+read-ahead pool of 4 to 128 threads), ``torch`` (DataLoader with 1, 2, 4 and
+8 workers, when torch imports), ``sluice`` (a ``sluice-stage`` started from
+``--bin-dir``), ``fio`` (random whole-file reads, ``O_DIRECT`` at queue
+depths 1, 16 and 64 and buffered at 16 and 64, when fio is on PATH: the
+device limit; local directory only) and ``limit`` (the slow-storage
+harness's own rate, 256 reads in flight).
+
+``--store s3`` serves the data set from an S3-compatible server
+(``s3s-fs``, see ``scripts/s3-server``) behind ``sluice-slowhttp``; the
+baselines read it with a plain signed-GET client. ``--latency 5ms`` adds
+that much to every storage operation, identically for every loader: to
+every open and read call through ``sluice-slowfs`` (``--store dir``) or to
+every request through ``sluice-slowhttp`` (``--store s3``).
 
 With ``--compute-ms auto`` sluice's rate without compute is measured first,
 and the compute time is set so that the loop needs half of that rate.
@@ -20,18 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import List, Optional
 
 from . import loaders
 from .common import add_dataset_args, add_stage_args, load_dataset, log
 from .dataset import evict
 from .fio import fio_available, run_fio
+from .harness import HarnessError
 from .stage import StageStartError, find_stage_binary
-from .units import format_bytes
+from .storage import Storage, open_storage
+from .units import format_bytes, parse_duration_ms
 
-ALL_LOADERS = ("naive", "threadpool", "torch", "sluice", "fio")
-THREADS = (4, 8, 16, 32)
-TORCH_WORKERS = (1, 2, 4)
+ALL_LOADERS = ("naive", "threadpool", "torch", "sluice", "fio", "limit")
+THREADS = (4, 8, 16, 32, 64, 128)
+TORCH_WORKERS = (1, 2, 4, 8)
 FIO_RUNS = (("direct", 1), ("direct", 16), ("direct", 64), ("buffered", 16), ("buffered", 64))
 
 
@@ -47,9 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--loaders", default=",".join(ALL_LOADERS),
                     help=f"comma-separated subset of {','.join(ALL_LOADERS)} (default all)")
     ap.add_argument("--threads", default=",".join(map(str, THREADS)),
-                    help="thread counts of the threadpool loader (default 4,8,16,32)")
+                    help="thread counts of the threadpool loader (default 4,8,16,32,64,128)")
     ap.add_argument("--torch-workers", default=",".join(map(str, TORCH_WORKERS)),
-                    help="num_workers values of the torch loader (default 1,2,4)")
+                    help="num_workers values of the torch loader (default 1,2,4,8)")
+    ap.add_argument("--store", choices=("dir", "s3"), default="dir",
+                    help="where the data set is read from: the directory, or an S3-compatible "
+                         "server serving it (default dir)")
+    ap.add_argument("--latency", default="0ms",
+                    help="added to every storage operation by the harness, e.g. 5ms (default 0ms)")
     ap.add_argument("--fio-runtime", type=int, default=60, help="cap on each fio run in seconds (default 60)")
     add_stage_args(ap)
     return ap
@@ -61,26 +77,32 @@ _log = log
 class Bench:
     """Runs the selected loaders over one data set with one compute time."""
 
-    def __init__(self, args, ds, binary: Optional[str], binary_error: Optional[str] = None) -> None:
+    def __init__(self, args, ds, binary: Optional[str], binary_error: Optional[str] = None,
+                 storage: Optional[Storage] = None) -> None:
         self.args = args
         self.ds = ds
         self.binary = binary
         self.binary_error = binary_error
         self.paths = ds.paths()
+        self.storage = storage or Storage("dir", 0.0, ds)
+        # Where loaders read: the data set itself or the harness's view of it.
+        self.view = self.storage.view
 
     def _cold(self) -> None:
         evict(self.paths)
 
     def naive(self, compute_s: float) -> List[dict]:
         self._cold()
-        r = loaders.run_naive(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed)
+        r = loaders.run_naive(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed,
+                              self.storage.read)
         return [{"loader": "naive", **r.as_dict()}]
 
     def threadpool(self, compute_s: float) -> List[dict]:
         out = []
         for n in _ints(self.args.threads):
             self._cold()
-            r = loaders.run_threadpool(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed, n)
+            r = loaders.run_threadpool(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed, n,
+                                       self.storage.read)
             out.append({"loader": "threadpool", "threads": n, **r.as_dict()})
         return _mark_best(out)
 
@@ -92,7 +114,8 @@ class Bench:
         out = []
         for n in _ints(self.args.torch_workers):
             self._cold()
-            r = loaders.run_torch(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed, n)
+            r = loaders.run_torch(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed, n,
+                                  self.storage.read)
             out.append({"loader": "torch", "workers": n, **r.as_dict()})
         return _mark_best(out)
 
@@ -100,13 +123,21 @@ class Bench:
         if self.binary is None:
             return [{"loader": "sluice", "skipped": self.binary_error}]
         self._cold()
-        run = loaders.run_sluice(self.ds, self.args.batch, self.args.epochs, compute_s, self.args.seed,
-                                 self.binary, self.args.stage_memory, self.args.stage_arg,
-                                 self.args.prefetch)
+        run = loaders.run_sluice(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed,
+                                 self.binary, self.args.stage_memory,
+                                 [*self.storage.stage_args, *self.args.stage_arg], self.args.prefetch)
         return [{"loader": "sluice", "prefetch": self.args.prefetch, **run.result.as_dict(),
                  "peak_rss_bytes": run.peak_rss_bytes, "stage_cpu_s": run.stage_cpu_s}]
 
+    def limit(self, compute_s: float) -> List[dict]:
+        if self.storage.kind == "dir" and self.storage.latency_ms == 0:
+            return [{"loader": "limit", "skipped": "no harness: fio gives the device limit"}]
+        self._cold()
+        return [self.storage.limit()]
+
     def fio(self, compute_s: float) -> List[dict]:
+        if self.storage.kind != "dir" or self.storage.latency_ms > 0:
+            return [{"loader": "fio", "skipped": "the local device only: the limit row measures the harness"}]
         if not fio_available():
             return [{"loader": "fio", "skipped": "fio is not on PATH"}]
         out = []
@@ -163,7 +194,7 @@ def _variant(r: dict) -> str:
     if "mode" in r:
         return f"{r['mode']} qd={r['iodepth']}"
     for key, label in (("threads", "threads"), ("workers", "workers"), ("iodepth", "qd"),
-                       ("prefetch", "prefetch")):
+                       ("prefetch", "prefetch"), ("concurrency", "inflight")):
         if key in r:
             return f"{label}={r[key]}"
     return ""
@@ -183,6 +214,11 @@ def format_table(results: List[dict]) -> str:
             notes.append("best (device limit)" if r["loader"] == "fio" else "best")
         if "peak_rss_bytes" in r:
             notes.append(f"stage peak RSS {format_bytes(r['peak_rss_bytes'])}")
+        if r["loader"] == "limit":
+            notes.append("the harness's own rate")
+            lines.append(f"{r['loader']:10} {_variant(r):15} {r['samples_per_s']:10.0f} {r['mib_per_s']:8.1f} "
+                         f"{'-':>6} {'-':>8} {'-':>7}  {', '.join(notes)}")
+            continue
         lines.append(f"{r['loader']:10} {_variant(r):15} {r['samples_per_s']:10.0f} {r['mib_per_s']:8.1f} "
                      f"{r['au'] * 100:5.1f}% {r['stall_s']:8.2f} {r['cpu_s']:7.2f}  {', '.join(notes)}")
     return "\n".join(lines)
@@ -214,9 +250,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             if auto:
                 raise SystemExit(f"error: --compute-ms auto measures sluice first: {e}") from None
 
+    try:
+        latency_ms = parse_duration_ms(args.latency)
+    except ValueError as e:
+        raise SystemExit(f"error: --latency: {e}") from None
     ds = load_dataset(args)
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+    try:
+        with open_storage(args.store, args.latency, latency_ms, ds, args.bin_dir, repo) as storage:
+            return _run(args, selected, auto, compute_ms if not auto else 0.0, ds, binary, binary_error,
+                        storage)
+    except HarnessError as e:
+        raise SystemExit(f"error: the {args.store} harness: {e}") from None
+
+
+def _run(args, selected, auto, compute_ms, ds, binary, binary_error, storage) -> int:
     size, stdev = ds.size, ds.size_stdev
-    bench = Bench(args, ds, binary, binary_error)
+    bench = Bench(args, ds, binary, binary_error, storage)
     calibration = None
     if auto:
         _log("calibrating: sluice without compute ...")
@@ -242,11 +292,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print(f"data set: {ds.files} files of {format_bytes(size)}"
           f"{f' (stdev {format_bytes(stdev)})' if stdev else ''}, {format_bytes(ds.total_bytes)} in {ds.root}; "
-          f"batch {args.batch}, compute {compute_ms:.2f} ms/batch, {args.epochs} epoch(s), cold cache")
+          f"batch {args.batch}, compute {compute_ms:.2f} ms/batch, {args.epochs} epoch(s), cold cache; "
+          f"store {storage.kind}, +{storage.latency_ms:g} ms per operation")
     print(format_table(results))
     if args.json:
         doc = {"dataset": ds.describe(), "batch": args.batch, "compute_ms": compute_ms, "epochs": args.epochs,
-               "seed": args.seed, "results": results}
+               "seed": args.seed, "storage": storage.describe(), "results": results}
         if calibration is not None:
             doc["calibration"] = calibration
         print(json.dumps(doc))

@@ -1,8 +1,9 @@
-"""Byte quantities on the command line: ``100KiB``, ``2.5MiB``, ``1GB``, ``4096``."""
+"""Quantities on the command line: byte sizes (``100KiB``, ``2.5MiB``,
+``1GB``, ``4096``) and durations (``5ms``, ``1.5s``)."""
 
 from __future__ import annotations
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["parse_bytes", "format_bytes", "parse_duration_ms"]
 
 # The same grammar as the stage and the policies (policies/src/quantity.rs):
 # units are case-sensitive, SI prefixes are powers of 1000 and IEC ones
@@ -60,6 +61,27 @@ def _scale(text: str) -> int:
     if value >= 1 << 64:
         raise refuse("the number is too large")
     return value
+
+
+def parse_duration_ms(text: str) -> float:
+    """Returns the milliseconds ``text`` names, in the stage's grammar for
+    durations: a number and the unit ``ms`` or ``s`` (``5ms``, ``1.5s``;
+    whole milliseconds)."""
+    trimmed = str(text).strip()
+    for unit, factor in (("ms", 1), ("s", 1000)):
+        if trimmed.endswith(unit):
+            number = trimmed[: -len(unit)].strip()
+            break
+    else:
+        raise ValueError(f"invalid duration `{text}`: write a unit: `ms` or `s`, for example `100ms` or `1.5s`")
+    if not number or set(number) - _NUMBER or number.count(".") > 1 or number.startswith(".") \
+            or number.endswith("."):
+        raise ValueError(f"invalid duration `{text}`: write for example `100ms` or `1.5s`")
+    whole, _, fraction = number.partition(".")
+    scaled = int(whole + fraction) * factor
+    if scaled % 10 ** len(fraction):
+        raise ValueError(f"invalid duration `{text}`: it is not a whole number of milliseconds")
+    return float(scaled // 10 ** len(fraction))
 
 
 def format_bytes(n: float) -> str:

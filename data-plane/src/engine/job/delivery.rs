@@ -14,7 +14,6 @@ use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
-use crate::storage::{io_error, read_range};
 
 /// The plan of reservations that belong to none: whole files read for a
 /// trainer outside the readers.
@@ -398,11 +397,11 @@ impl Job {
         name: &str,
         m: &DatasetMetrics,
     ) -> (Result<Chunk, ProtocolError>, u64) {
-        let path = match dataset.resolve(name) {
-            Ok(path) => path,
+        let source = dataset.source();
+        match source.stat(name) {
+            Ok(size) => self.throttle(size),
             Err(e) => return (Err(e), 0),
-        };
-        self.throttle(std::fs::metadata(&path).map_or(0, |meta| meta.len()));
+        }
         let reserved = Cell::new(0);
         let alloc = |len: usize| {
             let bytes = len as u64;
@@ -415,7 +414,7 @@ impl Job {
             }
         };
         let start = Instant::now();
-        let data = dataset.read_resolved(name, &path, &alloc);
+        let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
         match (data, reserved.get()) {
             (Err(e), bytes) if bytes > 0 => {
@@ -458,13 +457,11 @@ impl Job {
         length: u64,
         m: &DatasetMetrics,
     ) -> Result<Chunk, ProtocolError> {
-        let path = dataset.resolve(name)?;
-        let size = std::fs::metadata(&path)
-            .map(|meta| meta.len().saturating_sub(offset).min(length))
-            .unwrap_or(0);
+        let source = dataset.source();
+        let size = source.stat(name)?.saturating_sub(offset).min(length);
         self.throttle(size);
         let start = Instant::now();
-        let data = read_range(&path, offset, length).map_err(|e| io_error(name, &e));
+        let data = source.read_range(name, offset, length);
         self.count_read(m, start.elapsed(), &data);
         data
     }

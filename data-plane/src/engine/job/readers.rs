@@ -1,5 +1,11 @@
-//! A job's reader threads: pick the next entry to fetch, reserve its bytes,
-//! wait for the limiter, read, and park the result in its plan.
+//! A job's readers: pick the next entry to fetch, reserve its bytes, wait
+//! for the limiter, read, and park the result in its plan.
+//!
+//! The job's reader count (the tuner's choice) is the number of reads in
+//! flight. A read from a local directory is a blocking call, so each
+//! takes a thread. A read from an object store is a task on the runtime:
+//! a thread that picks one starts it and goes on picking, so a couple of
+//! threads keep hundreds of requests outstanding.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -14,6 +20,10 @@ use crate::metrics::{DatasetMetrics, Metrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::whole_footprint;
 use crate::sync::{wait, wait_timeout};
+
+/// Reader threads a job whose plans all read object stores runs (each
+/// only picks work and starts reads; the runtime waits for them).
+const REMOTE_THREADS: u32 = 2;
 
 /// A fetch a reader has committed to.
 pub(super) struct Work {
@@ -41,9 +51,9 @@ pub(super) enum Idle {
 }
 
 impl Job {
-    /// Starts reader threads until the target count runs.
+    /// Starts reader threads until the wanted count runs.
     pub(super) fn ensure_readers(self: &Arc<Self>, st: &mut JobState) {
-        while !st.stopped && st.readers_running < st.readers_target {
+        while !st.stopped && st.readers_running < st.threads_wanted() {
             let job = Arc::clone(self);
             let spawned = std::thread::Builder::new()
                 .name(format!(
@@ -71,12 +81,18 @@ impl Job {
             let work = {
                 let mut st = self.lock();
                 loop {
-                    if st.stopped || st.readers_running > st.readers_target {
+                    if st.stopped || st.readers_running > st.threads_wanted() {
                         st.readers_running -= 1;
                         return;
                     }
-                    match st.pick_work(&self.memory, &self.metrics, &self.id) {
+                    let picked = if st.in_flight < st.readers_target {
+                        st.pick_work(&self.memory, &self.metrics, &self.id)
+                    } else {
+                        Err(Idle::Nothing)
+                    };
+                    match picked {
                         Ok(work) => {
+                            st.in_flight += 1;
                             // Wakes are one at a time: pass it on, in case
                             // there is more (each reader that finds work
                             // wakes the next, up to the running count).
@@ -98,14 +114,19 @@ impl Job {
                     }
                 }
             };
-            self.fetch(work);
+            self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
+            self.throttle(work.file_bytes);
+            if work.dataset.source().remote().is_some() {
+                self.start_remote(work);
+            } else {
+                self.fetch(work);
+            }
         }
     }
 
-    /// Reads one committed entry and hands the result to its plan.
+    /// Reads one committed entry from a local source and hands the result
+    /// to its plan.
     fn fetch(&self, work: Work) {
-        self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
-        self.throttle(work.file_bytes);
         let start = Instant::now();
         // A panic while reading (a bug) becomes this sample's error: the
         // reader thread, and the plan waiting for the entry, go on.
@@ -113,18 +134,46 @@ impl Job {
             work.dataset
                 .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len))
         }))
-        .unwrap_or_else(|_| {
-            tracing::error!(job = %self.id, file = %work.name, "a reader panicked reading this file");
-            Err(ProtocolError::new(
-                ErrorCode::IoError,
-                format!("the stage failed internally reading `{}` (its log has the details)", work.name),
-            ))
+        .unwrap_or_else(|_| internal_failure(&self.id, &work.name));
+        self.finish(work, start, data);
+    }
+
+    /// Starts the read of a committed entry from an object store on the
+    /// runtime; the task hands the result to its plan.
+    fn start_remote(self: &Arc<Self>, work: Work) {
+        let job = Arc::clone(self);
+        let buf = self.buffer(work.size as usize);
+        let source = Arc::clone(&work.dataset);
+        let Some(remote) = source.source().remote() else {
+            unreachable!("only remote work comes here");
+        };
+        let runtime = remote.runtime().clone();
+        runtime.spawn(async move {
+            let start = Instant::now();
+            let Some(remote) = source.source().remote() else {
+                unreachable!("only remote work comes here");
+            };
+            let read = remote.read_listed(&work.name, work.file_bytes, buf);
+            // As with a reader thread: a panic (a bug) is this sample's
+            // error, never a plan that waits forever.
+            let data = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(read))
+                .await
+                .unwrap_or_else(|_| internal_failure(&job.id, &work.name));
+            job.finish(work, start, data);
         });
+    }
+
+    /// Counts a finished read and parks its result in its plan.
+    fn finish(&self, work: Work, start: Instant, data: Result<Chunk, ProtocolError>) {
         self.count_read(&work.metrics, start.elapsed(), &data);
         self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
 
         let actual = data.as_ref().map_or(0, Chunk::footprint);
         let mut st = self.lock();
+        st.in_flight -= 1;
+        // A read's slot came free: a reader waiting at the in-flight
+        // limit may start another.
+        self.wake_idle_reader(&st);
         let Some(plan) = st.plans.get_mut(&work.plan) else {
             // The plan was dropped while we read (every consumer left).
             st.reserved -= work.size;
@@ -187,7 +236,31 @@ impl Job {
     }
 }
 
+/// The error of a sample whose read panicked.
+fn internal_failure(job: &str, name: &str) -> Result<Chunk, ProtocolError> {
+    tracing::error!(job = %job, file = %name, "a read panicked");
+    Err(ProtocolError::new(
+        ErrorCode::IoError,
+        format!("the stage failed internally reading `{name}` (its log has the details)"),
+    ))
+}
+
 impl JobState {
+    /// Reader threads the job needs: one per read in flight while any plan
+    /// reads a local source, else a few that start asynchronous reads.
+    pub(super) fn threads_wanted(&self) -> u32 {
+        let all_remote = !self.plans.is_empty()
+            && self
+                .plans
+                .values()
+                .all(|p| p.dataset.source().remote().is_some());
+        if all_remote {
+            self.readers_target.min(REMOTE_THREADS)
+        } else {
+            self.readers_target
+        }
+    }
+
     /// Picks the next entry to fetch and reserves its bytes: first in plans a
     /// consumer is waiting on, then in the plan holding the least.
     pub(super) fn pick_work(

@@ -1,0 +1,195 @@
+"""The S3 source end to end: a stage reading ``s3://`` datasets from a real
+S3-compatible server (``s3s-fs``) behind ``sluice-slowhttp`` (latency and
+injected failures)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+import sluice
+from sluice.bench.harness import HarnessError, free_port
+from sluice.bench.s3 import (ACCESS_KEY, SECRET_KEY, S3Server, SlowHttp, find_s3_server,
+                             find_slowhttp_binary)
+
+from conftest import REPO, http_get, in_ci, make_dataset, sorted_names, stage_binary
+
+BUCKET = "bucket"
+PREFIX = "train"
+
+
+@pytest.fixture
+def credentials(monkeypatch, tmp_path):
+    """The harness's credentials in the environment, and nothing else the
+    stage could pick up (no profile files, no endpoint)."""
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+
+
+@pytest.fixture
+def s3(tmp_path, credentials):
+    """``(server, files)``: s3s-fs serving bucket ``bucket`` with the shared
+    test tree under prefix ``train/`` (and one object outside it)."""
+    try:
+        binary = find_s3_server(str(REPO))
+    except HarnessError as e:
+        if in_ci():
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    root = tmp_path / "s3"
+    data = root / BUCKET / PREFIX
+    data.mkdir(parents=True)
+    files = make_dataset(data)
+    (root / BUCKET / "secret.bin").write_bytes(b"outside the prefix")
+    server = S3Server.start(binary, str(root))
+    yield server, files
+    server.stop()
+
+
+def proxy(server, **faults) -> SlowHttp:
+    return SlowHttp.start(find_slowhttp_binary(str(stage_binary().parent)), server.address, **faults)
+
+
+def s3_stage(stage_factory, endpoint: str, *extra: str):
+    return stage_factory({"ds": f"s3://{BUCKET}/{PREFIX}"}, "--s3-endpoint", endpoint, *extra)
+
+
+def metric_sum(stage, name: str, **labels) -> float:
+    body = http_get(stage.metrics, "/metrics")
+    total = 0.0
+    for line in body.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_every_object_arrives_exactly_in_plan_order(s3, stage_factory):
+    server, files = s3
+    with proxy(server, latency="2ms") as slow:
+        stage = s3_stage(stage_factory, slow.endpoint)
+        with sluice.Client(stage.socket, job="s3") as c:
+            ds = c.dataset("ds")
+            names = ds.files.names()
+            assert names == sorted_names(files), "the listing is the prefix's keys, nothing outside"
+            got = list(ds.epoch(0, seed=3, batch=8))
+            order = [n for n, _ in got]
+            assert order == [names[i] for i in sluice.plan.permutation(len(names), 3, 0, True)]
+            assert {n: bytes(d) for n, d in got} == files
+            # Random access and FETCH outside any plan read the store too.
+            big = max(files, key=lambda n: len(files[n]))
+            assert c.dataset("ds").read(big, 5, 1000) == files[big][5:1005]
+            assert bytes(ds.fetch([big])[0][1]) == files[big]
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok") >= len(files)
+
+
+def test_keys_outside_the_prefix_are_not_served(s3, stage_factory):
+    server, _files = s3
+    stage = s3_stage(stage_factory, f"http://{server.address}")
+    with sluice.Client(stage.socket, job="s3") as c:
+        ds = c.dataset("ds")
+        for name in ("../secret.bin", "/secret.bin", "a/../../secret.bin", "./x"):
+            with pytest.raises(sluice.SluiceError) as e:
+                ds.read(name)
+            assert e.value.code == sluice.ErrorCode.FORBIDDEN_PATH, (name, e.value)
+
+
+def test_missing_and_denied_objects_are_their_samples_errors(s3, stage_factory):
+    server, files = s3
+    names = sorted_names(files)
+    deleted, denied = names[3], next(n for n in names if n.startswith("d1/"))
+    with proxy(server, deny=f"/{PREFIX}/{denied}") as slow:
+        stage = s3_stage(stage_factory, slow.endpoint)
+        with sluice.Client(stage.socket, job="s3") as c:
+            ds = c.dataset("ds")
+            ds.files.names()
+            os.remove(os.path.join(server.root, BUCKET, PREFIX, deleted))
+            got = dict(ds.epoch(0, seed=1, batch=8, on_error="yield"))
+    assert set(got) == set(names), "no silent gap"
+    assert got[deleted].code == sluice.ErrorCode.NOT_FOUND and deleted in got[deleted].message
+    assert got[denied].code == sluice.ErrorCode.IO_ERROR and "denied" in got[denied].message
+    for name in set(names) - {deleted, denied}:
+        assert bytes(got[name]) == files[name]
+    assert metric_sum(stage, "sluice_stage_source_errors_total", kind="not_found") >= 1
+    assert metric_sum(stage, "sluice_stage_source_errors_total", kind="denied") >= 1
+
+
+def test_throttling_and_resets_are_retried(s3, stage_factory):
+    server, files = s3
+    with proxy(server, throttle_every=3, reset_every=7) as slow:
+        stage = s3_stage(stage_factory, slow.endpoint)
+        with sluice.Client(stage.socket, job="s3") as c:
+            got = {n: bytes(d) for n, d in c.dataset("ds").epoch(0, seed=2, batch=8)}
+    assert got == files
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="throttled") >= 1
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="connection") >= 1
+    assert metric_sum(stage, "sluice_stage_source_retries_total") >= 2
+
+
+def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):
+    server, files = s3
+    names = sorted_names(files)[:3]
+    # Listing is not bound by the sample deadline; every GET takes longer.
+    with proxy(server, latency="1500ms") as slow:
+        stage = s3_stage(stage_factory, slow.endpoint, "--s3-deadline", "500ms")
+        with sluice.Client(stage.socket, job="s3") as c:
+            t0 = time.monotonic()
+            got = dict(c.dataset("ds").plan_names(names, epoch=0, on_error="yield"))
+            took = time.monotonic() - t0
+    assert set(got) == set(names)
+    for name in names:
+        assert got[name].code == sluice.ErrorCode.IO_ERROR and "deadline" in got[name].message, got[name]
+    assert took < 15, f"three samples past a 0.5 s deadline took {took:.1f} s"
+    assert metric_sum(stage, "sluice_stage_source_errors_total", kind="deadline") >= 3
+
+
+def start_fails(tmp_path, *args: str, env=None) -> str:
+    """Runs the stage with ``args`` and returns its stderr, asserting it
+    exits non-zero before serving."""
+    sock = tmp_path / "refused.sock"
+    proc = subprocess.run([str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
+                           *args], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0, proc.stdout
+    assert not proc.stdout, "no ready line"
+    return proc.stderr
+
+
+def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
+    server, _files = s3
+    url = f"s3://{BUCKET}/{PREFIX}"
+    endpoint = f"http://{server.address}"
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      env={**os.environ, "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert "refused the credentials" in err and "AWS_ACCESS_KEY_ID" in err, err
+    err = start_fails(tmp_path, "--dataset", "ds=s3://no-such-bucket/x", "--s3-endpoint", endpoint)
+    assert "bucket `no-such-bucket` does not exist" in err, err
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", f"http://127.0.0.1:{free_port()}")
+    assert "cannot reach the object store" in err or "did not answer" in err, err
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint, env=env)
+    assert "no S3 credentials" in err and "AWS_ACCESS_KEY_ID" in err, err
+    err = start_fails(tmp_path, "--dataset", "ds=s3://", "--s3-endpoint", endpoint)
+    assert "names no bucket" in err, err
+
+
+def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage_factory):
+    server, files = s3
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = nobody\naws_secret_access_key = x\n\n"
+                     f"[train]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    stage = s3_stage(stage_factory, f"http://{server.address}")
+    with sluice.Client(stage.socket, job="s3") as c:
+        assert c.dataset("ds").files.names() == sorted_names(files)

@@ -1,0 +1,806 @@
+//! The S3-compatible object-store source: `s3://bucket/prefix`.
+//!
+//! Signing, listing, GETs and their retries are `object_store`'s, over a
+//! hyper client of our own (rustls on ring, like the controller session), so
+//! the stage has one TLS stack and one runtime. Every request passes
+//! through [`Http`], which counts it by outcome and times it.
+//!
+//! Reads are asynchronous: a job's readers start them on the runtime and go
+//! on, so hundreds are in flight on a few threads. An object of
+//! [`PART_BYTES`] or more is fetched as parallel ranged GETs. Throttling
+//! (503 SlowDown, 429), other 5xx answers, resets and timeouts are retried
+//! with capped exponential backoff and jitter, within the per-sample
+//! deadline; a missing object, a denied request or the deadline ends the
+//! sample with its error.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::client::{
+    HttpClient, HttpError, HttpErrorKind, HttpRequest, HttpRequestBody, HttpResponse,
+    HttpResponseBody, HttpService,
+};
+use object_store::path::Path as Key;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, ObjectStore, ObjectStoreExt, RetryConfig,
+};
+use tokio::runtime::Handle;
+
+use crate::chunk::{Buffer, Chunk};
+use crate::entry::{FileEntry, Fnv64};
+use crate::metrics::{Metrics, SourceMetrics};
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::storage::{MAX_FILE_BYTES, clamp_range};
+
+/// Objects this large or larger are fetched as parallel ranged GETs of
+/// this size.
+pub const PART_BYTES: u64 = 8 << 20;
+/// How long the start-up check waits for the store to answer.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How to reach the object store (flags and the stage file).
+#[derive(Debug, Clone, PartialEq)]
+pub struct S3Options {
+    /// `--s3-endpoint`: an S3-compatible server's URL (else AWS_ENDPOINT_URL,
+    /// else AWS itself).
+    pub endpoint: Option<String>,
+    /// `--s3-region` (else AWS_REGION, AWS_DEFAULT_REGION, the profile's
+    /// region, `us-east-1`).
+    pub region: Option<String>,
+    /// Path-style addressing (`endpoint/bucket/key`), which most
+    /// S3-compatible servers need; virtual-hosted style otherwise.
+    pub path_style: bool,
+    /// Send unsigned requests (public buckets).
+    pub anonymous: bool,
+    /// How long one sample may take, retries included.
+    pub deadline: Duration,
+}
+
+impl Default for S3Options {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            region: None,
+            path_style: false,
+            anonymous: false,
+            deadline: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A bucket prefix served as a dataset.
+pub struct S3Source {
+    url: String,
+    bucket: String,
+    prefix: Key,
+    /// Sample reads: requests and retries within the sample deadline.
+    store: AmazonS3,
+    /// Listings: requests as long as a page takes.
+    lister: AmazonS3,
+    runtime: Handle,
+    deadline: Duration,
+    metrics: SourceMetrics,
+}
+
+impl fmt::Debug for S3Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Source").field("url", &self.url).finish()
+    }
+}
+
+/// Splits `s3://bucket/prefix` into the bucket and the prefix.
+pub fn parse_url(url: &str) -> Result<(String, Key), String> {
+    let rest = url
+        .strip_prefix("s3://")
+        .ok_or_else(|| format!("`{url}` is not an s3:// URL"))?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() {
+        return Err(format!("`{url}` names no bucket: write s3://BUCKET/PREFIX"));
+    }
+    let prefix = prefix.trim_end_matches('/');
+    let prefix =
+        Key::parse(prefix).map_err(|e| format!("`{url}`: the prefix is not a valid key: {e}"))?;
+    Ok((bucket.to_owned(), prefix))
+}
+
+impl S3Source {
+    /// Connects to the bucket of `url` and checks, with one listing
+    /// request, that the credentials, the bucket and the endpoint work;
+    /// the error says what to fix.
+    pub async fn open(
+        dataset: &str,
+        url: &str,
+        options: &S3Options,
+        metrics: &Metrics,
+    ) -> Result<Self, String> {
+        let (bucket, prefix) = parse_url(url).map_err(|e| format!("dataset `{dataset}`: {e}"))?;
+        let source_metrics = metrics.source(dataset);
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_secs(2),
+                base: 2.0,
+            },
+            max_retries: 16,
+            retry_timeout: options.deadline,
+        };
+        let builder = builder(&bucket, options, &source_metrics)
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        let endpoint = options
+            .endpoint
+            .clone()
+            .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
+            .unwrap_or_else(|| "AWS S3".into());
+        // Listing requests are not bound by the sample deadline; the check
+        // at start gives up after a few tries: a wrong endpoint should fail
+        // the start, not stall it.
+        let lister = builder
+            .clone()
+            .with_client_options(client_options(PROBE_TIMEOUT.max(options.deadline)))
+            .with_retry(RetryConfig {
+                max_retries: 3,
+                retry_timeout: PROBE_TIMEOUT,
+                ..retry.clone()
+            })
+            .build()
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        check(&lister, &prefix, &bucket, &endpoint)
+            .await
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        let store = builder
+            .with_client_options(client_options(options.deadline))
+            .with_retry(retry)
+            .build()
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        Ok(Self {
+            url: url.to_owned(),
+            bucket,
+            prefix,
+            store,
+            lister,
+            runtime: Handle::current(),
+            deadline: options.deadline,
+            metrics: source_metrics,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Runs `work` to completion from a thread outside the runtime (a
+    /// reader thread or a blocking task).
+    pub fn block_on<F: Future>(&self, work: F) -> F::Output {
+        self.runtime.block_on(work)
+    }
+
+    pub fn runtime(&self) -> &Handle {
+        &self.runtime
+    }
+
+    /// Lists every object beneath the prefix (pages of 1,000 keys).
+    pub async fn list(&self) -> std::io::Result<Vec<FileEntry>> {
+        let mut files = Vec::new();
+        let mut stream = self.lister.list(Some(&self.prefix));
+        while let Some(meta) = stream.next().await {
+            let meta = meta
+                .map_err(|e| std::io::Error::other(format!("listing {} failed: {e}", self.url)))?;
+            let Some(name) = self.name_of(&meta.location) else {
+                continue;
+            };
+            let version = match &meta.e_tag {
+                Some(tag) => {
+                    let mut h = Fnv64::new();
+                    h.write(tag.as_bytes());
+                    h.0
+                }
+                None => meta.last_modified.timestamp_nanos_opt().unwrap_or(0) as u64,
+            };
+            files.push(FileEntry::new(name, meta.size, version));
+        }
+        Ok(files)
+    }
+
+    /// The dataset name of a listed key, or `None` for keys that are not
+    /// servable names.
+    fn name_of(&self, key: &Key) -> Option<String> {
+        let raw = key.as_ref();
+        let name = if self.prefix.as_ref().is_empty() {
+            raw
+        } else {
+            raw.strip_prefix(self.prefix.as_ref())?.strip_prefix('/')?
+        };
+        if crate::entry::check_name(name).is_err() {
+            tracing::warn!(
+                key = raw,
+                "skipping an object whose key is not a servable name"
+            );
+            return None;
+        }
+        Some(name.to_owned())
+    }
+
+    /// The key of checked name `name`: always beneath the prefix, since a
+    /// checked name has no `.`, `..` or empty component.
+    fn key(&self, name: &str) -> Result<Key, ProtocolError> {
+        let full = if self.prefix.as_ref().is_empty() {
+            name.to_owned()
+        } else {
+            format!("{}/{name}", self.prefix.as_ref())
+        };
+        Key::parse(&full).map_err(|e| {
+            ProtocolError::new(
+                ErrorCode::ForbiddenPath,
+                format!("`{name}` is refused: it is not a valid object key ({e})"),
+            )
+        })
+    }
+
+    /// Reads listed object `name` (`listed` bytes) whole into `buf` (of at
+    /// least `listed` bytes), in parallel ranges when it is large. An
+    /// object that grew since it was listed is read whole into the heap.
+    pub async fn read_listed(
+        &self,
+        name: &str,
+        listed: u64,
+        buf: Buffer,
+    ) -> Result<Chunk, ProtocolError> {
+        let key = self.key(name)?;
+        let read = async {
+            if listed >= 2 * PART_BYTES {
+                self.read_parts(&key, listed, buf).await
+            } else {
+                let result = self.store.get_opts(&key, GetOptions::default()).await?;
+                into_chunk(result, buf).await
+            }
+        };
+        self.within_deadline(name, read).await
+    }
+
+    /// Reads object `name` whole (a name a trainer gave, not from a plan).
+    pub async fn read_unlisted(
+        &self,
+        name: &str,
+        alloc: &dyn Fn(usize) -> Buffer,
+    ) -> Result<Chunk, ProtocolError> {
+        let key = self.key(name)?;
+        let read = async {
+            let result = self.store.get_opts(&key, GetOptions::default()).await?;
+            let size = result.meta.size;
+            if size > MAX_FILE_BYTES {
+                return Ok(Err(too_large(name, size)));
+            }
+            into_chunk(result, alloc(size as usize)).await.map(Ok)
+        };
+        self.within_deadline(name, read).await?
+    }
+
+    /// The size of object `name`.
+    pub async fn stat(&self, name: &str) -> Result<u64, ProtocolError> {
+        let key = self.key(name)?;
+        self.within_deadline(name, async { Ok(self.store.head(&key).await?.size) })
+            .await
+    }
+
+    /// Reads `length` bytes (or to the end) of `name` from `offset`.
+    pub async fn read_range(
+        &self,
+        name: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<Chunk, ProtocolError> {
+        let key = self.key(name)?;
+        let read = async {
+            let size = self.store.head(&key).await?.size;
+            let (start, want) = clamp_range(size, offset, length);
+            if want > MAX_FILE_BYTES {
+                return Ok(Err(too_large(name, want)));
+            }
+            if want == 0 {
+                return Ok(Ok(Chunk::from_vec(Vec::new())));
+            }
+            let bytes = self.store.get_range(&key, start..start + want).await?;
+            Ok(Ok(Chunk::from_vec(bytes.to_vec())))
+        };
+        self.within_deadline(name, read).await?
+    }
+
+    async fn read_parts(
+        &self,
+        key: &Key,
+        size: u64,
+        mut buf: Buffer,
+    ) -> object_store::Result<Chunk> {
+        let ranges: Vec<_> = (0..size)
+            .step_by(PART_BYTES as usize)
+            .map(|start| start..(start + PART_BYTES).min(size))
+            .collect();
+        let parts = futures::future::try_join_all(
+            ranges
+                .iter()
+                .map(|range| self.store.get_range(key, range.clone())),
+        )
+        .await?;
+        let bytes = buf.as_mut_slice();
+        let mut len = 0;
+        for part in parts {
+            bytes[len..len + part.len()].copy_from_slice(&part);
+            len += part.len();
+        }
+        Ok(Chunk::pooled(buf, 0, len))
+    }
+
+    /// Runs one sample's requests within the deadline, counting and
+    /// explaining a failure.
+    async fn within_deadline<T>(
+        &self,
+        name: &str,
+        work: impl Future<Output = object_store::Result<T>>,
+    ) -> Result<T, ProtocolError> {
+        let past_deadline = |cause: &str| {
+            (
+                "deadline",
+                ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!(
+                        "reading `{name}` from {} took longer than its {:?} deadline (retries included){cause}",
+                        self.url, self.deadline
+                    ),
+                ),
+            )
+        };
+        let failed = match tokio::time::timeout(self.deadline, work).await {
+            Ok(Ok(value)) => return Ok(value),
+            // object_store's own clock (its request timeout or the end of
+            // its retries) ran out first.
+            Ok(Err(e))
+                if e.to_string().contains("timed out") || e.to_string().contains("retry") =>
+            {
+                past_deadline(&format!(": {e}"))
+            }
+            Ok(Err(e)) => self.sample_error(name, &e),
+            Err(_) => past_deadline(""),
+        };
+        self.metrics.sample_errors(failed.0).inc();
+        Err(failed.1)
+    }
+
+    fn sample_error(&self, name: &str, e: &object_store::Error) -> (&'static str, ProtocolError) {
+        use object_store::Error as E;
+        match e {
+            E::NotFound { .. } => (
+                "not_found",
+                ProtocolError::new(
+                    ErrorCode::NotFound,
+                    format!(
+                        "`{name}` does not exist in the dataset (no such object in {})",
+                        self.url
+                    ),
+                ),
+            ),
+            E::PermissionDenied { .. } | E::Unauthenticated { .. } => (
+                "denied",
+                ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!(
+                        "reading `{name}` was denied by the object store ({}): {e}",
+                        self.bucket
+                    ),
+                ),
+            ),
+            _ => (
+                "other",
+                ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!("reading `{name}` from {} failed: {e}", self.url),
+                ),
+            ),
+        }
+    }
+}
+
+fn too_large(name: &str, bytes: u64) -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::TooLarge,
+        format!(
+            "`{name}`: {bytes} bytes is more than one response frame carries ({MAX_FILE_BYTES} bytes); read it in ranges with READ offset/length"
+        ),
+    )
+}
+
+/// Streams a GET's body into `buf`, or into the heap when it does not fit
+/// (the object grew since it was listed).
+async fn into_chunk(
+    result: object_store::GetResult,
+    mut buf: Buffer,
+) -> object_store::Result<Chunk> {
+    let size = result.meta.size;
+    if size as usize > buf.as_mut_slice().len() {
+        buf.recycle();
+        return Ok(Chunk::from_vec(result.bytes().await?.to_vec()));
+    }
+    let mut stream = result.into_stream();
+    let mut len = 0;
+    while let Some(piece) = stream.next().await {
+        let piece = piece?;
+        let bytes = buf.as_mut_slice();
+        if len + piece.len() > bytes.len() {
+            return Err(object_store::Error::Generic {
+                store: "S3",
+                source: "the object grew while it was read".into(),
+            });
+        }
+        bytes[len..len + piece.len()].copy_from_slice(&piece);
+        len += piece.len();
+    }
+    Ok(Chunk::pooled(buf, 0, len))
+}
+
+fn client_options(request_timeout: Duration) -> ClientOptions {
+    ClientOptions::new()
+        .with_connect_timeout(CONNECT_TIMEOUT)
+        .with_timeout(request_timeout)
+}
+
+/// Lists one page beneath the prefix, turning each way it can fail into a
+/// sentence that says what to fix.
+async fn check(store: &AmazonS3, prefix: &Key, bucket: &str, endpoint: &str) -> Result<(), String> {
+    let listed = tokio::time::timeout(PROBE_TIMEOUT, store.list_with_delimiter(Some(prefix))).await;
+    let e = match listed {
+        Ok(Ok(_)) => return Ok(()),
+        Ok(Err(e)) => e,
+        Err(_) => {
+            return Err(format!(
+                "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
+            ));
+        }
+    };
+    let text = e.to_string();
+    use object_store::Error as E;
+    Err(match &e {
+        _ if text.contains("NoSuchBucket") => format!(
+            "bucket `{bucket}` does not exist at {endpoint}: check the dataset URL (and --s3-endpoint)"
+        ),
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => format!(
+            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({text}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+        ),
+        E::NotFound { .. } => format!(
+            "bucket `{bucket}` does not exist at {endpoint}: check the dataset URL (and --s3-endpoint)"
+        ),
+        _ if text.contains("403") => format!(
+            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({text}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+        ),
+        _ if text.contains("connect") || text.contains("Connect") => format!(
+            "cannot reach the object store at {endpoint} ({text}): check --s3-endpoint and the network"
+        ),
+        _ => format!("listing bucket `{bucket}` at {endpoint} failed: {text}"),
+    })
+}
+
+/// The builder for `bucket` with the endpoint, region, addressing and
+/// credentials the options and the standard AWS variables and files give.
+fn builder(
+    bucket: &str,
+    options: &S3Options,
+    metrics: &SourceMetrics,
+) -> Result<AmazonS3Builder, String> {
+    let mut b = AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_virtual_hosted_style_request(!options.path_style)
+        .with_http_connector(Connector(metrics.clone()));
+    let profile = Profile::load();
+    let endpoint = options
+        .endpoint
+        .clone()
+        .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
+    if let Some(endpoint) = &endpoint {
+        if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
+            return Err(format!(
+                "the S3 endpoint `{endpoint}` is not an http:// or https:// URL"
+            ));
+        }
+        b = b
+            .with_endpoint(endpoint)
+            .with_allow_http(endpoint.starts_with("http://"));
+    }
+    let region = options
+        .region
+        .clone()
+        .or_else(|| std::env::var("AWS_REGION").ok())
+        .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
+        .or_else(|| profile.config.get("region").cloned())
+        .unwrap_or_else(|| "us-east-1".into());
+    b = b.with_region(region);
+    if options.anonymous {
+        return Ok(b.with_skip_signature(true));
+    }
+    let from_env = std::env::var_os("AWS_ACCESS_KEY_ID").is_some()
+        || std::env::var_os("AWS_WEB_IDENTITY_TOKEN_FILE").is_some()
+        || std::env::var_os("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").is_some()
+        || std::env::var_os("AWS_CONTAINER_CREDENTIALS_FULL_URI").is_some();
+    if from_env {
+        return Ok(b);
+    }
+    match (
+        profile.credentials.get("aws_access_key_id"),
+        profile.credentials.get("aws_secret_access_key"),
+    ) {
+        (Some(id), Some(secret)) => {
+            b = b.with_access_key_id(id).with_secret_access_key(secret);
+            if let Some(token) = profile.credentials.get("aws_session_token") {
+                b = b.with_token(token);
+            }
+            Ok(b)
+        }
+        _ => Err(format!(
+            "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or put profile `{}` in {} (AWS_PROFILE picks another), or pass --s3-anonymous for a public bucket",
+            profile.name,
+            profile.credentials_file.display()
+        )),
+    }
+}
+
+/// The named profile of the shared AWS files (`~/.aws/credentials` and
+/// `~/.aws/config`, or the files AWS_SHARED_CREDENTIALS_FILE and
+/// AWS_CONFIG_FILE name).
+struct Profile {
+    name: String,
+    credentials_file: PathBuf,
+    credentials: HashMap<String, String>,
+    config: HashMap<String, String>,
+}
+
+impl Profile {
+    fn load() -> Self {
+        let name = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".into());
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        let file = |var: &str, default: &str| {
+            std::env::var_os(var).map_or_else(|| home.join(".aws").join(default), PathBuf::from)
+        };
+        let credentials_file = file("AWS_SHARED_CREDENTIALS_FILE", "credentials");
+        let config_file = file("AWS_CONFIG_FILE", "config");
+        let read = |path: &PathBuf, section: &str| {
+            std::fs::read_to_string(path)
+                .map(|text| ini_section(&text, section))
+                .unwrap_or_default()
+        };
+        let config_section = if name == "default" {
+            "default".to_owned()
+        } else {
+            format!("profile {name}")
+        };
+        Self {
+            credentials: read(&credentials_file, &name),
+            config: read(&config_file, &config_section),
+            credentials_file,
+            name,
+        }
+    }
+}
+
+/// The `key = value` lines of `[section]` in an INI text.
+fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
+    let mut values = HashMap::new();
+    let mut inside = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('#') || line.starts_with(';') || line.is_empty() {
+            continue;
+        }
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            inside = header.trim() == section;
+        } else if inside && let Some((key, value)) = line.split_once('=') {
+            values.insert(key.trim().to_owned(), value.trim().to_owned());
+        }
+    }
+    values
+}
+
+/// Makes the [`Http`] client object_store sends its requests through.
+#[derive(Debug)]
+struct Connector(SourceMetrics);
+
+impl object_store::client::HttpConnector for Connector {
+    fn connect(&self, _: &ClientOptions) -> object_store::Result<HttpClient> {
+        let tls = hyper_rustls::HttpsConnectorBuilder::new();
+        let tls = match tls.with_native_roots() {
+            Ok(tls) => tls,
+            // No system roots: http:// endpoints still work, and an https://
+            // one fails its start-up check with the TLS error.
+            Err(_) => hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(
+                rustls::ClientConfig::builder()
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
+            ),
+        };
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let connector = tls
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Ok(HttpClient::new(Http {
+            client,
+            metrics: self.0.clone(),
+        }))
+    }
+}
+
+/// object_store's HTTP client: hyper over rustls, counting every request.
+struct Http {
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, HttpRequestBody>,
+    metrics: SourceMetrics,
+}
+
+impl fmt::Debug for Http {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Http")
+    }
+}
+
+#[async_trait::async_trait]
+impl HttpService for Http {
+    async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        let start = Instant::now();
+        let answer = self.client.request(req).await;
+        let outcome = match &answer {
+            Ok(response) => Outcome::of_status(response.status().as_u16()),
+            Err(_) => Outcome::Connection,
+        };
+        self.metrics
+            .request(outcome.name(), outcome.retried(), start.elapsed());
+        match answer {
+            Ok(response) => {
+                let (parts, body) = response.into_parts();
+                let body = body.map_err(|e| HttpError::new(HttpErrorKind::Interrupted, e));
+                Ok(HttpResponse::from_parts(
+                    parts,
+                    HttpResponseBody::new(SyncBody(std::sync::Mutex::new(body))),
+                ))
+            }
+            Err(e) => {
+                let kind = if e.is_connect() {
+                    HttpErrorKind::Connect
+                } else {
+                    HttpErrorKind::Request
+                };
+                Err(HttpError::new(kind, e))
+            }
+        }
+    }
+}
+
+/// How one request ended, as `sluice_stage_source_requests_total` counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    /// 503 SlowDown or 429: retried.
+    Throttled,
+    /// Another 5xx: retried.
+    ServerError,
+    /// 403 or 401.
+    Denied,
+    NotFound,
+    /// Another 4xx.
+    ClientError,
+    /// No answer: refused, reset or timed out; retried.
+    Connection,
+}
+
+impl Outcome {
+    fn of_status(status: u16) -> Self {
+        match status {
+            503 | 429 => Self::Throttled,
+            500..=599 => Self::ServerError,
+            401 | 403 => Self::Denied,
+            404 => Self::NotFound,
+            400..=499 => Self::ClientError,
+            _ => Self::Ok,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Throttled => "throttled",
+            Self::ServerError => "server_error",
+            Self::Denied => "denied",
+            Self::NotFound => "not_found",
+            Self::ClientError => "client_error",
+            Self::Connection => "connection",
+        }
+    }
+
+    /// Whether object_store tries a request that ended so again.
+    pub fn retried(self) -> bool {
+        matches!(self, Self::Throttled | Self::ServerError | Self::Connection)
+    }
+}
+
+/// A response body made `Sync` (object_store's body type asks for it;
+/// hyper's is `Send` only). Polled from one task at a time, so the lock is
+/// never contended.
+struct SyncBody<B>(std::sync::Mutex<B>);
+
+impl<B> http_body::Body for SyncBody<B>
+where
+    B: http_body::Body + Unpin,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let body = self
+            .get_mut()
+            .0
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner());
+        std::pin::Pin::new(body).poll_frame(cx)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0
+            .lock()
+            .map_or_else(|p| p.into_inner().size_hint(), |b| b.size_hint())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_split_into_bucket_and_prefix() {
+        let (bucket, prefix) = parse_url("s3://data/imagenet/train/").unwrap();
+        assert_eq!((bucket.as_str(), prefix.as_ref()), ("data", "imagenet/train"));
+        let (bucket, prefix) = parse_url("s3://data").unwrap();
+        assert_eq!((bucket.as_str(), prefix.as_ref()), ("data", ""));
+        for bad in ["s3://", "s3:///x", "http://data/x", "s3://data/a//b", "s3://data/../x"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_profile_section_is_read_alone() {
+        let text = "[default]\naws_access_key_id = A\n# comment\n[profile train]\nregion=eu-west-1\n\n[train]\naws_access_key_id = B\n";
+        assert_eq!(ini_section(text, "default")["aws_access_key_id"], "A");
+        assert_eq!(ini_section(text, "profile train")["region"], "eu-west-1");
+        assert_eq!(ini_section(text, "train")["aws_access_key_id"], "B");
+        assert!(ini_section(text, "none").is_empty());
+    }
+
+    #[test]
+    fn statuses_become_outcomes() {
+        assert_eq!(Outcome::of_status(200), Outcome::Ok);
+        assert_eq!(Outcome::of_status(206), Outcome::Ok);
+        assert_eq!(Outcome::of_status(503), Outcome::Throttled);
+        assert_eq!(Outcome::of_status(429), Outcome::Throttled);
+        assert_eq!(Outcome::of_status(500), Outcome::ServerError);
+        assert_eq!(Outcome::of_status(403), Outcome::Denied);
+        assert_eq!(Outcome::of_status(404), Outcome::NotFound);
+        assert_eq!(Outcome::of_status(416), Outcome::ClientError);
+        assert!(Outcome::Throttled.retried() && Outcome::Connection.retried());
+        assert!(!Outcome::Denied.retried() && !Outcome::NotFound.retried());
+    }
+}
