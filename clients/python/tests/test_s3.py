@@ -5,7 +5,7 @@ injected failures)."""
 from __future__ import annotations
 
 import os
-import pathlib
+import random
 import subprocess
 import time
 
@@ -48,6 +48,10 @@ def s3(tmp_path, credentials):
     data = root / BUCKET / PREFIX
     data.mkdir(parents=True)
     files = make_dataset(data)
+    # Large enough to be read as parallel ranged GETs (8 MiB parts).
+    files["big/large.bin"] = random.Random(5).randbytes(17 * 2**20 + 5)
+    (data / "big").mkdir()
+    (data / "big" / "large.bin").write_bytes(files["big/large.bin"])
     (root / BUCKET / "secret.bin").write_bytes(b"outside the prefix")
     server = S3Server.start(binary, str(root))
     yield server, files

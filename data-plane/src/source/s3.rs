@@ -47,6 +47,12 @@ pub const PART_BYTES: u64 = 8 << 20;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Listing: split the prefix until there are this many sub-prefixes...
+const LIST_SPLIT: usize = 64;
+/// ...or this many levels were split,
+const LIST_DEPTH: usize = 3;
+/// and list this many sub-prefixes at a time.
+const LIST_CONCURRENCY: usize = 16;
 
 /// How to reach the object store (flags and the stage file).
 #[derive(Debug, Clone, PartialEq)]
@@ -188,27 +194,55 @@ impl S3Source {
         &self.runtime
     }
 
-    /// Lists every object beneath the prefix (pages of 1,000 keys).
+    /// Lists the dataset. A listing page holds 1,000 keys and costs a
+    /// round trip, so a million keys listed one page after another take
+    /// minutes; the prefix is split at its `/` levels (until there are
+    /// [`LIST_SPLIT`] sub-prefixes, at most [`LIST_DEPTH`] levels down) and
+    /// the sub-prefixes are listed [`LIST_CONCURRENCY`] at a time.
     pub async fn list(&self) -> std::io::Result<Vec<FileEntry>> {
+        let failed = |e: object_store::Error| {
+            std::io::Error::other(format!("listing {} failed: {e}", self.url))
+        };
         let mut files = Vec::new();
-        let mut stream = self.lister.list(Some(&self.prefix));
-        while let Some(meta) = stream.next().await {
-            let meta = meta
-                .map_err(|e| std::io::Error::other(format!("listing {} failed: {e}", self.url)))?;
-            let Some(name) = self.name_of(&meta.location) else {
-                continue;
-            };
-            let version = match &meta.e_tag {
-                Some(tag) => {
-                    let mut h = Fnv64::new();
-                    h.write(tag.as_bytes());
-                    h.0
-                }
-                None => meta.last_modified.timestamp_nanos_opt().unwrap_or(0) as u64,
-            };
-            files.push(FileEntry::new(name, meta.size, version));
+        let mut prefixes = vec![self.prefix.clone()];
+        for _ in 0..LIST_DEPTH {
+            if prefixes.len() >= LIST_SPLIT {
+                break;
+            }
+            let levels = futures::stream::iter(prefixes.iter())
+                .map(|prefix| self.lister.list_with_delimiter(Some(prefix)))
+                .buffer_unordered(LIST_CONCURRENCY)
+                .collect::<Vec<_>>()
+                .await;
+            let mut deeper = Vec::new();
+            for level in levels {
+                let level = level.map_err(failed)?;
+                files.extend(level.objects.iter().filter_map(|meta| self.entry_of(meta)));
+                deeper.extend(level.common_prefixes);
+            }
+            prefixes = deeper;
+        }
+        let mut pages = futures::stream::iter(prefixes.iter())
+            .map(|prefix| self.lister.list(Some(prefix)))
+            .flatten_unordered(LIST_CONCURRENCY);
+        while let Some(meta) = pages.next().await {
+            files.extend(self.entry_of(&meta.map_err(failed)?));
         }
         Ok(files)
+    }
+
+    /// The entry of a listed object; its version is a hash of the ETag.
+    fn entry_of(&self, meta: &object_store::ObjectMeta) -> Option<FileEntry> {
+        let name = self.name_of(&meta.location)?;
+        let version = match &meta.e_tag {
+            Some(tag) => {
+                let mut h = Fnv64::new();
+                h.write(tag.as_bytes());
+                h.0
+            }
+            None => meta.last_modified.timestamp_nanos_opt().unwrap_or(0) as u64,
+        };
+        Some(FileEntry::new(name, meta.size, version))
     }
 
     /// The dataset name of a listed key, or `None` for keys that are not
@@ -315,27 +349,42 @@ impl S3Source {
         self.within_deadline(name, read).await?
     }
 
+    /// Reads a large object as parallel ranged GETs. Every part reports
+    /// the object's size and ETag; if they are not all the listed size
+    /// and one ETag (the object was replaced mid-read), the parts are of
+    /// different versions and the object is read again in one GET.
     async fn read_parts(
         &self,
         key: &Key,
         size: u64,
         mut buf: Buffer,
     ) -> object_store::Result<Chunk> {
-        let ranges: Vec<_> = (0..size)
-            .step_by(PART_BYTES as usize)
-            .map(|start| start..(start + PART_BYTES).min(size))
-            .collect();
-        let parts = futures::future::try_join_all(
-            ranges
-                .iter()
-                .map(|range| self.store.get_range(key, range.clone())),
-        )
-        .await?;
+        let parts = (0..size).step_by(PART_BYTES as usize).map(|start| {
+            let options = GetOptions {
+                range: Some((start..(start + PART_BYTES).min(size)).into()),
+                ..GetOptions::default()
+            };
+            async move {
+                let result = self.store.get_opts(key, options).await?;
+                let meta = result.meta.clone();
+                Ok::<_, object_store::Error>((meta, result.bytes().await?))
+            }
+        });
+        let parts = futures::future::try_join_all(parts).await?;
+        let etag = &parts[0].0.e_tag;
+        if parts
+            .iter()
+            .any(|(meta, _)| meta.size != size || &meta.e_tag != etag)
+        {
+            buf.recycle();
+            let whole = self.store.get_opts(key, GetOptions::default()).await?;
+            return Ok(Chunk::from_vec(whole.bytes().await?.to_vec()));
+        }
         let bytes = buf.as_mut_slice();
         let mut len = 0;
-        for part in parts {
-            bytes[len..len + part.len()].copy_from_slice(&part);
-            len += part.len();
+        for (_, piece) in parts {
+            bytes[len..len + piece.len()].copy_from_slice(&piece);
+            len += piece.len();
         }
         Ok(Chunk::pooled(buf, 0, len))
     }
@@ -773,10 +822,19 @@ mod tests {
     #[test]
     fn urls_split_into_bucket_and_prefix() {
         let (bucket, prefix) = parse_url("s3://data/imagenet/train/").unwrap();
-        assert_eq!((bucket.as_str(), prefix.as_ref()), ("data", "imagenet/train"));
+        assert_eq!(
+            (bucket.as_str(), prefix.as_ref()),
+            ("data", "imagenet/train")
+        );
         let (bucket, prefix) = parse_url("s3://data").unwrap();
         assert_eq!((bucket.as_str(), prefix.as_ref()), ("data", ""));
-        for bad in ["s3://", "s3:///x", "http://data/x", "s3://data/a//b", "s3://data/../x"] {
+        for bad in [
+            "s3://",
+            "s3:///x",
+            "http://data/x",
+            "s3://data/a//b",
+            "s3://data/../x",
+        ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
     }

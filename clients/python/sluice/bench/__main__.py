@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing} ...``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "apply": "time from sluicectl apply until every stage acknowledged the new settings",
     "coordination": "a controller sharing one pool among weighted jobs through four phases, vs stages on their own",
     "delivery": "into the training loop: socket vs shared memory (hot), PyTorch DataLoaders (cold, and decoding)",
+    "listing": "a million-entry dataset: listing time and stage memory per entry (dir or s3)",
 }
 
 
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
         from .coordination import main as run
     elif argv[0] == "delivery":
         from .delivery import main as run
+    elif argv[0] == "listing":
+        from .listing import main as run
     else:
         from .receive import main as run
     try:
