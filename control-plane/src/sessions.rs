@@ -374,6 +374,7 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
                 counters: JobCounters {
                     storage_read_bytes: j.storage_read_bytes,
                     delivered_bytes: j.delivered_bytes,
+                    cache_hit_bytes: j.cache_hit_bytes,
                     delivered_samples: j.delivered_samples,
                     throttled_seconds: j.throttled_seconds,
                     stall_seconds: j.stall_seconds,

@@ -13,6 +13,7 @@ use sluice_policy::{ByteRate, ByteSize, Millis, OpsRate};
 use sluice_proto::tls::TlsFiles;
 use tonic::transport::ClientTlsConfig;
 
+use crate::cache::CachePolicy;
 use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
 use crate::source::S3Options;
 
@@ -25,6 +26,8 @@ use crate::trust::{TrainerAccess, TrainerRule};
 use crate::tuner::Bounds;
 
 const MIB: u64 = 1 << 20;
+/// The least of the memory budget the cache must leave to prefetch buffers.
+const MIN_PREFETCH: u64 = 16 * MIB;
 
 /// The trainer socket unless --socket says otherwise.
 const DEFAULT_SOCKET: &str = "/tmp/sluice-stage.sock";
@@ -141,6 +144,15 @@ pub struct Args {
     /// included, before it fails, e.g. `30s` [default: 30s].
     #[arg(long, env = "SLUICE_S3_DEADLINE")]
     pub s3_deadline: Option<Millis>,
+    /// Memory for the node cache, taken from --memory-budget (the rest is
+    /// for prefetch buffers), e.g. `8GiB` [default: 0, no cache].
+    #[arg(long, env = "SLUICE_CACHE_MEMORY")]
+    pub cache_memory: Option<ByteSize>,
+    /// What a full cache keeps: `stable` (a fixed subset of each data set,
+    /// the best hit ratio under per-epoch random order) or `lru`
+    /// [default: stable].
+    #[arg(long, env = "SLUICE_CACHE_POLICY")]
+    pub cache_policy: Option<CachePolicy>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -211,6 +223,22 @@ pub struct StageFile {
     /// How to reach the object store of `s3://` datasets.
     #[serde(default)]
     pub s3: S3File,
+    /// The node cache.
+    #[serde(default)]
+    pub cache: CacheFile,
+}
+
+/// `cache:` in the YAML file (the `--cache-*` flags).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheFile {
+    /// Memory for the cache, inside `memory_budget`.
+    pub memory: Option<ByteSize>,
+    /// `stable` or `lru`.
+    pub policy: Option<String>,
+    /// Weights of data sets in the split of the cache (1 unless given).
+    #[serde(default)]
+    pub weights: BTreeMap<String, u32>,
 }
 
 /// `s3:` in the YAML file (the `--s3-*` flags).
@@ -283,6 +311,25 @@ pub struct StageConfig {
     pub trainer_access: TrainerAccess,
     /// How `s3://` datasets are reached.
     pub s3: S3Options,
+    /// The node cache (its memory is part of `memory_budget`).
+    pub cache: CacheOptions,
+}
+
+/// The node cache's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CacheOptions {
+    /// Bytes of memory (0: no cache).
+    pub memory: u64,
+    pub policy: CachePolicy,
+    /// Data sets' weights in the split of the capacity (others: 1).
+    pub weights: BTreeMap<String, u32>,
+}
+
+impl StageConfig {
+    /// The part of the memory budget left for prefetch buffers.
+    pub fn prefetch_budget(&self) -> u64 {
+        self.memory_budget - self.cache.memory
+    }
 }
 
 /// Why a configuration was refused.
@@ -305,10 +352,11 @@ impl StageConfig {
     fn merge(args: Args, file: StageFile) -> Result<Self, ConfigError> {
         let datasets = merge_datasets(&file.datasets, &args.datasets)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
+        let cache = cache_options(&args, &file.cache, memory_budget, &datasets)?;
         let remote = datasets
             .iter()
             .any(|(_, location)| location.to_str().is_some_and(|l| l.starts_with("s3://")));
-        let job = job_config(&args, &file, memory_budget, remote)?;
+        let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
         let mut labels = file.labels;
         labels.extend(args.labels);
@@ -355,6 +403,7 @@ impl StageConfig {
             trainer_access,
             job,
             s3,
+            cache,
         })
     }
 }
@@ -397,6 +446,51 @@ fn memory_budget(given: Option<ByteSize>) -> Result<u64, ConfigError> {
         )));
     }
     Ok(memory_budget)
+}
+
+/// Returns the node cache's configuration: the `--cache-*` flags laid over
+/// the file's `cache:`, refusing a cache that leaves the prefetch buffers
+/// less than [`MIN_PREFETCH`] of the budget.
+fn cache_options(
+    args: &Args,
+    file: &CacheFile,
+    budget: u64,
+    datasets: &[(String, PathBuf)],
+) -> Result<CacheOptions, ConfigError> {
+    let memory = args.cache_memory.or(file.memory).map_or(0, ByteSize::bytes);
+    if memory > 0 && memory + MIN_PREFETCH > budget {
+        return Err(ConfigError(format!(
+            "a cache of {} leaves the prefetch buffers less than {} of the memory budget ({}): \
+             raise --memory-budget or lower --cache-memory",
+            ByteSize(memory),
+            ByteSize(MIN_PREFETCH),
+            ByteSize(budget)
+        )));
+    }
+    let policy = match (args.cache_policy, &file.policy) {
+        (Some(policy), _) => policy,
+        (None, Some(name)) => name
+            .parse()
+            .map_err(|e| ConfigError(format!("cache.policy: {e}")))?,
+        (None, None) => CachePolicy::default(),
+    };
+    for (name, &weight) in &file.weights {
+        if !datasets.iter().any(|(n, _)| n == name) {
+            return Err(ConfigError(format!(
+                "cache.weights names `{name}`, which is not a configured dataset"
+            )));
+        }
+        if weight == 0 {
+            return Err(ConfigError(format!(
+                "cache.weights.{name} is 0: give a weight of at least 1"
+            )));
+        }
+    }
+    Ok(CacheOptions {
+        memory,
+        policy,
+        weights: file.weights.clone(),
+    })
 }
 
 /// Returns how `s3://` datasets are reached: the `--s3-*` flags laid over
@@ -722,5 +816,56 @@ mod tests {
             e.contains("bad.yaml:3:1") && e.contains("memory_budgett"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_cache_comes_out_of_the_budget() {
+        let c = StageConfig::from_args(args(&[
+            "--dataset",
+            "a=/tmp",
+            "--memory-budget",
+            "1GiB",
+            "--cache-memory",
+            "768MiB",
+        ]))
+        .unwrap();
+        assert_eq!(c.prefetch_budget(), 256 * MIB);
+        assert_eq!(
+            c.job.bounds.max_buffer,
+            256 * MIB,
+            "buffers fit in what is left"
+        );
+        assert_eq!(c.cache.policy, CachePolicy::Stable);
+        let dir = tempfile::tempdir().unwrap();
+        for (yaml, says) in [
+            (
+                "cache: {memory: 64MiB, weights: {b: 2}}",
+                "`b`, which is not a configured dataset",
+            ),
+            (
+                "cache: {memory: 64MiB, weights: {a: 0}}",
+                "cache.weights.a is 0",
+            ),
+            (
+                "cache: {memory: 64MiB, policy: mru}",
+                "cache.policy: unknown cache policy `mru`",
+            ),
+            (
+                "cache: {memory: 1GiB}",
+                "leaves the prefetch buffers less than 16MiB",
+            ),
+        ] {
+            let file = dir.path().join("stage.yaml");
+            std::fs::write(&file, yaml).unwrap();
+            let e = StageConfig::from_args(args(&[
+                "--dataset",
+                "a=/tmp",
+                "--config",
+                file.to_str().unwrap(),
+            ]))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(says), "{yaml}: {e}");
+        }
     }
 }

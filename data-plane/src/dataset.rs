@@ -58,6 +58,9 @@ impl Listing {
 #[derive(Debug)]
 pub struct Dataset {
     pub name: String,
+    /// Where its samples are (a directory or URL): the source part of
+    /// every cache key of its samples.
+    pub identity: Arc<str>,
     source: Source,
     cached: Mutex<Option<(Instant, Arc<Listing>)>>,
 }
@@ -66,6 +69,7 @@ impl Dataset {
     pub fn new(name: &str, source: Source) -> Self {
         Self {
             name: name.to_owned(),
+            identity: source.describe().into(),
             source,
             cached: Mutex::new(None),
         }
@@ -73,6 +77,11 @@ impl Dataset {
 
     pub fn source(&self) -> &Source {
         &self.source
+    }
+
+    /// The listing as last listed, without listing again.
+    pub fn listed(&self) -> Option<Arc<Listing>> {
+        lock(&self.cached).as_ref().map(|(_, l)| Arc::clone(l))
     }
 
     /// Returns the listing, listing the source again when the cached one is

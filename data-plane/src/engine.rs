@@ -20,6 +20,7 @@ pub use job::{
 };
 pub use plan_run::PlanKey;
 
+use crate::cache::Cache;
 use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
@@ -104,6 +105,8 @@ pub struct Engine {
     /// trainers that ask (cleared when the system refuses a region).
     shared_memory: AtomicBool,
     metrics: Arc<Metrics>,
+    /// The node cache every job reads through, when the stage has one.
+    cache: Option<Arc<Cache>>,
     /// Woken when a job starts or its last trainer leaves, so the
     /// controller session reports it at once rather than at the next
     /// telemetry tick: a new job waits for its settings, and a departed
@@ -112,12 +115,15 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// Builds the engine; `memory_budget` is what prefetch buffers may
+    /// use (the cache's memory is apart from it).
     pub fn new(
         datasets: Vec<Dataset>,
         memory_budget: u64,
         base: JobConfig,
         shared_memory: bool,
         metrics: Arc<Metrics>,
+        cache: Option<Arc<Cache>>,
     ) -> Arc<Self> {
         metrics.memory_budget.set(memory_budget as i64);
         Arc::new(Self {
@@ -132,6 +138,7 @@ impl Engine {
             controller_live: AtomicBool::new(false),
             shared_memory: AtomicBool::new(shared_memory),
             metrics,
+            cache,
             jobs_changed: Arc::new(tokio::sync::Notify::new()),
         })
     }
@@ -148,6 +155,11 @@ impl Engine {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// The node cache, when the stage has one.
+    pub fn cache(&self) -> Option<&Arc<Cache>> {
+        self.cache.as_ref()
     }
 
     pub fn memory(&self) -> &Memory {
@@ -183,6 +195,7 @@ impl Engine {
                     jobs_changed: Arc::clone(&self.jobs_changed),
                     memory: Arc::clone(&self.memory),
                     metrics: Arc::clone(&self.metrics),
+                    cache: self.cache.clone(),
                 };
                 Job::start(id, labels.clone(), config, start)
             })

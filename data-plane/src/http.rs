@@ -1,5 +1,6 @@
 //! The stage's HTTP surface: `/metrics` (Prometheus text format),
-//! `/healthz`, `/readyz` and `/api/v1/jobs` (the telemetry snapshot as JSON).
+//! `/healthz`, `/readyz`, `/api/v1/jobs` (the telemetry snapshot as JSON)
+//! and `/api/v1/cache` (the node cache's capacity and use by data set).
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/api/v1/jobs", get(jobs))
+        .route("/api/v1/cache", get(cache))
         .with_state(engine)
 }
 
@@ -32,4 +34,8 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> impl IntoResponse {
 
 async fn jobs(State(engine): State<Arc<Engine>>) -> impl IntoResponse {
     axum::Json(engine.snapshot())
+}
+
+async fn cache(State(engine): State<Arc<Engine>>) -> impl IntoResponse {
+    axum::Json(engine.cache().map(|c| c.report()))
 }

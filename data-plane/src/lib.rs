@@ -7,6 +7,7 @@
 //! job's QoS limits. [`Stage::bind`] binds every listener; [`Stage::run`]
 //! serves until the cancellation token fires.
 
+mod cache;
 mod chunk;
 mod config;
 mod dataset;
@@ -48,6 +49,7 @@ pub use config::{Args, StageConfig};
 // The trainer protocol's request frames, for tests that speak it to a stage.
 pub use protocol::{PlanSpec, Request, TO_END};
 
+use cache::Cache;
 use dataset::Dataset;
 use engine::Engine;
 use metrics::Metrics;
@@ -105,12 +107,23 @@ impl Stage {
         let http = TcpListener::bind(config.metrics_addr)
             .await
             .with_context(|| format!("binding the metrics listener on {}", config.metrics_addr))?;
+        let cache = (config.cache.memory > 0).then(|| {
+            info!(memory = %sluice_policy::ByteSize(config.cache.memory), policy = ?config.cache.policy, "node cache");
+            let cache = Cache::new(config.cache.memory, config.cache.policy, metrics.cache.clone());
+            for dataset in &datasets {
+                if let Some(&weight) = config.cache.weights.get(&dataset.name) {
+                    cache.set_weight(&dataset.identity, &dataset.name, weight);
+                }
+            }
+            cache
+        });
         let engine = Engine::new(
             datasets,
-            config.memory_budget,
+            config.prefetch_budget(),
             config.job,
             config.shared_memory,
             metrics,
+            cache,
         );
         if config.trainer_access.restricts() {
             info!("trainers may claim only the jobs and labels the `trainers:` rules allow");

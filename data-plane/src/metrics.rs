@@ -11,6 +11,9 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+mod cache;
+pub use cache::CacheMetrics;
+
 /// Read latency buckets: 50 µs to 5 s.
 const LATENCY_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -36,6 +39,7 @@ pub struct Metrics {
     /// in time), `no-controller` (no session was up).
     pub job_starts: IntCounterVec,
     source: SourceSeries,
+    pub cache: CacheMetrics,
 }
 
 /// The series of remote sources' requests, by dataset.
@@ -229,6 +233,7 @@ impl Metrics {
                     &["dataset", "kind"],
                 ),
             },
+            cache: CacheMetrics::new(&r),
             registry: r.0,
         })
     }

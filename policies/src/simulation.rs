@@ -281,6 +281,7 @@ fn window(activity: Activity, time: Millis) -> Window {
     Window {
         read_bytes_per_second: activity.bytes_per_second,
         delivered_bytes_per_second: activity.bytes_per_second,
+        cache_hit_bytes_per_second: 0.0,
         delivered_samples_per_second: 0.0,
         throttled: pressure,
         stalled: pressure,

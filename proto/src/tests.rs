@@ -96,6 +96,7 @@ fn telemetry() -> Telemetry {
             delivered_samples: 90_000,
             storage_reads: 90_100,
             storage_read_bytes: 10 << 30,
+            cache_hit_bytes: 1 << 30,
             read_seconds: 123.5,
             stall_seconds: 1.25,
             throttled_seconds: 0.5,

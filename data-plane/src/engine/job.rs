@@ -19,6 +19,7 @@ use tracing::{debug, info};
 
 use super::Memory;
 use super::plan_run::{PlanKey, PlanRun};
+use crate::cache::Cache;
 use crate::chunk::{Buffer, Chunk};
 use crate::job_config::JobConfig;
 use crate::metrics::{DatasetMetrics, Metrics};
@@ -54,6 +55,7 @@ struct Stats {
     delivered_samples: AtomicU64,
     reads: AtomicU64,
     read_bytes: AtomicU64,
+    cache_hit_bytes: AtomicU64,
     read_ns: AtomicU64,
     stall_ns: AtomicU64,
     throttled_ns: AtomicU64,
@@ -126,6 +128,8 @@ pub struct Job {
     stats: Stats,
     memory: Arc<Memory>,
     metrics: Arc<Metrics>,
+    /// The node cache, when the stage has one.
+    cache: Option<Arc<Cache>>,
     throttled_metric: prometheus::Counter,
     /// Woken when the last trainer leaves (see [`super::Engine::jobs_changed`]).
     jobs_changed: Arc<tokio::sync::Notify>,
@@ -216,6 +220,7 @@ pub struct JobSnapshot {
     pub delivered_samples: u64,
     pub storage_reads: u64,
     pub storage_read_bytes: u64,
+    pub cache_hit_bytes: u64,
     pub read_seconds: f64,
     pub stall_seconds: f64,
     pub throttled_seconds: f64,
@@ -239,6 +244,7 @@ pub(super) struct Start {
     pub jobs_changed: Arc<tokio::sync::Notify>,
     pub memory: Arc<Memory>,
     pub metrics: Arc<Metrics>,
+    pub cache: Option<Arc<Cache>>,
 }
 
 impl Job {
@@ -256,6 +262,7 @@ impl Job {
             jobs_changed,
             memory,
             metrics,
+            cache,
         } = start;
         let tuner = Tuner::new(config.bounds, config.initial_readers, config.initial_buffer);
         let job = Arc::new(Self {
@@ -293,6 +300,7 @@ impl Job {
             jobs_changed,
             memory,
             metrics,
+            cache,
         });
         if hold.is_none() {
             job.metrics
@@ -560,6 +568,7 @@ impl Job {
             delivered_samples: load(&self.stats.delivered_samples),
             storage_reads: load(&self.stats.reads),
             storage_read_bytes: load(&self.stats.read_bytes),
+            cache_hit_bytes: load(&self.stats.cache_hit_bytes),
             read_seconds: load(&self.stats.read_ns) as f64 / 1e9,
             stall_seconds: load(&self.stats.stall_ns) as f64 / 1e9,
             throttled_seconds: load(&self.stats.throttled_ns) as f64 / 1e9,

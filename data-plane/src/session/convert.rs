@@ -28,6 +28,7 @@ fn job_telemetry(s: JobSnapshot) -> v1::JobTelemetry {
         delivered_samples: s.delivered_samples,
         storage_reads: s.storage_reads,
         storage_read_bytes: s.storage_read_bytes,
+        cache_hit_bytes: s.cache_hit_bytes,
         read_seconds: s.read_seconds,
         stall_seconds: s.stall_seconds,
         throttled_seconds: s.throttled_seconds,

@@ -144,6 +144,10 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
     - --socket=/run/sluice/stage.sock
     - --metrics-addr=0.0.0.0:{{ $v.metricsPort }}
     - --memory-budget={{ $v.memoryBudget }}
+    {{- with $v.cache.memory }}
+    - --cache-memory={{ . }}
+    - --cache-policy={{ $v.cache.policy }}
+    {{- end }}
     - --direct-io={{ $v.directIO }}
     {{- range $v.datasets }}
     {{- if .s3 }}

@@ -60,6 +60,8 @@ pub struct JobCounters {
     pub storage_read_bytes: u64,
     /// Bytes delivered to its trainers.
     pub delivered_bytes: u64,
+    /// Bytes of its samples the node cache served: storage was not read.
+    pub cache_hit_bytes: u64,
     /// Samples delivered to its trainers.
     pub delivered_samples: u64,
     /// Reader-seconds spent waiting for the job's token bucket.
@@ -109,6 +111,8 @@ pub struct Window {
     pub read_bytes_per_second: f64,
     /// Bytes delivered to trainers per second.
     pub delivered_bytes_per_second: f64,
+    /// Of those, bytes per second the node cache served.
+    pub cache_hit_bytes_per_second: f64,
     /// Samples delivered to trainers per second.
     pub delivered_samples_per_second: f64,
     /// Reader-seconds spent waiting for the job's token bucket, per second.
@@ -134,6 +138,7 @@ impl Window {
             || seconds <= 0.0
             || now.storage_read_bytes < before.storage_read_bytes
             || now.delivered_bytes < before.delivered_bytes
+            || now.cache_hit_bytes < before.cache_hit_bytes
             || now.throttled_seconds < before.throttled_seconds
             || now.stall_seconds < before.stall_seconds
         {
@@ -143,6 +148,7 @@ impl Window {
         Some(Window {
             read_bytes_per_second: per_second(now.storage_read_bytes, before.storage_read_bytes),
             delivered_bytes_per_second: per_second(now.delivered_bytes, before.delivered_bytes),
+            cache_hit_bytes_per_second: per_second(now.cache_hit_bytes, before.cache_hit_bytes),
             delivered_samples_per_second: per_second(
                 now.delivered_samples,
                 before.delivered_samples.min(now.delivered_samples),
@@ -156,9 +162,12 @@ impl Window {
         })
     }
 
-    /// Returns the job's rate: what it delivered to its trainers.
+    /// Returns the job's rate on storage: what it delivered to its
+    /// trainers that storage gave (a cache hit costs storage nothing).
+    /// Delivery, not reads, because reads come in bursts as buffers refill
+    /// while delivery follows the trainers.
     pub fn rate(&self) -> f64 {
-        self.delivered_bytes_per_second
+        (self.delivered_bytes_per_second - self.cache_hit_bytes_per_second).max(0.0)
     }
 
     /// Whether the job wants more than it has in this window: its readers
@@ -345,6 +354,7 @@ mod tests {
         Some(Window {
             read_bytes_per_second: mib * MIB,
             delivered_bytes_per_second: mib * MIB,
+            cache_hit_bytes_per_second: 0.0,
             delivered_samples_per_second: 0.0,
             throttled,
             stalled: throttled.min(1.0),
@@ -470,6 +480,7 @@ mod tests {
         let draining = Some(Window {
             read_bytes_per_second: 0.0,
             delivered_bytes_per_second: 20.0 * MIB,
+            cache_hit_bytes_per_second: 0.0,
             delivered_samples_per_second: 0.0,
             throttled: 0.0,
             stalled: 0.0,
@@ -483,6 +494,7 @@ mod tests {
         let refilling = Some(Window {
             read_bytes_per_second: 30.0 * MIB,
             delivered_bytes_per_second: 20.0 * MIB,
+            cache_hit_bytes_per_second: 0.0,
             delivered_samples_per_second: 0.0,
             throttled: 3.0,
             stalled: 0.0,
@@ -540,6 +552,7 @@ mod tests {
         let sample = |bytes: u64, throttled: f64| JobCounters {
             storage_read_bytes: bytes,
             delivered_bytes: bytes / 2,
+            cache_hit_bytes: bytes / 8,
             delivered_samples: bytes / 1024,
             throttled_seconds: throttled,
             stall_seconds: throttled * 2.0,
@@ -548,6 +561,9 @@ mod tests {
         let w = Window::between(&sample(0, 1.0), &sample(4 << 20, 1.5), 2.0, 7).unwrap();
         assert_eq!(w.read_bytes_per_second, 2.0 * MIB);
         assert_eq!(w.delivered_bytes_per_second, MIB);
+        assert_eq!(w.cache_hit_bytes_per_second, MIB / 4.0);
+        // Storage gave what the cache did not.
+        assert_eq!(w.rate(), 0.75 * MIB);
         assert_eq!(w.delivered_samples_per_second, 2048.0);
         assert_eq!(w.throttled, 0.25);
         // One second of waiting over two seconds and two connections.

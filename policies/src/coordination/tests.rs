@@ -149,6 +149,7 @@ fn window(mib: f64, pressed: bool, ends_at: i64) -> Option<Window> {
     Some(Window {
         read_bytes_per_second: bytes,
         delivered_bytes_per_second: bytes,
+        cache_hit_bytes_per_second: 0.0,
         delivered_samples_per_second: 0.0,
         throttled: pressure,
         stalled: pressure,

@@ -5,8 +5,8 @@ Writes (or reuses) a data set of ``--entries`` small files in directories of
 files served by ``s3s-fs`` behind ``sluice-slowhttp`` with ``--latency``),
 and measures what listing it costs: the time of the first ``OPEN`` (the
 stage walks the directory or pages through the bucket prefix, 1,000 keys a
-request), the stage's resident memory before and after (bytes per listed
-entry), and the time from submitting a seed-based plan over every entry
+request), the stage's CPU time while it lists, its resident memory before
+and after (bytes per listed entry), and the time from submitting a seed-based plan over every entry
 (no names sent) to its first sample.
 """
 
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rss(stage: StageProcess) -> int:
-    with open(f"/proc/{stage.proc.pid}/status") as f:
+    with open(f"/proc/{stage.pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
@@ -71,7 +71,8 @@ def main(argv: Optional[list] = None) -> int:
             result["storage"] = storage.describe()
     except HarnessError as e:
         raise SystemExit(f"error: the {args.store} harness: {e}") from None
-    log(f"{args.entries} entries ({args.store}, +{latency_ms:g} ms): listed in {result['list_s']:.2f} s, "
+    log(f"{args.entries} entries ({args.store}, +{latency_ms:g} ms): listed in {result['list_s']:.2f} s "
+        f"(stage CPU {result['stage_list_cpu_s']:.2f} s), "
         f"{result['bytes_per_entry']:.0f} bytes of stage memory per entry "
         f"(RSS {format_bytes(result['rss_before_bytes'])} -> {format_bytes(result['rss_after_bytes'])}), "
         f"first sample of a plan over all entries after {result['first_sample_s'] * 1000:.0f} ms")
@@ -83,9 +84,11 @@ def main(argv: Optional[list] = None) -> int:
 def _measure(stage: StageProcess, entries: int) -> dict:
     before = _rss(stage)
     with Client(stage.socket, job="listing") as client:
+        cpu0 = stage.cpu_seconds()
         t0 = time.perf_counter()
         dataset = client.dataset("bench")
         list_s = time.perf_counter() - t0
+        list_cpu_s = stage.cpu_seconds() - cpu0
         if dataset.file_count != entries:
             raise RuntimeError(f"the stage listed {dataset.file_count} entries, the data set has {entries}")
         after = _rss(stage)
@@ -93,5 +96,6 @@ def _measure(stage: StageProcess, entries: int) -> dict:
         with dataset.epoch(0, seed=1, batch=1, prefetch=0) as it:
             next(it)
             first = time.perf_counter() - t0
-    return {"entries": entries, "list_s": list_s, "rss_before_bytes": before, "rss_after_bytes": after,
+    return {"entries": entries, "list_s": list_s, "stage_list_cpu_s": list_cpu_s,
+            "rss_before_bytes": before, "rss_after_bytes": after,
             "bytes_per_entry": (after - before) / entries, "first_sample_s": first}

@@ -9,11 +9,13 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Job, PlanState};
+use crate::cache::SampleKey;
 use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
+use crate::storage::clamp_range;
 
 /// The plan of reservations that belong to none: whole files read for a
 /// trainer outside the readers.
@@ -448,7 +450,8 @@ impl Job {
     }
 
     /// Reads straight from storage (random access outside any plan), under
-    /// the job's limiter and counted like any storage read. Blocking.
+    /// the job's limiter and counted like any storage read; a range of a
+    /// listed sample the node cache holds comes from the cache. Blocking.
     pub fn read_now(
         &self,
         dataset: &Dataset,
@@ -457,6 +460,12 @@ impl Job {
         length: u64,
         m: &DatasetMetrics,
     ) -> Result<Chunk, ProtocolError> {
+        if let Some(bytes) = self.cached(dataset, name) {
+            let (start, len) = clamp_range(bytes.len() as u64, offset, length);
+            return Ok(Chunk::from_vec(
+                bytes[start as usize..(start + len) as usize].to_vec(),
+            ));
+        }
         let source = dataset.source();
         let size = source.stat(name)?.saturating_sub(offset).min(length);
         self.throttle(size);
@@ -464,6 +473,21 @@ impl Job {
         let data = source.read_range(name, offset, length);
         self.count_read(m, start.elapsed(), &data);
         data
+    }
+}
+
+impl Job {
+    /// The node cache's bytes of listed sample `name`, if it holds them.
+    fn cached(&self, dataset: &Dataset, name: &str) -> Option<Arc<[u8]>> {
+        let cache = self.cache.as_ref()?;
+        let listing = dataset.listed()?;
+        let entry = &listing.files[listing.position(name)? as usize];
+        cache.peek(&SampleKey {
+            source: Arc::clone(&dataset.identity),
+            name: name.into(),
+            version: entry.version,
+            size: entry.size,
+        })
     }
 }
 

@@ -1,5 +1,8 @@
-//! A job's readers: pick the next entry to fetch, reserve its bytes, wait
-//! for the limiter, read, and park the result in its plan.
+//! A job's readers: pick the next entry to fetch, reserve its bytes, look
+//! it up in the node cache, and on a miss wait for the limiter, read it
+//! from the source (offering it to the cache), and park the result in its
+//! plan. A hit, or a read another job already has in flight, costs the
+//! source and the limiter nothing.
 //!
 //! The job's reader count (the tuner's choice) is the number of reads in
 //! flight. A read from a local directory is a blocking call, so each
@@ -12,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Job, JobState, MEMORY_RECHECK};
+use crate::cache::{Fill, Flight, Lookup, Outcome, SampleKey};
 use crate::chunk::Chunk;
 use crate::dataset::Dataset;
 use crate::engine::Memory;
@@ -33,6 +37,8 @@ pub(super) struct Work {
     size: u64,
     /// The file's listed size: what the limiter charges.
     file_bytes: u64,
+    /// The file's listed version (its cache key has it).
+    version: u64,
     name: String,
     dataset: Arc<Dataset>,
     metrics: DatasetMetrics,
@@ -115,18 +121,47 @@ impl Job {
                 }
             };
             self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
+            let remote = work.dataset.source().remote().is_some();
+            let fill = match self.look_up(&work) {
+                None => None,
+                Some(Lookup::Miss(fill)) => Some(fill),
+                Some(Lookup::Hit(bytes)) => {
+                    self.finish_cached(work, Ok(bytes));
+                    continue;
+                }
+                Some(Lookup::Wait(flight)) => {
+                    if remote {
+                        self.wait_remote(work, flight);
+                    } else {
+                        self.finish_cached(work, flight.wait_blocking());
+                    }
+                    continue;
+                }
+            };
             self.throttle(work.file_bytes);
-            if work.dataset.source().remote().is_some() {
-                self.start_remote(work);
+            if remote {
+                self.start_remote(work, fill);
             } else {
-                self.fetch(work);
+                self.fetch(work, fill);
             }
         }
     }
 
+    /// Looks a committed entry up in the node cache, if there is one.
+    fn look_up(&self, work: &Work) -> Option<Lookup> {
+        let cache = self.cache.as_ref()?;
+        let key = SampleKey {
+            source: Arc::clone(&work.dataset.identity),
+            name: work.name.as_str().into(),
+            version: work.version,
+            size: work.file_bytes,
+        };
+        Some(cache.lookup(&work.dataset.name, &key))
+    }
+
     /// Reads one committed entry from a local source and hands the result
-    /// to its plan.
-    fn fetch(&self, work: Work) {
+    /// to its plan (and to the cache, with `fill`).
+    fn fetch(&self, work: Work, fill: Option<Fill>) {
         let start = Instant::now();
         // A panic while reading (a bug) becomes this sample's error: the
         // reader thread, and the plan waiting for the entry, go on.
@@ -135,12 +170,46 @@ impl Job {
                 .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len))
         }))
         .unwrap_or_else(|_| internal_failure(&self.id, &work.name));
+        offer(fill, &data);
         self.finish(work, start, data);
     }
 
+    /// Hands an entry the cache answered (or another job's read of it) to
+    /// its plan, in a buffer of the job's own.
+    fn finish_cached(&self, work: Work, outcome: Outcome) {
+        let data = outcome.map(|bytes| {
+            self.stats
+                .cache_hit_bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            let mut buf = self.buffer(bytes.len());
+            buf.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
+            Chunk::pooled(buf, 0, bytes.len())
+        });
+        if let Err(e) = &data {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            work.metrics.error(e.code);
+        }
+        self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
+        self.park(work, data);
+    }
+
+    /// Waits on the runtime for another job's read of a committed entry.
+    fn wait_remote(self: &Arc<Self>, work: Work, flight: Arc<Flight>) {
+        let Some(remote) = work.dataset.source().remote() else {
+            unreachable!("only remote work comes here");
+        };
+        let runtime = remote.runtime().clone();
+        let job = Arc::clone(self);
+        runtime.spawn(async move {
+            let outcome = flight.wait().await;
+            job.finish_cached(work, outcome);
+        });
+    }
+
     /// Starts the read of a committed entry from an object store on the
-    /// runtime; the task hands the result to its plan.
-    fn start_remote(self: &Arc<Self>, work: Work) {
+    /// runtime; the task hands the result to its plan (and to the cache,
+    /// with `fill`).
+    fn start_remote(self: &Arc<Self>, work: Work, fill: Option<Fill>) {
         let job = Arc::clone(self);
         let buf = self.buffer(work.size as usize);
         let source = Arc::clone(&work.dataset);
@@ -159,15 +228,21 @@ impl Job {
             let data = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(read))
                 .await
                 .unwrap_or_else(|_| internal_failure(&job.id, &work.name));
+            offer(fill, &data);
             job.finish(work, start, data);
         });
     }
 
-    /// Counts a finished read and parks its result in its plan.
+    /// Counts a finished source read and parks its result in its plan.
     fn finish(&self, work: Work, start: Instant, data: Result<Chunk, ProtocolError>) {
         self.count_read(&work.metrics, start.elapsed(), &data);
         self.stats.active_readers.fetch_sub(1, Ordering::Relaxed);
+        self.park(work, data);
+    }
 
+    /// Parks a fetched entry's bytes or error in its plan and wakes its
+    /// consumer.
+    fn park(&self, work: Work, data: Result<Chunk, ProtocolError>) {
         let actual = data.as_ref().map_or(0, Chunk::footprint);
         let mut st = self.lock();
         st.in_flight -= 1;
@@ -236,6 +311,15 @@ impl Job {
     }
 }
 
+/// Gives the cache (and the jobs waiting on it) what a source read got.
+fn offer(fill: Option<Fill>, data: &Result<Chunk, ProtocolError>) {
+    match (fill, data) {
+        (Some(fill), Ok(chunk)) => fill.complete(chunk),
+        (Some(fill), Err(e)) => fill.fail(e),
+        (None, _) => {}
+    }
+}
+
 /// The error of a sample whose read panicked.
 fn internal_failure(job: &str, name: &str) -> Result<Chunk, ProtocolError> {
     tracing::error!(job = %job, file = %name, "a read panicked");
@@ -290,6 +374,7 @@ impl JobState {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
             let file_bytes = plan.size_of(pos);
+            let version = plan.version_of(pos);
             let size = whole_footprint(file_bytes);
             let empty = plan.reserved == 0;
             let fits = refill && self.reserved + size <= capacity && plan.reserved + size <= share;
@@ -314,6 +399,7 @@ impl JobState {
                 pos,
                 size,
                 file_bytes,
+                version,
                 name,
                 metrics: self.dataset_metrics(metrics, job, &dataset.name),
                 dataset,

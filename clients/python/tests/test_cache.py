@@ -1,0 +1,158 @@
+"""The node cache end to end: a stage with ``--cache-memory`` serving later
+epochs and other jobs from memory, never stale, never charging the
+limiter for a hit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+import sluice
+from sluice.bench.common import metric_value, parse_prometheus
+
+from conftest import http_get, stage_binary, wait_for
+
+MIB = 2**20
+
+
+def write_files(root, n: int, size: int, tag: bytes = b"") -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for i in range(n):
+        data = (tag + f"{i:05d}".encode()) * (size // (len(tag) + 5)) + b"x" * (size % (len(tag) + 5))
+        (root / f"s{i:05d}.bin").write_bytes(data)
+        files[f"s{i:05d}.bin"] = data
+    return files
+
+
+def metrics(stage, name: str, **labels) -> int:
+    return int(metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")), name, **labels) or 0)
+
+
+def source_reads(stage) -> int:
+    return metrics(stage, "sluice_stage_storage_reads_total", dataset="ds")
+
+
+def read_epoch(stage, job: str, epoch: int, seed: int = 1, **client) -> dict:
+    with sluice.Client(stage.socket, job=job, **client) as c:
+        with c.dataset("ds").epoch(epoch, seed=seed, batch=8) as it:
+            return dict(it)
+
+
+def cache_args(cache: int, *more: str) -> tuple:
+    return ("--memory-budget", str(cache + 64 * MIB), "--cache-memory", str(cache), *more)
+
+
+def test_a_cached_data_set_is_not_read_again(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 40, 10_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB))
+    assert read_epoch(stage, "a", 0) == files
+    assert source_reads(stage) == 40
+    assert read_epoch(stage, "a", 1) == files
+    assert source_reads(stage) == 40, "the second epoch came from the cache"
+    assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds") == 40
+    assert metrics(stage, "sluice_stage_cache_bytes", dataset="ds") == 400_000
+    assert metrics(stage, "sluice_stage_cache_entries", dataset="ds") == 40
+    # A READ of a cached sample's range comes from the cache too.
+    with sluice.Client(stage.socket, job="a") as c:
+        assert c.dataset("ds").read("s00003.bin", offset=5, length=100) == files["s00003.bin"][5:105]
+    assert source_reads(stage) == 40
+
+
+def test_a_changed_sample_is_never_served_stale(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 10, 5_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB))
+    assert read_epoch(stage, "a", 0) == files
+    changed = tmp_path / "ds" / "s00004.bin"
+    changed.write_bytes(b"new contents")
+    st = changed.stat()
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    files["s00004.bin"] = b"new contents"
+
+    def relisted():
+        # The stage lists again once its listing is a few seconds old.
+        got = read_epoch(stage, "a", 99)
+        return got == files
+
+    wait_for(relisted, timeout=15, interval=0.5, what="the changed sample after the listing expired")
+    assert source_reads(stage) >= 11
+
+
+def test_a_full_cache_keeps_a_stable_subset(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 100, 10_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(300_000))
+    read_epoch(stage, "a", 0)
+    kept = metrics(stage, "sluice_stage_cache_entries", dataset="ds")
+    assert 25 <= kept <= 30, kept
+    for epoch in (1, 2, 3):
+        hits = metrics(stage, "sluice_stage_cache_hits_total", dataset="ds")
+        assert read_epoch(stage, "a", epoch) == files
+        assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds") - hits == kept, \
+            f"epoch {epoch}: every kept sample hits, and only those"
+    assert metrics(stage, "sluice_stage_cache_entries", dataset="ds") == kept
+    assert metrics(stage, "sluice_stage_cache_evictions_total", dataset="ds") == 0
+
+
+def test_lru_is_there_to_compare(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 100, 10_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(300_000, "--cache-policy", "lru"))
+    for epoch in range(3):
+        assert read_epoch(stage, "a", epoch) == files
+    assert metrics(stage, "sluice_stage_cache_evictions_total", dataset="ds") > 0
+
+
+def test_two_jobs_read_each_sample_from_the_source_once(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 200, 20_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(16 * MIB))
+    got = {}
+
+    def job(name: str, seed: int) -> None:
+        got[name] = read_epoch(stage, name, 0, seed=seed)
+
+    # The same order: both jobs want every sample at the same moment, so
+    # one waits on the other's read rather than reading it again.
+    threads = [threading.Thread(target=job, args=(f"job-{i}", 7)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got["job-0"] == files and got["job-1"] == files
+    assert source_reads(stage) == 200
+
+
+def test_hits_cost_the_limiter_nothing(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 30, 1_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB), "--ops-limit", "30")
+    assert read_epoch(stage, "a", 0) == files
+    throttled = metrics(stage, "sluice_stage_throttled_seconds_total", job="a")
+    assert read_epoch(stage, "a", 1) == files
+    assert metrics(stage, "sluice_stage_throttled_seconds_total", job="a") == throttled
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--memory-budget", "64MiB", "--cache-memory", "60MiB"), "leaves the prefetch buffers less than 16MiB"),
+    (("--cache-memory", "1GiB", "--cache-policy", "fifo"), "unknown cache policy `fifo`"),
+])
+def test_bad_cache_settings_are_refused(tmp_path, args, says):
+    (tmp_path / "ds").mkdir()
+    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={tmp_path / 'ds'}", "--socket",
+                          str(tmp_path / "s.sock"), *args], capture_output=True, text=True, timeout=30)
+    assert run.returncode != 0 and says in run.stderr, run.stderr
+
+
+def test_the_cache_api_shows_capacity_and_use(tmp_path, stage_factory):
+    write_files(tmp_path / "ds", 10, 1_000)
+    config = tmp_path / "stage.yaml"
+    config.write_text("cache:\n  weights: {ds: 3}\n")
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB), "--config", str(config))
+    read_epoch(stage, "a", 0)
+    report = json.loads(http_get(stage.metrics, "/api/v1/cache"))
+    assert report == {"capacity_bytes": 4 * MIB, "used_bytes": 10_000, "policy": "stable",
+                      "datasets": [{"dataset": "ds", "bytes": 10_000, "entries": 10, "weight": 3}]}
+    # Without a cache the answer is null.
+    bare = stage_factory({"ds": str(tmp_path / "ds")})
+    assert json.loads(http_get(bare.metrics, "/api/v1/cache")) is None
