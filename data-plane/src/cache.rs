@@ -1,5 +1,7 @@
-//! The node cache: sample bytes kept in memory for later epochs and for
-//! every other job on the node that reads the same data set.
+//! The node cache: sample bytes kept in memory (and, with a disk tier, on
+//! a local disk) for later epochs and for every other job on the node that
+//! reads the same data set. A lookup tries memory, then disk; what memory
+//! does not keep is offered to the disk tier (see `cache/disk.rs`).
 //!
 //! An entry is keyed by the sample's identity ([`SampleKey`]: the source,
 //! the name, and the version and size the listing gave), so a sample that
@@ -16,8 +18,8 @@
 //! of that size can do under uniform random order. [`CachePolicy::Lru`]
 //! is kept to measure the difference (`python -m sluice.bench cache`).
 //!
-//! **Shares.** The capacity is split among the data sets looked up in the
-//! last [`ACTIVE`] by weight (1 each unless set). Room nobody uses is free
+//! **Shares.** Each tier's capacity is split among the data sets looked
+//! up in the last [`ACTIVE`] by weight (1 each unless set). Room nobody uses is free
 //! for anyone; when the cache is full, a data set under its share takes
 //! room from those over theirs (data sets no longer read first: their
 //! share is nothing), evicting their newest entries so their older subset
@@ -27,9 +29,14 @@
 //! share one source read: the first gets a [`Fill`] and reads, the others
 //! get the [`Flight`] and wait for its bytes, or its error.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use disk::DiskFile;
+use tier::Tier;
 
 use crate::metrics::CacheMetrics;
 use crate::protocol::{ErrorCode, ProtocolError};
@@ -173,113 +180,183 @@ fn abandoned(key: &SampleKey) -> ProtocolError {
     )
 }
 
-/// One data set's part of the cache.
+/// A data set's standing in the cache.
 #[derive(Debug)]
 struct Share {
     /// The stage's name of the data set (the metrics label).
     label: String,
     weight: u32,
-    bytes: u64,
     last_lookup: Instant,
-    /// Its entries by the tick of their admission (stable) or last use
-    /// (LRU), oldest first.
-    order: BTreeMap<u64, SampleKey>,
+}
+
+/// The local-disk tier.
+#[derive(Debug)]
+struct Disk {
+    dir: PathBuf,
+    tier: Tier<DiskFile>,
 }
 
 #[derive(Debug)]
-struct Entry {
-    bytes: Arc<[u8]>,
-    tick: u64,
-}
-
-#[derive(Debug, Default)]
 struct State {
-    entries: HashMap<SampleKey, Entry>,
+    memory: Tier<Arc<[u8]>>,
+    disk: Option<Disk>,
     shares: HashMap<Arc<str>, Share>,
     pending: HashMap<SampleKey, Arc<Flight>>,
-    used: u64,
     tick: u64,
 }
 
-/// The node cache (memory tier).
+/// Where a looked-up sample is.
+enum Found {
+    Memory(Arc<[u8]>),
+    Disk(PathBuf),
+    Nowhere,
+}
+
+/// The node cache: a memory tier and an optional local-disk tier.
 #[derive(Debug)]
 pub struct Cache {
-    capacity: u64,
     policy: CachePolicy,
     state: Mutex<State>,
+    /// Samples on their way to the disk tier's writer thread.
+    to_disk: Option<SyncSender<(SampleKey, Arc<[u8]>)>>,
     metrics: CacheMetrics,
+}
+
+/// What a cache holds and in which tiers (`--cache-*` flags).
+#[derive(Debug, Clone, Default)]
+pub struct Tiers {
+    pub memory: u64,
+    pub policy: CachePolicy,
+    /// `--cache-dir` and `--cache-disk`.
+    pub disk: Option<(PathBuf, u64)>,
 }
 
 /// What one data set holds.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ShareUse {
     pub dataset: String,
+    pub weight: u32,
     pub bytes: u64,
     pub entries: u64,
-    pub weight: u32,
+    pub disk_bytes: u64,
+    pub disk_entries: u64,
 }
 
 /// The cache as `/api/v1/cache` shows it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CacheReport {
+    pub policy: &'static str,
     pub capacity_bytes: u64,
     pub used_bytes: u64,
-    pub policy: &'static str,
+    pub disk_capacity_bytes: u64,
+    pub disk_used_bytes: u64,
     pub datasets: Vec<ShareUse>,
 }
 
+/// Samples waiting for the disk writer; more are not kept for the disk.
+const DISK_QUEUE: usize = 256;
+
 impl Cache {
-    pub fn new(capacity: u64, policy: CachePolicy, metrics: CacheMetrics) -> Arc<Self> {
-        metrics.capacity.set(capacity as i64);
-        Arc::new(Self {
-            capacity,
-            policy,
-            state: Mutex::new(State::default()),
+    /// Builds the cache. With a disk tier, the samples a previous stage left
+    /// in its directory for `datasets` (source, name) are indexed again
+    /// (others are removed), and a thread writes new ones.
+    pub fn new(
+        tiers: &Tiers,
+        datasets: &[(Arc<str>, String)],
+        metrics: CacheMetrics,
+    ) -> std::io::Result<Arc<Self>> {
+        metrics
+            .capacity
+            .with_label_values(&[MEMORY])
+            .set(tiers.memory as i64);
+        let mut state = State {
+            memory: Tier::new(tiers.memory),
+            disk: None,
+            shares: HashMap::new(),
+            pending: HashMap::new(),
+            tick: 0,
+        };
+        for (source, name) in datasets {
+            state.shares.insert(Arc::clone(source), Share::new(name));
+        }
+        let mut to_disk = None;
+        let mut writer = None;
+        if let Some((dir, capacity)) = &tiers.disk {
+            state.disk = Some(open_disk(dir, *capacity, &mut state, &metrics)?);
+            let (tx, rx) = std::sync::mpsc::sync_channel(DISK_QUEUE);
+            to_disk = Some(tx);
+            writer = Some(rx);
+        }
+        let cache = Arc::new(Self {
+            policy: tiers.policy,
+            state: Mutex::new(state),
+            to_disk,
             metrics,
-        })
+        });
+        if let Some(rx) = writer {
+            let weak = Arc::downgrade(&cache);
+            std::thread::Builder::new()
+                .name("cache-writer".into())
+                .spawn(move || {
+                    for (key, bytes) in rx {
+                        let Some(cache) = weak.upgrade() else { break };
+                        cache.write_to_disk(key, &bytes);
+                    }
+                })?;
+        }
+        Ok(cache)
     }
 
-    /// Capacity, policy and what each data set holds.
+    /// Capacities, policy and what each data set holds.
     pub fn report(&self) -> CacheReport {
-        let datasets = self.usage();
+        let st = lock(&self.state);
+        let mut datasets: Vec<ShareUse> = st
+            .shares
+            .iter()
+            .map(|(source, share)| {
+                let held =
+                    |t: Option<&tier::Held>| t.map_or((0, 0), |h| (h.bytes, h.order.len() as u64));
+                let (bytes, entries) = held(st.memory.held.get(source));
+                let (disk_bytes, disk_entries) =
+                    held(st.disk.as_ref().and_then(|d| d.tier.held.get(source)));
+                ShareUse {
+                    dataset: share.label.clone(),
+                    weight: share.weight,
+                    bytes,
+                    entries,
+                    disk_bytes,
+                    disk_entries,
+                }
+            })
+            .collect();
+        datasets.sort_by(|a, b| a.dataset.cmp(&b.dataset));
         CacheReport {
-            capacity_bytes: self.capacity,
-            used_bytes: datasets.iter().map(|d| d.bytes).sum(),
             policy: match self.policy {
                 CachePolicy::Stable => "stable",
                 CachePolicy::Lru => "lru",
             },
+            capacity_bytes: st.memory.capacity,
+            used_bytes: st.memory.used,
+            disk_capacity_bytes: st.disk.as_ref().map_or(0, |d| d.tier.capacity),
+            disk_used_bytes: st.disk.as_ref().map_or(0, |d| d.tier.used),
             datasets,
         }
     }
 
     /// Looks a sample up; `dataset` is the stage's name for its data set.
     pub fn lookup(self: &Arc<Self>, dataset: &str, key: &SampleKey) -> Lookup {
-        let mut st = lock(&self.state);
-        let st = &mut *st;
-        st.tick += 1;
-        let tick = st.tick;
-        let share = st
-            .shares
-            .entry(Arc::clone(&key.source))
-            .or_insert_with(|| Share {
-                label: dataset.to_owned(),
-                weight: 1,
-                bytes: 0,
-                last_lookup: Instant::now(),
-                order: BTreeMap::new(),
-            });
-        share.last_lookup = Instant::now();
-        if let Some(entry) = st.entries.get_mut(key) {
-            if self.policy == CachePolicy::Lru {
-                let key = share.order.remove(&entry.tick).expect("ordered");
-                share.order.insert(tick, key);
-                entry.tick = tick;
-            }
-            self.metrics.hit(&share.label, entry.bytes.len() as u64);
-            return Lookup::Hit(Arc::clone(&entry.bytes));
+        if let Some(bytes) = self.find(dataset, key) {
+            return Lookup::Hit(bytes);
         }
-        self.metrics.miss(&share.label);
+        let mut st = lock(&self.state);
+        let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
+        // Another reader's fill may have landed since `find` let go of the
+        // lock: it must not be read a second time.
+        if let Some(bytes) = st.memory.get(key) {
+            self.metrics.hit(label, MEMORY, bytes.len() as u64);
+            return Lookup::Hit(Arc::clone(bytes));
+        }
+        self.metrics.miss(label);
         if let Some(flight) = st.pending.get(key) {
             return Lookup::Wait(Arc::clone(flight));
         }
@@ -294,14 +371,66 @@ impl Cache {
 
     /// Returns a cached sample's bytes, counting a hit, or `None` (counting
     /// nothing: a read of part of a sample is not offered to the cache).
-    pub fn peek(&self, key: &SampleKey) -> Option<Arc<[u8]>> {
+    pub fn peek(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
+        self.find(dataset, key)
+    }
+
+    /// The sample's bytes from memory or disk (a disk file that fails its
+    /// check is removed), counting the hit.
+    fn find(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
+        let path = match self.locate(dataset, key) {
+            Found::Memory(bytes) => return Some(bytes),
+            Found::Disk(path) => path,
+            Found::Nowhere => return None,
+        };
+        match disk::read(&path, key) {
+            Ok(bytes) => {
+                self.metrics.hit(dataset, DISK, bytes.len() as u64);
+                Some(Arc::from(bytes))
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "dropping a disk cache file that failed its check");
+                let mut st = lock(&self.state);
+                if let Some(disk) = st.disk.as_mut()
+                    && let Some((file, len)) = disk.tier.remove(key)
+                {
+                    let _ = std::fs::remove_file(&file.path);
+                    self.metrics.evicted(dataset, DISK, len);
+                }
+                None
+            }
+        }
+    }
+
+    /// Finds the sample in memory, or where it is on disk, marking it used.
+    fn locate(&self, dataset: &str, key: &SampleKey) -> Found {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        let entry = st.entries.get(key)?;
-        let share = st.shares.get_mut(&key.source)?;
+        st.tick += 1;
+        let tick = st.tick;
+        let share = st
+            .shares
+            .entry(Arc::clone(&key.source))
+            .or_insert_with(|| Share::new(dataset));
         share.last_lookup = Instant::now();
-        self.metrics.hit(&share.label, entry.bytes.len() as u64);
-        Some(Arc::clone(&entry.bytes))
+        if let Some(bytes) = st.memory.get(key).cloned() {
+            if self.policy == CachePolicy::Lru {
+                st.memory.touch(key, tick);
+            }
+            self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
+            return Found::Memory(bytes);
+        }
+        if let Some(disk) = st.disk.as_mut()
+            && let Some(file) = disk.tier.get(key)
+            && file.ready
+        {
+            let path = file.path.clone();
+            if self.policy == CachePolicy::Lru {
+                disk.tier.touch(key, tick);
+            }
+            return Found::Disk(path);
+        }
+        Found::Nowhere
     }
 
     /// Sets a data set's weight in the split of the capacity.
@@ -310,173 +439,206 @@ impl Cache {
         let share = st
             .shares
             .entry(Arc::clone(source))
-            .or_insert_with(|| Share {
-                label: dataset.to_owned(),
-                weight,
-                bytes: 0,
-                last_lookup: Instant::now(),
-                order: BTreeMap::new(),
-            });
+            .or_insert_with(|| Share::new(dataset));
         share.weight = weight.max(1);
     }
 
-    /// What each data set holds, by name.
-    pub fn usage(&self) -> Vec<ShareUse> {
-        let st = lock(&self.state);
-        let mut usage: Vec<_> = st
-            .shares
-            .values()
-            .map(|s| ShareUse {
-                dataset: s.label.clone(),
-                bytes: s.bytes,
-                entries: s.order.len() as u64,
-                weight: s.weight,
-            })
-            .collect();
-        usage.sort_by(|a, b| a.dataset.cmp(&b.dataset));
-        usage
-    }
-
-    /// Admits `bytes` under `key` if the policy lets it; returns them
-    /// shared when admitted or when someone waits for them on `flight`.
+    /// Admits `bytes` under `key` if the policy lets it (in memory, else
+    /// offered to the disk); returns them shared when kept in memory or
+    /// when someone waits for them on `flight`.
     fn admit(&self, key: &SampleKey, bytes: &[u8], flight: &Arc<Flight>) -> Option<Arc<[u8]>> {
-        let mut st = lock(&self.state);
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
         st.pending.remove(key);
         // With the flight out of `pending`, nobody new can join it.
         let wanted = Arc::strong_count(flight) > 1;
+        let label = st
+            .shares
+            .get(&key.source)
+            .map_or(String::new(), |s| s.label.clone());
         let size = bytes.len() as u64;
-        if size > self.capacity || !self.make_room(&mut st, &key.source, size) {
-            if let Some(share) = st.shares.get(&key.source) {
-                self.metrics.rejected(&share.label);
-            }
-            return wanted.then(|| Arc::from(bytes));
-        }
+        let shares = shares_now(&st.shares, st.memory.capacity);
+        let Some(evicted) = st.memory.make_room(self.policy, &shares, &key.source, size) else {
+            drop(guard);
+            self.metrics.rejected(&label);
+            let shared: Arc<[u8]> = Arc::from(bytes);
+            self.offer_to_disk(key, &shared);
+            return wanted.then_some(shared);
+        };
         let shared: Arc<[u8]> = Arc::from(bytes);
         st.tick += 1;
-        let tick = st.tick;
-        let share = st.shares.get_mut(&key.source).expect("looked up first");
-        share.bytes += size;
-        share.order.insert(tick, key.clone());
-        self.metrics.admitted(&share.label, size);
-        st.used += size;
-        self.metrics.used.set(st.used as i64);
-        if let Some(old) = st.entries.insert(
-            key.clone(),
-            Entry {
-                bytes: Arc::clone(&shared),
-                tick,
-            },
-        ) {
-            // Two fills of one key (the first's bytes came back after a
-            // failed flight let a waiter read too): keep the newer.
-            let size = old.bytes.len() as u64;
-            let share = st.shares.get_mut(&key.source).expect("looked up first");
-            share.order.remove(&old.tick);
-            share.bytes -= size;
-            self.metrics.evicted(&share.label, size);
-            st.used -= size;
+        if let Some((_, len)) = st
+            .memory
+            .insert(key.clone(), Arc::clone(&shared), size, st.tick)
+        {
+            self.metrics.evicted(&label, MEMORY, len);
+        }
+        self.metrics.admitted(&label, MEMORY, size);
+        self.metrics
+            .used
+            .with_label_values(&[MEMORY])
+            .set(st.memory.used as i64);
+        let shares = &st.shares;
+        let demoted: Vec<_> = evicted
+            .into_iter()
+            .map(|(k, v, len)| {
+                let label = shares.get(&k.source).map_or("", |s| s.label.as_str());
+                self.metrics.evicted(label, MEMORY, len);
+                (k, v)
+            })
+            .collect();
+        drop(guard);
+        // What memory lets go of (LRU) may still fit on disk.
+        for (k, v) in demoted {
+            self.offer_to_disk(&k, &v);
         }
         Some(shared)
     }
 
-    /// Evicts until `size` more bytes fit, as the policy allows; false
-    /// when they may not be admitted.
-    fn make_room(&self, st: &mut State, source: &Arc<str>, size: u64) -> bool {
-        if st.used + size <= self.capacity {
-            return true;
-        }
-        match self.policy {
-            CachePolicy::Lru => {
-                while st.used + size > self.capacity {
-                    let victim = st
-                        .shares
-                        .iter()
-                        .filter_map(|(s, share)| {
-                            share.order.keys().next().map(|&t| (t, Arc::clone(s)))
-                        })
-                        .min();
-                    let Some((_, victim)) = victim else {
-                        return false;
-                    };
-                    self.evict(st, &victim, true);
-                }
-                true
-            }
-            CachePolicy::Stable => {
-                let shares = self.shares_now(st);
-                let within = |st: &State, s: &Arc<str>| {
-                    st.shares.get(s).map_or(0, |sh| sh.bytes) + size
-                        <= shares.get(s).copied().unwrap_or(0)
-                };
-                if !within(st, source) {
-                    return false;
-                }
-                while st.used + size > self.capacity {
-                    let victim = st
-                        .shares
-                        .iter()
-                        .filter(|(s, _)| *s != source)
-                        .map(|(s, sh)| {
-                            let over =
-                                sh.bytes as i128 - shares.get(s).copied().unwrap_or(0) as i128;
-                            (over, Arc::clone(s))
-                        })
-                        .filter(|(over, _)| *over > 0)
-                        .max();
-                    let Some((_, victim)) = victim else {
-                        return false;
-                    };
-                    self.evict(st, &victim, false);
-                }
-                true
-            }
+    /// Queues a sample for the disk tier, if there is one and its writer
+    /// keeps up (a sample the queue has no room for is not kept).
+    fn offer_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
+        if let Some(tx) = &self.to_disk {
+            let _ = tx.try_send((key.clone(), Arc::clone(bytes)));
         }
     }
 
-    /// Each data set's share of the capacity: by weight among those
-    /// looked up lately, nothing for the others.
-    fn shares_now(&self, st: &State) -> HashMap<Arc<str>, u64> {
-        let now = Instant::now();
-        let active = |sh: &Share| now.duration_since(sh.last_lookup) < ACTIVE;
-        let total: u64 = st
-            .shares
-            .values()
-            .filter(|sh| active(sh))
-            .map(|sh| u64::from(sh.weight))
-            .sum();
-        st.shares
-            .iter()
-            .map(|(s, sh)| {
-                let share = if active(sh) && total > 0 {
-                    (u128::from(self.capacity) * u128::from(sh.weight) / u128::from(total)) as u64
-                } else {
-                    0
-                };
-                (Arc::clone(s), share)
-            })
-            .collect()
+    /// Writes one sample to the disk tier, if the policy admits it there.
+    fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) {
+        let size = bytes.len() as u64;
+        let (path, evicted, label) = {
+            let mut st = lock(&self.state);
+            let st = &mut *st;
+            let Some(disk) = st.disk.as_mut() else { return };
+            if disk.tier.get(&key).is_some() {
+                return;
+            }
+            let shares = shares_now(&st.shares, disk.tier.capacity);
+            let Some(evicted) = disk.tier.make_room(self.policy, &shares, &key.source, size) else {
+                return;
+            };
+            let path = disk::path_of(&disk.dir, &key);
+            st.tick += 1;
+            let file = DiskFile {
+                path: path.clone(),
+                ready: false,
+            };
+            disk.tier.insert(key.clone(), file, size, st.tick);
+            let label = |k: &SampleKey| {
+                st.shares
+                    .get(&k.source)
+                    .map_or(String::new(), |s| s.label.clone())
+            };
+            let evicted: Vec<_> = evicted
+                .into_iter()
+                .map(|(k, f, len)| (label(&k), f, len))
+                .collect();
+            (path, evicted, label(&key))
+        };
+        for (label, file, len) in evicted {
+            let _ = std::fs::remove_file(&file.path);
+            self.metrics.evicted(&label, DISK, len);
+        }
+        let written = disk::write(&path, &key, bytes);
+        let mut st = lock(&self.state);
+        let Some(disk) = st.disk.as_mut() else { return };
+        match written {
+            Ok(()) => {
+                if let Some(file) = disk.tier.get_mut(&key) {
+                    file.ready = true;
+                    self.metrics.admitted(&label, DISK, size);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot write a disk cache file");
+                disk.tier.remove(&key);
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        self.metrics
+            .used
+            .with_label_values(&[DISK])
+            .set(disk.tier.used as i64);
     }
+}
 
-    /// Evicts one entry of `source`: its oldest, or its newest.
-    fn evict(&self, st: &mut State, source: &Arc<str>, oldest: bool) {
-        let share = st.shares.get_mut(source).expect("a victim has entries");
-        let entry = if oldest {
-            share.order.pop_first()
-        } else {
-            share.order.pop_last()
-        };
-        let Some((_, key)) = entry else {
-            return;
-        };
-        if let Some(entry) = st.entries.remove(&key) {
-            let size = entry.bytes.len() as u64;
-            share.bytes -= size;
-            st.used -= size;
-            self.metrics.evicted(&share.label, size);
-            self.metrics.used.set(st.used as i64);
+/// Metrics label values of the tiers.
+const MEMORY: &str = "memory";
+const DISK: &str = "disk";
+
+impl Share {
+    fn new(label: &str) -> Self {
+        Self {
+            label: label.to_owned(),
+            weight: 1,
+            last_lookup: Instant::now(),
         }
     }
 }
+
+/// Opens the disk tier in `dir` (created if missing), indexing the files a
+/// previous stage left for the data sets in `st.shares`.
+fn open_disk(
+    dir: &Path,
+    capacity: u64,
+    st: &mut State,
+    metrics: &CacheMetrics,
+) -> std::io::Result<Disk> {
+    std::fs::create_dir_all(dir)?;
+    let sources: Vec<Arc<str>> = st.shares.keys().cloned().collect();
+    let mut tier = Tier::new(capacity);
+    for (key, path, len) in disk::scan(dir, &sources)? {
+        if tier.used + len > capacity {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
+        metrics.admitted(label, DISK, len);
+        st.tick += 1;
+        tier.insert(key, DiskFile { path, ready: true }, len, st.tick);
+    }
+    metrics
+        .capacity
+        .with_label_values(&[DISK])
+        .set(capacity as i64);
+    metrics
+        .used
+        .with_label_values(&[DISK])
+        .set(tier.used as i64);
+    if tier.used > 0 {
+        tracing::info!(dir = %dir.display(), bytes = tier.used, "disk cache kept from before");
+    }
+    Ok(Disk {
+        dir: dir.to_owned(),
+        tier,
+    })
+}
+
+/// Each data set's share of a tier of `capacity` bytes: by weight among
+/// those looked up lately, nothing for the others.
+fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<str>, u64> {
+    let now = Instant::now();
+    let active = |sh: &Share| now.duration_since(sh.last_lookup) < ACTIVE;
+    let total: u64 = shares
+        .values()
+        .filter(|sh| active(sh))
+        .map(|sh| u64::from(sh.weight))
+        .sum();
+    shares
+        .iter()
+        .map(|(s, sh)| {
+            let share = if active(sh) && total > 0 {
+                (u128::from(capacity) * u128::from(sh.weight) / u128::from(total)) as u64
+            } else {
+                0
+            };
+            (Arc::clone(s), share)
+        })
+        .collect()
+}
+
+mod disk;
+mod tier;
 
 #[cfg(test)]
 mod tests;

@@ -153,6 +153,13 @@ pub struct Args {
     /// [default: stable].
     #[arg(long, env = "SLUICE_CACHE_POLICY")]
     pub cache_policy: Option<CachePolicy>,
+    /// A local directory (e.g. on NVMe) for the cache's disk tier: samples
+    /// memory does not keep, kept across restarts; needs --cache-disk.
+    #[arg(long, env = "SLUICE_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// How much of --cache-dir the disk tier may fill, e.g. `200GiB`.
+    #[arg(long, env = "SLUICE_CACHE_DISK")]
+    pub cache_disk: Option<ByteSize>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -236,6 +243,10 @@ pub struct CacheFile {
     pub memory: Option<ByteSize>,
     /// `stable` or `lru`.
     pub policy: Option<String>,
+    /// The disk tier's directory.
+    pub dir: Option<PathBuf>,
+    /// The disk tier's size.
+    pub disk: Option<ByteSize>,
     /// Weights of data sets in the split of the cache (1 unless given).
     #[serde(default)]
     pub weights: BTreeMap<String, u32>,
@@ -323,6 +334,15 @@ pub struct CacheOptions {
     pub policy: CachePolicy,
     /// Data sets' weights in the split of the capacity (others: 1).
     pub weights: BTreeMap<String, u32>,
+    /// The disk tier: its directory and size.
+    pub disk: Option<(PathBuf, u64)>,
+}
+
+impl CacheOptions {
+    /// Whether the stage has a cache at all.
+    pub fn enabled(&self) -> bool {
+        self.memory > 0 || self.disk.is_some()
+    }
 }
 
 impl StageConfig {
@@ -486,10 +506,28 @@ fn cache_options(
             )));
         }
     }
+    let disk = match (
+        args.cache_dir.clone().or_else(|| file.dir.clone()),
+        args.cache_disk.or(file.disk),
+    ) {
+        (Some(dir), Some(size)) if size.bytes() > 0 => Some((dir, size.bytes())),
+        (None, None) => None,
+        (Some(_), _) => {
+            return Err(ConfigError(
+                "--cache-dir needs --cache-disk: how much of the directory the cache may fill, e.g. `100GiB`".into(),
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError(
+                "--cache-disk needs --cache-dir: the directory the disk tier lives in".into(),
+            ));
+        }
+    };
     Ok(CacheOptions {
         memory,
         policy,
         weights: file.weights.clone(),
+        disk,
     })
 }
 

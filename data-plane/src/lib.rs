@@ -56,6 +56,38 @@ use metrics::Metrics;
 use source::Source;
 use trust::{Peer, TrainerAccess};
 
+/// Builds the node cache, its disk tier indexed from what a previous stage
+/// left, and the data sets' weights.
+fn open_cache(
+    options: &config::CacheOptions,
+    datasets: &[Dataset],
+    metrics: &Metrics,
+) -> anyhow::Result<Arc<Cache>> {
+    let tiers = cache::Tiers {
+        memory: options.memory,
+        policy: options.policy,
+        disk: options.disk.clone(),
+    };
+    let sources: Vec<_> = datasets
+        .iter()
+        .map(|d| (Arc::clone(&d.identity), d.name.clone()))
+        .collect();
+    let cache = Cache::new(&tiers, &sources, metrics.cache.clone()).with_context(|| {
+        let dir = options.disk.as_ref().map(|(d, _)| d.display().to_string());
+        format!(
+            "opening the cache's disk tier in {}",
+            dir.unwrap_or_default()
+        )
+    })?;
+    for dataset in datasets {
+        if let Some(&weight) = options.weights.get(&dataset.name) {
+            cache.set_weight(&dataset.identity, &dataset.name, weight);
+        }
+    }
+    info!(memory = %sluice_policy::ByteSize(options.memory), disk = ?options.disk, policy = ?options.policy, "node cache");
+    Ok(cache)
+}
+
 /// How long shutdown waits for connections to finish their current answer.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Requested send buffer of trainer connections (the kernel caps it at
@@ -107,16 +139,11 @@ impl Stage {
         let http = TcpListener::bind(config.metrics_addr)
             .await
             .with_context(|| format!("binding the metrics listener on {}", config.metrics_addr))?;
-        let cache = (config.cache.memory > 0).then(|| {
-            info!(memory = %sluice_policy::ByteSize(config.cache.memory), policy = ?config.cache.policy, "node cache");
-            let cache = Cache::new(config.cache.memory, config.cache.policy, metrics.cache.clone());
-            for dataset in &datasets {
-                if let Some(&weight) = config.cache.weights.get(&dataset.name) {
-                    cache.set_weight(&dataset.identity, &dataset.name, weight);
-                }
-            }
-            cache
-        });
+        let cache = if config.cache.enabled() {
+            Some(open_cache(&config.cache, &datasets, &metrics)?)
+        } else {
+            None
+        };
         let engine = Engine::new(
             datasets,
             config.prefetch_budget(),

@@ -136,6 +136,9 @@ def test_hits_cost_the_limiter_nothing(tmp_path, stage_factory):
 @pytest.mark.parametrize("args,says", [
     (("--memory-budget", "64MiB", "--cache-memory", "60MiB"), "leaves the prefetch buffers less than 16MiB"),
     (("--cache-memory", "1GiB", "--cache-policy", "fifo"), "unknown cache policy `fifo`"),
+    (("--cache-dir", "/tmp/x"), "--cache-dir needs --cache-disk"),
+    (("--cache-disk", "1GiB"), "--cache-disk needs --cache-dir"),
+    (("--cache-dir", "/proc/no/such", "--cache-disk", "1GiB"), "opening the cache's disk tier in /proc/no/such"),
 ])
 def test_bad_cache_settings_are_refused(tmp_path, args, says):
     (tmp_path / "ds").mkdir()
@@ -152,7 +155,29 @@ def test_the_cache_api_shows_capacity_and_use(tmp_path, stage_factory):
     read_epoch(stage, "a", 0)
     report = json.loads(http_get(stage.metrics, "/api/v1/cache"))
     assert report == {"capacity_bytes": 4 * MIB, "used_bytes": 10_000, "policy": "stable",
-                      "datasets": [{"dataset": "ds", "bytes": 10_000, "entries": 10, "weight": 3}]}
+                      "disk_capacity_bytes": 0, "disk_used_bytes": 0,
+                      "datasets": [{"dataset": "ds", "bytes": 10_000, "entries": 10, "weight": 3,
+                                    "disk_bytes": 0, "disk_entries": 0}]}
     # Without a cache the answer is null.
     bare = stage_factory({"ds": str(tmp_path / "ds")})
     assert json.loads(http_get(bare.metrics, "/api/v1/cache")) is None
+
+
+def test_the_disk_tier_keeps_samples_across_a_restart(tmp_path, stage_factory):
+    files = write_files(tmp_path / "ds", 40, 10_000)
+    disk = ("--cache-dir", str(tmp_path / "cache"), "--cache-disk", "10MiB")
+    # 100 kB of memory: ten samples; the other thirty go to disk.
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(100_000, *disk))
+    assert read_epoch(stage, "a", 0) == files
+
+    def report():
+        return json.loads(http_get(stage.metrics, "/api/v1/cache"))
+
+    wait_for(lambda: report()["disk_used_bytes"] == 300_000, what="30 samples on disk")
+    assert report()["datasets"][0]["entries"] == 10
+    stage.stop()
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(100_000, *disk))
+    assert report()["disk_used_bytes"] == 300_000, "the new stage indexed the old files"
+    assert read_epoch(stage, "a", 1) == files
+    assert source_reads(stage) == 10, "only what was in the old stage's memory is read again"
+    assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds", tier="disk") == 30

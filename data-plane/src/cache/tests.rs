@@ -3,7 +3,21 @@ use crate::metrics::Metrics;
 use crate::plan::permutation;
 
 fn cache(capacity: u64, policy: CachePolicy) -> Arc<Cache> {
-    Cache::new(capacity, policy, Metrics::new().cache.clone())
+    let tiers = Tiers {
+        memory: capacity,
+        policy,
+        disk: None,
+    };
+    Cache::new(&tiers, &[], Metrics::new().cache.clone()).unwrap()
+}
+
+/// What each data set holds in memory: (bytes, entries), by name.
+fn usage(c: &Cache) -> Vec<(u64, u64)> {
+    c.report()
+        .datasets
+        .iter()
+        .map(|d| (d.bytes, d.entries))
+        .collect()
 }
 
 fn key(source: &Arc<str>, name: &str, size: u64) -> SampleKey {
@@ -92,12 +106,12 @@ fn a_second_data_set_takes_its_share_from_the_first() {
     for i in 0..10 {
         read(&c, "a", &key(&a, &format!("f{i}"), 10), 0);
     }
-    assert_eq!(c.usage()[0].bytes, 100, "a alone may fill the cache");
+    assert_eq!(usage(&c)[0].0, 100, "a alone may fill the cache");
     for i in 0..10 {
         read(&c, "b", &key(&b, &format!("f{i}"), 10), 0);
     }
-    let usage = c.usage();
-    assert_eq!((usage[0].bytes, usage[1].bytes), (50, 50), "{usage:?}");
+    let held = usage(&c);
+    assert_eq!((held[0].0, held[1].0), (50, 50), "{held:?}");
     // a kept its oldest half: the subset it already had.
     for i in 0..5 {
         assert!(read(&c, "a", &key(&a, &format!("f{i}"), 10), 0), "f{i}");
@@ -107,8 +121,8 @@ fn a_second_data_set_takes_its_share_from_the_first() {
     for i in 5..10 {
         read(&c, "a", &key(&a, &format!("f{i}"), 10), 0);
     }
-    let usage = c.usage();
-    assert_eq!((usage[0].bytes, usage[1].bytes), (70, 30), "{usage:?}");
+    let held = usage(&c);
+    assert_eq!((held[0].0, held[1].0), (70, 30), "{held:?}");
 }
 
 #[test]
@@ -117,7 +131,7 @@ fn a_sample_larger_than_the_cache_is_passed_through() {
     let src: Arc<str> = "/data".into();
     assert!(!read(&c, "d", &key(&src, "big", 11), 0));
     assert!(!read(&c, "d", &key(&src, "big", 11), 0));
-    assert_eq!(c.usage()[0].entries, 0);
+    assert_eq!(usage(&c)[0].1, 0);
 }
 
 #[test]
@@ -173,4 +187,100 @@ fn a_failed_read_fails_its_waiters_and_leaves_nothing_pending() {
         matches!(c.lookup("d", &k), Lookup::Miss(_)),
         "nothing pending any more"
     );
+}
+
+/// A cache of `memory` bytes with a disk tier of `disk` bytes in `dir`,
+/// serving source `/data` (dataset `d`).
+fn tiered(dir: &std::path::Path, memory: u64, disk: u64) -> Arc<Cache> {
+    let tiers = Tiers {
+        memory,
+        policy: CachePolicy::Stable,
+        disk: Some((dir.to_owned(), disk)),
+    };
+    Cache::new(
+        &tiers,
+        &[("/data".into(), "d".into())],
+        Metrics::new().cache.clone(),
+    )
+    .unwrap()
+}
+
+/// Waits until the disk tier holds `entries` samples.
+fn on_disk(c: &Cache, entries: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.report().datasets[0].disk_entries < entries {
+        assert!(std::time::Instant::now() < deadline, "{:?}", c.report());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    {
+        let c = tiered(dir.path(), 30, 1000);
+        for i in 0..10 {
+            assert!(!read(&c, "d", &key(&src, &format!("f{i}"), 10), i as u8));
+        }
+        on_disk(&c, 7);
+        let report = c.report();
+        assert_eq!(
+            (report.used_bytes, report.disk_used_bytes),
+            (30, 70),
+            "{report:?}"
+        );
+        let Lookup::Hit(bytes) = c.lookup("d", &key(&src, "f9", 10)) else {
+            panic!("f9 is on disk");
+        };
+        assert_eq!(&bytes[..], &[9; 10]);
+    }
+    // A new stage finds what the last one left, and only that.
+    std::fs::create_dir_all(dir.path().join("zz")).unwrap();
+    std::fs::write(dir.path().join("zz").join("stray"), b"not ours").unwrap();
+    let c = tiered(dir.path(), 30, 1000);
+    assert_eq!(c.report().disk_used_bytes, 70);
+    assert!(!dir.path().join("zz").join("stray").exists());
+    for i in 3..10 {
+        assert!(read(&c, "d", &key(&src, &format!("f{i}"), 10), 0), "f{i}");
+    }
+}
+
+#[test]
+fn a_damaged_disk_file_is_a_miss_and_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let c = tiered(dir.path(), 0, 1000);
+    let k = key(&src, "a", 100);
+    assert!(!read(&c, "d", &k, 1));
+    on_disk(&c, 1);
+    let path = disk::path_of(dir.path(), &k);
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+    assert!(!read(&c, "d", &k, 2), "a flipped bit is not served");
+    assert!(!path.exists() || std::fs::read(&path).unwrap().ends_with(&[2; 100]));
+    // A file of another version of the sample is not served for this one.
+    let other = SampleKey {
+        version: 9,
+        ..k.clone()
+    };
+    assert!(matches!(c.lookup("d", &other), Lookup::Miss(_)));
+}
+
+#[test]
+fn the_disk_tier_keeps_a_stable_subset_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let c = tiered(dir.path(), 20, 30);
+    for i in 0..10 {
+        read(&c, "d", &key(&src, &format!("f{i}"), 10), 0);
+    }
+    on_disk(&c, 3);
+    for _ in 0..2 {
+        let hits = (0..10)
+            .filter(|i| read(&c, "d", &key(&src, &format!("f{i}"), 10), 0))
+            .count();
+        assert_eq!(hits, 5, "2 in memory and 3 on disk, every epoch");
+    }
 }

@@ -1,14 +1,15 @@
-//! The node cache's series (`sluice_stage_cache_*`), by data set.
+//! The node cache's series (`sluice_stage_cache_*`), by data set and tier
+//! (`memory`, `disk`).
 
-use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 
 use super::Registrar;
 
 /// The handles the cache updates.
 #[derive(Debug, Clone)]
 pub struct CacheMetrics {
-    pub capacity: IntGauge,
-    pub used: IntGauge,
+    pub capacity: IntGaugeVec,
+    pub used: IntGaugeVec,
     bytes: IntGaugeVec,
     entries: IntGaugeVec,
     hits: IntCounterVec,
@@ -22,44 +23,40 @@ pub struct CacheMetrics {
 impl CacheMetrics {
     pub(super) fn new(r: &Registrar) -> Self {
         let ds = &["dataset"];
+        let tiered = &["dataset", "tier"];
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            r.add(IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+        };
         Self {
-            capacity: r.scalar(
+            capacity: gauge(
                 "sluice_stage_cache_capacity_bytes",
-                "The node cache's memory capacity (inside the memory budget).",
+                "The node cache's capacity by tier (memory: inside the memory budget).",
+                &["tier"],
             ),
-            used: r.scalar(
+            used: gauge(
                 "sluice_stage_cache_used_bytes",
-                "Bytes the node cache holds.",
+                "Bytes the node cache holds, by tier.",
+                &["tier"],
             ),
-            bytes: r.add(
-                IntGaugeVec::new(
-                    Opts::new(
-                        "sluice_stage_cache_bytes",
-                        "Bytes the node cache holds, by data set.",
-                    ),
-                    ds,
-                )
-                .expect("valid metric"),
+            bytes: gauge(
+                "sluice_stage_cache_bytes",
+                "Bytes the node cache holds, by data set and tier.",
+                tiered,
             ),
-            entries: r.add(
-                IntGaugeVec::new(
-                    Opts::new(
-                        "sluice_stage_cache_entries",
-                        "Samples the node cache holds, by data set.",
-                    ),
-                    ds,
-                )
-                .expect("valid metric"),
+            entries: gauge(
+                "sluice_stage_cache_entries",
+                "Samples the node cache holds, by data set and tier.",
+                tiered,
             ),
             hits: r.counter(
                 "sluice_stage_cache_hits_total",
-                "Lookups the cache answered.",
-                ds,
+                "Lookups the cache answered, by tier.",
+                tiered,
             ),
             hit_bytes: r.counter(
                 "sluice_stage_cache_hit_bytes_total",
-                "Bytes served from the cache instead of the source.",
-                ds,
+                "Bytes served from the cache instead of the source, by tier.",
+                tiered,
             ),
             misses: r.counter(
                 "sluice_stage_cache_misses_total",
@@ -69,47 +66,53 @@ impl CacheMetrics {
             ),
             admitted_bytes: r.counter(
                 "sluice_stage_cache_admitted_bytes_total",
-                "Bytes read from the source and kept.",
-                ds,
+                "Bytes a tier kept (read from the source, or let go by memory).",
+                tiered,
             ),
             rejected: r.counter(
                 "sluice_stage_cache_rejected_total",
-                "Samples read from the source and not kept (the data set's share is full: \
-                 the stable policy keeps what it holds).",
+                "Samples read from the source and not kept in memory (the data set's share \
+                 is full: the stable policy keeps what it holds); a disk tier may take them.",
                 ds,
             ),
             evictions: r.counter(
                 "sluice_stage_cache_evictions_total",
-                "Samples evicted to make room.",
-                ds,
+                "Samples a tier let go (to make room, or a disk file that failed its check).",
+                tiered,
             ),
         }
     }
 
-    pub(crate) fn hit(&self, dataset: &str, bytes: u64) {
-        self.hits.with_label_values(&[dataset]).inc();
-        self.hit_bytes.with_label_values(&[dataset]).inc_by(bytes);
+    pub(crate) fn hit(&self, dataset: &str, tier: &str, bytes: u64) {
+        self.hits.with_label_values(&[dataset, tier]).inc();
+        self.hit_bytes
+            .with_label_values(&[dataset, tier])
+            .inc_by(bytes);
     }
 
     pub(crate) fn miss(&self, dataset: &str) {
         self.misses.with_label_values(&[dataset]).inc();
     }
 
-    pub(crate) fn admitted(&self, dataset: &str, bytes: u64) {
+    pub(crate) fn admitted(&self, dataset: &str, tier: &str, bytes: u64) {
         self.admitted_bytes
-            .with_label_values(&[dataset])
+            .with_label_values(&[dataset, tier])
             .inc_by(bytes);
-        self.bytes.with_label_values(&[dataset]).add(bytes as i64);
-        self.entries.with_label_values(&[dataset]).inc();
+        self.bytes
+            .with_label_values(&[dataset, tier])
+            .add(bytes as i64);
+        self.entries.with_label_values(&[dataset, tier]).inc();
     }
 
     pub(crate) fn rejected(&self, dataset: &str) {
         self.rejected.with_label_values(&[dataset]).inc();
     }
 
-    pub(crate) fn evicted(&self, dataset: &str, bytes: u64) {
-        self.evictions.with_label_values(&[dataset]).inc();
-        self.bytes.with_label_values(&[dataset]).sub(bytes as i64);
-        self.entries.with_label_values(&[dataset]).dec();
+    pub(crate) fn evicted(&self, dataset: &str, tier: &str, bytes: u64) {
+        self.evictions.with_label_values(&[dataset, tier]).inc();
+        self.bytes
+            .with_label_values(&[dataset, tier])
+            .sub(bytes as i64);
+        self.entries.with_label_values(&[dataset, tier]).dec();
     }
 }

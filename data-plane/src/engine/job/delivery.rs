@@ -482,12 +482,15 @@ impl Job {
         let cache = self.cache.as_ref()?;
         let listing = dataset.listed()?;
         let entry = &listing.files[listing.position(name)? as usize];
-        cache.peek(&SampleKey {
-            source: Arc::clone(&dataset.identity),
-            name: name.into(),
-            version: entry.version,
-            size: entry.size,
-        })
+        cache.peek(
+            &dataset.name,
+            &SampleKey {
+                source: Arc::clone(&dataset.identity),
+                name: name.into(),
+                version: entry.version,
+                size: entry.size,
+            },
+        )
     }
 }
 

@@ -1,0 +1,151 @@
+//! One tier of the cache (memory, or local disk): its entries, what each
+//! data set holds in it, and the admission and eviction policy.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use super::{CachePolicy, SampleKey};
+
+/// What one data set holds in a tier.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub bytes: u64,
+    /// Its entries by the tick of their admission (stable) or last use
+    /// (LRU), oldest first.
+    pub order: BTreeMap<u64, SampleKey>,
+}
+
+#[derive(Debug)]
+struct Entry<V> {
+    value: V,
+    len: u64,
+    tick: u64,
+}
+
+/// A tier holding values of type `V` (the bytes, or where they are on
+/// disk), at most `capacity` bytes of samples.
+#[derive(Debug)]
+pub(super) struct Tier<V> {
+    pub capacity: u64,
+    pub used: u64,
+    entries: HashMap<SampleKey, Entry<V>>,
+    pub held: HashMap<Arc<str>, Held>,
+}
+
+impl<V> Tier<V> {
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            capacity,
+            used: 0,
+            entries: HashMap::new(),
+            held: HashMap::new(),
+        }
+    }
+
+    pub fn get(&self, key: &SampleKey) -> Option<&V> {
+        self.entries.get(key).map(|e| &e.value)
+    }
+
+    pub fn get_mut(&mut self, key: &SampleKey) -> Option<&mut V> {
+        self.entries.get_mut(key).map(|e| &mut e.value)
+    }
+
+    /// Marks `key` used at `tick` (LRU order).
+    pub fn touch(&mut self, key: &SampleKey, tick: u64) {
+        let Some(entry) = self.entries.get_mut(key) else {
+            return;
+        };
+        let held = self.held.get_mut(&key.source).expect("held per entry");
+        if let Some(k) = held.order.remove(&entry.tick) {
+            held.order.insert(tick, k);
+        }
+        entry.tick = tick;
+    }
+
+    /// Inserts `value` of `len` bytes under `key` at `tick` (room must
+    /// have been made); returns the value it replaced.
+    pub fn insert(&mut self, key: SampleKey, value: V, len: u64, tick: u64) -> Option<(V, u64)> {
+        let replaced = self.remove(&key);
+        let held = self.held.entry(Arc::clone(&key.source)).or_default();
+        held.bytes += len;
+        held.order.insert(tick, key.clone());
+        self.used += len;
+        self.entries.insert(key, Entry { value, len, tick });
+        replaced
+    }
+
+    pub fn remove(&mut self, key: &SampleKey) -> Option<(V, u64)> {
+        let entry = self.entries.remove(key)?;
+        let held = self.held.get_mut(&key.source).expect("held per entry");
+        held.order.remove(&entry.tick);
+        held.bytes -= entry.len;
+        self.used -= entry.len;
+        Some((entry.value, entry.len))
+    }
+
+    /// Evicts what the policy says to make room for `size` more bytes of
+    /// `source`, whose share of the tier is `shares[source]`. Returns the
+    /// evicted entries, or `None` when the sample is not to be admitted
+    /// (then at most entries above their shares were evicted).
+    pub fn make_room(
+        &mut self,
+        policy: CachePolicy,
+        shares: &HashMap<Arc<str>, u64>,
+        source: &Arc<str>,
+        size: u64,
+    ) -> Option<Vec<(SampleKey, V, u64)>> {
+        let mut evicted = Vec::new();
+        if size > self.capacity {
+            return None;
+        }
+        if policy == CachePolicy::Stable {
+            let share = shares.get(source).copied().unwrap_or(0);
+            let holds = self.held.get(source).map_or(0, |h| h.bytes);
+            if self.used + size > self.capacity && holds + size > share {
+                return None;
+            }
+        }
+        while self.used + size > self.capacity {
+            let victim = match policy {
+                CachePolicy::Lru => self.least_recent(),
+                CachePolicy::Stable => self.newest_above_share(shares, source),
+            };
+            let key = victim?;
+            if let Some((value, len)) = self.remove(&key) {
+                evicted.push((key, value, len));
+            }
+        }
+        Some(evicted)
+    }
+
+    /// The least recently used entry of the tier.
+    fn least_recent(&self) -> Option<SampleKey> {
+        self.held
+            .values()
+            .filter_map(|h| h.order.first_key_value())
+            .min_by_key(|(tick, _)| **tick)
+            .map(|(_, key)| key.clone())
+    }
+
+    /// The newest entry of the data set (other than `source`) most above
+    /// its share, so the subset it keeps is the one it had.
+    fn newest_above_share(
+        &self,
+        shares: &HashMap<Arc<str>, u64>,
+        source: &Arc<str>,
+    ) -> Option<SampleKey> {
+        self.held
+            .iter()
+            .filter(|(s, h)| *s != source && !h.order.is_empty())
+            .map(|(s, h)| {
+                (
+                    h.bytes as i128 - shares.get(s).copied().unwrap_or(0) as i128,
+                    h,
+                )
+            })
+            .filter(|(over, _)| *over > 0)
+            .max_by_key(|(over, _)| *over)
+            .and_then(|(_, h)| h.order.last_key_value())
+            .map(|(_, key)| key.clone())
+    }
+}
