@@ -183,6 +183,9 @@ pub enum Command {
     /// Watch jobs and stages live
     #[command(long_about = TOP_ABOUT)]
     Top(TopArgs),
+    /// Load a data set into the node caches of the stages serving it
+    #[command(long_about = STAGE_ABOUT)]
+    Stage(StageArgs),
     /// Replay a scenario through the allocation engine, offline
     #[command(long_about = SIMULATE_ABOUT)]
     Simulate(SimulateArgs),
@@ -281,6 +284,41 @@ pub enum DescribeTarget {
         /// The pool's name
         name: String,
     },
+    /// A data set: its cache policy, cache use and staging per stage
+    Dataset {
+        /// The data set's name, as the stages serve it
+        name: String,
+    },
+}
+
+/// What `stage` does, shown by `sluicectl stage --help`.
+const STAGE_ABOUT: &str = "\
+Load a data set into the node caches of the stages serving it.
+
+Asks the controller for a new staging round of DATASET: every connected
+stage that serves it reads the samples its cache does not hold yet, until
+the data set is cached or its share of the cache is full. Staging reads are
+a job of their own (`staging:DATASET`) in the pool the data set's
+DatasetCache policy names under spec.staging, capped at its rate, so they
+cannot starve running jobs. Progress is printed every second until every
+stage has finished (--no-wait: return at once).
+
+Exit codes: 0 staged, 1 refused (no DatasetCache with spec.staging, no
+stage serving the data set), a stage failed, or --timeout passed.";
+
+/// Arguments of `sluicectl stage`.
+#[derive(Debug, Args)]
+pub struct StageArgs {
+    /// The data set's name, as the stages serve it
+    pub dataset: String,
+
+    /// Return once the round is asked for, without waiting
+    #[arg(long)]
+    pub no_wait: bool,
+
+    /// Give up waiting after this many seconds (0: never)
+    #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+    pub timeout: u64,
 }
 
 /// Arguments of `sluicectl top`.

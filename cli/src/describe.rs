@@ -43,6 +43,11 @@ async fn fetch(controller: &Controller, target: &DescribeTarget) -> Result<Strin
             let pool = admin.get_pool(request).await.map_err(failed)?;
             pool_text(&PoolView::from(pool.into_inner()))
         }
+        DescribeTarget::Dataset { name } => {
+            let request = v1::GetDatasetRequest { name: name.clone() };
+            let dataset = admin.get_dataset(request).await.map_err(failed)?;
+            dataset_text(&dataset.into_inner())
+        }
     };
     Ok(text)
 }
@@ -293,6 +298,102 @@ fn list(items: &[String]) -> String {
     } else {
         items.join(", ")
     }
+}
+
+/// The multi-line view of a data set: its policy, then per stage what
+/// the cache holds, its hits and misses, and the latest staging round.
+pub fn dataset_text(d: &v1::Dataset) -> String {
+    let mut out = String::new();
+    let mut head = Fields::default();
+    head.add("Dataset", &d.name)
+        .add("Cache policy", human::or_dash(&d.policy))
+        .add(
+            "Staging asked",
+            match d.staging_round {
+                0 => "never".to_owned(),
+                round => format!("round {round}"),
+            },
+        );
+    head.write(&mut out, 0);
+    out.push_str("Stages:\n");
+    if d.stages.is_empty() {
+        out.push_str("  none serves it\n");
+    }
+    for s in &d.stages {
+        let state = if s.state == v1::StageState::Lost as i32 {
+            "lost"
+        } else {
+            "connected"
+        };
+        let _ = writeln!(out, "  {} ({state})", s.stage);
+        let Some(c) = &s.cache else {
+            out.push_str("    no cache\n");
+            continue;
+        };
+        let mut f = Fields::default();
+        f.add(
+            "Memory",
+            format!(
+                "{} of {} (share {})",
+                human::bytes(c.memory_bytes as f64),
+                human::bytes(s.memory_capacity_bytes as f64),
+                human::bytes(c.share_bytes as f64)
+            ),
+        );
+        if s.disk_capacity_bytes > 0 {
+            f.add(
+                "Disk",
+                format!(
+                    "{} of {}",
+                    human::bytes(c.disk_bytes as f64),
+                    human::bytes(s.disk_capacity_bytes as f64)
+                ),
+            );
+        }
+        let lookups = c.hits + c.misses;
+        let ratio = if lookups == 0 {
+            0.0
+        } else {
+            c.hits as f64 / lookups as f64
+        };
+        f.add("Samples", c.entries.to_string())
+            .add(
+                "Hits",
+                format!(
+                    "{} ({} of lookups, {})",
+                    c.hits,
+                    human::percent(ratio),
+                    human::bytes(c.hit_bytes as f64)
+                ),
+            )
+            .add("Misses", c.misses.to_string())
+            .add("Evictions", c.evictions.to_string())
+            .add("Staging", staging_line(c.staging.as_ref()));
+        f.write(&mut out, 4);
+    }
+    out
+}
+
+/// `round 7: running, 1200/2000 samples, 117 MiB read from the source`.
+pub fn staging_line(p: Option<&v1::StagingProgress>) -> String {
+    let Some(p) = p else {
+        return "none".to_owned();
+    };
+    let mut line = format!(
+        "round {}: {}, {}/{} samples, {} read from the source",
+        p.round,
+        p.state,
+        p.samples_done,
+        p.samples_total,
+        human::bytes(p.source_bytes as f64)
+    );
+    if p.errors > 0 {
+        line.push_str(&format!(", {} unreadable", p.errors));
+    }
+    if !p.error.is_empty() {
+        line.push_str(&format!(": {}", p.error));
+    }
+    line
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod get;
 mod human;
 mod input;
 mod simulate;
+mod stage;
 mod table;
 mod top;
 mod validate;
@@ -58,6 +59,7 @@ fn main() -> ExitCode {
         Command::Get(args) => get::run(&controller, &args),
         Command::Describe(target) => describe::run(&controller, &target),
         Command::Top(args) => top::run(&controller, &args),
+        Command::Stage(args) => stage::run(&controller, &args),
         Command::Simulate(args) => simulate::run(&args),
     }
     .into()

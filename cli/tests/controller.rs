@@ -218,6 +218,40 @@ fn an_unreachable_controller_is_one_line_and_exit_1() {
 }
 
 #[test]
+fn stage_and_describe_dataset_show_staging_and_cache_use() {
+    let fake = FakeController::start();
+    let run = sluicectl(&fake.url, &["stage", "imagenet"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(
+        run.stdout,
+        "staging round 42 of imagenet asked of node-a-0\n\
+         node-a-0: round 42: done, 1000/1000 samples, 100 MiB read from the source\n"
+    );
+    let refused = sluicectl(&fake.url, &["stage", "other"]);
+    assert_eq!(refused.code, 1);
+    assert!(
+        refused
+            .stderr
+            .contains("no DatasetCache policy names data set `other`"),
+        "{}",
+        refused.stderr
+    );
+    let run = sluicectl(&fake.url, &["describe", "dataset", "imagenet"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    for line in [
+        "Dataset:       imagenet\n",
+        "Cache policy:  imagenet-cache\n",
+        "  node-a-0 (connected)\n",
+        "    Memory:    100 MiB of 1.00 GiB (share 512 MiB)\n",
+        "    Hits:      3000 (75.0% of lookups, 300 MiB)\n",
+        "    Staging:   round 42: done, 1000/1000 samples, 100 MiB read from the source\n",
+    ] {
+        assert!(run.stdout.contains(line), "{line:?} in\n{}", run.stdout);
+    }
+    assert_fits_80_columns(&run.stdout);
+}
+
+#[test]
 fn describe_shows_one_object_in_detail() {
     let fake = FakeController::start();
     let run = sluicectl(&fake.url, &["describe", "job", "resnet50"]);

@@ -13,6 +13,7 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::datasets::{self, CacheUseView, DatasetView};
 use crate::policies::{self, ChangeView, Source};
 use crate::sessions::job_to_proto;
 use crate::state::Shared;
@@ -132,6 +133,22 @@ impl AdminService for Admin {
         Ok(Response::new(pool(view)))
     }
 
+    async fn get_dataset(
+        &self,
+        request: Request<pb::GetDatasetRequest>,
+    ) -> Result<Response<pb::Dataset>, Status> {
+        let view = datasets::dataset(&self.shared, &request.into_inner().name)?;
+        Ok(Response::new(dataset(view)))
+    }
+
+    async fn stage_dataset(
+        &self,
+        request: Request<pb::StageDatasetRequest>,
+    ) -> Result<Response<pb::StageDatasetResponse>, Status> {
+        let (round, stages) = datasets::stage(&self.shared, &request.into_inner().name).await?;
+        Ok(Response::new(pb::StageDatasetResponse { round, stages }))
+    }
+
     type WatchEventsStream = EventStream;
 
     async fn watch_events(
@@ -209,17 +226,20 @@ fn policy(p: PolicyView) -> pb::Policy {
     }
 }
 
-fn stage(s: StageView) -> pb::Stage {
-    let state = if s.state == "lost" {
+fn stage_state(state: &str) -> pb::StageState {
+    if state == "lost" {
         pb::StageState::Lost
     } else {
         pb::StageState::Connected
-    };
+    }
+}
+
+fn stage(s: StageView) -> pb::Stage {
     pb::Stage {
         id: s.id,
         node: s.node,
         labels: s.labels,
-        state: state.into(),
+        state: stage_state(s.state).into(),
         desired_version: s.desired_version,
         acked_version: s.acked_version,
         last_nack: s.last_nack.map(|n| pb::Nack {
@@ -303,5 +323,48 @@ fn pool(p: PoolView) -> pb::Pool {
         allocated_ops_per_second: p.allocated_ops_per_second,
         throughput_bytes_per_second: p.throughput_bytes_per_second,
         jobs: p.jobs,
+    }
+}
+
+fn dataset(d: DatasetView) -> pb::Dataset {
+    let stages = d
+        .stages
+        .into_iter()
+        .map(|s| pb::DatasetOnStage {
+            stage: s.stage,
+            state: stage_state(s.state).into(),
+            cache: s.cache.map(cache_use),
+            memory_capacity_bytes: s.memory_capacity_bytes,
+            disk_capacity_bytes: s.disk_capacity_bytes,
+        })
+        .collect();
+    pb::Dataset {
+        name: d.name,
+        policy: d.policy,
+        staging_round: d.staging_round,
+        stages,
+    }
+}
+
+fn cache_use(c: CacheUseView) -> pb::DatasetCacheTelemetry {
+    pb::DatasetCacheTelemetry {
+        dataset: String::new(),
+        memory_bytes: c.memory_bytes,
+        disk_bytes: c.disk_bytes,
+        entries: c.entries,
+        share_bytes: c.share_bytes,
+        hits: c.hits,
+        misses: c.misses,
+        hit_bytes: c.hit_bytes,
+        evictions: c.evictions,
+        staging: c.staging.map(|s| pb::StagingProgress {
+            round: s.round,
+            state: s.state,
+            samples_done: s.samples_done,
+            samples_total: s.samples_total,
+            source_bytes: s.source_bytes,
+            errors: s.errors,
+            error: s.error,
+        }),
     }
 }

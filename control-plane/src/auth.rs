@@ -53,6 +53,7 @@ const READ_METHODS: &[&str] = &[
     "ListJobs",
     "GetJob",
     "ListPools",
+    "GetDataset",
     "GetPool",
     "WatchEvents",
 ];

@@ -19,8 +19,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use sluice_policy::STAGING_LABEL;
 use sluice_policy::coordination::{
-    Coordinator, JobReport, JobShare, Shares, StageAssignment, StageReport, to_push,
+    Coordinator, JobReport, JobShare, Shares, StageAssignment, StageReport, cache_assignment,
+    to_push,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -176,8 +178,10 @@ fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<StageReport<'_>>, Through
 fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcome {
     let mut live = lock(&shared.live);
     let (reports, throughput) = reports(&live);
-    let decision = coordinator.decide(&shared.read_policies(), &reports);
+    let policies = shared.read_policies();
+    let decision = coordinator.decide(&policies, &reports);
     drop(reports);
+    let rounds = lock(&shared.staging_rounds).clone();
     let desired = lock(&shared.desired);
     let mut assignments = decision.assignments;
     let mut publish = Vec::new();
@@ -187,9 +191,10 @@ fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcom
         if in_force.is_some_and(|d| l.running_version < d.version) {
             pending_stages += 1;
         }
-        let (Some(session), Some(next)) = (&l.session, assignments.remove(stage)) else {
+        let (Some(session), Some(mut next)) = (&l.session, assignments.remove(stage)) else {
             continue;
         };
+        next.cache = cache_assignment(&policies, &l.hello.datasets, trainers_read(l), &rounds);
         let settings = match to_push(in_force.map(|d| &d.settings), next, exact) {
             Some(settings) => settings,
             // The stage runs a version the controller does not know: send
@@ -210,6 +215,13 @@ fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcom
         throughput,
         pending_stages,
     }
+}
+
+/// Whether trainers read on a stage now (its staging jobs aside).
+fn trainers_read(stage: &LiveStage) -> bool {
+    stage
+        .latest()
+        .is_some_and(|t| reading(t).any(|(_, sample)| !sample.labels.contains_key(STAGING_LABEL)))
 }
 
 /// What the loop carries from tick to tick.

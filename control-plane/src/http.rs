@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, RawQuery, State};
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -29,6 +29,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/v1/stages", get(stages))
         .route("/api/v1/jobs", get(jobs))
         .route("/api/v1/pools", get(pools))
+        .route("/api/v1/datasets/{name}", get(dataset))
         .route("/api/v1/policies", get(list_policies).post(apply_policies))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
@@ -84,6 +85,10 @@ async fn jobs(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn pools(State(shared): State<Arc<Shared>>) -> Response {
     json(views::pools(&shared).await)
+}
+
+async fn dataset(State(shared): State<Arc<Shared>>, Path(name): Path<String>) -> Response {
+    json(crate::datasets::dataset(&shared, &name))
 }
 
 /// Returns the value of `key` in a query string (no percent-decoding:

@@ -18,6 +18,7 @@ mod admin;
 mod auth;
 mod config;
 mod control;
+mod datasets;
 mod error;
 mod http;
 mod leader;

@@ -175,19 +175,28 @@ fn resolve_kind(set: &PolicySet, kind: &str, name: &str) -> Result<Kind, ApiErro
     if !kind.is_empty() {
         return kind.parse::<Kind>().map_err(|_| {
             ApiError::Invalid(format!(
-                "unknown kind `{kind}`: write StoragePool or JobPolicy"
+                "unknown kind `{kind}`: write StoragePool, JobPolicy or DatasetCache"
             ))
         });
     }
-    let pool = set.pool(name).is_some();
-    let policy = set.job_policy(name).is_some();
-    match (pool, policy) {
-        (true, false) => Ok(Kind::StoragePool),
-        (false, true) => Ok(Kind::JobPolicy),
-        (true, true) => Err(ApiError::Invalid(format!(
-            "both a StoragePool and a JobPolicy are named `{name}`: say which kind"
-        ))),
-        (false, false) => Err(ApiError::NotFound(format!("no policy is named `{name}`"))),
+    let found: Vec<Kind> = [
+        (Kind::StoragePool, set.pool(name).is_some()),
+        (Kind::JobPolicy, set.job_policy(name).is_some()),
+        (Kind::DatasetCache, set.dataset_cache(name).is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(kind, found)| found.then_some(kind))
+    .collect();
+    match found.as_slice() {
+        [kind] => Ok(*kind),
+        [] => Err(ApiError::NotFound(format!("no policy is named `{name}`"))),
+        kinds => {
+            let kinds: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+            Err(ApiError::Invalid(format!(
+                "a {} are named `{name}`: say which kind",
+                kinds.join(" and a ")
+            )))
+        }
     }
 }
 

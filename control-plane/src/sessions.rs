@@ -388,6 +388,7 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
         unix_millis: t.unix_millis,
         memory_used_bytes: t.memory_used_bytes,
         jobs,
+        cache: t.cache,
     }
 }
 
@@ -406,6 +407,20 @@ pub fn to_proto(version: u64, settings: &StageAssignment) -> v1::Settings {
         defaults: None,
         jobs,
         unmanaged: settings.unmanaged.iter().cloned().collect(),
+        cache: settings
+            .cache
+            .iter()
+            .map(|(dataset, c)| v1::DatasetCacheSettings {
+                dataset: dataset.clone(),
+                policy: c.policy.clone(),
+                tenant: c.tenant.clone(),
+                tenant_weight: c.tenant_weight,
+                weight: c.weight,
+                pin_bytes: c.pin_bytes,
+                staging_round: c.staging_round,
+                staging_bytes_per_second: c.staging_bytes_per_second,
+            })
+            .collect(),
     }
 }
 

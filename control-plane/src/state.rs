@@ -73,6 +73,8 @@ pub struct Telemetry {
     pub unix_millis: i64,
     pub memory_used_bytes: u64,
     pub jobs: BTreeMap<String, JobSample>,
+    /// The stage's node cache, as it reported it.
+    pub cache: Option<sluice_proto::v1::CacheTelemetry>,
 }
 
 /// A stage as the controller sees it now.
@@ -186,6 +188,9 @@ pub struct Shared {
     /// What the last tick computed, for the views and the metrics.
     pub shares: Mutex<Shares>,
     pub known_jobs: Mutex<BTreeSet<String>>,
+    /// The staging round operators last asked for, per data set (kept in
+    /// memory: stages remember the rounds they ran).
+    pub staging_rounds: Mutex<BTreeMap<String, u64>>,
     /// Woken on every event appended (for WatchEvents).
     pub events: Notify,
     /// Woken when settings should be recomputed before the next tick.
@@ -210,6 +215,7 @@ impl Shared {
             desired: Mutex::new(BTreeMap::new()),
             shares: Mutex::new(Shares::default()),
             known_jobs: Mutex::new(BTreeSet::new()),
+            staging_rounds: Mutex::new(BTreeMap::new()),
             events: Notify::new(),
             recompute: Notify::new(),
             metrics: Metrics::new(),

@@ -185,8 +185,35 @@ fn abandoned(key: &SampleKey) -> ProtocolError {
 struct Share {
     /// The stage's name of the data set (the metrics label).
     label: String,
-    weight: u32,
+    /// The weight of the stage's configuration (`cache.weights`).
+    configured_weight: u32,
+    terms: Terms,
     last_lookup: Instant,
+}
+
+/// How a data set shares the cache: its tenant's weight among the tenants
+/// read lately, its weight within the tenant, and bytes pinned whatever
+/// the others want. The stage's configuration gives every data set the
+/// tenant `""` (weight 1) and no pin; a cache policy from the controller
+/// may say otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Terms {
+    pub tenant: String,
+    pub tenant_weight: u32,
+    pub weight: u32,
+    /// Bytes kept in each tier whatever others want (`u64::MAX`: all).
+    pub pin: u64,
+}
+
+impl Terms {
+    fn configured(weight: u32) -> Self {
+        Self {
+            tenant: String::new(),
+            tenant_weight: 1,
+            weight: weight.max(1),
+            pin: 0,
+        }
+    }
 }
 
 /// The local-disk tier.
@@ -231,15 +258,24 @@ pub struct Tiers {
     pub disk: Option<(PathBuf, u64)>,
 }
 
-/// What one data set holds.
+/// What one data set holds and did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ShareUse {
     pub dataset: String,
+    pub tenant: String,
+    pub tenant_weight: u32,
     pub weight: u32,
+    pub pin_bytes: u64,
+    /// Bytes of the memory tier it is entitled to now.
+    pub share_bytes: u64,
     pub bytes: u64,
     pub entries: u64,
     pub disk_bytes: u64,
     pub disk_entries: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_bytes: u64,
+    pub evictions: u64,
 }
 
 /// The cache as `/api/v1/cache` shows it.
@@ -310,6 +346,12 @@ impl Cache {
     /// Capacities, policy and what each data set holds.
     pub fn report(&self) -> CacheReport {
         let st = lock(&self.state);
+        let memory_shares = shares_now(&st.shares, st.memory.capacity);
+        let tiers: &[&str] = if st.disk.is_some() {
+            &[MEMORY, DISK]
+        } else {
+            &[MEMORY]
+        };
         let mut datasets: Vec<ShareUse> = st
             .shares
             .iter()
@@ -319,13 +361,22 @@ impl Cache {
                 let (bytes, entries) = held(st.memory.held.get(source));
                 let (disk_bytes, disk_entries) =
                     held(st.disk.as_ref().and_then(|d| d.tier.held.get(source)));
+                let counts = self.metrics.counts(&share.label, tiers);
                 ShareUse {
                     dataset: share.label.clone(),
-                    weight: share.weight,
+                    tenant: share.terms.tenant.clone(),
+                    tenant_weight: share.terms.tenant_weight,
+                    weight: share.terms.weight,
+                    pin_bytes: share.terms.pin,
+                    share_bytes: memory_shares.get(source).copied().unwrap_or(0),
                     bytes,
                     entries,
                     disk_bytes,
                     disk_entries,
+                    hits: counts.hits,
+                    misses: counts.misses,
+                    hit_bytes: counts.hit_bytes,
+                    evictions: counts.evictions,
                 }
             })
             .collect();
@@ -433,14 +484,54 @@ impl Cache {
         Found::Nowhere
     }
 
-    /// Sets a data set's weight in the split of the capacity.
+    /// Sets a data set's weight in the split of the capacity, as the
+    /// stage's configuration gives it.
     pub fn set_weight(&self, source: &Arc<str>, dataset: &str, weight: u32) {
         let mut st = lock(&self.state);
         let share = st
             .shares
             .entry(Arc::clone(source))
             .or_insert_with(|| Share::new(dataset));
-        share.weight = weight.max(1);
+        share.configured_weight = weight.max(1);
+        share.terms = Terms::configured(weight);
+    }
+
+    /// Sets how a data set shares the cache (a cache policy's terms), or
+    /// with `None` goes back to the stage's configuration.
+    pub fn steer(&self, source: &Arc<str>, dataset: &str, terms: Option<Terms>) {
+        let mut st = lock(&self.state);
+        let share = st
+            .shares
+            .entry(Arc::clone(source))
+            .or_insert_with(|| Share::new(dataset));
+        share.terms = terms.unwrap_or_else(|| Terms::configured(share.configured_weight));
+    }
+
+    /// Whether a sample of `source` read now could still be kept: a tier
+    /// has free room, or the data set holds less than its share of one.
+    /// Staging stops when it cannot.
+    pub fn has_room_for(&self, source: &Arc<str>) -> bool {
+        let st = lock(&self.state);
+        let room = |used: u64, capacity: u64, held: Option<&tier::Held>, share: u64| {
+            used < capacity || held.map_or(0, |h| h.bytes) < share
+        };
+        let memory = shares_now(&st.shares, st.memory.capacity);
+        let in_memory = room(
+            st.memory.used,
+            st.memory.capacity,
+            st.memory.held.get(source),
+            memory.get(source).copied().unwrap_or(0),
+        );
+        in_memory
+            || st.disk.as_ref().is_some_and(|d| {
+                let shares = shares_now(&st.shares, d.tier.capacity);
+                room(
+                    d.tier.used,
+                    d.tier.capacity,
+                    d.tier.held.get(source),
+                    shares.get(source).copied().unwrap_or(0),
+                )
+            })
     }
 
     /// Admits `bytes` under `key` if the policy lets it (in memory, else
@@ -570,7 +661,8 @@ impl Share {
     fn new(label: &str) -> Self {
         Self {
             label: label.to_owned(),
-            weight: 1,
+            configured_weight: 1,
+            terms: Terms::configured(1),
             last_lookup: Instant::now(),
         }
     }
@@ -614,25 +706,46 @@ fn open_disk(
     })
 }
 
-/// Each data set's share of a tier of `capacity` bytes: by weight among
-/// those looked up lately, nothing for the others.
+/// Each data set's share of a tier of `capacity` bytes: its pin first
+/// (pins scaled down together when they add up to more than the tier),
+/// then the rest by weight among those looked up lately: among their
+/// tenants by tenant weight, then within each tenant by data set weight.
+/// A data set neither pinned nor read lately has no share.
 fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<str>, u64> {
     let now = Instant::now();
     let active = |sh: &Share| now.duration_since(sh.last_lookup) < ACTIVE;
-    let total: u64 = shares
+    let pins: u128 = shares
         .values()
-        .filter(|sh| active(sh))
-        .map(|sh| u64::from(sh.weight))
+        .map(|sh| u128::from(sh.terms.pin.min(capacity)))
         .sum();
+    let pinned = |sh: &Share| {
+        let pin = u128::from(sh.terms.pin.min(capacity));
+        if pins <= u128::from(capacity) {
+            pin as u64
+        } else {
+            (pin * u128::from(capacity) / pins) as u64
+        }
+    };
+    let rest = u128::from(capacity.saturating_sub(shares.values().map(pinned).sum()));
+    // Per tenant read lately: its weight, and the weight of its data sets.
+    let mut tenants: HashMap<&str, (u128, u128)> = HashMap::new();
+    for sh in shares.values().filter(|sh| active(sh)) {
+        let t = tenants.entry(sh.terms.tenant.as_str()).or_default();
+        t.0 = u128::from(sh.terms.tenant_weight.max(1));
+        t.1 += u128::from(sh.terms.weight.max(1));
+    }
+    let tenant_total: u128 = tenants.values().map(|t| t.0).sum();
     shares
         .iter()
         .map(|(s, sh)| {
-            let share = if active(sh) && total > 0 {
-                (u128::from(capacity) * u128::from(sh.weight) / u128::from(total)) as u64
-            } else {
-                0
+            let weighted = match tenants.get(sh.terms.tenant.as_str()) {
+                Some(&(tenant_weight, weights)) if active(sh) => {
+                    rest * tenant_weight * u128::from(sh.terms.weight.max(1))
+                        / (tenant_total * weights)
+                }
+                _ => 0,
             };
-            (Arc::clone(s), share)
+            (Arc::clone(s), pinned(sh) + weighted as u64)
         })
         .collect()
 }

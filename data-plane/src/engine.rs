@@ -9,6 +9,7 @@
 
 mod job;
 mod plan_run;
+mod staging;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -19,8 +20,10 @@ pub use job::{
     Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, Reservation, SETTINGS_WAIT,
 };
 pub use plan_run::PlanKey;
+use staging::Round;
+pub use staging::Staging;
 
-use crate::cache::Cache;
+use crate::cache::{Cache, Terms};
 use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
@@ -107,6 +110,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     /// The node cache every job reads through, when the stage has one.
     cache: Option<Arc<Cache>>,
+    /// Rounds of loading data sets into the cache.
+    staging: Staging,
     /// Woken when a job starts or its last trainer leaves, so the
     /// controller session reports it at once rather than at the next
     /// telemetry tick: a new job waits for its settings, and a departed
@@ -139,6 +144,7 @@ impl Engine {
             shared_memory: AtomicBool::new(shared_memory),
             metrics,
             cache,
+            staging: Staging::default(),
             jobs_changed: Arc::new(tokio::sync::Notify::new()),
         })
     }
@@ -166,6 +172,11 @@ impl Engine {
         &self.memory
     }
 
+    /// The staging rounds.
+    pub fn staging(&self) -> &Staging {
+        &self.staging
+    }
+
     /// Completes when a job has started, or lost its last trainer, since
     /// the last call completed.
     pub async fn jobs_changed(&self) {
@@ -176,6 +187,17 @@ impl Engine {
     /// force for it.
     /// The caller holds a connection to it until the handle is dropped.
     pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
+        self.attach_with(id, labels, true)
+    }
+
+    /// [`Engine::attach`], with buffers in shared memory only when
+    /// `shared` (a job nobody outside the stage reads needs none).
+    fn attach_with(
+        &self,
+        id: &str,
+        labels: BTreeMap<String, String>,
+        shared: bool,
+    ) -> job::JobHandle {
         let mut jobs = lock(&self.jobs);
         let mut started = false;
         let job = jobs
@@ -190,7 +212,7 @@ impl Engine {
                     .load(Ordering::Acquire)
                     .then(|| Instant::now() + SETTINGS_WAIT);
                 let start = job::Start {
-                    region: self.region_for(id),
+                    region: if shared { self.region_for(id) } else { None },
                     hold,
                     jobs_changed: Arc::clone(&self.jobs_changed),
                     memory: Arc::clone(&self.memory),
@@ -231,9 +253,23 @@ impl Engine {
     /// Returns the configuration job `id` runs with now.
     fn config_for(&self, id: &str) -> JobConfig {
         match lock(&self.pushed).as_ref() {
-            Some(pushed) => pushed.resolve(id, self.base),
-            None => self.base,
+            Some(pushed) => self.resolve(pushed, id),
+            None => self.capped(id, self.base),
         }
+    }
+
+    /// The configuration `settings` give job `id`, a staging job's rate
+    /// capped at its staging rate.
+    fn resolve(&self, settings: &PushedSettings, id: &str) -> JobConfig {
+        self.capped(id, settings.resolve(id, self.base))
+    }
+
+    fn capped(&self, id: &str, mut config: JobConfig) -> JobConfig {
+        if let Some(cap) = self.staging.cap(id) {
+            let rate = config.limits.bytes_per_s.map_or(cap, |r| r.min(cap));
+            config.limits.bytes_per_s = Some(rate);
+        }
+        config
     }
 
     /// Applies a push from the controller to every job, current and future,
@@ -248,16 +284,67 @@ impl Engine {
                 "version {version} is older than version {current} in force"
             ));
         }
+        if let Some(unknown) = settings
+            .cache
+            .keys()
+            .find(|d| !self.datasets.contains_key(d.as_str()))
+        {
+            return Err(format!(
+                "cache settings name data set `{unknown}`, which this stage does not serve"
+            ));
+        }
         let settings = Arc::new(settings);
         *lock(&self.pushed) = Some(Arc::clone(&settings));
+        let rounds = self.steer_cache(&settings);
         for job in self.jobs() {
-            job.apply_config(settings.resolve(job.id(), self.base));
+            job.apply_config(self.resolve(&settings, job.id()));
             if settings.names(job.id()) {
                 job.start_reading("settings");
             }
         }
         self.metrics.settings_version.set(version as i64);
+        for round in rounds {
+            round.job.job().start_reading("settings");
+            self.staging.start(round, self.metrics.cache.clone());
+        }
         Ok(())
+    }
+
+    /// Gives the cache each data set's terms from `settings` (the stage's
+    /// own for data sets they do not name), and returns the staging rounds
+    /// they ask for that have not run.
+    fn steer_cache(&self, settings: &PushedSettings) -> Vec<Round> {
+        let Some(cache) = &self.cache else {
+            return Vec::new();
+        };
+        let mut rounds = Vec::new();
+        for (name, dataset) in &self.datasets {
+            let wanted = settings.cache.get(name);
+            let terms = wanted.map(|c| Terms {
+                tenant: c.tenant.clone(),
+                tenant_weight: c.tenant_weight,
+                weight: c.weight,
+                pin: c.pin,
+            });
+            cache.steer(&dataset.identity, name, terms);
+            let Some(c) = wanted else {
+                self.staging.wants(name, 0, None);
+                continue;
+            };
+            if self
+                .staging
+                .wants(name, c.staging_round, c.staging_bytes_per_s)
+            {
+                let (id, labels) = Staging::job(name);
+                rounds.push(Round {
+                    dataset: Arc::clone(dataset),
+                    cache: Arc::clone(cache),
+                    job: self.attach_with(&id, labels, false),
+                    round: c.staging_round,
+                });
+            }
+        }
+        rounds
     }
 
     /// Says whether a controller session is up. While it is, a new job

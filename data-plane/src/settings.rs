@@ -30,6 +30,23 @@ pub struct JobOverrides {
     pub max_buffer: Option<u64>,
 }
 
+/// How the controller wants the node cache to keep one data set.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DatasetCacheOverrides {
+    /// The data set's tenant; the cache is split among tenants first.
+    pub tenant: String,
+    /// The tenant's share.
+    pub tenant_weight: u32,
+    /// The data set's share within its tenant.
+    pub weight: u32,
+    /// Bytes kept whatever other data sets want (`u64::MAX`: all).
+    pub pin: u64,
+    /// The staging round the stage should have run (0: none).
+    pub staging_round: u64,
+    /// Most bytes per second staging reads; `None` is not limited.
+    pub staging_bytes_per_s: Option<u64>,
+}
+
 /// One versioned push from the controller.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PushedSettings {
@@ -39,6 +56,8 @@ pub struct PushedSettings {
     /// Jobs the controller has seen here that no policy selects: they run
     /// on `defaults` like any job not in `jobs`.
     pub unmanaged: HashSet<String>,
+    /// Per data set a cache policy steers.
+    pub cache: HashMap<String, DatasetCacheOverrides>,
 }
 
 impl PushedSettings {
@@ -59,6 +78,16 @@ impl PushedSettings {
             overrides
                 .validate(base, memory_budget)
                 .map_err(|e| format!("job `{job}`: {e}"))?;
+        }
+        let mut caches: Vec<_> = self.cache.iter().collect();
+        caches.sort_by_key(|(name, _)| name.as_str());
+        for (dataset, cache) in caches {
+            if cache.tenant_weight == 0 || cache.weight == 0 {
+                return Err(format!(
+                    "cache settings of data set `{dataset}`: weights must be at least 1 (tenant {}, data set {})",
+                    cache.tenant_weight, cache.weight
+                ));
+            }
         }
         Ok(())
     }

@@ -18,6 +18,7 @@
 //! own configuration.
 
 mod assignment;
+mod cache;
 pub mod demand;
 mod loan;
 
@@ -30,6 +31,7 @@ use crate::allocation::{
 };
 use crate::{JobPolicy, PolicySet};
 pub use assignment::{JobAssignment, RATE_TOLERANCE, StageAssignment, settle, to_push};
+pub use cache::{DatasetCacheAssignment, PRELOAD_ROUND, cache_assignment};
 use demand::{Demands, StageDemand, Window, job_demand};
 pub use loan::lend_spare;
 
@@ -199,6 +201,7 @@ fn unmanaged(stage: &StageReport<'_>, placed: &Placed<'_>) -> StageAssignment {
             .filter(|j| !placed.contains_key(j.id))
             .map(|j| j.id.to_owned())
             .collect(),
+        cache: BTreeMap::new(),
     }
 }
 

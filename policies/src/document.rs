@@ -15,10 +15,10 @@ use serde::Deserialize;
 
 use crate::de::from_node;
 use crate::error::{ErrorKind, Location, PolicyError, suggest};
-use crate::model::{API_VERSION, Capacity, Guarantee, Limit, Sharing};
+use crate::model::{API_VERSION, Capacity, Guarantee, Limit, Preload, Sharing};
 use crate::selector::Operator;
 use crate::yaml::{Node, Resolved, Value};
-use crate::{ByteSize, Kind};
+use crate::{ByteRate, ByteSize, Kind};
 
 /// A whole document: `apiVersion`, `kind`, `metadata` and a kind's `spec`.
 #[derive(Debug, Deserialize)]
@@ -86,6 +86,42 @@ pub(crate) struct RawJobPolicySpec {
     pub prefetch: RawPrefetch,
 }
 
+/// `spec:` of a `DatasetCache`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(crate) struct RawDatasetCacheSpec {
+    /// The data set's name, as the stages serve it (`--dataset NAME=...`).
+    pub dataset: String,
+    /// Who the data set belongs to: a node's cache is split among tenants
+    /// first, then among each tenant's data sets (default `default`).
+    pub tenant: Option<String>,
+    /// The tenant's share of a node's cache (default 1); every document of
+    /// one tenant says the same.
+    pub tenant_weight: Option<i64>,
+    /// The data set's share among its tenant's data sets (default 1).
+    pub weight: Option<i64>,
+    /// Bytes of the data set each node keeps whatever other data sets
+    /// want (`all`, or a size such as `20GiB`).
+    pub pin: Option<String>,
+    /// When stages load the data set before it is read: `never` (only on
+    /// `sluicectl stage`, the default) or `job-start`.
+    pub preload: Option<Preload>,
+    /// How staging reads are charged and bounded.
+    pub staging: Option<RawStaging>,
+}
+
+/// `spec.staging:` of a `DatasetCache`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawStaging {
+    /// The `StoragePool` staging reads draw from.
+    pub pool: String,
+    /// Most bytes per second staging reads on each node (default 100MiB/s).
+    pub rate: Option<ByteRate>,
+    /// Staging's share of the pool, like a job's weight (default 1).
+    pub weight: Option<i64>,
+}
+
 /// `spec.selector:`
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -151,6 +187,7 @@ impl<T> Default for RawBounds<T> {
 pub(crate) enum RawPolicy {
     StoragePool(RawDocument<RawPoolSpec>),
     JobPolicy(Box<RawDocument<RawJobPolicySpec>>),
+    DatasetCache(Box<RawDocument<RawDatasetCacheSpec>>),
 }
 
 /// Checks `apiVersion` and `kind`, then deserialises the document.
@@ -190,15 +227,19 @@ pub(crate) fn decode(node: &Node, source: &Arc<str>) -> Result<RawPolicy, Policy
             },
         ));
     }
-    let kind_node = node
-        .get("kind")
-        .ok_or_else(|| missing("kind", "write `kind: StoragePool` or `kind: JobPolicy`"))?;
+    let kind_node = node.get("kind").ok_or_else(|| {
+        missing(
+            "kind",
+            "write `kind: StoragePool`, `kind: JobPolicy` or `kind: DatasetCache`",
+        )
+    })?;
     let kind = match scalar_text(kind_node) {
         Some("StoragePool") => Kind::StoragePool,
         Some("JobPolicy") => Kind::JobPolicy,
+        Some("DatasetCache") => Kind::DatasetCache,
         other => {
             let found = other.map_or_else(|| describe_short(kind_node), str::to_owned);
-            let suggestion = suggest(&found, ["StoragePool", "JobPolicy"]);
+            let suggestion = suggest(&found, ["StoragePool", "JobPolicy", "DatasetCache"]);
             return Err(err(
                 kind_node.at,
                 ErrorKind::UnknownKind { found, suggestion },
@@ -209,6 +250,9 @@ pub(crate) fn decode(node: &Node, source: &Arc<str>) -> Result<RawPolicy, Policy
     Ok(match kind {
         Kind::StoragePool => RawPolicy::StoragePool(from_node(node, "").map_err(to_error)?),
         Kind::JobPolicy => RawPolicy::JobPolicy(Box::new(from_node(node, "").map_err(to_error)?)),
+        Kind::DatasetCache => {
+            RawPolicy::DatasetCache(Box::new(from_node(node, "").map_err(to_error)?))
+        }
     })
 }
 

@@ -95,7 +95,7 @@ pub enum ErrorKind {
 
     /// `kind` is not one this version understands.
     #[error(
-        "unknown kind `{found}`: {}sluice.dev/v1 has the kinds `StoragePool` and `JobPolicy`",
+        "unknown kind `{found}`: {}sluice.dev/v1 has the kinds `StoragePool`, `JobPolicy` and `DatasetCache`",
         DidYouMean(.suggestion)
     )]
     UnknownKind {
@@ -261,6 +261,28 @@ pub enum ErrorKind {
         pool: String,
         suggestion: Option<String>,
         known: Vec<String>,
+    },
+
+    /// Two `DatasetCache` documents steer the cache of one data set.
+    #[error(
+        "data set `{dataset}` already has DatasetCache `{other}` ({other_at}): one document steers one data set's cache; merge them or delete one"
+    )]
+    DatasetCachedTwice {
+        dataset: String,
+        other: String,
+        other_at: Location,
+    },
+
+    /// Two `DatasetCache` documents give one tenant different weights.
+    #[error(
+        "tenant `{tenant}` has tenantWeight {weight} here but {other_weight} in DatasetCache `{other}` ({other_at}): a tenant's share of a node's cache is one number; write the same in both"
+    )]
+    TenantWeightDisagrees {
+        tenant: String,
+        weight: u32,
+        other: String,
+        other_weight: u32,
+        other_at: Location,
     },
 
     /// Two policies could both be the one that applies to a job.

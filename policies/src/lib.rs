@@ -1,5 +1,5 @@
 //! The sluice policy language: quantities with units, and the YAML policy
-//! documents operators write (`StoragePool`, `JobPolicy`), parsed with
+//! documents operators write (`StoragePool`, `JobPolicy`, `DatasetCache`), parsed with
 //! `file:line:column` on every error and validated into a [`PolicySet`]
 //! that cannot be invalid.
 //!
@@ -58,13 +58,14 @@ use std::sync::Arc;
 
 pub use error::{ErrorKind, Location, PolicyError, PolicyErrors};
 pub use model::{
-    API_VERSION, BufferBounds, Capacity, Guarantee, JobPolicy, JobPolicySpec, Kind, Limit,
-    Metadata, Policy, PoolSpec, Prefetch, ReaderBounds, Sharing, StoragePool,
+    API_VERSION, BufferBounds, Capacity, DatasetCache, DatasetCacheSpec, Guarantee, JobPolicy,
+    JobPolicySpec, Kind, Limit, Metadata, Pin, Policy, PoolSpec, Prefetch, Preload, ReaderBounds,
+    STAGING_LABEL, Sharing, Staging, StoragePool, staging_job,
 };
 pub use quantity::{ByteRate, ByteSize, Millis, OpsRate, QuantityError};
 pub use selector::{Labels, Operator, Requirement, Selector, Witness, WitnessValue};
 pub use set::{Action, Change, DeleteError, PolicySet, policy_for_job};
-pub use validate::{MAX_READERS, MAX_WEIGHT};
+pub use validate::{DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_READERS, MAX_WEIGHT};
 
 /// Parses and validates every document of a YAML (or JSON) stream.
 /// `source` names the text in error locations (a file path, `-`, or what

@@ -30,6 +30,8 @@ pub enum Kind {
     StoragePool,
     /// A [`JobPolicy`].
     JobPolicy,
+    /// A [`DatasetCache`].
+    DatasetCache,
 }
 
 impl Kind {
@@ -38,6 +40,7 @@ impl Kind {
         match self {
             Kind::StoragePool => "StoragePool",
             Kind::JobPolicy => "JobPolicy",
+            Kind::DatasetCache => "DatasetCache",
         }
     }
 }
@@ -51,13 +54,16 @@ impl fmt::Display for Kind {
 impl FromStr for Kind {
     type Err = String;
 
-    /// Parses `StoragePool`/`pool` or `JobPolicy`/`policy` (any case), as
-    /// command lines write them.
+    /// Parses `StoragePool`/`pool`, `JobPolicy`/`policy` or
+    /// `DatasetCache`/`cache` (any case), as command lines write them.
     fn from_str(s: &str) -> Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "storagepool" | "pool" | "pools" => Ok(Kind::StoragePool),
             "jobpolicy" | "policy" | "policies" => Ok(Kind::JobPolicy),
-            _ => Err(format!("unknown kind `{s}`: write `pool` or `policy`")),
+            "datasetcache" | "cache" | "caches" => Ok(Kind::DatasetCache),
+            _ => Err(format!(
+                "unknown kind `{s}`: write `pool`, `policy` or `cache`"
+            )),
         }
     }
 }
@@ -212,6 +218,81 @@ pub struct JobPolicySpec {
     pub prefetch: Prefetch,
 }
 
+/// When stages load a data set into their cache before it is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preload {
+    /// Only when an operator asks (`sluicectl stage DATASET`).
+    #[default]
+    Never,
+    /// On every stage that serves the data set, once a job reads there.
+    JobStart,
+}
+
+/// How much of a data set a node's cache keeps whatever other data sets
+/// want.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pin {
+    /// The whole data set (as much as the cache holds).
+    All,
+    /// At most this many bytes.
+    Bytes(ByteSize),
+}
+
+impl Pin {
+    /// Returns the bytes pinned (`u64::MAX` for all).
+    pub fn bytes(self) -> u64 {
+        match self {
+            Pin::All => u64::MAX,
+            Pin::Bytes(b) => b.bytes(),
+        }
+    }
+}
+
+impl Serialize for Pin {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Pin::All => s.serialize_str("all"),
+            Pin::Bytes(b) => b.serialize(s),
+        }
+    }
+}
+
+/// `spec.staging` of a data set cache: staging reads are a job of their
+/// own (`staging:<dataset>` on each stage) in this pool.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct Staging {
+    /// The pool staging reads draw from.
+    pub pool: String,
+    /// Most bytes per second staging reads on each node.
+    pub rate: ByteRate,
+    /// Staging's share of the pool.
+    pub weight: u32,
+}
+
+/// `spec` of a [`DatasetCache`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DatasetCacheSpec {
+    /// The data set, as the stages name it.
+    pub dataset: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// The tenant's share of a node's cache.
+    pub tenant_weight: u32,
+    /// The data set's share within its tenant.
+    pub weight: u32,
+    /// What each node keeps whatever others want.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pin: Option<Pin>,
+    /// When stages load it before it is read.
+    pub preload: Preload,
+    /// How staging reads are charged; without it the data set cannot be
+    /// staged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staging: Option<Staging>,
+}
+
 /// Where a document came from: its source and its node tree, kept to put
 /// positions on errors found later (for example when a later apply makes
 /// it ambiguous). Not part of equality or serialisation.
@@ -330,6 +411,39 @@ pub struct JobPolicy {
 
 document_type!(JobPolicy, JobPolicySpec, Kind::JobPolicy);
 
+/// A validated `DatasetCache` document: a data set's share of each node's
+/// cache, what is pinned, and how it is staged.
+#[derive(Debug, Clone)]
+pub struct DatasetCache {
+    pub(crate) metadata: Metadata,
+    pub(crate) spec: DatasetCacheSpec,
+    pub(crate) origin: Origin,
+    /// With `spec.staging`: the job policy staging jobs run under (derived
+    /// from the spec, so not compared or serialised).
+    pub(crate) staging_policy: Option<Box<JobPolicy>>,
+}
+
+impl DatasetCache {
+    /// Returns the job policy of the data set's staging jobs: they select
+    /// [`STAGING_LABEL`]` = dataset`, draw from `spec.staging.pool` with its
+    /// weight and are capped at its rate.
+    pub fn staging_policy(&self) -> Option<&JobPolicy> {
+        self.staging_policy.as_deref()
+    }
+}
+
+/// The label a stage puts on the job that stages a data set (its value is
+/// the data set's name).
+pub const STAGING_LABEL: &str = "sluice.dev/staging";
+
+/// Returns the id of the job that stages `dataset` on a stage. Trainers
+/// cannot claim it: `:` is not allowed in their job ids.
+pub fn staging_job(dataset: &str) -> String {
+    format!("staging:{dataset}")
+}
+
+document_type!(DatasetCache, DatasetCacheSpec, Kind::DatasetCache);
+
 /// Any validated document.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Policy {
@@ -337,6 +451,8 @@ pub enum Policy {
     StoragePool(StoragePool),
     /// A `JobPolicy`.
     JobPolicy(JobPolicy),
+    /// A `DatasetCache`.
+    DatasetCache(DatasetCache),
 }
 
 impl Policy {
@@ -345,6 +461,7 @@ impl Policy {
         match self {
             Policy::StoragePool(_) => Kind::StoragePool,
             Policy::JobPolicy(_) => Kind::JobPolicy,
+            Policy::DatasetCache(_) => Kind::DatasetCache,
         }
     }
 
@@ -353,6 +470,7 @@ impl Policy {
         match self {
             Policy::StoragePool(p) => p.name(),
             Policy::JobPolicy(p) => p.name(),
+            Policy::DatasetCache(p) => p.name(),
         }
     }
 
@@ -361,6 +479,7 @@ impl Policy {
         match self {
             Policy::StoragePool(p) => p.location(),
             Policy::JobPolicy(p) => p.location(),
+            Policy::DatasetCache(p) => p.location(),
         }
     }
 
@@ -369,6 +488,7 @@ impl Policy {
         match self {
             Policy::StoragePool(p) => p.canonical(),
             Policy::JobPolicy(p) => p.canonical(),
+            Policy::DatasetCache(p) => p.canonical(),
         }
     }
 
@@ -376,6 +496,7 @@ impl Policy {
         match self {
             Policy::StoragePool(p) => &p.origin,
             Policy::JobPolicy(p) => &p.origin,
+            Policy::DatasetCache(p) => &p.origin,
         }
     }
 }
@@ -385,6 +506,7 @@ impl Serialize for Policy {
         match self {
             Policy::StoragePool(p) => p.serialize(s),
             Policy::JobPolicy(p) => p.serialize(s),
+            Policy::DatasetCache(p) => p.serialize(s),
         }
     }
 }
@@ -406,6 +528,7 @@ mod tests {
     fn kinds_parse_as_command_lines_write_them() {
         assert_eq!("pool".parse::<Kind>().unwrap(), Kind::StoragePool);
         assert_eq!("JobPolicy".parse::<Kind>().unwrap(), Kind::JobPolicy);
+        assert_eq!("cache".parse::<Kind>().unwrap(), Kind::DatasetCache);
         assert!("job".parse::<Kind>().is_err());
     }
 }

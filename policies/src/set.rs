@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{ErrorKind, Location, PolicyError, PolicyErrors, suggest};
-use crate::model::{JobPolicy, Kind, Policy, Sharing, StoragePool};
+use crate::model::{DatasetCache, JobPolicy, Kind, Policy, STAGING_LABEL, Sharing, StoragePool};
 use crate::selector::Labels;
 
 /// A consistent set of pools and job policies: every name is unique per
@@ -27,6 +27,7 @@ use crate::selector::Labels;
 pub struct PolicySet {
     pools: BTreeMap<String, StoragePool>,
     policies: BTreeMap<String, JobPolicy>,
+    caches: BTreeMap<String, DatasetCache>,
 }
 
 /// What applying a document did.
@@ -61,7 +62,7 @@ pub enum DeleteError {
     /// Job policies still draw from the pool.
     #[error(
         "pool `{pool}` is still used by {}: delete those policies or point them at another pool first",
-        .used_by.iter().map(|(n, at)| format!("policy `{n}` ({at})")).collect::<Vec<_>>().join(", ")
+        .used_by.iter().map(|(n, at)| format!("{n} ({at})")).collect::<Vec<_>>().join(", ")
     )]
     PoolInUse {
         pool: String,
@@ -107,6 +108,7 @@ impl PolicySet {
             let action = match doc {
                 Policy::StoragePool(p) => upsert(&mut next.pools, p),
                 Policy::JobPolicy(p) => upsert(&mut next.policies, p),
+                Policy::DatasetCache(p) => upsert(&mut next.caches, p),
             };
             changes.push(Change { kind, name, action });
         }
@@ -130,6 +132,7 @@ impl PolicySet {
         let found = match kind {
             Kind::StoragePool => next.pools.remove(name).is_some(),
             Kind::JobPolicy => next.policies.remove(name).is_some(),
+            Kind::DatasetCache => next.caches.remove(name).is_some(),
         };
         if !found {
             return Err(DeleteError::NotFound {
@@ -137,12 +140,22 @@ impl PolicySet {
                 name: name.to_owned(),
             });
         }
-        let used_by: Vec<(String, Location)> = next
+        let policies = next
             .policies
             .values()
             .filter(|p| kind == Kind::StoragePool && p.spec.pool == name)
-            .map(|p| (p.name().to_owned(), p.origin.at("spec.pool")))
-            .collect();
+            .map(|p| (format!("policy `{}`", p.name()), p.origin.at("spec.pool")));
+        let caches = next
+            .caches
+            .values()
+            .filter(|c| {
+                kind == Kind::StoragePool && c.spec.staging.as_ref().is_some_and(|s| s.pool == name)
+            })
+            .map(|c| {
+                let what = format!("the staging of DatasetCache `{}`", c.name());
+                (what, c.origin.at("spec.staging.pool"))
+            });
+        let used_by: Vec<(String, Location)> = policies.chain(caches).collect();
         if !used_by.is_empty() {
             return Err(DeleteError::PoolInUse {
                 pool: name.to_owned(),
@@ -172,18 +185,41 @@ impl PolicySet {
         self.policies.values()
     }
 
+    /// Returns the data set caches, by name.
+    pub fn dataset_caches(&self) -> impl Iterator<Item = &DatasetCache> {
+        self.caches.values()
+    }
+
+    /// Returns the `DatasetCache` named `name`.
+    pub fn dataset_cache(&self, name: &str) -> Option<&DatasetCache> {
+        self.caches.get(name)
+    }
+
+    /// Returns the `DatasetCache` that steers data set `dataset` (at most
+    /// one does).
+    pub fn cache_for_dataset(&self, dataset: &str) -> Option<&DatasetCache> {
+        self.caches.values().find(|c| c.spec.dataset == dataset)
+    }
+
     /// Returns every document, pools first, each kind by name.
     pub fn documents(&self) -> Vec<Policy> {
         let pools = self.pools.values().cloned().map(Policy::StoragePool);
         pools
             .chain(self.policies.values().cloned().map(Policy::JobPolicy))
+            .chain(self.caches.values().cloned().map(Policy::DatasetCache))
             .collect()
     }
 
     /// Returns the policy that applies to a job with `labels` (see the
     /// module docs for the precedence rule), or `None` when no policy
-    /// selects it.
+    /// selects it. A staging job (labelled [`STAGING_LABEL`]) runs under
+    /// its data set's staging policy and no other.
     pub fn policy_for_job<L: Labels + ?Sized>(&self, labels: &L) -> Option<&JobPolicy> {
+        if let Some(dataset) = labels.label(STAGING_LABEL) {
+            return self
+                .cache_for_dataset(dataset)
+                .and_then(DatasetCache::staging_policy);
+        }
         self.policies
             .values()
             .filter(|p| p.spec.selector.matches(labels))
@@ -206,6 +242,62 @@ impl PolicySet {
             errors.extend(self.check_pool_use(policy));
         }
         errors.extend(self.check_ambiguity(touched));
+        errors.extend(self.check_caches());
+        errors
+    }
+
+    /// Staging pools exist, one document per data set, one weight per
+    /// tenant (reported at the later document in the source).
+    fn check_caches(&self) -> Vec<PolicyError> {
+        let mut errors = Vec::new();
+        let mut by_dataset: BTreeMap<&str, &DatasetCache> = BTreeMap::new();
+        let mut by_tenant: BTreeMap<&str, &DatasetCache> = BTreeMap::new();
+        let mut caches: Vec<&DatasetCache> = self.caches.values().collect();
+        caches.sort_by_key(|c| c.origin.at(""));
+        for cache in caches {
+            let spec = &cache.spec;
+            if let Some(staging) = &spec.staging
+                && !self.pools.contains_key(&staging.pool)
+            {
+                let known: Vec<String> = self.pools.keys().cloned().collect();
+                errors.push(PolicyError {
+                    location: cache.origin.at("spec.staging.pool"),
+                    kind: ErrorKind::UnknownPool {
+                        pool: staging.pool.clone(),
+                        suggestion: suggest(&staging.pool, known.iter().map(String::as_str)),
+                        known,
+                    },
+                });
+            }
+            if let Some(other) = by_dataset.insert(&spec.dataset, cache) {
+                errors.push(PolicyError {
+                    location: cache.origin.at("spec.dataset"),
+                    kind: ErrorKind::DatasetCachedTwice {
+                        dataset: spec.dataset.clone(),
+                        other: other.name().to_owned(),
+                        other_at: other.origin.at("spec.dataset"),
+                    },
+                });
+            }
+            match by_tenant.get(spec.tenant.as_str()) {
+                Some(other) if other.spec.tenant_weight != spec.tenant_weight => {
+                    errors.push(PolicyError {
+                        location: cache.origin.at("spec.tenantWeight"),
+                        kind: ErrorKind::TenantWeightDisagrees {
+                            tenant: spec.tenant.clone(),
+                            weight: spec.tenant_weight,
+                            other: other.name().to_owned(),
+                            other_weight: other.spec.tenant_weight,
+                            other_at: other.origin.at("spec.tenantWeight"),
+                        },
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    by_tenant.insert(&spec.tenant, cache);
+                }
+            }
+        }
         errors
     }
 
@@ -359,6 +451,12 @@ impl NamedDoc for StoragePool {
 }
 
 impl NamedDoc for JobPolicy {
+    fn doc_name(&self) -> &str {
+        self.name()
+    }
+}
+
+impl NamedDoc for DatasetCache {
     fn doc_name(&self) -> &str {
         self.name()
     }

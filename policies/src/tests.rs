@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use super::*;
 
+mod cache;
 mod errors;
 mod properties;
 
@@ -98,6 +99,7 @@ fn the_reference_examples_are_valid() {
     assert!(blocks.len() >= 2, "{blocks:?}");
     let set = set(&blocks.join("---\n"));
     assert_eq!(set.job_policy("vision-prod").unwrap().spec().weight, 3);
+    assert_eq!(set.cache_for_dataset("imagenet").unwrap().spec().weight, 3);
 }
 
 #[test]

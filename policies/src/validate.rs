@@ -13,8 +13,11 @@ use crate::model::{
 };
 use crate::yaml::Node;
 
+mod cache;
 mod labels;
 mod prefetch;
+
+pub use cache::{DEFAULT_STAGING_RATE, DEFAULT_TENANT};
 
 use labels::{check_labels, label_key, selector};
 use prefetch::prefetch;
@@ -68,6 +71,9 @@ pub(crate) fn validate(
     let policy = match raw {
         RawPolicy::StoragePool(doc) => pool(&mut check, doc).map(Policy::StoragePool),
         RawPolicy::JobPolicy(doc) => job_policy(&mut check, *doc).map(Policy::JobPolicy),
+        RawPolicy::DatasetCache(doc) => {
+            cache::dataset_cache(&mut check, *doc).map(Policy::DatasetCache)
+        }
     };
     match policy {
         Some(p) if check.errors.is_empty() => Ok(p),
@@ -259,7 +265,7 @@ pub(super) fn ranged(
     None
 }
 
-fn metadata(check: &mut Check, raw: RawMetadata) -> Metadata {
+pub(super) fn metadata(check: &mut Check, raw: RawMetadata) -> Metadata {
     check_name(check, "metadata.name", &raw.name);
     check_labels(check, "metadata.labels", &raw.labels);
     for key in raw.annotations.keys() {
@@ -292,7 +298,7 @@ pub(crate) fn is_dns_label(s: &str) -> bool {
         && s.ends_with(alnum)
 }
 
-fn check_name(check: &mut Check, path: &str, name: &str) {
+pub(super) fn check_name(check: &mut Check, path: &str, name: &str) {
     if is_dns_label(name) {
         return;
     }

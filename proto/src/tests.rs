@@ -14,12 +14,13 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::v1::{
-    Ack, ApplyOutcome, ApplyPoliciesRequest, ApplyPoliciesResponse, ControllerMessage,
-    DeletePolicyRequest, DeletePolicyResponse, Event, GetJobRequest, GetPoolRequest,
-    GetStageRequest, Hello, Job, JobLimits, JobSettings, JobSettingsEntry, JobStage, JobTelemetry,
-    LatencyHistogram, ListJobsRequest, ListJobsResponse, ListPoliciesRequest, ListPoliciesResponse,
-    ListPoolsRequest, ListPoolsResponse, ListStagesRequest, ListStagesResponse, Nack, Policy,
-    PolicyChange, PolicySource, Pool, Settings, Stage, StageMessage, StageState, Telemetry,
+    Ack, ApplyOutcome, ApplyPoliciesRequest, ApplyPoliciesResponse, CacheTelemetry,
+    ControllerMessage, DatasetCacheSettings, DatasetCacheTelemetry, DeletePolicyRequest,
+    DeletePolicyResponse, Event, GetJobRequest, GetPoolRequest, GetStageRequest, Hello, Job,
+    JobLimits, JobSettings, JobSettingsEntry, JobStage, JobTelemetry, LatencyHistogram,
+    ListJobsRequest, ListJobsResponse, ListPoliciesRequest, ListPoliciesResponse, ListPoolsRequest,
+    ListPoolsResponse, ListStagesRequest, ListStagesResponse, Nack, Policy, PolicyChange,
+    PolicySource, Pool, Settings, Stage, StageMessage, StageState, StagingProgress, Telemetry,
     WatchEventsRequest, controller_message, stage_message,
 };
 use crate::{StageService, StageServiceClient, StageServiceServer};
@@ -81,6 +82,16 @@ fn settings(version: u64) -> Settings {
             settings: Some(job_settings()),
         }],
         unmanaged: vec!["notebook".into()],
+        cache: vec![DatasetCacheSettings {
+            dataset: "imagenet".into(),
+            policy: "imagenet".into(),
+            tenant: "vision".into(),
+            tenant_weight: 2,
+            weight: 3,
+            pin_bytes: u64::MAX,
+            staging_round: 7,
+            staging_bytes_per_second: 100 << 20,
+        }],
     }
 }
 
@@ -116,6 +127,32 @@ fn telemetry() -> Telemetry {
                 sum_seconds: 0.9,
             }),
         }],
+        cache: Some(CacheTelemetry {
+            memory_capacity_bytes: 1 << 30,
+            memory_used_bytes: 512 << 20,
+            disk_capacity_bytes: 0,
+            disk_used_bytes: 0,
+            datasets: vec![DatasetCacheTelemetry {
+                dataset: "imagenet".into(),
+                memory_bytes: 512 << 20,
+                disk_bytes: 0,
+                entries: 5000,
+                share_bytes: 1 << 30,
+                hits: 10_000,
+                misses: 5000,
+                hit_bytes: 1 << 30,
+                evictions: 3,
+                staging: Some(StagingProgress {
+                    round: 7,
+                    state: "running".into(),
+                    samples_done: 4000,
+                    samples_total: 5000,
+                    source_bytes: 400 << 20,
+                    errors: 1,
+                    error: String::new(),
+                }),
+            }],
+        }),
     }
 }
 

@@ -207,6 +207,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             defaults: None,
             jobs: vec![job_settings("e2e", limited)],
             unmanaged: vec![],
+            cache: vec![],
         },
     )
     .await;
@@ -245,6 +246,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             defaults: None,
             jobs: vec![job_settings("e2e", impossible)],
             unmanaged: vec![],
+            cache: vec![],
         },
     )
     .await;
@@ -267,6 +269,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             defaults: None,
             jobs: vec![],
             unmanaged: vec![],
+            cache: vec![],
         },
     )
     .await;

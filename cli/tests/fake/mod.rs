@@ -333,6 +333,67 @@ impl AdminService for Fake {
             .ok_or_else(|| Status::not_found(format!("no pool `{name}`")))
     }
 
+    async fn get_dataset(
+        &self,
+        request: Request<v1::GetDatasetRequest>,
+    ) -> Result<Response<v1::Dataset>, Status> {
+        let name = request.into_inner().name;
+        if name != "imagenet" {
+            return Err(Status::not_found(format!(
+                "no stage serves data set `{name}` and no DatasetCache policy names it"
+            )));
+        }
+        let staging = v1::StagingProgress {
+            round: 42,
+            state: "done".into(),
+            samples_done: 1000,
+            samples_total: 1000,
+            source_bytes: 100 << 20,
+            errors: 0,
+            error: String::new(),
+        };
+        let cache = v1::DatasetCacheTelemetry {
+            dataset: String::new(),
+            memory_bytes: 100 << 20,
+            disk_bytes: 0,
+            entries: 1000,
+            share_bytes: 512 << 20,
+            hits: 3000,
+            misses: 1000,
+            hit_bytes: 300 << 20,
+            evictions: 0,
+            staging: Some(staging),
+        };
+        Ok(Response::new(v1::Dataset {
+            name,
+            policy: "imagenet-cache".into(),
+            staging_round: 42,
+            stages: vec![v1::DatasetOnStage {
+                stage: "node-a-0".into(),
+                state: v1::StageState::Connected.into(),
+                cache: Some(cache),
+                memory_capacity_bytes: 1 << 30,
+                disk_capacity_bytes: 0,
+            }],
+        }))
+    }
+
+    async fn stage_dataset(
+        &self,
+        request: Request<v1::StageDatasetRequest>,
+    ) -> Result<Response<v1::StageDatasetResponse>, Status> {
+        let name = request.into_inner().name;
+        if name != "imagenet" {
+            return Err(Status::failed_precondition(format!(
+                "no DatasetCache policy names data set `{name}`: apply one"
+            )));
+        }
+        Ok(Response::new(v1::StageDatasetResponse {
+            round: 42,
+            stages: vec!["node-a-0".into()],
+        }))
+    }
+
     type WatchEventsStream = Events;
 
     async fn watch_events(

@@ -125,6 +125,72 @@ fn a_second_data_set_takes_its_share_from_the_first() {
     assert_eq!((held[0].0, held[1].0), (70, 30), "{held:?}");
 }
 
+/// The memory share of each data set now, by name.
+fn shares(c: &Cache) -> Vec<(String, u64)> {
+    c.report()
+        .datasets
+        .into_iter()
+        .map(|d| (d.dataset, d.share_bytes))
+        .collect()
+}
+
+fn terms(tenant: &str, tenant_weight: u32, weight: u32, pin: u64) -> Option<Terms> {
+    Some(Terms {
+        tenant: tenant.into(),
+        tenant_weight,
+        weight,
+        pin,
+    })
+}
+
+#[test]
+fn tenants_split_the_cache_first_then_their_data_sets() {
+    let c = cache(1200, CachePolicy::Stable);
+    let (a, b, x): (Arc<str>, Arc<str>, Arc<str>) = ("/a".into(), "/b".into(), "/x".into());
+    c.steer(&a, "a", terms("vision", 2, 1, 0));
+    c.steer(&b, "b", terms("vision", 2, 3, 0));
+    c.steer(&x, "x", terms("text", 1, 1, 0));
+    // vision gets 2/3 (800), split 1:3 between a and b; text gets 400.
+    assert_eq!(
+        shares(&c),
+        [("a".into(), 200), ("b".into(), 600), ("x".into(), 400)]
+    );
+    // Back to the stage's own terms: three data sets of weight 1.
+    for (s, n) in [(&a, "a"), (&b, "b"), (&x, "x")] {
+        c.steer(s, n, None);
+    }
+    assert_eq!(
+        shares(&c),
+        [("a".into(), 400), ("b".into(), 400), ("x".into(), 400)]
+    );
+}
+
+#[test]
+fn a_pin_is_kept_whatever_the_others_read() {
+    let c = cache(100, CachePolicy::Stable);
+    let (p, o): (Arc<str>, Arc<str>) = ("/p".into(), "/o".into());
+    c.steer(&p, "p", terms("", 1, 1, 60));
+    for i in 0..6 {
+        read(&c, "p", &key(&p, &format!("f{i}"), 10), 0);
+    }
+    // The other data set fills the rest and more: the pinned 60 stay.
+    for epoch in 0..3 {
+        for i in 0..20 {
+            read(&c, "o", &key(&o, &format!("f{i}-{epoch}"), 10), 0);
+        }
+    }
+    let held = usage(&c);
+    assert_eq!(held[1].0, 60, "{held:?}");
+    assert_eq!(held[0].0, 40, "{held:?}");
+    for i in 0..6 {
+        assert!(read(&c, "p", &key(&p, &format!("f{i}"), 10), 0), "f{i}");
+    }
+    // Pins larger than the tier are scaled down together.
+    c.steer(&o, "o", terms("", 1, 1, u64::MAX));
+    c.steer(&p, "p", terms("", 1, 1, u64::MAX));
+    assert_eq!(shares(&c), [("o".into(), 50), ("p".into(), 50)]);
+}
+
 #[test]
 fn a_sample_larger_than_the_cache_is_passed_through() {
     let c = cache(10, CachePolicy::Stable);
@@ -208,7 +274,12 @@ fn tiered(dir: &std::path::Path, memory: u64, disk: u64) -> Arc<Cache> {
 /// Waits until the disk tier holds `entries` samples.
 fn on_disk(c: &Cache, entries: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while c.report().datasets[0].disk_entries < entries {
+    // Entries count once their files are written, not when they are queued.
+    let written = || {
+        let st = lock(&c.state);
+        st.disk.as_ref().map_or(0, |d| d.tier.count(|f| f.ready)) as u64
+    };
+    while written() < entries {
         assert!(std::time::Instant::now() < deadline, "{:?}", c.report());
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -46,6 +46,12 @@ impl<V> Tier<V> {
         self.entries.get(key).map(|e| &e.value)
     }
 
+    /// How many entries' values satisfy `f`.
+    #[cfg(test)]
+    pub fn count(&self, f: impl Fn(&V) -> bool) -> usize {
+        self.entries.values().filter(|e| f(&e.value)).count()
+    }
+
     pub fn get_mut(&mut self, key: &SampleKey) -> Option<&mut V> {
         self.entries.get_mut(key).map(|e| &mut e.value)
     }

@@ -18,6 +18,17 @@ pub struct CacheMetrics {
     admitted_bytes: IntCounterVec,
     rejected: IntCounterVec,
     evictions: IntCounterVec,
+    pub staging_bytes: IntCounterVec,
+    pub staging_samples: IntGaugeVec,
+}
+
+/// A data set's cache counters, over the tiers asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DatasetCounts {
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_bytes: u64,
+    pub evictions: u64,
 }
 
 impl CacheMetrics {
@@ -80,7 +91,32 @@ impl CacheMetrics {
                 "Samples a tier let go (to make room, or a disk file that failed its check).",
                 tiered,
             ),
+            staging_bytes: r.counter(
+                "sluice_stage_cache_staging_bytes_total",
+                "Bytes staging read from the source to load a data set into the cache.",
+                ds,
+            ),
+            staging_samples: gauge(
+                "sluice_stage_cache_staging_samples",
+                "The latest staging round of a data set: samples looked at (state=done) \
+                 of all its samples (state=total).",
+                &["dataset", "state"],
+            ),
         }
+    }
+
+    /// Returns a data set's counters summed over `tiers`.
+    pub(crate) fn counts(&self, dataset: &str, tiers: &[&str]) -> DatasetCounts {
+        let mut c = DatasetCounts {
+            misses: self.misses.with_label_values(&[dataset]).get(),
+            ..DatasetCounts::default()
+        };
+        for tier in tiers {
+            c.hits += self.hits.with_label_values(&[dataset, tier]).get();
+            c.hit_bytes += self.hit_bytes.with_label_values(&[dataset, tier]).get();
+            c.evictions += self.evictions.with_label_values(&[dataset, tier]).get();
+        }
+        c
     }
 
     pub(crate) fn hit(&self, dataset: &str, tier: &str, bytes: u64) {

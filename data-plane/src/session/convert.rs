@@ -5,8 +5,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sluice_proto::v1;
 
-use crate::engine::{Engine, JobSnapshot};
-use crate::settings::{JobOverrides, PushedSettings};
+use crate::cache::Cache;
+use crate::engine::{Engine, JobSnapshot, Staging};
+use crate::settings::{DatasetCacheOverrides, JobOverrides, PushedSettings};
 
 /// The stage's telemetry now.
 pub fn telemetry(engine: &Engine) -> v1::Telemetry {
@@ -17,6 +18,45 @@ pub fn telemetry(engine: &Engine) -> v1::Telemetry {
         settings_version: engine.settings_version(),
         memory_used_bytes: engine.memory().used(),
         jobs: engine.snapshot().into_iter().map(job_telemetry).collect(),
+        cache: engine.cache().map(|c| cache_telemetry(c, engine.staging())),
+    }
+}
+
+fn cache_telemetry(cache: &Cache, staging: &Staging) -> v1::CacheTelemetry {
+    let report = cache.report();
+    let datasets = report
+        .datasets
+        .into_iter()
+        .map(|d| {
+            let staging = staging.progress(&d.dataset).map(|p| v1::StagingProgress {
+                round: p.round,
+                state: p.state.as_str().to_owned(),
+                samples_done: p.samples_done,
+                samples_total: p.samples_total,
+                source_bytes: p.source_bytes,
+                errors: p.errors,
+                error: p.error,
+            });
+            v1::DatasetCacheTelemetry {
+                dataset: d.dataset,
+                memory_bytes: d.bytes,
+                disk_bytes: d.disk_bytes,
+                entries: d.entries + d.disk_entries,
+                share_bytes: d.share_bytes,
+                hits: d.hits,
+                misses: d.misses,
+                hit_bytes: d.hit_bytes,
+                evictions: d.evictions,
+                staging,
+            }
+        })
+        .collect();
+    v1::CacheTelemetry {
+        memory_capacity_bytes: report.capacity_bytes,
+        memory_used_bytes: report.used_bytes,
+        disk_capacity_bytes: report.disk_capacity_bytes,
+        disk_used_bytes: report.disk_used_bytes,
+        datasets,
     }
 }
 
@@ -54,11 +94,27 @@ pub fn settings(pushed: v1::Settings) -> Result<PushedSettings, String> {
             return Err(format!("job `{}` appears twice", entry.job));
         }
     }
+    let mut cache = std::collections::HashMap::new();
+    for c in pushed.cache {
+        let overrides = DatasetCacheOverrides {
+            tenant: c.tenant,
+            tenant_weight: c.tenant_weight,
+            weight: c.weight,
+            pin: c.pin_bytes,
+            staging_round: c.staging_round,
+            staging_bytes_per_s: (c.staging_bytes_per_second != 0)
+                .then_some(c.staging_bytes_per_second),
+        };
+        if cache.insert(c.dataset.clone(), overrides).is_some() {
+            return Err(format!("data set `{}` has cache settings twice", c.dataset));
+        }
+    }
     Ok(PushedSettings {
         version: pushed.version,
         defaults: pushed.defaults.map(overrides),
         jobs,
         unmanaged: pushed.unmanaged.into_iter().collect(),
+        cache,
     })
 }
 
@@ -98,6 +154,7 @@ mod tests {
             defaults: None,
             jobs: vec![job("a", 100)],
             unmanaged: vec!["x".into()],
+            cache: vec![],
         };
         let s = settings(pushed).unwrap();
         assert_eq!(s.version, 7);
@@ -117,6 +174,7 @@ mod tests {
             defaults: None,
             jobs: vec![job("a", 1), job("a", 2)],
             unmanaged: vec![],
+            cache: vec![],
         };
         assert!(settings(twice).unwrap_err().contains("twice"));
     }

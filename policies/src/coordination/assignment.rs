@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::DatasetCacheAssignment;
 use crate::JobPolicy;
 use crate::allocation::{JobAllocation, StageAllocation};
 
@@ -21,6 +22,10 @@ pub struct StageAssignment {
     /// controller has seen them.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub unmanaged: BTreeSet<String>,
+    /// Per data set a `DatasetCache` steers: how the stage's cache keeps
+    /// it and whether to stage it.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub cache: BTreeMap<String, DatasetCacheAssignment>,
 }
 
 /// How a stage should serve one job (the domain twin of the wire message
@@ -164,6 +169,7 @@ mod tests {
     fn assignment(rates: &[(&str, u64)]) -> StageAssignment {
         StageAssignment {
             unmanaged: BTreeSet::new(),
+            cache: BTreeMap::new(),
             jobs: rates
                 .iter()
                 .map(|&(job, rate)| {

@@ -31,7 +31,7 @@ fn document_shape_errors() {
     );
     assert_eq!(
         error("apiVersion: sluice.dev/v1\nkind: StoragePol\n"),
-        "t.yaml:2:7: unknown kind `StoragePol`: did you mean `StoragePool`? sluice.dev/v1 has the kinds `StoragePool` and `JobPolicy`"
+        "t.yaml:2:7: unknown kind `StoragePol`: did you mean `StoragePool`? sluice.dev/v1 has the kinds `StoragePool`, `JobPolicy` and `DatasetCache`"
     );
     assert_eq!(
         error("apiVersion: sluice.dev/v1\nkind: JobPolicy\nmetadata: {name: a}\n"),

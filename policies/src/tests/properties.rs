@@ -354,7 +354,7 @@ proptest! {
                     .iter()
                     .filter_map(|d| match d {
                         Policy::JobPolicy(p) => Some(p),
-                        Policy::StoragePool(_) => None,
+                        Policy::StoragePool(_) | Policy::DatasetCache(_) => None,
                     })
                     .collect();
                 let overlap = jobs.iter().enumerate().any(|(i, a)| {

@@ -1,0 +1,198 @@
+"""Staging and cache policies end to end: a controller, a stage with a node
+cache, `DatasetCache` policies applied with ``sluicectl``, ``sluicectl
+stage`` and ``describe dataset``, preloading at job start, and pins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+import sluice
+from sluice.bench.common import Daemon, get_json
+
+from conftest import REPO, in_ci, wait_for
+from test_cache import MIB, metrics, write_files
+
+
+def binaries() -> dict:
+    bin_dir = os.environ.get("SLUICE_BIN_DIR") or str(REPO / "target" / "debug")
+    found = {n: os.path.join(bin_dir, n) for n in ("sluice-controller", "sluice-stage", "sluicectl")}
+    missing = [p for p in found.values() if not os.access(p, os.X_OK)]
+    if missing:
+        msg = f"{', '.join(missing)} not built: run `cargo build --workspace --bins` or set SLUICE_BIN_DIR"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return found
+
+
+POOL = """apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: nfs}
+spec: {capacity: {bandwidth: 1GiB/s}}
+"""
+
+
+def cache_policy(name: str, dataset: str, **spec: str) -> str:
+    fields = "".join(f"  {k}: {v}\n" for k, v in spec.items())
+    return (f"---\napiVersion: sluice.dev/v1\nkind: DatasetCache\nmetadata: {{name: {name}}}\n"
+            f"spec:\n  dataset: {dataset}\n{fields}")
+
+
+class System:
+    """A controller (SQLite, 200 ms tick) and one stage with a cache."""
+
+    def __init__(self, tmp_path, datasets: dict, cache: int):
+        self.bin = binaries()
+        self.tmp = tmp_path
+        self.daemons = []
+        self.controller = self._start([
+            self.bin["sluice-controller"], "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
+            "--tick", "200ms", "--database-url", f"sqlite://{tmp_path}/sluice.db"], "controller")
+        self.grpc, self.http = self.controller.ready["grpc"], self.controller.ready["http"]
+        self.socket = str(tmp_path / "stage.sock")
+        argv = [self.bin["sluice-stage"], "--socket", self.socket, "--metrics-addr", "127.0.0.1:0",
+                "--stage-id", "stage-a", "--controller", f"http://{self.grpc}",
+                "--memory-budget", str(cache + 64 * MIB), "--cache-memory", str(cache)]
+        for name, root in datasets.items():
+            argv += ["--dataset", f"{name}={root}"]
+        self.stage = self._start(argv, "stage")
+        self.metrics = self.stage.ready["metrics"]
+        wait_for(lambda: any(s["id"] == "stage-a" for s in get_json(self.http, "/api/v1/stages")),
+                 what="the stage to connect")
+
+    def _start(self, argv, name):
+        d = Daemon.start(argv, str(self.tmp / f"{name}.log"))
+        self.daemons.append(d)
+        return d
+
+    def ctl(self, *args, check=True, timeout=60) -> subprocess.CompletedProcess:
+        run = subprocess.run([self.bin["sluicectl"], "--server", f"http://{self.grpc}", *args],
+                             capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert run.returncode == 0, f"sluicectl {' '.join(args)}: {run.stdout}{run.stderr}"
+        return run
+
+    def apply(self, text: str) -> None:
+        path = self.tmp / "policies.yaml"
+        path.write_text(text)
+        self.ctl("apply", "-f", str(path))
+
+    def source_reads(self, dataset: str) -> int:
+        return metrics(self, "sluice_stage_storage_reads_total", dataset=dataset)
+
+    def cache(self, dataset: str) -> dict:
+        report = get_json(self.metrics, "/api/v1/cache")
+        return next(d for d in report["datasets"] if d["dataset"] == dataset)
+
+    def stop(self) -> None:
+        for d in reversed(self.daemons):
+            assert d.stop() == 0, f"{d.log_path}: {open(d.log_path).read()[-2000:]}"
+
+
+@pytest.fixture
+def system(tmp_path):
+    started = []
+
+    def start(datasets, cache):
+        s = System(tmp_path, datasets, cache)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def read_epoch(system: System, dataset: str, job: str, epoch: int) -> dict:
+    with sluice.Client(system.socket, job=job) as c:
+        with c.dataset(dataset).epoch(epoch, seed=3, batch=8) as it:
+            return dict(it)
+
+
+def test_sluicectl_stage_loads_a_data_set_so_no_epoch_reads_the_source(tmp_path, system):
+    files = write_files(tmp_path / "ds", 40, 50_000)
+    s = system({"ds": tmp_path / "ds"}, 8 * MIB)
+    s.apply(POOL + cache_policy("ds-cache", "ds", staging="{pool: nfs, rate: 20MiB/s}"))
+    staged = s.ctl("stage", "ds", "--timeout", "60")
+    assert "staging round" in staged.stdout and "stage-a: round" in staged.stdout, staged.stdout
+    assert ": done, 40/40 samples, 1.91 MiB read from the source" in staged.stdout, staged.stdout
+    assert s.source_reads("ds") == 40
+    assert s.cache("ds")["entries"] == 40
+    # The staging job drew from the pool, under the DatasetCache's policy.
+    jobs = {j["id"]: j for j in get_json(s.http, "/api/v1/jobs")}
+    assert jobs["staging:ds"]["labels"] == {"sluice.dev/staging": "ds"}
+    assert jobs["staging:ds"]["policy"] == "ds-cache" and jobs["staging:ds"]["pool"] == "nfs", jobs["staging:ds"]
+    for epoch in range(2):
+        assert read_epoch(s, "ds", "train", epoch) == files
+    assert s.source_reads("ds") == 40, "every epoch came from the cache"
+    described = s.ctl("describe", "dataset", "ds").stdout
+    for line in ("Dataset:", "ds-cache", "stage-a (connected)", "Samples:", "40",
+                 "Hits:", "80 (66.7% of lookups", "round", "done, 40/40 samples"):
+        assert line in described, described
+    # Staging again finds everything cached and reads nothing.
+    again = s.ctl("stage", "ds", "--timeout", "60").stdout
+    assert "done, 40/40 samples, 0 B read from the source" in again, again
+    assert s.source_reads("ds") == 40
+
+
+def test_staging_is_held_to_its_rate(tmp_path, system):
+    write_files(tmp_path / "ds", 30, 100_000)  # 3 MB at 1 MiB/s: about 3 s
+    s = system({"ds": tmp_path / "ds"}, 8 * MIB)
+    s.apply(POOL + cache_policy("ds-cache", "ds", staging="{pool: nfs, rate: 1MiB/s}"))
+    started = time.monotonic()
+    s.ctl("stage", "ds", "--timeout", "60")
+    took = time.monotonic() - started
+    assert took >= 2.3, f"3 MB staged in {took:.2f} s: faster than 1 MiB/s"
+    assert s.cache("ds")["entries"] == 30
+
+
+def test_staging_refusals_say_what_to_fix(tmp_path, system):
+    write_files(tmp_path / "ds", 4, 1_000)
+    s = system({"ds": tmp_path / "ds"}, 8 * MIB)
+    none = s.ctl("stage", "ds", check=False)
+    assert none.returncode == 1 and "no DatasetCache policy names data set `ds`" in none.stderr, none.stderr
+    s.apply(POOL + cache_policy("ds-cache", "ds"))
+    unstaged = s.ctl("stage", "ds", check=False)
+    assert unstaged.returncode == 1 and "has no `spec.staging`" in unstaged.stderr, unstaged.stderr
+    s.apply(POOL + cache_policy("other", "elsewhere", staging="{pool: nfs}"))
+    nobody = s.ctl("stage", "elsewhere", check=False)
+    assert nobody.returncode == 1 and "no connected stage serves data set `elsewhere`" in nobody.stderr
+    missing = s.ctl("describe", "dataset", "nothing", check=False)
+    assert missing.returncode == 1 and "no stage serves data set `nothing`" in missing.stderr
+
+
+def test_preload_stages_a_data_set_once_a_job_reads_there(tmp_path, system):
+    files = write_files(tmp_path / "ds", 40, 20_000)
+    s = system({"ds": tmp_path / "ds"}, 8 * MIB)
+    s.apply(POOL + cache_policy("ds-cache", "ds", preload="job-start", staging="{pool: nfs}"))
+    time.sleep(1)
+    assert s.source_reads("ds") == 0, "nothing is preloaded before a job reads"
+    with sluice.Client(s.socket, job="train") as c:
+        with c.dataset("ds").epoch(0, seed=3, batch=8) as it:
+            name, data = next(iter(it))
+            assert data == files[name]
+            wait_for(lambda: s.cache("ds")["entries"] == 40, timeout=30, what="the data set to be preloaded")
+    assert s.source_reads("ds") == 40, "each sample was read once, by the trainer's plan or by staging"
+    assert read_epoch(s, "ds", "train", 0) == files
+    assert s.source_reads("ds") == 40
+
+
+def test_a_pinned_data_set_stays_while_another_is_read(tmp_path, system):
+    pinned = write_files(tmp_path / "pinned", 30, 100_000, tag=b"p")
+    write_files(tmp_path / "other", 60, 100_000, tag=b"o")
+    # 4 MiB of cache: the pinned 3 MB fits, the other 6 MB does not.
+    s = system({"pinned": tmp_path / "pinned", "other": tmp_path / "other"}, 4 * MIB)
+    s.apply(POOL + cache_policy("pinned", "pinned", pin="all", staging="{pool: nfs}"))
+    s.ctl("stage", "pinned", "--timeout", "60")
+    assert s.cache("pinned")["entries"] == 30
+    for epoch in range(2):
+        read_epoch(s, "other", "other-job", epoch)
+    assert s.cache("pinned")["entries"] == 30, "the pin kept every pinned sample"
+    assert s.cache("other")["entries"] > 0, "the rest of the cache went to the other data set"
+    before = s.source_reads("pinned")
+    assert read_epoch(s, "pinned", "train", 0) == pinned
+    assert s.source_reads("pinned") == before

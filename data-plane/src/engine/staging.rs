@@ -1,0 +1,244 @@
+//! Staging: loading a data set into the node cache before (or while) it is
+//! read, when the controller asks (a `DatasetCache` policy's `preload`, or
+//! `sluicectl stage`).
+//!
+//! A staging round is an ordinary job of the stage, `staging:<dataset>`
+//! (labelled `sluice.dev/staging=<dataset>`), with one plan over the whole
+//! listing in order and a consumer that drops what it is given: its reads
+//! go through the same readers, limiter and cache as a trainer's, appear in
+//! telemetry like any job's, and the controller allocates them from the
+//! staging pool. Until the controller's settings for the job arrive its
+//! rate is capped at the policy's staging rate (and never goes above it).
+//! Samples already cached cost nothing; the round stops when every sample
+//! was looked at (`done`) or when the cache would keep no more of the data
+//! set (`full`: the rest stays on the source, which is the point of a
+//! stable subset).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use sluice_policy::{STAGING_LABEL, staging_job};
+use tracing::{info, warn};
+
+use super::{JobHandle, PlanKey};
+use crate::cache::Cache;
+use crate::dataset::Dataset;
+use crate::metrics::CacheMetrics;
+use crate::sync::lock;
+
+/// Samples a staging round asks for at a time.
+const BATCH: usize = 64;
+
+/// Where a staging round is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Running,
+    /// Every sample was looked at.
+    Done,
+    /// The cache keeps no more of the data set.
+    Full,
+    Failed,
+}
+
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Running => "running",
+            State::Done => "done",
+            State::Full => "full",
+            State::Failed => "failed",
+        }
+    }
+}
+
+/// How far the latest round of one data set got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    pub round: u64,
+    pub state: State,
+    pub samples_done: u64,
+    pub samples_total: u64,
+    pub source_bytes: u64,
+    pub errors: u64,
+    pub error: String,
+}
+
+/// A round to start: what it reads, into which cache, through which job.
+pub struct Round {
+    pub dataset: Arc<Dataset>,
+    pub cache: Arc<Cache>,
+    pub job: JobHandle,
+    pub round: u64,
+}
+
+/// The stage's staging rounds, one (the latest) per data set.
+#[derive(Debug, Default)]
+pub struct Staging {
+    progress: Arc<Mutex<HashMap<String, Progress>>>,
+    /// Most bytes per second each data set's staging job may read.
+    caps: Mutex<HashMap<String, u64>>,
+}
+
+impl Staging {
+    /// The latest round of `dataset`, if one ran.
+    pub fn progress(&self, dataset: &str) -> Option<Progress> {
+        lock(&self.progress).get(dataset).cloned()
+    }
+
+    /// The id and labels of the job that stages `dataset`.
+    pub fn job(dataset: &str) -> (String, BTreeMap<String, String>) {
+        let labels = BTreeMap::from([(STAGING_LABEL.to_owned(), dataset.to_owned())]);
+        (staging_job(dataset), labels)
+    }
+
+    /// Whether a round `round` of `dataset` is new (none that high ran or
+    /// runs); records the staging rate cap either way.
+    pub fn wants(&self, dataset: &str, round: u64, cap: Option<u64>) -> bool {
+        let mut caps = lock(&self.caps);
+        match cap {
+            Some(cap) => caps.insert(staging_job(dataset), cap),
+            None => caps.remove(&staging_job(dataset)),
+        };
+        round > 0
+            && lock(&self.progress)
+                .get(dataset)
+                .is_none_or(|p| p.round < round)
+    }
+
+    /// The rate cap of job `job`, when it is a staging job with one.
+    pub fn cap(&self, job: &str) -> Option<u64> {
+        lock(&self.caps).get(job).copied()
+    }
+
+    /// Starts `round` on the current Tokio runtime (a newer round of the
+    /// same data set makes the older one stop at its next batch).
+    pub fn start(&self, round: Round, metrics: CacheMetrics) {
+        let name = round.dataset.name.clone();
+        lock(&self.progress).insert(
+            name.clone(),
+            Progress {
+                round: round.round,
+                state: State::Running,
+                samples_done: 0,
+                samples_total: 0,
+                source_bytes: 0,
+                errors: 0,
+                error: String::new(),
+            },
+        );
+        let progress = Arc::clone(&self.progress);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            warn!(dataset = %name, "no runtime to stage on: the staging round is dropped");
+            return;
+        };
+        runtime.spawn(async move {
+            let number = round.round;
+            info!(dataset = %name, round = number, "staging starts");
+            let outcome = run(round, &progress, &metrics).await;
+            let mut all = lock(&progress);
+            let Some(p) = all.get_mut(&name).filter(|p| p.round == number) else {
+                return;
+            };
+            match outcome {
+                Ok(state) => p.state = state,
+                Err(error) => {
+                    warn!(dataset = %name, round = number, %error, "staging failed");
+                    p.state = State::Failed;
+                    p.error = error;
+                }
+            }
+            info!(
+                dataset = %name,
+                round = number,
+                state = p.state.as_str(),
+                samples = p.samples_done,
+                source_bytes = p.source_bytes,
+                "staging ends"
+            );
+        });
+    }
+}
+
+/// Runs one round to its end; returns how it ended, or why it failed.
+async fn run(
+    round: Round,
+    progress: &Mutex<HashMap<String, Progress>>,
+    metrics: &CacheMetrics,
+) -> Result<State, String> {
+    let Round {
+        dataset,
+        cache,
+        job: handle,
+        round: number,
+    } = round;
+    let name = dataset.name.clone();
+    let listing = {
+        let dataset = Arc::clone(&dataset);
+        tokio::task::spawn_blocking(move || dataset.listing())
+            .await
+            .map_err(|e| format!("listing data set `{name}` failed: {e}"))?
+            .map_err(|e| format!("cannot list data set `{name}`: {e}"))?
+    };
+    let total = listing.len();
+    let update = |f: &mut dyn FnMut(&mut Progress)| -> bool {
+        let mut all = lock(progress);
+        match all.get_mut(&name).filter(|p| p.round == number) {
+            Some(p) => {
+                f(p);
+                true
+            }
+            // A newer round replaced this one.
+            None => false,
+        }
+    };
+    update(&mut |p| p.samples_total = u64::from(total));
+    metrics
+        .staging_samples
+        .with_label_values(&[&name, "total"])
+        .set(i64::from(total));
+    let done_gauge = metrics.staging_samples.with_label_values(&[&name, "done"]);
+    done_gauge.set(0);
+    let bytes_counter = metrics.staging_bytes.with_label_values(&[&name]);
+    let job = Arc::clone(handle.job());
+    let files: Vec<u32> = (0..total).collect();
+    let key = PlanKey {
+        rank: 0,
+        epoch: number,
+    };
+    // Before the plan exists: its readers start at once.
+    let read_before = job.snapshot().storage_read_bytes;
+    let (plan, _) = job
+        .attach_plan(
+            key,
+            listing.digest ^ number,
+            Arc::clone(&dataset),
+            listing,
+            files,
+        )
+        .map_err(|e| e.message)?;
+    let mut counted = 0;
+    loop {
+        let batch = job.next(&plan, BATCH).await;
+        let errors = batch.samples.iter().filter(|s| s.data.is_err()).count() as u64;
+        let looked = batch.samples.len() as u64;
+        drop(batch.samples);
+        let read = job.snapshot().storage_read_bytes - read_before;
+        bytes_counter.inc_by(read - counted);
+        counted = read;
+        done_gauge.add(looked as i64);
+        let current = update(&mut |p| {
+            p.samples_done += looked;
+            p.errors += errors;
+            p.source_bytes = read;
+        });
+        if !current {
+            return Ok(State::Running);
+        }
+        if batch.end {
+            return Ok(State::Done);
+        }
+        if !cache.has_room_for(&dataset.identity) {
+            return Ok(State::Full);
+        }
+    }
+}
