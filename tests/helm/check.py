@@ -37,6 +37,7 @@ SCENARIOS = {
     "tls": "values-tls.yaml",
     "monitoring": "values-monitoring.yaml",
     "s3": "values-s3.yaml",
+    "cache": "values-cache.yaml",
 }
 
 # Admin-auth settings checked on top of the default scenario.
@@ -54,7 +55,19 @@ MUST_FAIL = {
     "policy file name": ({"policies": {"files": {"pools.txt": "x: 1"}}}, "must end in .yaml"),
     "misspelled value (values.schema.json)": ({"store": {"typ": "postgres"}}, "additional properties 'typ' not allowed"),
     "port out of range (values.schema.json)": ({"controller": {"grpcPort": 70000}}, "/controller/grpcPort"),
+    # Helm's schema engine cannot carry a message of its own: the error
+    # names the value that is missing.
+    "disk tier without a size (values.schema.json)": (
+        {"stage": {"cache": {"disk": {"hostPath": "/mnt/nvme/sluice"}}}}, "at '/stage/cache/disk/size': minLength"),
+    "disk tier without a directory (values.schema.json)": (
+        {"stage": {"cache": {"disk": {"size": "100GiB"}}}}, "at '/stage/cache/disk/hostPath': minLength"),
+    "disk tier in a relative directory (values.schema.json)": (
+        {"stage": {"cache": {"disk": {"hostPath": "nvme/sluice", "size": "100GiB"}}}},
+        "at '/stage/cache/disk/hostPath': 'nvme/sluice' does not match pattern"),
 }
+
+# Where the chart mounts the disk tier's host directory in the stage.
+CACHE_DIR = "/var/cache/sluice"
 
 CRD_SCHEMAS = {
     "ServiceMonitor": HERE / "crd-schemas" / "servicemonitor.json",
@@ -248,6 +261,88 @@ def auth_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None
         record(f"{scenario}: admin auth wiring", not problems, "; ".join(problems))
 
 
+def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None) -> None:
+    """The node cache's flags follow the values; with a disk tier the
+    DaemonSet's stage gets `--cache-dir` on a writable hostPath volume
+    (DirectoryOrCreate) and a root init container that, run here on a
+    directory, hands it to the stage's user and group. Sidecars never get
+    a disk tier (pods on one node would share its directory)."""
+    stage = (values or {}).get("stage") or {}
+    cache = stage.get("cache") or {}
+    disk = cache.get("disk") or {}
+    has_disk = bool(disk.get("hostPath") and disk.get("size"))
+    problems = []
+    for obj, pod in pod_specs(objs):
+        if obj["kind"] == "Deployment":
+            continue
+        where = obj["kind"]
+        c = next(c for c in pod.get("initContainers", []) + pod["containers"]
+                 if c["name"] in ("stage", "sluice-stage"))
+        args = c.get("args", [])
+        cache_args = [a for a in args if a.startswith("--cache-")]
+        want = []
+        if cache.get("memory"):
+            want.append(f"--cache-memory={cache['memory']}")
+        disk_here = has_disk and obj["kind"] == "DaemonSet"
+        if cache.get("memory") or disk_here:
+            want.append(f"--cache-policy={cache.get('policy', 'stable')}")
+        if disk_here:
+            want += [f"--cache-dir={CACHE_DIR}", f"--cache-disk={disk['size']}"]
+        if cache_args != want:
+            problems.append(f"{where}: cache flags {cache_args}, want {want}")
+        mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == CACHE_DIR]
+        if not disk_here:
+            if mounts:
+                problems.append(f"{where}: mounts {CACHE_DIR} without a disk tier")
+            continue
+        if len(mounts) != 1 or mounts[0].get("readOnly"):
+            problems.append(f"{where}: want one writable mount at {CACHE_DIR}, have {mounts}")
+            continue
+        volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
+        if volume.get("hostPath") != {"path": disk["hostPath"], "type": "DirectoryOrCreate"}:
+            problems.append(f"{where}: cache volume {volume}, want hostPath {disk['hostPath']} DirectoryOrCreate")
+        fixers = [i for i in pod.get("initContainers", [])
+                  if any(m["name"] == volume["name"] for m in i.get("volumeMounts", []))]
+        if not disk.get("fixPermissions", True):
+            if fixers:
+                problems.append(f"{where}: init containers {[i['name'] for i in fixers]} with fixPermissions off")
+            continue
+        if len(fixers) != 1 or fixers[0].get("securityContext", {}).get("runAsUser") != 0:
+            problems.append(f"{where}: want one init container running as root on the cache volume, have {fixers}")
+            continue
+        sc = pod.get("securityContext", {})
+        problems += run_cache_fixer(where, fixers[0], sc.get("runAsUser", 0), sc.get("runAsGroup", 0))
+    record(f"{scenario}: node cache wiring", not problems, "; ".join(problems))
+
+
+def run_cache_fixer(where: str, init: dict, uid: int, gid: int) -> list[str]:
+    """Runs the init container's script on a directory holding a file of
+    another user (needs root, as the init container; skipped otherwise):
+    both must end up the stage's, the directory with mode 0750."""
+    cmd = init.get("command", [])
+    if cmd[:2] != ["/bin/sh", "-c"] or len(cmd) != 3 or CACHE_DIR not in cmd[2]:
+        return [f"{where}: init container {init['name']} command {cmd}, want /bin/sh -c on {CACHE_DIR}"]
+    if os.geteuid() != 0:
+        print(f"skip {where}: running the cache directory's init script (needs root)")
+        return []
+    with tempfile.TemporaryDirectory(prefix="sluice-cache-") as d:
+        sub = Path(d) / "ab"
+        sub.mkdir()
+        (sub / "sample").write_bytes(b"x")
+        for path in (d, sub, sub / "sample"):
+            os.chown(path, 4242, 4242)
+        proc = subprocess.run(["/bin/sh", "-c", cmd[2].replace(CACHE_DIR, d)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return [f"{where}: init script failed: {(proc.stdout + proc.stderr).strip()}"]
+        owners = {str(p): (os.stat(p).st_uid, os.stat(p).st_gid) for p in (d, sub, sub / "sample")}
+        wrong = {p: o for p, o in owners.items() if o != (uid, gid)}
+        mode = os.stat(d).st_mode & 0o7777
+        out = [f"{where}: after the init script {p} is owned by {o}, want {(uid, gid)}" for p, o in wrong.items()]
+        if mode != 0o750:
+            out.append(f"{where}: after the init script the directory has mode {mode:o}, want 750")
+        return out
+
+
 def documented_values() -> None:
     """Every value has a `# --` comment (on itself or a parent) in values.yaml
     and a row in the chart's README."""
@@ -304,6 +399,7 @@ def main() -> int:
             policies_validate(scenario, objs, Path(tmp))
             properties(scenario, objs, values)
             auth_wiring(scenario, objs, values)
+            cache_wiring(scenario, objs, values)
     for scenario, values in AUTH_VARIANTS.items():
         auth_wiring(scenario, objects(render(values)), values)
     documented_values()

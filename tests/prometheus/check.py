@@ -9,9 +9,14 @@ its limit (greedy: it wants more than it has), and a batch job on the first
 stage reading a steady trickle (compute-bound: its demand is estimated, so
 the demand gauge has series). Every demo trainer also hits a missing file
 now and then (a whole-file read and a sample of its plan), so the error
-panels have series. Then a real Prometheus scrapes the controller and both
-stages every second (with the `namespace` label the chart's ServiceMonitors
-add), and once enough samples exist:
+panels have series. Both stages have a node cache smaller than the data
+set, so later epochs hit it and it rejects what does not fit; the first
+also has a disk tier and a second data set. A real Prometheus scrapes the
+controller and both stages every second (with the `namespace` label the
+chart's ServiceMonitors add); once it runs (a quarter of the way into a
+`--duration` run), the second data set is staged with `sluicectl stage`
+and then read by the batch job, so the first data set's share of the cache
+shrinks and the cache evicts. Once enough samples exist:
 
 - every PromQL expression of helm/sluice/dashboards/*.json (panel targets
   and templating queries, with the template variables substituted) runs
@@ -26,6 +31,11 @@ add), and once enough samples exist:
   every series selector in it (metric name and label matchers, e.g.
   `sluice_controller_stages{namespace="sluice",state="lost"}`) has series:
   an alert on a metric or label value that does not exist would never fire.
+
+The staging series (`sluice_stage_cache_staging_*`) exist only once a
+staging round ran: when the controller or sluicectl of this build cannot
+stage (no `DatasetCache` kind, no `sluicectl stage`), the queries naming
+them are skipped, not failed.
 
 `--render DIR` also plots every panel's series over the test run (one
 subplot per panel) into DIR/dashboard-<name>.png. Prints one line per check
@@ -108,9 +118,9 @@ with sluice.Client(sock, job=job, labels={"team": "demo"}) as c:
 # share of the pool, so it is never throttled and its demand is estimated.
 BATCH_TRAINER = r"""
 import sys, time, sluice
-sock, job = sys.argv[1], sys.argv[2]
+sock, job, dataset = sys.argv[1], sys.argv[2], sys.argv[3]
 with sluice.Client(sock, job=job, labels={"team": "batch"}) as c:
-    ds = c.dataset("demo")
+    ds = c.dataset(dataset)
     names = [n for n in ds.files.names() if n.startswith("sample-")]
     print("ready", flush=True)
     while True:
@@ -118,6 +128,19 @@ with sluice.Client(sock, job=job, labels={"team": "batch"}) as c:
             ds.read(name)
             time.sleep(0.01)
 """
+
+# The first stage's second data set: staged, then read by the batch job,
+# once the demo data set has filled that stage's memory tier.
+EXTRA = "extra"
+CACHE_POLICY = """apiVersion: sluice.dev/v1
+kind: DatasetCache
+metadata: {name: extra}
+spec:
+  dataset: extra
+  staging: {pool: demo-pool, rate: 1MiB/s}
+"""
+# Series that exist only once a staging round ran.
+STAGING_METRICS = {"sluice_stage_cache_staging_bytes_total", "sluice_stage_cache_staging_samples"}
 
 results: list[tuple[str, bool, str]] = []
 
@@ -361,7 +384,8 @@ def render(prom: Prometheus, panels_by_dash: dict[str, list[tuple[str, tuple[str
                 ax.legend(fontsize=6, loc="upper left")
         fig.suptitle(f"sluice / {dash} (Prometheus data of scripts/check-prometheus; "
                      f"jobs {JOB} and {BATCH_JOB}, one stage for per-stage panels)", fontsize=11)
-        fig.tight_layout()
+        # Room for the title above the first row, whatever the rows.
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
         path = out / f"dashboard-{dash}.png"
         fig.savefig(path, dpi=80)
         plt.close(fig)
@@ -400,12 +424,54 @@ def main() -> int:
             daemons.stop()
 
 
+def metric_value(metrics_addr: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in a daemon's /metrics whose labels
+    include `labels` (0 when there is none)."""
+    total = 0.0
+    for line in http_get(f"http://{metrics_addr}/metrics").decode().splitlines():
+        m = re.fullmatch(r"([a-z_:][a-z0-9_:]*)(\{(.*)\})? (\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(3) or ""))
+        if labels.items() <= have.items():
+            total += float(m.group(4))
+    return total
+
+
+def second_data_set(tmp: Path, grpc: str, stage: tuple[Path, str], start_trainer, daemons: Daemons) -> str | None:
+    """Once the first stage's memory tier is full of the demo data set (it
+    rejects samples), stages the second data set there (1.6 MB at 1 MiB/s)
+    and then starts the batch job reading it: the demo data set's share
+    halves, so the cache evicts. Returns None when the data set was staged,
+    else why not (the staging series are then not required)."""
+    deadline = time.monotonic() + 20
+    while metric_value(stage[1], "sluice_stage_cache_rejected_total", dataset="demo") == 0:
+        if dead := daemons.check_alive():
+            raise RuntimeError("; ".join(dead))
+        if time.monotonic() > deadline:
+            raise RuntimeError("the first stage's cache rejected nothing in 20 s: its memory tier never filled")
+        time.sleep(0.2)
+    (tmp / "cache-policy.yaml").write_text(CACHE_POLICY)
+    why = None
+    for argv in (["apply", "-f", str(tmp / "cache-policy.yaml")], ["stage", EXTRA, "--timeout", "30"]):
+        r = subprocess.run([str(BIN / "sluicectl"), "--server", f"http://{grpc}", *argv], capture_output=True, text=True)
+        if r.returncode != 0:
+            why = f"sluicectl {' '.join(argv[:2])}: {(r.stdout + r.stderr).strip()}"
+            break
+    start_trainer()
+    return why
+
+
 def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: float) -> int:
     data = tmp / "data"
     data.mkdir()
     for i in range(400):
         (data / f"sample-{i:04}.bin").write_bytes(os.urandom(16384 + 64 * i))
     (data / "vanishing.bin").write_bytes(b"gone soon")
+    extra = tmp / "extra"
+    extra.mkdir()
+    for i in range(100):
+        (extra / f"sample-{i:04}.bin").write_bytes(os.urandom(16384))
 
     ready = daemons.start("controller", [str(BIN / "sluice-controller"), "--grpc-addr", "127.0.0.1:0",
                                          "--http-addr", "127.0.0.1:0", "--database-url", f"sqlite://{tmp}/sluice.db"])
@@ -420,18 +486,28 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
     stages = []
     for i in range(2):
         sock = tmp / f"stage{i}.sock"
+        # A node cache of a fraction of the data set's 11.6 MB: later epochs
+        # hit, and what does not fit is rejected; the first stage also has a
+        # disk tier and a second data set.
+        cache = ["--cache-memory", "2MiB"]
+        if i == 0:
+            cache += ["--cache-dir", str(tmp / "cache0"), "--cache-disk", "4MiB", "--dataset", f"{EXTRA}={extra}"]
         r = daemons.start(f"stage{i}", [str(BIN / "sluice-stage"), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
                                          "--dataset", f"demo={data}", "--stage-id", f"stage-{i}", "--node", f"node-{i}",
-                                         "--memory-budget", "256MiB", "--controller", f"http://{grpc}"])
+                                         "--memory-budget", "256MiB", "--controller", f"http://{grpc}", *cache])
         stages.append((sock, r["metrics"]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "clients" / "python"),
                                                                      os.environ.get("PYTHONPATH")])))
     trainers = [(f"trainer{i}", TRAINER, sock, JOB) for i, (sock, _) in enumerate(stages)]
-    trainers.append(("batch-trainer", BATCH_TRAINER, stages[0][0], BATCH_JOB))
-    for name, code, sock, job in trainers:
-        r = daemons.start(name, [sys.executable, "-c", code, str(sock), job], env=env)
+    trainers.append(("batch-trainer", BATCH_TRAINER, stages[0][0], BATCH_JOB, "demo"))
+
+    def start_trainer(name, code, sock, job, *argv):
+        r = daemons.start(name, [sys.executable, "-c", code, str(sock), job, *argv], env=env)
         if r.get("line") != "ready":
             raise RuntimeError(f"{name} said {r}")
+
+    for trainer in trainers:
+        start_trainer(*trainer)
     # Listed by both stages' datasets now: every epoch's plan fails on it.
     (data / "vanishing.bin").unlink()
 
@@ -472,6 +548,14 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
         time.sleep(0.25)
     print(f"prometheus on 127.0.0.1:{port} scraping {http} (controller), "
           f"{', '.join(targets['stage'])} (stages)", flush=True)
+    if args.duration:
+        # A longer run (for --render): the second data set comes a quarter
+        # of the way in, so the cache panels show the split.
+        time.sleep(max(0.0, args.duration / 4 - (time.time() - prom_started)))
+    staging = second_data_set(tmp, grpc, stages[0], lambda: start_trainer(
+        "extra-trainer", BATCH_TRAINER, stages[0][0], BATCH_JOB, EXTRA), daemons)
+    if args.duration:
+        print(f"staged and started reading {EXTRA} at {time.time() - prom_started:.1f} s", flush=True)
 
     # Values for the template variables: both jobs (as Grafana writes a
     # multi-value selection), the pool and the first stage; each query
@@ -507,6 +591,13 @@ def run(args, tmp: Path, daemons: Daemons, dashboards: list[Path], started: floa
         walk(d.get("panels", []))
         panels_by_dash[dash] = list(panels.items())
 
+    if staging is not None:
+        # This build cannot stage: the staging series cannot exist, so the
+        # queries naming them are skipped rather than failed.
+        skipped = [c for c in checks if STAGING_METRICS & set(METRIC_RE.findall(c[1]))]
+        for name, *_ in skipped:
+            print(f"skip {name}: no staging round ({staging})", flush=True)
+        checks = [c for c in checks if c not in skipped]
     metrics = sorted({m for _, e, _, _ in checks for m in METRIC_RE.findall(e)})
     groups, why = chart_rules()
     if not groups:

@@ -127,9 +127,30 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
+"true" when the stage has a disk tier (stage.cache.disk.hostPath and .size
+both set), empty when it has none; fails when only one of the two is set
+(values.schema.json says so first, unless schema validation is skipped).
+*/}}
+{{- define "sluice.stage.cacheDisk" -}}
+{{- $d := .Values.stage.cache.disk }}
+{{- if and $d.hostPath $d.size }}true
+{{- else if or $d.hostPath $d.size }}
+{{- fail "stage.cache.disk: set both hostPath (a directory on the node) and size (how much of it the cache may fill, e.g. 200GiB), or neither" }}
+{{- end }}
+{{- end }}
+
+{{/* Where the disk tier's host directory is mounted in the stage. */}}
+{{- define "sluice.stage.cacheDir" -}}
+/var/cache/sluice
+{{- end }}
+
+{{/*
 The stage container, shared by the DaemonSet and the sidecar example.
-Call with (dict "ctx" $ "name" "stage" "stageId" <env source>).
-The caller provides the volumes: socket, datasets (dataset-<name>), tls.
+Call with (dict "ctx" $ "name" "stage" "stageId" <env source>), plus
+"cacheDisk" true where the pod has the disk tier's volume (the DaemonSet:
+sidecars on one node would share its directory).
+The caller provides the volumes: socket, datasets (dataset-<name>), tls,
+cache-disk.
 */}}
 {{- define "sluice.stage.container" -}}
 {{- $ctx := .ctx }}
@@ -144,9 +165,16 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
     - --socket=/run/sluice/stage.sock
     - --metrics-addr=0.0.0.0:{{ $v.metricsPort }}
     - --memory-budget={{ $v.memoryBudget }}
+    {{- $cacheDisk := and .cacheDisk (include "sluice.stage.cacheDisk" $ctx) }}
+    {{- if or $v.cache.memory $cacheDisk }}
     {{- with $v.cache.memory }}
     - --cache-memory={{ . }}
+    {{- end }}
     - --cache-policy={{ $v.cache.policy }}
+    {{- end }}
+    {{- if $cacheDisk }}
+    - --cache-dir={{ include "sluice.stage.cacheDir" $ctx }}
+    - --cache-disk={{ $v.cache.disk.size }}
     {{- end }}
     - --direct-io={{ $v.directIO }}
     {{- range $v.datasets }}
@@ -281,6 +309,10 @@ The caller provides the volumes: socket, datasets (dataset-<name>), tls.
       mountPath: /data/{{ .name }}
       readOnly: true
     {{- end }}
+    {{- end }}
+    {{- if $cacheDisk }}
+    - name: cache-disk
+      mountPath: {{ include "sluice.stage.cacheDir" $ctx }}
     {{- end }}
     {{- if $ctx.Values.tls.enabled }}
     - name: tls
