@@ -263,6 +263,19 @@ def test_tuner_wiring_on_a_tiny_set(tmp_path):
     assert "phase b" in out
 
 
+def test_cache_wiring_on_a_tiny_set(tmp_path):
+    _, doc = _bench(tmp_path, "cache", "--files", "40", "--size", "8KiB", "--dir", str(tmp_path / "b"),
+                      "--epochs", "3")
+    assert doc["stable"]["hit_ratio"] == pytest.approx(0.5, abs=0.05), doc["stable"]
+    assert [r["source_reads"] for r in doc["fits"]["epochs"]] == [40, 0, 0]
+    assert doc["fits"]["later_source_fraction"] == 0
+    shared = doc["shared"]
+    assert shared["samples"] == 2 * 3 * 40 and shared["source_reads"] == 40
+    assert shared["source_bytes_per_dataset_bytes"] == pytest.approx(1.0)
+    for run in (doc["stable"], doc["lru"], doc["fits"], shared):
+        assert 0 < run["peak_rss_bytes"] and run["memory_budget_bytes"] > 0
+
+
 def test_median_of_rounds_keeps_each_loaders_median_run():
     from sluice.bench.prefetch import median_of_rounds
 

@@ -9,8 +9,13 @@ stage, counting source reads and cache hits from its ``/metrics``:
    cache / data set from the second epoch on; LRU falls short of it.
 2. **Fits**: a cache larger than the data set: from the second epoch on,
    nothing is read from the source.
-3. **Shared**: two jobs with different orders read the same data set at once
-   through one cache that fits: each sample is read from the source once.
+3. **Shared**: two jobs with different orders read the same data set at once,
+   ``--epochs`` epochs each, through one cache that fits: each sample is read
+   from the source once (source bytes against the data set's bytes).
+
+Each run also reports the stage's peak resident memory (``VmHWM``) against
+its memory budget (cache plus 512MiB for prefetch buffers), with the cache
+full.
 
 Every epoch reads the data set with the page cache evicted first; with
 ``--store``/``--latency`` the source is the slow-storage harness (as in
@@ -60,7 +65,8 @@ class _Counters:
     def now(self) -> dict:
         samples = fetch_metrics(self.stage.metrics)
         reads = metric_value(samples, "sluice_stage_storage_reads_total", dataset=DATASET) or 0
-        return {"source_reads": int(reads),
+        read_bytes = metric_value(samples, "sluice_stage_storage_read_bytes_total", dataset=DATASET) or 0
+        return {"source_reads": int(reads), "source_bytes": int(read_bytes),
                 "hits": int(metric_value(samples, "sluice_stage_cache_hits_total", dataset=DATASET) or 0),
                 "cached_bytes": int(metric_value(samples, "sluice_stage_cache_bytes", dataset=DATASET) or 0)}
 
@@ -75,16 +81,28 @@ def _epoch(stage: StageProcess, storage: Storage, job: str, epoch: int, seed: in
     return n
 
 
+#: Memory budget beyond the cache: what prefetch buffers may use.
+BUFFERS = 512 << 20
+
+
 def _start(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: str, extra: List[str]) -> StageProcess:
-    budget = cache_bytes + (512 << 20)
+    budget = cache_bytes + BUFFERS
     return StageProcess.start(binary, f"{tmp}/stage-{policy}.sock", {DATASET: storage.view.root},
                               ["--memory-budget", str(budget), "--cache-memory", str(cache_bytes),
                                "--cache-policy", policy, *storage.stage_args, *extra],
                               stderr_path=f"{tmp}/stage-{policy}.stderr", timeout=120)
 
 
-def _epochs(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: str, args) -> List[dict]:
-    """Runs ``args.epochs`` epochs through a fresh stage; one row per epoch."""
+def _memory(stage: StageProcess, cache_bytes: int) -> dict:
+    """The stage's peak RSS and its budget."""
+    peak = stage.peak_rss_bytes()
+    log(f"  stage peak RSS {format_bytes(peak)}, memory budget {format_bytes(cache_bytes + BUFFERS)}")
+    return {"peak_rss_bytes": peak, "memory_budget_bytes": cache_bytes + BUFFERS}
+
+
+def _epochs(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: str, args) -> dict:
+    """Runs ``args.epochs`` epochs through a fresh stage; one row per epoch,
+    and the stage's memory."""
     stage = _start(binary, tmp, storage, cache_bytes, policy, args.stage_arg)
     rows = []
     try:
@@ -102,13 +120,15 @@ def _epochs(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: s
                          "hits": hits, "hit_ratio": hits / n, "cached_bytes": after["cached_bytes"]})
             log(f"  {policy:6} epoch {epoch}: {n / seconds:8.0f} samples/s, {reads:6} source reads, "
                 f"hit ratio {hits / n:6.1%}, cache holds {format_bytes(after['cached_bytes'])}")
+        memory = _memory(stage, cache_bytes)
     finally:
         stage.stop()
-    return rows
+    return {"epochs": rows, **memory}
 
 
 def _shared(binary: str, tmp: str, storage: Storage, cache_bytes: int, args) -> dict:
-    """Two jobs, different orders, one epoch each at the same time."""
+    """Two jobs, different orders, ``args.epochs`` epochs each at the same
+    time."""
     stage = _start(binary, tmp, storage, cache_bytes, "stable", args.stage_arg)
     try:
         evict(storage.view.paths())
@@ -117,7 +137,8 @@ def _shared(binary: str, tmp: str, storage: Storage, cache_bytes: int, args) -> 
         got = {}
 
         def run(job: str, seed: int) -> None:
-            got[job] = _epoch(stage, storage, job, 0, seed, args.batch)
+            got[job] = sum(_epoch(stage, storage, job, epoch, seed, args.batch)
+                           for epoch in range(args.epochs))
 
         threads = [threading.Thread(target=run, args=(f"job-{i}", args.seed + i)) for i in range(2)]
         for t in threads:
@@ -125,12 +146,18 @@ def _shared(binary: str, tmp: str, storage: Storage, cache_bytes: int, args) -> 
         for t in threads:
             t.join()
         after = counters.now()
+        memory = _memory(stage, cache_bytes)
     finally:
         stage.stop()
     reads = after["source_reads"] - before["source_reads"]
-    log(f"  shared: 2 jobs read {sum(got.values())} samples with {reads} source reads "
-        f"({storage.view.files} samples in the data set)")
-    return {"samples": sum(got.values()), "source_reads": reads, "hits": after["hits"] - before["hits"]}
+    read_bytes = after["source_bytes"] - before["source_bytes"]
+    ratio = read_bytes / storage.view.total_bytes
+    log(f"  shared: 2 jobs x {args.epochs} epochs read {sum(got.values())} samples with {reads} source "
+        f"reads, {format_bytes(read_bytes)} from the source = {ratio:.3f}x the data set "
+        f"({storage.view.files} samples)")
+    return {"epochs": args.epochs, "samples": sum(got.values()), "source_reads": reads,
+            "source_bytes": read_bytes, "source_bytes_per_dataset_bytes": ratio,
+            "hits": after["hits"] - before["hits"], **memory}
 
 
 def _mean(rows: List[dict], key: str) -> float:
@@ -162,12 +189,20 @@ def main(argv: Optional[list] = None) -> int:
             log(f"data set {format_bytes(total)}, cache {format_bytes(cache_bytes)} "
                 f"(optimum hit ratio {cache_bytes / total:.1%})")
             for policy in ("stable", "lru"):
-                rows = _epochs(binary, tmp, storage, cache_bytes, policy, args)
-                result[policy] = {"epochs": rows, "hit_ratio": _mean(rows, "hit_ratio"),
+                run = _epochs(binary, tmp, storage, cache_bytes, policy, args)
+                rows = run["epochs"]
+                result[policy] = {**run, "hit_ratio": _mean(rows, "hit_ratio"),
                                   "samples_per_s": _mean(rows, "samples_per_s")}
             fits = int(total * 1.25)
-            rows = _epochs(binary, tmp, storage, fits, "stable", args)
-            result["fits"] = {"cache_bytes": fits, "epochs": rows}
+            run = _epochs(binary, tmp, storage, fits, "stable", args)
+            first = run["epochs"][0]["samples_per_s"]
+            later = run["epochs"][1:]
+            result["fits"] = {"cache_bytes": fits, **run,
+                              "later_source_fraction": max(r["source_reads"] for r in later) / args.files,
+                              "later_speedup_min": min(r["samples_per_s"] for r in later) / first}
+            log(f"  fits: epochs 2+ read at most {result['fits']['later_source_fraction']:.1%} of the data "
+                f"set from the source, at {result['fits']['later_speedup_min']:.2f}x epoch 1's samples/s "
+                f"or more")
             result["shared"] = _shared(binary, tmp, storage, fits, args)
             result["storage"] = storage.describe()
     except (HarnessError, StageStartError) as e:
