@@ -135,6 +135,9 @@ class Region:
         owner = kind.from_buffer(self._mm, offset)
         owner.offset = offset
         owner.handed = False
+        # The region the sample is in: after a reconnection the client has
+        # another, and the offset means nothing there.
+        owner.region = self
         return owner
 
     def _slot_type(self, length: int) -> type:

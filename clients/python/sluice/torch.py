@@ -97,7 +97,10 @@ def _as_tensor(data, client: Client):
             return _torch.empty(0, dtype=_torch.uint8)
         tensor = _torch.frombuffer(data, dtype=_torch.uint8)
         if hasattr(data.obj, "handed"):
-            tensor._sluice_slot = (client, data.obj, client._region)
+            # The sample's own region, not the client's current one: a
+            # sample fetched before a reconnection (prefetched, or held by
+            # the caller) is not in the new stage's region.
+            tensor._sluice_slot = (client, data.obj, data.obj.region)
         return tensor
     if not data:
         return _torch.empty(0, dtype=_torch.uint8)

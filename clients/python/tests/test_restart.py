@@ -208,6 +208,31 @@ def test_dataloader_with_4_workers_survives_a_stage_restart(restartable, many_fi
     assert max(gaps) >= 0.9
 
 
+def test_a_sample_from_before_a_restart_is_never_handed_off_into_the_new_region(restartable, many_files):
+    """A DataLoader worker's sample fetched before its client reconnected
+    lives in the old stage's region: handing its offset to the new stage
+    would make the main process read whatever the new stage put there."""
+    pytest.importorskip("torch")
+    import sluice.torch as st
+
+    root, files = many_files
+    stage = restartable(root)
+    with sluice.Client(stage.sock, job="handoff", reconnect=30) as c:
+        ds = c.dataset("ds")
+        with ds.epoch(0, seed=1, batch=4) as it:
+            name, data = next(iter(it))
+        assert c.shared_memory and isinstance(data, memoryview)
+        restart_after(stage, 0.2).join()
+        other = sorted(files)[1]
+        assert bytes(ds.read(other)) == files[other]  # reconnects
+        # Made into a tensor after the reconnection, as a prefetched sample is.
+        before = st._as_tensor(data, c)
+        assert c._region is not None and before._sluice_slot[2] is not c._region
+        rebuild, args = st._SlotBatch([before]).__reduce__()
+        assert rebuild is st._stack, "the old slot went out as an offset into the new region"
+        assert rebuild(*args)[0].numpy().tobytes() == files[name]
+
+
 def test_a_panic_in_one_connection_leaves_every_other_job_served(stage_factory, many_files, monkeypatch):
     root, files = many_files
     monkeypatch.setenv("SLUICE_STAGE_PANIC_JOB", "victim")
