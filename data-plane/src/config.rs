@@ -160,6 +160,14 @@ pub struct Args {
     /// How much of --cache-dir the disk tier may fill, e.g. `200GiB`.
     #[arg(long, env = "SLUICE_CACHE_DISK")]
     pub cache_disk: Option<ByteSize>,
+    /// Serve every dataset read-only under this directory, as
+    /// DIR/<dataset>/... (reads belong to --mount-job) and
+    /// DIR/@<job>/<dataset>/... (reads belong to <job>); needs /dev/fuse.
+    #[arg(long, env = "SLUICE_MOUNT")]
+    pub mount: Option<PathBuf>,
+    /// The job of reads through the mount that name none [default: mount].
+    #[arg(long, env = "SLUICE_MOUNT_JOB")]
+    pub mount_job: Option<String>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -195,6 +203,10 @@ pub struct StageFile {
     pub stage_id: Option<String>,
     /// UNIX socket for trainers.
     pub socket: Option<PathBuf>,
+    /// Directory the data sets are mounted under (read-only FUSE).
+    pub mount: Option<PathBuf>,
+    /// Job of mount reads that name none.
+    pub mount_job: Option<String>,
     /// Optional TCP address for trainers.
     pub listen: Option<SocketAddr>,
     /// Address for `/metrics` and `/healthz`.
@@ -324,6 +336,8 @@ pub struct StageConfig {
     pub s3: S3Options,
     /// The node cache (its memory is part of `memory_budget`).
     pub cache: CacheOptions,
+    /// The read-only mount, and the job of reads that name none.
+    pub mount: Option<(PathBuf, String)>,
 }
 
 /// The node cache's configuration.
@@ -404,6 +418,16 @@ impl StageConfig {
             rule.validate(i).map_err(ConfigError)?;
         }
         let trainer_access = TrainerAccess::new(file.trainers);
+        let mount_job = args
+            .mount_job
+            .or(file.mount_job)
+            .unwrap_or_else(|| DEFAULT_MOUNT_JOB.to_owned());
+        if !crate::protocol::valid_job_id(&mount_job) {
+            return Err(ConfigError(format!(
+                "--mount-job `{mount_job}` is not a job id: use 1 to 128 letters, digits, `.`, `_` and `-`"
+            )));
+        }
+        let mount = args.mount.or(file.mount).map(|dir| (dir, mount_job));
         Ok(Self {
             stage_id,
             socket,
@@ -424,9 +448,13 @@ impl StageConfig {
             job,
             s3,
             cache,
+            mount,
         })
     }
 }
+
+/// The job of reads through the mount that name none.
+pub const DEFAULT_MOUNT_JOB: &str = "mount";
 
 /// Returns the file's datasets with the `--dataset` flags laid over them (a
 /// flag replaces the file's dataset of the same name), refusing none at all

@@ -187,7 +187,13 @@ impl Engine {
     /// force for it.
     /// The caller holds a connection to it until the handle is dropped.
     pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
-        self.attach_with(id, labels, true)
+        self.attach_with(id, Some(labels), true)
+    }
+
+    /// [`Engine::attach`] for a reader that declares no labels (a read
+    /// through the mount): a job that exists keeps its labels.
+    pub fn attach_keeping_labels(&self, id: &str) -> job::JobHandle {
+        self.attach_with(id, None, true)
     }
 
     /// [`Engine::attach`], with buffers in shared memory only when
@@ -195,7 +201,7 @@ impl Engine {
     fn attach_with(
         &self,
         id: &str,
-        labels: BTreeMap<String, String>,
+        labels: Option<BTreeMap<String, String>>,
         shared: bool,
     ) -> job::JobHandle {
         let mut jobs = lock(&self.jobs);
@@ -219,10 +225,12 @@ impl Engine {
                     metrics: Arc::clone(&self.metrics),
                     cache: self.cache.clone(),
                 };
-                Job::start(id, labels.clone(), config, start)
+                Job::start(id, labels.clone().unwrap_or_default(), config, start)
             })
             .clone();
-        job.set_labels(labels);
+        if let Some(labels) = labels {
+            job.set_labels(labels);
+        }
         let handle = job::JobHandle::new(job);
         if started {
             // After the handle exists: the report shows the connection.
@@ -339,7 +347,7 @@ impl Engine {
                 rounds.push(Round {
                     dataset: Arc::clone(dataset),
                     cache: Arc::clone(cache),
-                    job: self.attach_with(&id, labels, false),
+                    job: self.attach_with(&id, Some(labels), false),
                     round: c.staging_round,
                 });
             }

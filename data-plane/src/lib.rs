@@ -18,6 +18,7 @@ mod fault;
 mod http;
 mod job_config;
 mod metrics;
+mod mount;
 mod plan;
 mod protocol;
 mod server;
@@ -105,6 +106,8 @@ pub struct Stage {
     http: TcpListener,
     controller: Option<(String, session::Identity)>,
     access: Arc<TrainerAccess>,
+    /// The read-only mount, unmounted at shutdown.
+    mount: Option<mount::Mount>,
 }
 
 /// The addresses a bound stage listens on (printed as its ready line).
@@ -113,6 +116,8 @@ pub struct Addresses {
     pub socket: PathBuf,
     pub tcp: Option<SocketAddr>,
     pub metrics: SocketAddr,
+    /// Where the data sets are mounted, if they are.
+    pub mount: Option<PathBuf>,
 }
 
 impl Stage {
@@ -165,8 +170,18 @@ impl Stage {
             };
             (url, identity)
         });
+        let mount = match &config.mount {
+            Some((dir, job)) => Some(mount::mount(
+                Arc::clone(&engine),
+                dir,
+                job,
+                tokio::runtime::Handle::current(),
+            )?),
+            None => None,
+        };
         Ok(Self {
             engine,
+            mount,
             stage_id: config.stage_id.into(),
             socket_path: config.socket,
             unix,
@@ -182,6 +197,7 @@ impl Stage {
             socket: self.socket_path.clone(),
             tcp: self.tcp.as_ref().map(TcpListener::local_addr).transpose()?,
             metrics: self.http.local_addr()?,
+            mount: self.mount.as_ref().map(|m| m.dir().to_owned()),
         })
     }
 
@@ -197,6 +213,7 @@ impl Stage {
             http,
             controller,
             access,
+            mount,
         } = self;
         let tracker = TaskTracker::new();
         // The long-lived tasks: each runs until `cancel` fires, so one that
@@ -265,6 +282,7 @@ impl Stage {
         {
             warn!("some trainer connections did not finish within the drain timeout");
         }
+        drop(mount);
         engine.stop();
         let _ = std::fs::remove_file(&socket_path);
         while let Some((name, ended)) = critical.join_next().await {

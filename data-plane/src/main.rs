@@ -52,6 +52,7 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
         "socket": addrs.socket,
         "tcp": addrs.tcp.map(|a| a.to_string()),
         "metrics": addrs.metrics.to_string(),
+        "mount": addrs.mount,
     });
     println!("{ready}");
     tracing::info!(socket = %addrs.socket.display(), metrics = %addrs.metrics, "stage ready");

@@ -648,6 +648,19 @@ pub enum FrameReadError {
     Io(#[from] std::io::Error),
 }
 
+/// Longest job id.
+pub const MAX_JOB_BYTES: usize = 128;
+
+/// Whether `job` is a job id trainers may claim: 1 to [`MAX_JOB_BYTES`]
+/// letters, digits, `.`, `_` and `-`.
+pub fn valid_job_id(job: &str) -> bool {
+    !job.is_empty()
+        && job.len() <= MAX_JOB_BYTES
+        && job
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,7 +30,7 @@ use crate::trust::{Peer, TrainerAccess};
 use shared::Shared;
 
 /// Limits on what `HELLO` may carry.
-const MAX_JOB_BYTES: usize = 128;
+use crate::protocol::MAX_JOB_BYTES;
 const MAX_LABELS: usize = 64;
 const MAX_LABEL_KEY: usize = 63;
 const MAX_LABEL_VALUE: usize = 256;
@@ -324,12 +324,7 @@ impl Connection {
                 ),
             ));
         }
-        let valid_job = !job.is_empty()
-            && job.len() <= MAX_JOB_BYTES
-            && job
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-        if !valid_job {
+        if !crate::protocol::valid_job_id(job) {
             return Err(invalid(format!(
                 "job id `{job}` is invalid: use 1 to {MAX_JOB_BYTES} characters of letters, digits, `.`, `_` and `-`"
             )));
@@ -668,7 +663,7 @@ fn data(sample: Sample) -> Result<crate::chunk::Chunk, ProtocolError> {
 
 /// Reads a byte range of `name` for the trainer now (not from a plan), off
 /// the async runtime, counted as delivered.
-async fn read_now(
+pub(crate) async fn read_now(
     job: &Arc<crate::engine::Job>,
     dataset: Arc<Dataset>,
     name: String,

@@ -1,0 +1,138 @@
+"""The read-only mount (``--mount DIR``) end to end: plain file reads of
+every data set through a real FUSE mount of the stage, attributed to jobs
+by path, exactly once with a job's plan, and refused writes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+import sluice
+from sluice.bench.common import metric_value, parse_prometheus
+
+from conftest import http_get, stage_binary, start_stage
+
+
+def walk(root) -> dict:
+    """Every file under ``root``: relative name -> bytes, read with open()."""
+    found = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = f.read()
+    return found
+
+
+def job_delivered(stage, job: str) -> int:
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    return int(metric_value(samples, "sluice_stage_delivered_bytes_total", job=job) or 0)
+
+
+@pytest.fixture
+def mounted(tmp_path, stage_factory, dataset):
+    root, files = dataset
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    assert stage.ready["mount"] == str(mnt)
+    return stage, mnt, files
+
+
+def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
+    stage, mnt, files = mounted
+    assert os.listdir(mnt) == ["ds"]
+    assert walk(mnt / "ds") == files
+    for name, data in files.items():
+        st = os.stat(mnt / "ds" / name)
+        assert st.st_size == len(data) and st.st_mode & 0o777 == 0o444, name
+    # Reads at any offset and size.
+    big = max(files, key=lambda n: len(files[n]))
+    with open(mnt / "ds" / big, "rb", buffering=0) as f:
+        f.seek(1_000_003)
+        assert f.read(7) == files[big][1_000_003:1_000_010]
+        f.seek(len(files[big]) - 2)
+        assert f.read(100) == files[big][-2:]
+    assert job_delivered(stage, "mount") > 0, "reads that name no job belong to the default job"
+
+
+def test_writes_of_every_kind_are_refused(mounted):
+    _stage, mnt, files = mounted
+    name = next(iter(files))
+    attempts = [
+        lambda: open(mnt / "ds" / name, "r+b"),
+        lambda: open(mnt / "ds" / "new.bin", "wb"),
+        lambda: os.mkdir(mnt / "ds" / "newdir"),
+        lambda: os.rename(mnt / "ds" / name, mnt / "ds" / "moved"),
+        lambda: os.unlink(mnt / "ds" / name),
+        lambda: os.chmod(mnt / "ds" / name, 0o777),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as e:
+            attempt()
+        assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM), e.value
+    assert walk(mnt / "ds") == files, "nothing changed"
+    with pytest.raises(FileNotFoundError):
+        open(mnt / "nothing")
+    with pytest.raises(FileNotFoundError):
+        open(mnt / "@bad job" / "ds" / name)
+
+
+def test_a_path_names_the_job_its_reads_belong_to(mounted):
+    stage, mnt, files = mounted
+    with sluice.Client(stage.socket, job="tagged", labels={"team": "vision"}) as c:
+        assert walk(mnt / "@tagged" / "ds") == files
+        total = sum(len(d) for d in files.values())
+        assert job_delivered(stage, "tagged") == total
+        jobs = json.loads(http_get(stage.metrics, "/api/v1/jobs"))
+        tagged = next(j for j in jobs if j["job"] == "tagged")
+        assert tagged["labels"] == {"team": "vision"}, "the mount keeps the labels trainers declared"
+        del c
+
+
+def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
+    stage, mnt, files = mounted
+    names = sorted(files)
+    with sluice.Client(stage.socket, job="planned") as c:
+        with c.dataset("ds").epoch(0, seed=4, batch=4) as it:
+            # Half the files are opened through the mount while the plan
+            # is active: each is that entry's delivery.
+            opened = {}
+            for name in names[::2]:
+                with open(mnt / "@planned" / "ds" / name, "rb") as f:
+                    opened[name] = f.read()
+            streamed = dict(it)
+    assert all(opened[n] == files[n] for n in opened)
+    assert all(streamed[n] == files[n] for n in streamed)
+    assert not set(opened) & set(streamed), "a sample was delivered twice"
+    assert set(opened) | set(streamed) == set(files)
+
+
+def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, stage_factory, dataset):
+    root, files = dataset
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    crashed = start_stage(tmp_path, {"ds": root}, "--mount", str(mnt))
+    crashed.proc.send_signal(signal.SIGKILL)
+    crashed.proc.wait()
+    with pytest.raises(OSError) as e:
+        os.listdir(mnt)
+    assert e.value.errno == errno.ENOTCONN
+    again = stage_factory({"ds": root}, "--mount", str(mnt))
+    assert walk(mnt / "ds") == files
+    assert "stale mount" in again.stderr_tail()
+    again.stop()
+    assert os.listdir(mnt) == [], "SIGTERM unmounts"
+
+
+def test_a_missing_mount_directory_is_a_clear_error(tmp_path, dataset):
+    root, _ = dataset
+    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
+                          "--mount", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=30)
+    assert run.returncode != 0
+    assert f"the mount directory {tmp_path / 'nowhere'}" in run.stderr, run.stderr

@@ -1,0 +1,579 @@
+//! The read-only mount (`--mount DIR`): every data set as `DIR/<dataset>/...`
+//! with its listing's tree and sizes, read by opening files, so that code
+//! which does not use the client (a torchvision `ImageFolder`, `tf.data`,
+//! DLIO) reads through the stage.
+//!
+//! Reads through the mount are a job's reads, by path, which works across
+//! containers (the stage cannot see readers' PIDs in other PID
+//! namespaces): `DIR/@<job>/<dataset>/...` belongs to `<job>`, and
+//! `DIR/<dataset>/...` to the default job (`--mount-job`, `mount`). They go
+//! through the same engine calls as the socket's: an `open` of a file that
+//! one of the job's plans holds undelivered is served from the prefetch
+//! buffer and counts as that entry's delivery (so a sampler that submitted
+//! the epoch's order gets each file exactly once, whoever opens it), and any
+//! other read is a range read through the job's limiter and the node cache.
+//! A job's labels are the ones its trainers declared (`HELLO`): the mount
+//! never changes them.
+//!
+//! The kernel keeps names, attributes and file pages (`FOPEN_KEEP_CACHE`)
+//! for [`TTL`]; listings are refreshed as the socket's are. Requests are
+//! answered on the stage's runtime, so a slow read does not hold the
+//! others. Writes of any kind are refused with `EROFS`.
+
+mod tree;
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use fuser::{
+    FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request,
+};
+use tokio::runtime::Handle;
+use tracing::{info, warn};
+
+use crate::chunk::Chunk;
+use crate::dataset::Dataset;
+use crate::engine::{Engine, JobHandle, Reservation};
+use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
+use crate::server::read_now;
+use crate::sync::lock;
+use tree::{Entry, Trees};
+
+/// How long the kernel may keep names, attributes and pages.
+pub const TTL: Duration = Duration::from_secs(60);
+
+/// The inode of the mount's root.
+const ROOT: u64 = fuser::FUSE_ROOT_ID;
+
+/// A live mount; unmounted when dropped.
+pub struct Mount {
+    _session: fuser::BackgroundSession,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mount({})", self.dir.display())
+    }
+}
+
+impl Mount {
+    /// Where the data sets are mounted.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        info!(dir = %self.dir.display(), "unmounting");
+    }
+}
+
+/// Mounts the engine's data sets at `dir` (recovering a stale mount a
+/// crashed stage left there); reads that name no job belong to
+/// `default_job`. Requests are answered on `runtime`.
+pub fn mount(
+    engine: Arc<Engine>,
+    dir: &Path,
+    default_job: &str,
+    runtime: Handle,
+) -> anyhow::Result<Mount> {
+    if !Path::new("/dev/fuse").exists() {
+        anyhow::bail!(
+            "cannot mount at {}: /dev/fuse does not exist (load the fuse module, or give the container the device)",
+            dir.display()
+        );
+    }
+    recover_stale(dir)?;
+    let fs = MountFs {
+        engine,
+        runtime,
+        default_job: Arc::from(default_job),
+        nodes: Nodes::default(),
+        trees: Trees::default(),
+        open: Arc::new(Mutex::new(HashMap::new())),
+        next_fh: AtomicU64::new(1),
+        started: SystemTime::now(),
+    };
+    let options = [
+        MountOption::RO,
+        MountOption::FSName("sluice".to_owned()),
+        MountOption::Subtype("sluice".to_owned()),
+        MountOption::AllowOther,
+        MountOption::DefaultPermissions,
+    ];
+    let session = fuser::spawn_mount2(fs, dir, &options).with_context(|| {
+        format!(
+            "cannot mount at {} (mounting needs root or fusermount3, /dev/fuse, and an existing directory)",
+            dir.display()
+        )
+    })?;
+    info!(dir = %dir.display(), default_job, "data sets mounted read-only");
+    Ok(Mount {
+        _session: session,
+        dir: dir.to_owned(),
+    })
+}
+
+/// Unmounts what a crashed stage left at `dir` (its `stat` fails with
+/// `ENOTCONN`: "transport endpoint is not connected").
+fn recover_stale(dir: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(dir) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            warn!(dir = %dir.display(), "a stale mount is in the way (a stage that crashed?): unmounting it");
+            let lazy = |program: &str, args: &[&str]| {
+                std::process::Command::new(program)
+                    .args(args)
+                    .arg(dir)
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            };
+            if !lazy("fusermount3", &["-u", "-z"]) && !lazy("umount", &["-l"]) {
+                anyhow::bail!(
+                    "a stale mount at {} cannot be removed: run `fusermount3 -u {}` or `umount -l {}` as root",
+                    dir.display(),
+                    dir.display(),
+                    dir.display()
+                );
+            }
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("the mount directory {}", dir.display())),
+        Ok(meta) if !meta.is_dir() => anyhow::bail!("{} is not a directory", dir.display()),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// What an inode is.
+#[derive(Debug, Clone)]
+enum Node {
+    Root,
+    /// `@<job>`: the data sets, read as `job`.
+    JobRoot(Arc<str>),
+    /// A directory of a data set (`path` "" is its root), read as `job`.
+    Dir {
+        job: Arc<str>,
+        dataset: Arc<Dataset>,
+        path: String,
+    },
+    File {
+        job: Arc<str>,
+        dataset: Arc<Dataset>,
+        name: String,
+        size: u64,
+    },
+}
+
+/// Inodes, each made once per (parent, name) and kept for the mount's life.
+#[derive(Debug, Default)]
+struct Nodes {
+    nodes: Vec<Node>,
+    by_name: HashMap<(u64, Vec<u8>), u64>,
+}
+
+impl Nodes {
+    fn get(&self, ino: u64) -> Option<&Node> {
+        match ino {
+            ROOT => Some(&Node::Root),
+            _ => self
+                .nodes
+                .get(usize::try_from(ino.checked_sub(ROOT + 1)?).ok()?),
+        }
+    }
+
+    /// The inode of `name` in `parent`, made from `node` the first time.
+    fn intern(&mut self, parent: u64, name: &[u8], node: impl FnOnce() -> Node) -> u64 {
+        if let Some(&ino) = self.by_name.get(&(parent, name.to_vec())) {
+            return ino;
+        }
+        self.nodes.push(node());
+        let ino = ROOT + self.nodes.len() as u64;
+        self.by_name.insert((parent, name.to_vec()), ino);
+        ino
+    }
+}
+
+/// A file opened through the mount: the job it is read as, and its bytes
+/// when a plan entry delivered it whole.
+struct Open {
+    job: JobHandle,
+    dataset: Arc<Dataset>,
+    name: String,
+    whole: Option<(Chunk, Reservation)>,
+}
+
+struct MountFs {
+    engine: Arc<Engine>,
+    runtime: Handle,
+    default_job: Arc<str>,
+    nodes: Nodes,
+    trees: Trees,
+    open: Arc<Mutex<HashMap<u64, Open>>>,
+    next_fh: AtomicU64,
+    started: SystemTime,
+}
+
+impl MountFs {
+    fn attr(&self, ino: u64, node: &Node) -> FileAttr {
+        let (kind, perm, size, nlink) = match node {
+            Node::File { size, .. } => (FileType::RegularFile, 0o444, *size, 1),
+            _ => (FileType::Directory, 0o555, 0, 2),
+        };
+        FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.started,
+            mtime: self.started,
+            ctime: self.started,
+            crtime: self.started,
+            kind,
+            perm,
+            nlink,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            blksize: 1 << 20,
+            flags: 0,
+        }
+    }
+
+    /// The child `name` of `parent`, as a node not yet interned.
+    fn child(&self, parent: &Node, name: &OsStr) -> Result<Node, i32> {
+        let text = name.to_str().ok_or(libc::ENOENT)?;
+        match parent {
+            Node::Root => {
+                if let Some(job) = text.strip_prefix('@') {
+                    return if valid_job_id(job) {
+                        Ok(Node::JobRoot(Arc::from(job)))
+                    } else {
+                        Err(libc::ENOENT)
+                    };
+                }
+                self.dataset_root(&self.default_job, text)
+            }
+            Node::JobRoot(job) => self.dataset_root(job, text),
+            Node::Dir { job, dataset, path } => {
+                let tree = self.trees.of(dataset).map_err(|e| errno(&e))?;
+                match tree.entry(path, text) {
+                    Some(Entry::Dir(path)) => Ok(Node::Dir {
+                        job: Arc::clone(job),
+                        dataset: Arc::clone(dataset),
+                        path,
+                    }),
+                    Some(Entry::File(name, size)) => Ok(Node::File {
+                        job: Arc::clone(job),
+                        dataset: Arc::clone(dataset),
+                        name,
+                        size,
+                    }),
+                    None => Err(libc::ENOENT),
+                }
+            }
+            Node::File { .. } => Err(libc::ENOTDIR),
+        }
+    }
+
+    fn dataset_root(&self, job: &Arc<str>, name: &str) -> Result<Node, i32> {
+        let dataset = self.engine.dataset(name).ok_or(libc::ENOENT)?;
+        Ok(Node::Dir {
+            job: Arc::clone(job),
+            dataset,
+            path: String::new(),
+        })
+    }
+
+    /// The entries of a directory node: (name, is a directory).
+    fn entries(&self, node: &Node) -> Result<Vec<(String, bool)>, i32> {
+        match node {
+            Node::Root | Node::JobRoot(_) => Ok(self
+                .engine
+                .dataset_names()
+                .into_iter()
+                .map(|n| (n, true))
+                .collect()),
+            Node::Dir { dataset, path, .. } => {
+                let tree = self.trees.of(dataset).map_err(|e| errno(&e))?;
+                Ok(tree.list(path))
+            }
+            Node::File { .. } => Err(libc::ENOTDIR),
+        }
+    }
+}
+
+/// The `errno` for an error of the stage.
+fn errno(e: &ProtocolError) -> i32 {
+    match e.code {
+        ErrorCode::NotFound | ErrorCode::NoSuchDataset => libc::ENOENT,
+        ErrorCode::ForbiddenPath => libc::EACCES,
+        ErrorCode::InvalidArgument => libc::EINVAL,
+        _ => libc::EIO,
+    }
+}
+
+impl Filesystem for MountFs {
+    fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
+        // Many reads in flight at once, and large ones.
+        let _ = config.set_max_background(512);
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        let Some(parent_node) = self.nodes.get(parent).cloned() else {
+            return reply.error(libc::ENOENT);
+        };
+        match self.child(&parent_node, name) {
+            Ok(node) => {
+                let ino = self.nodes.intern(parent, name.as_bytes(), || node.clone());
+                reply.entry(&TTL, &self.attr(ino, &node), 0);
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+        match self.nodes.get(ino) {
+            Some(node) => reply.attr(&TTL, &self.attr(ino, node)),
+            None => reply.error(libc::ENOENT),
+        }
+    }
+
+    fn readdir(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(node) = self.nodes.get(ino).cloned() else {
+            return reply.error(libc::ENOENT);
+        };
+        let entries = match self.entries(&node) {
+            Ok(entries) => entries,
+            Err(e) => return reply.error(e),
+        };
+        let dots = [
+            (ino, FileType::Directory, "."),
+            (ino, FileType::Directory, ".."),
+        ];
+        let skip = usize::try_from(offset).unwrap_or(0);
+        let mut index = 0usize;
+        for (child, kind, name) in dots {
+            index += 1;
+            if index > skip && reply.add(child, index as i64, kind, name) {
+                return reply.ok();
+            }
+        }
+        for (name, is_dir) in entries.iter().skip(skip.saturating_sub(2)) {
+            index = index.max(skip) + 1;
+            let Ok(child) = self.child(&node, OsStr::new(name)) else {
+                continue;
+            };
+            let child_ino = self.nodes.intern(ino, name.as_bytes(), || child);
+            let kind = if *is_dir {
+                FileType::Directory
+            } else {
+                FileType::RegularFile
+            };
+            if reply.add(child_ino, index as i64, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+        if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
+            return reply.error(libc::EROFS);
+        }
+        let Some(Node::File {
+            job, dataset, name, ..
+        }) = self.nodes.get(ino).cloned()
+        else {
+            return reply.error(libc::EISDIR);
+        };
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let handle = self.engine.attach_keeping_labels(&job);
+        let open = Arc::clone(&self.open);
+        self.runtime.spawn(async move {
+            let job = Arc::clone(handle.job());
+            // A plan entry of the job is delivered whole, exactly once.
+            let whole = match job.read_planned(&dataset.name, &name).await {
+                Some((sample, reservation)) => match sample.data {
+                    Ok(Payload::Bytes(chunk)) => Some((chunk, reservation)),
+                    Ok(Payload::Shared { .. }) => None,
+                    Err(e) => return reply.error(errno(&e)),
+                },
+                None => None,
+            };
+            lock(&open).insert(
+                fh,
+                Open {
+                    job: handle,
+                    dataset,
+                    name,
+                    whole,
+                },
+            );
+            reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+        });
+    }
+
+    fn read(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        fh: u64,
+        offset: i64,
+        size: u32,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        reply: ReplyData,
+    ) {
+        let Ok(offset) = u64::try_from(offset) else {
+            return reply.error(libc::EINVAL);
+        };
+        let target = {
+            let open = lock(&self.open);
+            let Some(file) = open.get(&fh) else {
+                return reply.error(libc::EBADF);
+            };
+            if let Some((chunk, _)) = &file.whole {
+                let bytes: &[u8] = chunk;
+                let start = usize::try_from(offset)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                let end = start.saturating_add(size as usize).min(bytes.len());
+                return reply.data(&bytes[start..end]);
+            }
+            (
+                Arc::clone(file.job.job()),
+                Arc::clone(&file.dataset),
+                file.name.clone(),
+            )
+        };
+        let (job, dataset, name) = target;
+        self.runtime.spawn(async move {
+            let sample = read_now(&job, dataset, name, offset, u64::from(size)).await;
+            match sample.data {
+                Ok(Payload::Bytes(chunk)) => reply.data(&chunk),
+                Ok(Payload::Shared { .. }) => reply.error(libc::EIO),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn release(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        fh: u64,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let closed = lock(&self.open).remove(&fh);
+        drop(closed);
+        reply.ok();
+    }
+
+    fn opendir(&mut self, _req: &Request<'_>, ino: u64, _flags: i32, reply: ReplyOpen) {
+        match self.nodes.get(ino) {
+            Some(Node::File { .. }) => reply.error(libc::ENOTDIR),
+            Some(_) => reply.opened(0, 0),
+            None => reply.error(libc::ENOENT),
+        }
+    }
+
+    fn setattr(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        _size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<u64>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<u32>,
+        reply: ReplyAttr,
+    ) {
+        reply.error(libc::EROFS);
+    }
+
+    fn mknod(
+        &mut self,
+        _req: &Request<'_>,
+        _parent: u64,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(libc::EROFS);
+    }
+
+    fn mkdir(
+        &mut self,
+        _req: &Request<'_>,
+        _parent: u64,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(libc::EROFS);
+    }
+
+    fn unlink(&mut self, _req: &Request<'_>, _parent: u64, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(libc::EROFS);
+    }
+
+    fn rmdir(&mut self, _req: &Request<'_>, _parent: u64, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(libc::EROFS);
+    }
+
+    fn rename(
+        &mut self,
+        _req: &Request<'_>,
+        _parent: u64,
+        _name: &OsStr,
+        _newparent: u64,
+        _newname: &OsStr,
+        _flags: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(libc::EROFS);
+    }
+
+    fn create(
+        &mut self,
+        _req: &Request<'_>,
+        _parent: u64,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: fuser::ReplyCreate,
+    ) {
+        reply.error(libc::EROFS);
+    }
+}

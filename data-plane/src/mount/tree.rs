@@ -1,0 +1,133 @@
+//! A data set's listing as a directory tree: which names each directory
+//! holds, built once per listing (a listing changes when the stage lists
+//! the data set again).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use crate::dataset::Dataset;
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::sync::lock;
+
+/// What a name in a directory is.
+pub enum Entry {
+    /// A directory, by its path in the data set.
+    Dir(String),
+    /// A file: its name in the data set and its size.
+    File(String, u64),
+}
+
+/// One listing's directories.
+#[derive(Debug, Default)]
+pub struct Tree {
+    /// Per directory path ("" the root): its names, a size for files.
+    dirs: HashMap<String, BTreeMap<String, Option<u64>>>,
+}
+
+impl Tree {
+    fn new<'a>(files: impl Iterator<Item = (&'a str, u64)>) -> Self {
+        let mut dirs: HashMap<String, BTreeMap<String, Option<u64>>> = HashMap::new();
+        dirs.insert(String::new(), BTreeMap::new());
+        for (name, size) in files {
+            let mut parent = "";
+            let mut rest = name;
+            while let Some((dir, tail)) = rest.split_once('/') {
+                let path = &name[..name.len() - tail.len() - 1];
+                let fresh = !dirs.contains_key(path);
+                if fresh {
+                    dirs.insert(path.to_owned(), BTreeMap::new());
+                    dirs.entry(parent.to_owned())
+                        .or_default()
+                        .insert(dir.to_owned(), None);
+                }
+                parent = path;
+                rest = tail;
+            }
+            dirs.entry(parent.to_owned())
+                .or_default()
+                .insert(rest.to_owned(), Some(size));
+        }
+        Self { dirs }
+    }
+
+    /// The entry `name` of directory `path`.
+    pub fn entry(&self, path: &str, name: &str) -> Option<Entry> {
+        let size = *self.dirs.get(path)?.get(name)?;
+        let full = if path.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{path}/{name}")
+        };
+        Some(match size {
+            None => Entry::Dir(full),
+            Some(size) => Entry::File(full, size),
+        })
+    }
+
+    /// The names of directory `path`, sorted, each with whether it is a
+    /// directory.
+    pub fn list(&self, path: &str) -> Vec<(String, bool)> {
+        self.dirs.get(path).map_or_else(Vec::new, |names| {
+            names
+                .iter()
+                .map(|(name, size)| (name.clone(), size.is_none()))
+                .collect()
+        })
+    }
+}
+
+/// Each data set's tree, for the listing it was built from.
+#[derive(Debug, Default)]
+pub struct Trees {
+    by_dataset: Mutex<HashMap<String, (u64, Arc<Tree>)>>,
+}
+
+impl Trees {
+    /// The tree of the data set's current listing (listing it if needed).
+    pub fn of(&self, dataset: &Dataset) -> Result<Arc<Tree>, ProtocolError> {
+        let listing = dataset.listing().map_err(|e| {
+            ProtocolError::new(
+                ErrorCode::IoError,
+                format!("cannot list dataset `{}`: {e}", dataset.name),
+            )
+        })?;
+        let mut trees = lock(&self.by_dataset);
+        if let Some((digest, tree)) = trees.get(&dataset.name)
+            && *digest == listing.digest
+        {
+            return Ok(Arc::clone(tree));
+        }
+        let files = listing.files.iter().map(|f| (f.name.as_str(), f.size));
+        let tree = Arc::new(Tree::new(files));
+        trees.insert(dataset.name.clone(), (listing.digest, Arc::clone(&tree)));
+        Ok(tree)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listing_becomes_its_directories() {
+        let files = [
+            ("a/b/1.bin", 1),
+            ("a/b/2.bin", 2),
+            ("a/3.bin", 3),
+            ("top", 4),
+        ];
+        let tree = Tree::new(files.into_iter());
+        assert_eq!(
+            tree.list(""),
+            [("a".to_owned(), true), ("top".to_owned(), false)]
+        );
+        assert_eq!(
+            tree.list("a"),
+            [("3.bin".to_owned(), false), ("b".to_owned(), true)]
+        );
+        assert!(matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, 2)) if n == "a/b/2.bin"));
+        assert!(matches!(tree.entry("", "a"), Some(Entry::Dir(p)) if p == "a"));
+        assert!(tree.entry("a", "nothing").is_none());
+        assert!(tree.list("missing").is_empty());
+    }
+}
