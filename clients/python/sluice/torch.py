@@ -32,7 +32,21 @@ rank's order as a plan of its own, so every entry comes exactly once::
         for names, images in loader:
             ...
 
-Both datasets yield ``(name, sample)`` pairs: ``sample`` is the file's
+**Any file-reading dataset over the stage's mount** (``sluice-stage
+--mount /mnt/sluice``; a torchvision ``ImageFolder``, say): pair it with
+:class:`MountSampler`, over the paths of ``/mnt/sluice/@<job>/<dataset>/``,
+so that the stage knows each epoch's order and the workers' opens are
+served from its buffer, each file once::
+
+    folder = ImageFolder("/mnt/sluice/@resnet50/imagenet/train")
+    sampler = MountSampler([p for p, _ in folder.samples], "/run/sluice/stage.sock", seed=1234)
+    loader = DataLoader(folder, batch_size=256, sampler=sampler, num_workers=8)
+    for epoch in range(90):
+        sampler.set_epoch(epoch)
+        for images, labels in loader:
+            ...
+
+Both sluice datasets yield ``(name, sample)`` pairs: ``sample`` is the file's
 bytes as a ``torch.uint8`` tensor (``sample="tensor"``, the default), or
 ``transform(tensor)`` when a transform is given (``torchvision.io.decode_jpeg``
 takes it as it is). The name lets a transform-free pipeline derive labels
@@ -68,7 +82,7 @@ from __future__ import annotations
 import os
 import select
 import socket
-from typing import Callable, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as _dist
 import torch.utils.data as _data
@@ -81,7 +95,7 @@ from .client import DEFAULT_PREFETCH, Client, Dataset
 from .errors import ConnectionClosedError, ErrorCode, SluiceError, error_from_code
 from .protocol import PlanState
 
-__all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "collate"]
+__all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
 
 #: What a sample is handed over as (``sample=``).
 SAMPLE_TYPES = ("tensor", "bytes", "memoryview")
@@ -434,6 +448,89 @@ class SluiceSampler(_data.Sampler):
             # Not back (yet): the workers' reads go on without the plan,
             # and reconnect on their own.
             self._plan = None
+
+    def close(self) -> None:
+        """Closes the sampler's connection (the stage frees the plan's buffer)."""
+        self._plan = None
+        self._conn.close()
+
+
+def _mount_names(paths: Sequence[str]) -> Tuple[str, str, List[str]]:
+    """(job, dataset, names) of files under a stage's mount, every path
+    being ``.../@<job>/<dataset>/<name>``."""
+    found = set()
+    names = []
+    for path in paths:
+        parts = os.path.normpath(os.fspath(path)).split(os.sep)
+        at = next((i for i in range(len(parts) - 2, -1, -1) if parts[i].startswith("@")), None)
+        if at is None or at + 2 >= len(parts):
+            raise ValueError(f"{path} is not under a stage's mount as MOUNT/@<job>/<dataset>/<file>: "
+                             "open the data set through its @<job> directory so its reads are the job's")
+        found.add((parts[at][1:], parts[at + 1]))
+        names.append("/".join(parts[at + 2:]))
+    if len(found) != 1:
+        raise ValueError(f"the paths name {len(found)} (job, dataset) pairs ({sorted(found)[:3]}): "
+                         "a MountSampler plans one data set of one job")
+    job, dataset = found.pop()
+    return job, dataset, names
+
+
+class MountSampler(_data.Sampler):
+    """Yields this rank's indices of an epoch of a file-reading dataset
+    over the stage's mount, and tells the stage that order.
+
+    ``paths`` are the dataset's files in index order (for a torchvision
+    ``ImageFolder``: ``[p for p, _ in folder.samples]``), all under
+    ``MOUNT/@<job>/<dataset>/``. ``__iter__`` shuffles them for the epoch
+    (a ``torch.Generator`` seeded with ``seed + epoch``), keeps this rank's
+    share (every ``world_size``-th from ``rank``), submits those files'
+    names as the epoch's plan of ``job`` over the sampler's own connection
+    to the stage at ``address``, and yields their indices. The
+    ``DataLoader``'s workers then open the files as usual: each open of a
+    planned file is served from the stage's prefetch buffer and counts as
+    that entry's delivery, so every file is read once, ahead, in plan order.
+    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``.
+    """
+
+    def __init__(self, paths: Sequence[str], address, seed: int = 0, shuffle: bool = True,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 labels: Optional[Dict[str, str]] = None, timeout: Optional[float] = 30.0,
+                 reconnect: float = 60.0) -> None:
+        self.job, self.dataset_name, self.names = _mount_names(paths)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank, self.world_size = _distributed_place(rank, world_size)
+        self.epoch = 0
+        self._conn = _PerProcess(address, self.dataset_name, self.job, labels, self.rank, self.world_size,
+                                 timeout, reconnect)
+        self._plan = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch the next ``__iter__`` plans."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        n, w = len(self.names), self.world_size
+        return n // w + (1 if self.rank < n % w else 0)
+
+    def order(self) -> List[int]:
+        """This rank's indices of the current epoch, in order."""
+        n = len(self.names)
+        if self.shuffle:
+            generator = _torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            everything = _torch.randperm(n, generator=generator).tolist()
+        else:
+            everything = list(range(n))
+        return everything[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order()
+        ds = self._conn.get()
+        # prefetch=0: the plan is never read here; the workers' opens
+        # deliver its entries. Keeping it keeps the stage's buffer for it.
+        self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
+        return iter(order)
 
     def close(self) -> None:
         """Closes the sampler's connection (the stage frees the plan's buffer)."""

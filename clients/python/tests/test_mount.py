@@ -136,3 +136,64 @@ def test_a_missing_mount_directory_is_a_clear_error(tmp_path, dataset):
                           "--mount", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=30)
     assert run.returncode != 0
     assert f"the mount directory {tmp_path / 'nowhere'}" in run.stderr, run.stderr
+
+
+class FileDataset:
+    """An ordinary map-style dataset that opens files (as torchvision's
+    ``ImageFolder`` does): index -> (relative name, bytes)."""
+
+    def __init__(self, root, names):
+        self.root = root
+        self.names = names
+        self.paths = [os.path.join(root, n) for n in names]
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            return self.names[i], f.read()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mount_sampler_makes_a_file_reading_dataloader_read_ahead_exactly_once(tmp_path, stage_factory,
+                                                                                 workers):
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    import sluice.torch as st
+
+    root = tmp_path / "data"
+    files = {f"c{i % 3}/img{i:03d}.bin": os.urandom(1000 + i) for i in range(60)}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    ds = FileDataset(mnt / "@vision" / "ds", sorted(files))
+    counts = {}
+    for rank in range(2):  # two ranks of one job, one after the other
+        sampler = st.MountSampler(ds.paths, stage.socket, seed=3, rank=rank, world_size=2)
+        assert (sampler.job, sampler.dataset_name) == ("vision", "ds")
+        loader = DataLoader(ds, sampler=sampler, batch_size=4, num_workers=workers,
+                            collate_fn=lambda batch: batch)
+        for batch in loader:
+            for name, data in batch:
+                assert data == files[name], name
+                counts[name] = counts.get(name, 0) + 1
+        sampler.close()
+    assert counts == {n: 1 for n in files}
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    reads = metric_value(samples, "sluice_stage_storage_reads_total", job="vision")
+    assert reads == len(files), "each file was read from the source once, by the plan's readers"
+
+
+def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
+    pytest.importorskip("torch")
+    import sluice.torch as st
+
+    with pytest.raises(ValueError, match="MOUNT/@<job>/<dataset>/<file>"):
+        st.MountSampler([str(tmp_path / "ds" / "a.bin")], "/nowhere.sock")
+    with pytest.raises(ValueError, match="one data set of one job"):
+        st.MountSampler(["/m/@a/ds/x", "/m/@b/ds/y"], "/nowhere.sock")
