@@ -202,13 +202,67 @@ impl Nodes {
     }
 }
 
-/// A file opened through the mount: the job it is read as, and its bytes
-/// when a plan entry delivered it whole.
+/// Bytes a read through the mount fetches at once (aligned): a file up to
+/// this size is one source read, a larger one is read in windows of it.
+const WINDOW: u64 = 4 << 20;
+
+/// Windows an open file keeps: the ones being read and the one after.
+const WINDOWS: usize = 3;
+
+/// One window of a file: fetched once, by whichever read needs it first.
+type Window = Arc<tokio::sync::OnceCell<Result<Arc<Chunk>, i32>>>;
+
+/// A file opened through the mount: the job it is read as, its bytes when
+/// a plan entry delivered it whole, else the windows read so far.
 struct Open {
     job: JobHandle,
     dataset: Arc<Dataset>,
     name: String,
+    size: u64,
     whole: Option<(Chunk, Reservation)>,
+    windows: Vec<(u64, Window)>,
+}
+
+impl Open {
+    /// The window starting at `start`, made if new (the oldest is
+    /// dropped past [`WINDOWS`]).
+    fn window(&mut self, start: u64) -> Window {
+        if let Some((_, w)) = self.windows.iter().find(|(s, _)| *s == start) {
+            return Arc::clone(w);
+        }
+        if self.windows.len() >= WINDOWS {
+            self.windows.remove(0);
+        }
+        let w = Window::default();
+        self.windows.push((start, Arc::clone(&w)));
+        w
+    }
+}
+
+/// What a read needs to fetch a window: the job, data set and file.
+#[derive(Clone)]
+struct Source {
+    job: Arc<crate::engine::Job>,
+    dataset: Arc<Dataset>,
+    name: String,
+}
+
+impl Source {
+    /// The window at `start`, fetched if nobody has yet.
+    async fn fetch(&self, start: u64, window: &Window) -> Result<Arc<Chunk>, i32> {
+        window
+            .get_or_init(|| async {
+                let (job, dataset, name) =
+                    (&self.job, Arc::clone(&self.dataset), self.name.clone());
+                match read_now(job, dataset, name, start, WINDOW).await.data {
+                    Ok(Payload::Bytes(chunk)) => Ok(Arc::new(chunk)),
+                    Ok(Payload::Shared { .. }) => Err(libc::EIO),
+                    Err(e) => Err(errno(&e)),
+                }
+            })
+            .await
+            .clone()
+    }
 }
 
 struct MountFs {
@@ -398,7 +452,10 @@ impl Filesystem for MountFs {
             return reply.error(libc::EROFS);
         }
         let Some(Node::File {
-            job, dataset, name, ..
+            job,
+            dataset,
+            name,
+            size,
         }) = self.nodes.get(ino).cloned()
         else {
             return reply.error(libc::EISDIR);
@@ -423,7 +480,9 @@ impl Filesystem for MountFs {
                     job: handle,
                     dataset,
                     name,
+                    size,
                     whole,
+                    windows: Vec::new(),
                 },
             );
             reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
@@ -444,9 +503,9 @@ impl Filesystem for MountFs {
         let Ok(offset) = u64::try_from(offset) else {
             return reply.error(libc::EINVAL);
         };
-        let target = {
-            let open = lock(&self.open);
-            let Some(file) = open.get(&fh) else {
+        let (source, needed, end) = {
+            let mut open = lock(&self.open);
+            let Some(file) = open.get_mut(&fh) else {
                 return reply.error(libc::EBADF);
             };
             if let Some((chunk, _)) = &file.whole {
@@ -457,20 +516,47 @@ impl Filesystem for MountFs {
                 let end = start.saturating_add(size as usize).min(bytes.len());
                 return reply.data(&bytes[start..end]);
             }
-            (
-                Arc::clone(file.job.job()),
-                Arc::clone(&file.dataset),
-                file.name.clone(),
-            )
-        };
-        let (job, dataset, name) = target;
-        self.runtime.spawn(async move {
-            let sample = read_now(&job, dataset, name, offset, u64::from(size)).await;
-            match sample.data {
-                Ok(Payload::Bytes(chunk)) => reply.data(&chunk),
-                Ok(Payload::Shared { .. }) => reply.error(libc::EIO),
-                Err(e) => reply.error(errno(&e)),
+            let end = offset.saturating_add(u64::from(size)).min(file.size);
+            if offset >= end {
+                return reply.data(&[]);
             }
+            let first = offset / WINDOW * WINDOW;
+            let last = (end - 1) / WINDOW * WINDOW;
+            let needed: Vec<(u64, Window)> = (first..=last)
+                .step_by(WINDOW as usize)
+                .map(|start| (start, file.window(start)))
+                .collect();
+            let source = Source {
+                job: Arc::clone(file.job.job()),
+                dataset: Arc::clone(&file.dataset),
+                name: file.name.clone(),
+            };
+            // Sequential read-ahead: the window after the last one read.
+            let ahead = last + WINDOW;
+            if ahead < file.size {
+                let window = file.window(ahead);
+                let source = source.clone();
+                self.runtime.spawn(async move {
+                    let _ = source.fetch(ahead, &window).await;
+                });
+            }
+            (source, needed, end)
+        };
+        self.runtime.spawn(async move {
+            let mut out = Vec::with_capacity((end - offset) as usize);
+            for (start, window) in &needed {
+                let chunk = match source.fetch(*start, window).await {
+                    Ok(chunk) => chunk,
+                    Err(e) => return reply.error(e),
+                };
+                let bytes: &[u8] = &chunk;
+                let from = offset.max(*start) - start;
+                let to = (end.min(start + bytes.len() as u64)).saturating_sub(*start);
+                if from < to {
+                    out.extend_from_slice(&bytes[from as usize..to as usize]);
+                }
+            }
+            reply.data(&out);
         });
     }
 

@@ -197,3 +197,22 @@ def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
         st.MountSampler([str(tmp_path / "ds" / "a.bin")], "/nowhere.sock")
     with pytest.raises(ValueError, match="one data set of one job"):
         st.MountSampler(["/m/@a/ds/x", "/m/@b/ds/y"], "/nowhere.sock")
+
+
+def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, stage_factory):
+    root = tmp_path / "data"
+    root.mkdir()
+    big = os.urandom(10 * 2**20 + 12345)  # three 4 MiB windows
+    (root / "big.bin").write_bytes(big)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    with open(mnt / "@seq" / "ds" / "big.bin", "rb") as f:
+        assert f.read() == big
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    assert metric_value(samples, "sluice_stage_storage_reads_total", job="seq") == 3
+    # Reads across window boundaries, at odd offsets and sizes.
+    with open(mnt / "@random" / "ds" / "big.bin", "rb", buffering=0) as f:
+        for offset, size in [(4 * 2**20 - 5, 10), (9, 3 * 2**20), (len(big) - 7, 100), (8 * 2**20 - 1, 2)]:
+            f.seek(offset)
+            assert f.read(size) == big[offset:offset + size], (offset, size)
