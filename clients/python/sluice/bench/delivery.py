@@ -12,7 +12,9 @@ seconds per GiB delivered.
 (b) **torch**, cold cache: a PyTorch ``DataLoader`` (batch ``--batch``,
 the default collate) over a plain directory data set (each item read into
 a ``uint8`` tensor with ``readinto``), over ``sluice.torch.SluiceDataset``
-with ``SluiceSampler``, and over ``SluiceIterableDataset``, each with
+with ``SluiceSampler``, over ``SluiceIterableDataset``, and the same
+plain-directory data set opened through the stage's mount (``--mount``)
+with ``MountSampler`` (``sluice-mount``), each with
 ``--workers`` worker processes, returning the samples as they come
 (``uint8`` tensors). Every file is evicted from the page cache before each
 run; the order is the same shuffle for every loader.
@@ -34,6 +36,7 @@ import io
 import json
 import os
 import statistics
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -45,7 +48,10 @@ from .stage import StageProcess
 from .units import format_bytes, parse_bytes
 
 PARTS = ("hot", "torch", "decode")
-LOADERS = ("dataloader-dir", "sluice-map", "sluice-iterable")
+LOADERS = ("dataloader-dir", "sluice-map", "sluice-iterable", "sluice-mount")
+
+#: The job the mount loader's paths name (``MOUNT/@<job>/bench/...``).
+MOUNT_JOB = "torch-mount"
 GiB = 2**30
 
 
@@ -189,7 +195,7 @@ def prepare_jpegs(root: str, files: int, side: int) -> BenchDataset:
 
 
 def _loader_run(kind: str, workers: int, ds: BenchDataset, stage: Optional[StageProcess], epoch: int,
-                args, transform: Optional[Callable]) -> float:
+                args, transform: Optional[Callable], mount: Optional[str] = None) -> float:
     """One cold epoch through a DataLoader; returns samples/s."""
     import warnings
 
@@ -198,11 +204,19 @@ def _loader_run(kind: str, workers: int, ds: BenchDataset, stage: Optional[Stage
     # More workers than cores is the point of some rows, not a mistake.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
 
-    from ..torch import SluiceDataset, SluiceIterableDataset, SluiceSampler, collate
+    from ..torch import MountSampler, SluiceDataset, SluiceIterableDataset, SluiceSampler, collate
 
     evict(ds.paths())
+    through = ds._replace(root=os.path.join(mount, f"@{MOUNT_JOB}", "bench")) if mount else None
+    if kind == "sluice-mount":
+        evict(through.paths())  # the mount's own page cache
     t0 = time.perf_counter()
-    if kind == "dataloader-dir":
+    if kind == "sluice-mount":
+        dataset = DirDataset(through, transform)
+        sampler = MountSampler(dataset.paths, stage.socket, seed=args.seed)
+        sampler.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=workers)
+    elif kind == "dataloader-dir":
         order = splan.permutation(ds.files, args.seed, epoch, True)
         loader = DataLoader(DirDataset(ds, transform), batch_size=args.batch, sampler=order,
                             num_workers=workers)
@@ -221,9 +235,9 @@ def _loader_run(kind: str, workers: int, ds: BenchDataset, stage: Optional[Stage
     for names, _samples in loader:
         n += len(names)
     wall = time.perf_counter() - t0
-    if kind == "sluice-map":
+    if kind in ("sluice-map", "sluice-mount"):
         sampler.close()
-    if kind != "dataloader-dir":
+    if kind in ("sluice-map", "sluice-iterable"):
         dataset.close()
     if n != ds.files:
         raise SystemExit(f"error: {kind} with {workers} workers delivered {n} of {ds.files} samples")
@@ -235,15 +249,18 @@ def run_torch(args, binary: str, ds: BenchDataset, transform_name: str,
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     runs: Dict[tuple, List[float]] = {}
     epoch = 0
-    with stage_session(binary, ds, args.stage_memory, args.stage_arg) as session:
+    mount = tempfile.mkdtemp(prefix="sluice-mount-")
+    stage_args = [*args.stage_arg, "--mount", mount]
+    with stage_session(binary, ds, args.stage_memory, stage_args) as session:
         stage = session.stage
         for round_ in range(args.repeat):
             for w in workers:
                 for kind in LOADERS:
                     epoch += 1
-                    rate = _loader_run(kind, w, ds, stage, epoch, args, transform)
+                    rate = _loader_run(kind, w, ds, stage, epoch, args, transform, mount)
                     runs.setdefault((kind, w), []).append(rate)
                     log(f"  {transform_name} {kind} workers={w}: {rate:,.0f} samples/s")
+    os.rmdir(mount)
     return [{"loader": kind, "workers": w, "transform": transform_name,
              "samples_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates]}
             for (kind, w), rates in runs.items()]
