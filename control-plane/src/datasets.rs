@@ -3,13 +3,11 @@
 //! the control loop puts in the settings of every stage serving the data
 //! set (see `sluice_policy::coordination::cache_assignment`).
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use serde::Serialize;
 use sluice_proto::v1;
 
 use crate::error::ApiError;
-use crate::state::{Shared, lock};
+use crate::state::{Shared, lock, now_ms};
 
 /// One data set.
 #[derive(Debug, Clone, Serialize)]
@@ -155,9 +153,7 @@ pub async fn stage(shared: &Shared, name: &str) -> Result<(u64, Vec<String>), Ap
     }
     let round = {
         let mut rounds = lock(&shared.staging_rounds);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let now = u64::try_from(now_ms()).unwrap_or(0);
         let last = rounds.get(name).copied().unwrap_or(0);
         // Rounds only grow, and stay above the preload round (1).
         let round = now.max(last + 1);

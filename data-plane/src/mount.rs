@@ -16,9 +16,10 @@
 //! never changes them.
 //!
 //! The kernel keeps names, attributes and file pages (`FOPEN_KEEP_CACHE`)
-//! for [`TTL`]; listings are refreshed as the socket's are. Requests are
-//! answered on the stage's runtime, so a slow read does not hold the
-//! others. Writes of any kind are refused with `EROFS`.
+//! for [`TTL`]; the data sets are listed again at most once a [`TTL`],
+//! off the request path (see `tree.rs`). Requests are answered on the
+//! stage's runtime, so a slow read does not hold the others. Writes of
+//! any kind are refused with `EROFS`.
 
 mod tree;
 
@@ -317,7 +318,10 @@ impl MountFs {
             }
             Node::JobRoot(job) => self.dataset_root(job, text),
             Node::Dir { job, dataset, path } => {
-                let tree = self.trees.of(dataset).map_err(|e| errno(&e))?;
+                let tree = self
+                    .trees
+                    .of(dataset, &self.runtime)
+                    .map_err(|e| errno(&e))?;
                 match tree.entry(path, text) {
                     Some(Entry::Dir(path)) => Ok(Node::Dir {
                         job: Arc::clone(job),
@@ -356,7 +360,10 @@ impl MountFs {
                 .map(|n| (n, true))
                 .collect()),
             Node::Dir { dataset, path, .. } => {
-                let tree = self.trees.of(dataset).map_err(|e| errno(&e))?;
+                let tree = self
+                    .trees
+                    .of(dataset, &self.runtime)
+                    .map_err(|e| errno(&e))?;
                 Ok(tree.list(path))
             }
             Node::File { .. } => Err(libc::ENOTDIR),

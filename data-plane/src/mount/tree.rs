@@ -4,7 +4,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use tokio::runtime::Handle;
+
+use super::TTL;
 use crate::dataset::Dataset;
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::sync::lock;
@@ -76,31 +80,59 @@ impl Tree {
     }
 }
 
-/// Each data set's tree, for the listing it was built from.
+/// Each data set's tree, for the listing it was built from, and when the
+/// source was last asked for a newer listing.
 #[derive(Debug, Default)]
 pub struct Trees {
-    by_dataset: Mutex<HashMap<String, (u64, Arc<Tree>)>>,
+    by_dataset: Mutex<HashMap<String, Built>>,
+}
+
+#[derive(Debug)]
+struct Built {
+    digest: u64,
+    tree: Arc<Tree>,
+    checked: Instant,
 }
 
 impl Trees {
-    /// The tree of the data set's current listing (listing it if needed).
-    pub fn of(&self, dataset: &Dataset) -> Result<Arc<Tree>, ProtocolError> {
-        let listing = dataset.listing().map_err(|e| {
-            ProtocolError::new(
-                ErrorCode::IoError,
-                format!("cannot list dataset `{}`: {e}", dataset.name),
-            )
-        })?;
+    /// The tree of the data set's listing as the stage has it. Lookups
+    /// never wait for the source once there is a listing: at most once a
+    /// [`TTL`] (as long as the kernel keeps names) the data set is listed
+    /// again on `runtime`'s blocking threads, and a later call sees it.
+    pub fn of(&self, dataset: &Arc<Dataset>, runtime: &Handle) -> Result<Arc<Tree>, ProtocolError> {
+        let listing = match dataset.listed() {
+            Some(listing) => listing,
+            None => dataset.listing().map_err(|e| {
+                ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!("cannot list dataset `{}`: {e}", dataset.name),
+                )
+            })?,
+        };
         let mut trees = lock(&self.by_dataset);
-        if let Some((digest, tree)) = trees.get(&dataset.name)
-            && *digest == listing.digest
-        {
-            return Ok(Arc::clone(tree));
+        let built = match trees.get_mut(&dataset.name) {
+            Some(built) if built.digest == listing.digest => built,
+            _ => {
+                let files = listing.files.iter().map(|f| (f.name.as_str(), f.size));
+                let built = Built {
+                    digest: listing.digest,
+                    tree: Arc::new(Tree::new(files)),
+                    checked: Instant::now(),
+                };
+                trees.insert(dataset.name.clone(), built);
+                trees.get_mut(&dataset.name).expect("just inserted")
+            }
+        };
+        if built.checked.elapsed() >= TTL {
+            built.checked = Instant::now();
+            let dataset = Arc::clone(dataset);
+            runtime.spawn_blocking(move || {
+                if let Err(e) = dataset.listing() {
+                    tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
+                }
+            });
         }
-        let files = listing.files.iter().map(|f| (f.name.as_str(), f.size));
-        let tree = Arc::new(Tree::new(files));
-        trees.insert(dataset.name.clone(), (listing.digest, Arc::clone(&tree)));
-        Ok(tree)
+        Ok(Arc::clone(&built.tree))
     }
 }
 
