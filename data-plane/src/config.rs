@@ -168,6 +168,11 @@ pub struct Args {
     /// The job of reads through the mount that name none [default: mount].
     #[arg(long, env = "SLUICE_MOUNT_JOB")]
     pub mount_job: Option<String>,
+    /// A directory of order files for the mount: a file DIR/<job>/<dataset>
+    /// listing one file name per line is that job's next epoch, prefetched
+    /// in that order (write it elsewhere and rename it into place).
+    #[arg(long, env = "SLUICE_MOUNT_ORDERS")]
+    pub mount_orders: Option<PathBuf>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -207,6 +212,8 @@ pub struct StageFile {
     pub mount: Option<PathBuf>,
     /// Job of mount reads that name none.
     pub mount_job: Option<String>,
+    /// Directory of order files for the mount.
+    pub mount_orders: Option<PathBuf>,
     /// Optional TCP address for trainers.
     pub listen: Option<SocketAddr>,
     /// Address for `/metrics` and `/healthz`.
@@ -336,8 +343,19 @@ pub struct StageConfig {
     pub s3: S3Options,
     /// The node cache (its memory is part of `memory_budget`).
     pub cache: CacheOptions,
-    /// The read-only mount, and the job of reads that name none.
-    pub mount: Option<(PathBuf, String)>,
+    /// The read-only mount.
+    pub mount: Option<MountOptions>,
+}
+
+/// The read-only mount's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountOptions {
+    /// Where the data sets are mounted.
+    pub dir: PathBuf,
+    /// The job of reads that name none.
+    pub job: String,
+    /// Where order files are picked up, if anywhere.
+    pub orders: Option<PathBuf>,
 }
 
 /// The node cache's configuration.
@@ -427,7 +445,20 @@ impl StageConfig {
                 "--mount-job `{mount_job}` is not a job id: use 1 to 128 letters, digits, `.`, `_` and `-`"
             )));
         }
-        let mount = args.mount.or(file.mount).map(|dir| (dir, mount_job));
+        let orders = args.mount_orders.or(file.mount_orders);
+        let mount = match args.mount.or(file.mount) {
+            Some(dir) => Some(MountOptions {
+                dir,
+                job: mount_job,
+                orders,
+            }),
+            None if orders.is_some() => {
+                return Err(ConfigError(
+                    "--mount-orders needs --mount: order files say in which order the mount's files will be opened".into(),
+                ));
+            }
+            None => None,
+        };
         Ok(Self {
             stage_id,
             socket,

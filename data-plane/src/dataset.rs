@@ -52,6 +52,17 @@ impl Listing {
     pub fn len(&self) -> u32 {
         self.files.len() as u32
     }
+
+    /// What identifies a plan of `files` (indices) over this listing: two
+    /// plans share an active plan only when their fingerprints agree.
+    pub fn fingerprint(&self, files: &[u32]) -> u64 {
+        let mut h = Fnv64::new();
+        h.write(&self.digest.to_be_bytes());
+        for f in files {
+            h.write(&f.to_be_bytes());
+        }
+        h.0
+    }
 }
 
 /// A dataset the stage serves: a name and its source.

@@ -171,10 +171,9 @@ impl Stage {
             (url, identity)
         });
         let mount = match &config.mount {
-            Some((dir, job)) => Some(mount::mount(
+            Some(options) => Some(mount::mount(
                 Arc::clone(&engine),
-                dir,
-                job,
+                options,
                 tokio::runtime::Handle::current(),
             )?),
             None => None,

@@ -21,6 +21,7 @@
 //! stage's runtime, so a slow read does not hold the others. Writes of
 //! any kind are refused with `EROFS`.
 
+mod orders;
 mod tree;
 
 use std::collections::HashMap;
@@ -40,11 +41,13 @@ use tokio::runtime::Handle;
 use tracing::{info, warn};
 
 use crate::chunk::Chunk;
+use crate::config::MountOptions;
 use crate::dataset::Dataset;
 use crate::engine::{Engine, JobHandle, Reservation};
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_now;
 use crate::sync::lock;
+use orders::Orders;
 use tree::{Entry, Trees};
 
 /// How long the kernel may keep names, attributes and pages.
@@ -57,6 +60,8 @@ const ROOT: u64 = fuser::FUSE_ROOT_ID;
 pub struct Mount {
     _session: fuser::BackgroundSession,
     dir: PathBuf,
+    /// The task taking order files, if any.
+    orders: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Mount {
@@ -74,19 +79,23 @@ impl Mount {
 
 impl Drop for Mount {
     fn drop(&mut self) {
+        if let Some(orders) = self.orders.take() {
+            orders.abort();
+        }
         info!(dir = %self.dir.display(), "unmounting");
     }
 }
 
-/// Mounts the engine's data sets at `dir` (recovering a stale mount a
-/// crashed stage left there); reads that name no job belong to
-/// `default_job`. Requests are answered on `runtime`.
+/// Mounts the engine's data sets at `options.dir` (recovering a stale
+/// mount a crashed stage left there); reads that name no job belong to
+/// `options.job`; order files are taken from `options.orders`. Requests are
+/// answered on `runtime`.
 pub fn mount(
     engine: Arc<Engine>,
-    dir: &Path,
-    default_job: &str,
+    options: &MountOptions,
     runtime: Handle,
 ) -> anyhow::Result<Mount> {
+    let (dir, default_job) = (options.dir.as_path(), options.job.as_str());
     if !Path::new("/dev/fuse").exists() {
         anyhow::bail!(
             "cannot mount at {}: /dev/fuse does not exist (load the fuse module, or give the container the device)",
@@ -94,9 +103,22 @@ pub fn mount(
         );
     }
     recover_stale(dir)?;
+    let orders = match &options.orders {
+        Some(orders) => {
+            std::fs::create_dir_all(orders)
+                .with_context(|| format!("the directory of order files {}", orders.display()))?;
+            Some(Orders::new(
+                Arc::clone(&engine),
+                orders.clone(),
+                dir.to_owned(),
+                default_job.to_owned(),
+            ))
+        }
+        None => None,
+    };
     let fs = MountFs {
         engine,
-        runtime,
+        runtime: runtime.clone(),
         default_job: Arc::from(default_job),
         nodes: Nodes::default(),
         trees: Trees::default(),
@@ -104,23 +126,28 @@ pub fn mount(
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
     };
-    let options = [
+    let mount_options = [
         MountOption::RO,
         MountOption::FSName("sluice".to_owned()),
         MountOption::Subtype("sluice".to_owned()),
         MountOption::AllowOther,
         MountOption::DefaultPermissions,
     ];
-    let session = fuser::spawn_mount2(fs, dir, &options).with_context(|| {
+    let session = fuser::spawn_mount2(fs, dir, &mount_options).with_context(|| {
         format!(
             "cannot mount at {} (mounting needs root or fusermount3, /dev/fuse, and an existing directory)",
             dir.display()
         )
     })?;
     info!(dir = %dir.display(), default_job, "data sets mounted read-only");
+    let orders = orders.map(|orders| {
+        info!(dir = %options.orders.as_ref().expect("set").display(), "taking order files");
+        runtime.spawn(orders.watch())
+    });
     Ok(Mount {
         _session: session,
         dir: dir.to_owned(),
+        orders,
     })
 }
 
@@ -225,6 +252,23 @@ struct Open {
 }
 
 impl Open {
+    fn new(
+        job: JobHandle,
+        dataset: Arc<Dataset>,
+        name: String,
+        size: u64,
+        whole: Option<(Chunk, Reservation)>,
+    ) -> Self {
+        Self {
+            job,
+            dataset,
+            name,
+            size,
+            whole,
+            windows: Vec::new(),
+        }
+    }
+
     /// The window starting at `start`, made if new (the oldest is
     /// dropped past [`WINDOWS`]).
     fn window(&mut self, start: u64) -> Window {
@@ -383,9 +427,11 @@ fn errno(e: &ProtocolError) -> i32 {
 
 impl Filesystem for MountFs {
     fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
-        // Many reads in flight at once, and large ones.
+        // Many reads in flight at once, and large ones (1 MiB requests);
+        // lookups in one directory in parallel.
         let _ = config.set_max_background(512);
         let _ = config.set_max_readahead(1 << 20);
+        let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
         Ok(())
     }
 
@@ -470,10 +516,15 @@ impl Filesystem for MountFs {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let handle = self.engine.attach_keeping_labels(&job);
         let open = Arc::clone(&self.open);
+        // A plan entry of the job is delivered whole, exactly once; a file
+        // no plan holds is answered here, without a task.
+        let Some(claim) = handle.job().claim_planned(&dataset.name, &name) else {
+            lock(&open).insert(fh, Open::new(handle, dataset, name, size, None));
+            return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+        };
         self.runtime.spawn(async move {
             let job = Arc::clone(handle.job());
-            // A plan entry of the job is delivered whole, exactly once.
-            let whole = match job.read_planned(&dataset.name, &name).await {
+            let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
                     Ok(Payload::Bytes(chunk)) => Some((chunk, reservation)),
                     Ok(Payload::Shared { .. }) => None,
@@ -481,17 +532,7 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
-            lock(&open).insert(
-                fh,
-                Open {
-                    job: handle,
-                    dataset,
-                    name,
-                    size,
-                    whole,
-                    windows: Vec::new(),
-                },
-            );
+            lock(&open).insert(fh, Open::new(handle, dataset, name, size, whole));
             reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         });
     }

@@ -18,7 +18,7 @@ use tracing::debug;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey};
 use crate::engine::{JobHandle, Reservation};
-use crate::entry::{Fnv64, check_name};
+use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
@@ -479,7 +479,7 @@ impl Connection {
     fn plan(&mut self, epoch: u64, spec: PlanSpec) -> Answer {
         let (dataset, listing) = self.opened()?.clone();
         let files = self.plan_files(epoch, spec, &dataset, &listing)?;
-        let fingerprint = fingerprint(&files, listing.digest);
+        let fingerprint = listing.fingerprint(&files);
         let key = PlanKey {
             rank: self.rank,
             epoch,
@@ -715,15 +715,4 @@ async fn read_whole_file(
     let (sample, reservation) = job.read_whole_now(dataset, &name, 0, &metrics).await;
     job.delivered(&metrics, &sample);
     (sample, Some(reservation))
-}
-
-/// Identifies a plan's content: FNV-1a over its file indices and the
-/// listing digest.
-fn fingerprint(files: &[u32], digest: u64) -> u64 {
-    let mut h = Fnv64::new();
-    h.write(&digest.to_be_bytes());
-    for f in files {
-        h.write(&f.to_be_bytes());
-    }
-    h.0
 }

@@ -15,7 +15,7 @@ import pytest
 import sluice
 from sluice.bench.common import metric_value, parse_prometheus
 
-from conftest import http_get, stage_binary, start_stage
+from conftest import http_get, stage_binary, start_stage, wait_for
 
 
 def walk(root) -> dict:
@@ -29,9 +29,14 @@ def walk(root) -> dict:
     return found
 
 
-def job_delivered(stage, job: str) -> int:
+def job_metric(stage, name: str, job: str) -> int:
+    """The stage's ``name`` series of ``job`` (over data set ``ds``)."""
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
-    return int(metric_value(samples, "sluice_stage_delivered_bytes_total", job=job) or 0)
+    return int(metric_value(samples, name, job=job) or 0)
+
+
+def job_delivered(stage, job: str) -> int:
+    return job_metric(stage, "sluice_stage_delivered_bytes_total", job)
 
 
 @pytest.fixture
@@ -111,6 +116,51 @@ def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     assert all(streamed[n] == files[n] for n in streamed)
     assert not set(opened) & set(streamed), "a sample was delivered twice"
     assert set(opened) | set(streamed) == set(files)
+
+
+def write_order(path, lines) -> None:
+    """Writes an order file as a framework should: elsewhere, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.rename(tmp, path)
+
+
+def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(tmp_path, stage_factory, dataset):
+    root, files = dataset
+    mnt, orders = tmp_path / "mnt", tmp_path / "orders"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt), "--mount-orders", str(orders))
+    names = sorted(files, reverse=True)
+    reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf")  # noqa: E731
+    # Names relative to the data set or paths under the mount; comments skipped.
+    write_order(orders / "tf" / "ds", ["# epoch 1", str(mnt / "@tf" / "ds" / names[0]), *names[1:]])
+    wait_for(lambda: reads() == len(names), what="the order prefetched before any open")
+    for name in names:
+        with open(mnt / "@tf" / "ds" / name, "rb") as f:
+            assert f.read() == files[name], name
+    assert reads() == len(names), "each file read from storage once"
+    assert job_metric(stage, "sluice_stage_delivered_samples_total", "tf") == len(names)
+
+    # A bad order changes nothing and says why beside it; a good one clears that.
+    write_order(orders / "tf" / "ds", [names[0], "no-such-file.bin"])
+    error = orders / "tf" / "ds.error"
+    wait_for(error.exists, what="the error file")
+    assert "line 2" in error.read_text() and "no-such-file.bin" in error.read_text()
+    write_order(orders / "tf" / "ds", names[:2])
+    wait_for(lambda: not error.exists(), what="the error file removed")
+    wait_for(lambda: reads() == len(names) + 2, what="the second epoch prefetched")
+    write_order(orders / "tf" / "other", names[:1])
+    wait_for((orders / "tf" / "other.error").exists, what="an unknown data set refused")
+    assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
+
+
+def test_order_files_need_a_mount(tmp_path, dataset):
+    root, _ = dataset
+    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
+                          "--mount-orders", str(tmp_path / "orders")], capture_output=True, text=True, timeout=30)
+    assert run.returncode != 0
+    assert "--mount-orders needs --mount" in run.stderr
 
 
 def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, stage_factory, dataset):

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount} ...``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "coordination": "a controller sharing one pool among weighted jobs through four phases, vs stages on their own",
     "delivery": "into the training loop: socket vs shared memory (hot), PyTorch DataLoaders (cold, and decoding)",
     "listing": "a million-entry dataset: listing time and stage memory per entry (dir or s3)",
+    "mount": "file-reading PyTorch DataLoaders through the stage's mount vs the plain directory and the socket",
     "cache": "the node cache under per-epoch random order: stable subset vs LRU, a cache that fits, two jobs",
 }
 
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
         from .delivery import main as run
     elif argv[0] == "listing":
         from .listing import main as run
+    elif argv[0] == "mount":
+        from .mount import main as run
     elif argv[0] == "cache":
         from .cache import main as run
     else:

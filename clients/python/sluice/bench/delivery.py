@@ -12,9 +12,7 @@ seconds per GiB delivered.
 (b) **torch**, cold cache: a PyTorch ``DataLoader`` (batch ``--batch``,
 the default collate) over a plain directory data set (each item read into
 a ``uint8`` tensor with ``readinto``), over ``sluice.torch.SluiceDataset``
-with ``SluiceSampler``, over ``SluiceIterableDataset``, and the same
-plain-directory data set opened through the stage's mount (``--mount``)
-with ``MountSampler`` (``sluice-mount``), each with
+with ``SluiceSampler`` and over ``SluiceIterableDataset``, each with
 ``--workers`` worker processes, returning the samples as they come
 (``uint8`` tensors). Every file is evicted from the page cache before each
 run; the order is the same shuffle for every loader.
@@ -36,7 +34,6 @@ import io
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -48,7 +45,7 @@ from .stage import StageProcess
 from .units import format_bytes, parse_bytes
 
 PARTS = ("hot", "torch", "decode")
-LOADERS = ("dataloader-dir", "sluice-map", "sluice-iterable", "sluice-mount")
+LOADERS = ("dataloader-dir", "sluice-map", "sluice-iterable")
 
 #: The job the mount loader's paths name (``MOUNT/@<job>/bench/...``).
 MOUNT_JOB = "torch-mount"
@@ -194,9 +191,17 @@ def prepare_jpegs(root: str, files: int, side: int) -> BenchDataset:
     return BenchDataset(root, data, len(names), sum(sizes) // max(1, len(names)), 0, names, sizes)
 
 
-def _loader_run(kind: str, workers: int, ds: BenchDataset, stage: Optional[StageProcess], epoch: int,
-                args, transform: Optional[Callable], mount: Optional[str] = None) -> float:
-    """One cold epoch through a DataLoader; returns samples/s."""
+def loader_epoch(kind: str, workers: int, ds: BenchDataset, stage: Optional[StageProcess], epoch: int,
+                 seed: int, batch: int, transform: Optional[Callable] = None, mount: Optional[str] = None,
+                 store: Optional[BenchDataset] = None) -> float:
+    """One cold epoch of ``kind`` through a DataLoader; returns samples/s.
+
+    ``dataloader-dir`` reads ``store`` (default ``ds``: where the files are,
+    perhaps behind a latency harness) in the epoch's shuffle;
+    ``dataloader-mount`` reads the same files through the stage's ``mount``
+    (as job ``MOUNT_JOB``) in that shuffle, ``dataloader-mount-sampler``
+    through the mount with ``MountSampler``; ``sluice-map`` and
+    ``sluice-iterable`` are the socket client's datasets."""
     import warnings
 
     from torch.utils.data import DataLoader
@@ -206,38 +211,42 @@ def _loader_run(kind: str, workers: int, ds: BenchDataset, stage: Optional[Stage
 
     from ..torch import MountSampler, SluiceDataset, SluiceIterableDataset, SluiceSampler, collate
 
-    evict(ds.paths())
+    store = store or ds
+    evict(ds.paths())  # (a latency harness keeps no pages of its own)
     through = ds._replace(root=os.path.join(mount, f"@{MOUNT_JOB}", "bench")) if mount else None
-    if kind == "sluice-mount":
+    if kind.startswith("dataloader-mount"):
         evict(through.paths())  # the mount's own page cache
+    order = splan.permutation(ds.files, seed, epoch, True)
     t0 = time.perf_counter()
-    if kind == "sluice-mount":
-        dataset = DirDataset(through, transform)
-        sampler = MountSampler(dataset.paths, stage.socket, seed=args.seed)
+    sampler = dataset = None
+    if kind == "dataloader-mount-sampler":
+        loader_ds = DirDataset(through, transform)
+        sampler = MountSampler(loader_ds.paths, stage.socket, seed=seed)
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=workers)
-    elif kind == "dataloader-dir":
-        order = splan.permutation(ds.files, args.seed, epoch, True)
-        loader = DataLoader(DirDataset(ds, transform), batch_size=args.batch, sampler=order,
-                            num_workers=workers)
+        loader = DataLoader(loader_ds, batch_size=batch, sampler=sampler, num_workers=workers)
+    elif kind in ("dataloader-dir", "dataloader-mount"):
+        loader = DataLoader(DirDataset(through if kind == "dataloader-mount" else store, transform),
+                            batch_size=batch, sampler=order, num_workers=workers)
     elif kind == "sluice-map":
         dataset = SluiceDataset(stage.socket, "bench", job="torch-map", transform=transform)
-        sampler = SluiceSampler(dataset, seed=args.seed)
+        sampler = SluiceSampler(dataset, seed=seed)
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=workers,
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers,
                             collate_fn=collate)
-    else:
-        dataset = SluiceIterableDataset(stage.socket, "bench", job="torch-iter", seed=args.seed,
-                                        batch=args.batch, transform=transform)
+    elif kind == "sluice-iterable":
+        dataset = SluiceIterableDataset(stage.socket, "bench", job="torch-iter", seed=seed,
+                                        batch=batch, transform=transform)
         dataset.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=args.batch, num_workers=workers, collate_fn=collate)
+        loader = DataLoader(dataset, batch_size=batch, num_workers=workers, collate_fn=collate)
+    else:
+        raise ValueError(f"unknown loader {kind!r}")
     n = 0
     for names, _samples in loader:
         n += len(names)
     wall = time.perf_counter() - t0
-    if kind in ("sluice-map", "sluice-mount"):
+    if sampler is not None and hasattr(sampler, "close"):
         sampler.close()
-    if kind in ("sluice-map", "sluice-iterable"):
+    if dataset is not None:
         dataset.close()
     if n != ds.files:
         raise SystemExit(f"error: {kind} with {workers} workers delivered {n} of {ds.files} samples")
@@ -249,18 +258,15 @@ def run_torch(args, binary: str, ds: BenchDataset, transform_name: str,
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     runs: Dict[tuple, List[float]] = {}
     epoch = 0
-    mount = tempfile.mkdtemp(prefix="sluice-mount-")
-    stage_args = [*args.stage_arg, "--mount", mount]
-    with stage_session(binary, ds, args.stage_memory, stage_args) as session:
+    with stage_session(binary, ds, args.stage_memory, args.stage_arg) as session:
         stage = session.stage
         for round_ in range(args.repeat):
             for w in workers:
                 for kind in LOADERS:
                     epoch += 1
-                    rate = _loader_run(kind, w, ds, stage, epoch, args, transform, mount)
+                    rate = loader_epoch(kind, w, ds, stage, epoch, args.seed, args.batch, transform)
                     runs.setdefault((kind, w), []).append(rate)
                     log(f"  {transform_name} {kind} workers={w}: {rate:,.0f} samples/s")
-    os.rmdir(mount)
     return [{"loader": kind, "workers": w, "transform": transform_name,
              "samples_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates]}
             for (kind, w), rates in runs.items()]

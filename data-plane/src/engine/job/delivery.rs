@@ -45,6 +45,11 @@ enum Claimed {
     Direct(u64, u32, DatasetMetrics, Arc<Dataset>),
 }
 
+/// A plan entry claimed by name and not yet delivered
+/// ([`Job::claim_planned`]); [`Job::deliver_claimed`] delivers it (a claim
+/// dropped undelivered leaves its plan one entry short).
+pub struct PlannedClaim(Claimed);
+
 /// Buffer bytes held by data on its way to a trainer; released on drop
 /// (with one lock of the job for the whole batch).
 #[derive(Debug)]
@@ -321,7 +326,25 @@ impl Job {
         dataset: &str,
         name: &str,
     ) -> Option<(Sample, Reservation)> {
-        match self.claim_by_name(dataset, name)? {
+        let claim = self.claim_planned(dataset, name)?;
+        self.deliver_claimed(claim, name).await
+    }
+
+    /// The first half of [`Job::read_planned`], which never waits: claims
+    /// `name`'s undelivered entry in an active plan, or `None` when no plan
+    /// holds it (so a caller can answer at once without a task).
+    pub fn claim_planned(&self, dataset: &str, name: &str) -> Option<PlannedClaim> {
+        self.claim_by_name(dataset, name).map(PlannedClaim)
+    }
+
+    /// The second half of [`Job::read_planned`]: the claimed entry, from the
+    /// buffer, by waiting for the reader fetching it, or read now.
+    pub async fn deliver_claimed(
+        self: &Arc<Self>,
+        claim: PlannedClaim,
+        name: &str,
+    ) -> Option<(Sample, Reservation)> {
+        match claim.0 {
             Claimed::Buffered(id, pos, m) => {
                 // None: the plan was abandoned meanwhile; the caller reads directly.
                 let (mut samples, _, bytes) = self.wait_for(id, &[pos], &m).await?;

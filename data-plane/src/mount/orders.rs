@@ -1,0 +1,239 @@
+//! Order files (`--mount-orders DIR`), for frameworks that can write down
+//! an epoch's order but not call the client: `DIR/<job>/<dataset>` lists
+//! the files `<job>` will open through the mount, one per line, in order.
+//!
+//! Each new version of the file (written elsewhere and renamed into place,
+//! so that it is never read half-written) becomes that job's plan of the
+//! data set, replacing the previous one: the stage prefetches it in that
+//! order, and each open of a listed file through `MOUNT/@<job>/<dataset>/`
+//! (or `MOUNT/<dataset>/` for the default job) is served from the buffer,
+//! once. A line is a name relative to the data set, or a path under the
+//! mount; empty lines and lines starting with `#` are skipped. A file that
+//! cannot be used changes nothing and gets its reason written beside it,
+//! in `<dataset>.error`; removing the order file drops its plan.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tracing::{info, warn};
+
+use crate::engine::{Engine, JobHandle, PlanHandle, PlanKey};
+use crate::protocol::valid_job_id;
+
+/// How often the directory is looked at.
+pub const POLL: Duration = Duration::from_millis(200);
+
+/// The plan rank of order-file plans, apart from trainers' ranks.
+const ORDER_RANK: u32 = u32::MAX;
+
+/// What the error file of an order file is called.
+const ERROR_SUFFIX: &str = ".error";
+
+/// An order file's version: it changed when any of these did.
+type Stamp = (SystemTime, u64, u64);
+
+/// The plan made from one order file.
+struct Current {
+    stamp: Stamp,
+    epoch: u64,
+    plan: Option<PlanHandle>,
+    _job: Option<JobHandle>,
+}
+
+/// Order files found so far, by (job, dataset).
+pub struct Orders {
+    engine: Arc<Engine>,
+    dir: PathBuf,
+    mount: PathBuf,
+    default_job: String,
+    current: HashMap<(String, String), Current>,
+}
+
+impl Orders {
+    pub fn new(engine: Arc<Engine>, dir: PathBuf, mount: PathBuf, default_job: String) -> Self {
+        Self {
+            engine,
+            dir,
+            mount,
+            default_job,
+            current: HashMap::new(),
+        }
+    }
+
+    /// Looks at the directory every [`POLL`] until the stage stops.
+    pub async fn watch(mut self) {
+        let mut every = tokio::time::interval(POLL);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            self = tokio::task::spawn_blocking(move || {
+                self.scan();
+                self
+            })
+            .await
+            .expect("the order scan does not panic");
+        }
+    }
+
+    /// Takes up every new or changed order file and drops the plans of
+    /// removed ones. Blocking.
+    pub fn scan(&mut self) {
+        let mut seen = Vec::new();
+        for (job, dataset, path) in self.files() {
+            let Ok(meta) = std::fs::metadata(&path) else {
+                continue;
+            };
+            let stamp = (
+                meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                meta.len(),
+                std::os::unix::fs::MetadataExt::ino(&meta),
+            );
+            let key = (job, dataset);
+            seen.push(key.clone());
+            if self.current.get(&key).is_some_and(|c| c.stamp == stamp) {
+                continue;
+            }
+            let error_path = path.with_file_name(format!("{}{ERROR_SUFFIX}", key.1));
+            match self.take(&key.0, &key.1, &path, stamp) {
+                Ok(length) => {
+                    let _ = std::fs::remove_file(&error_path);
+                    info!(job = %key.0, dataset = %key.1, length, "order file taken up as the next epoch's plan");
+                }
+                Err(e) => {
+                    warn!(file = %path.display(), "order file refused: {e}");
+                    let _ = std::fs::write(&error_path, format!("{e}\n"));
+                    // Not read again until it changes; the plan before it stays.
+                    match self.current.get_mut(&key) {
+                        Some(c) => c.stamp = stamp,
+                        None => {
+                            self.current.insert(
+                                key,
+                                Current {
+                                    stamp,
+                                    epoch: 0,
+                                    plan: None,
+                                    _job: None,
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        self.current.retain(|key, _| seen.contains(key));
+    }
+
+    /// The order files present: (job, dataset, path).
+    fn files(&self) -> Vec<(String, String, PathBuf)> {
+        let mut out = Vec::new();
+        let Ok(jobs) = std::fs::read_dir(&self.dir) else {
+            return out;
+        };
+        for job in jobs.flatten() {
+            let Some(job_name) = job.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if !valid_job_id(&job_name) || !job.path().is_dir() {
+                continue;
+            }
+            let Ok(files) = std::fs::read_dir(job.path()) else {
+                continue;
+            };
+            for file in files.flatten() {
+                let Some(name) = file.file_name().to_str().map(str::to_owned) else {
+                    continue;
+                };
+                if name.starts_with('.') || name.ends_with(ERROR_SUFFIX) {
+                    continue;
+                }
+                out.push((job_name.clone(), name, file.path()));
+            }
+        }
+        out
+    }
+
+    /// Makes the order file at `path` the plan of `job` over `dataset`;
+    /// returns its length, or why it cannot be used.
+    fn take(&mut self, job: &str, dataset: &str, path: &Path, stamp: Stamp) -> Result<u32, String> {
+        let ds = self.engine.dataset(dataset).ok_or_else(|| {
+            format!(
+                "`{dataset}` is not a data set of this stage (it serves {})",
+                self.engine.dataset_names().join(", ")
+            )
+        })?;
+        let listing = ds
+            .listing()
+            .map_err(|e| format!("data set `{dataset}` cannot be listed: {e}"))?;
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read it: {e}"))?;
+        let prefixes = self.prefixes(job, dataset);
+        let mut files = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let name = prefixes
+                .iter()
+                .find_map(|p| line.strip_prefix(p.as_str()))
+                .unwrap_or(line)
+                .trim_start_matches("./");
+            let index = listing.position(name).ok_or_else(|| {
+                format!(
+                    "line {}: `{line}` is not a file of data set `{dataset}` (give names relative to the data set, or paths under {})",
+                    i + 1,
+                    self.mount.join(format!("@{job}")).join(dataset).display()
+                )
+            })?;
+            files.push(index);
+        }
+        if files.is_empty() {
+            return Err("it lists no file".to_owned());
+        }
+        let key = (job.to_owned(), dataset.to_owned());
+        let epoch = self.current.get(&key).map_or(0, |c| c.epoch) + 1;
+        let handle = self.engine.attach_keeping_labels(job);
+        let fingerprint = listing.fingerprint(&files);
+        // The previous epoch's plan goes first, and its buffer with it.
+        if let Some(c) = self.current.get_mut(&key) {
+            c.plan = None;
+        }
+        let (plan, _) = handle
+            .job()
+            .attach_plan(
+                PlanKey {
+                    rank: ORDER_RANK,
+                    epoch,
+                },
+                fingerprint,
+                ds,
+                listing,
+                files,
+            )
+            .map_err(|e| e.message)?;
+        let length = plan.length;
+        self.current.insert(
+            key,
+            Current {
+                stamp,
+                epoch,
+                plan: Some(plan),
+                _job: Some(handle),
+            },
+        );
+        Ok(length)
+    }
+
+    /// What a line may start with to name a file by its mount path.
+    fn prefixes(&self, job: &str, dataset: &str) -> Vec<String> {
+        let mut out = vec![format!(
+            "{}/",
+            self.mount.join(format!("@{job}")).join(dataset).display()
+        )];
+        if job == self.default_job {
+            out.push(format!("{}/", self.mount.join(dataset).display()));
+        }
+        out
+    }
+}
