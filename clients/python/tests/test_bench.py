@@ -276,6 +276,18 @@ def test_cache_wiring_on_a_tiny_set(tmp_path):
         assert 0 < run["peak_rss_bytes"] and run["memory_budget_bytes"] > 0
 
 
+def test_mount_wiring_on_a_tiny_set(tmp_path):
+    out, doc = _bench(tmp_path, "mount", "--files", "64", "--size", "8KiB", "--dir", str(tmp_path / "b"),
+                      "--workers", "2", "--hot-files", "64", "--latency", "1ms")
+    loaders = {r["loader"]: r for r in doc["results"]}
+    assert set(loaders) == {"dataloader-dir", "dataloader-mount", "dataloader-mount-sampler", "socket"}
+    for r in loaders.values():
+        assert r["workers"] == 2 and r["samples_per_s"] > 0 and r["mib_per_s"] > 0
+    assert doc["storage"] == {"kind": "dir", "latency_ms": 1.0}
+    assert doc["hot"]["mount_samples_per_s"] > 0 and doc["hot"]["socket_samples_per_s"] > 0
+    assert "vs dataloader-dir" in out
+
+
 def test_median_of_rounds_keeps_each_loaders_median_run():
     from sluice.bench.prefetch import median_of_rounds
 
