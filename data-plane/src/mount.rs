@@ -30,7 +30,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use fuser::{
@@ -43,7 +43,7 @@ use tracing::{info, warn};
 use crate::chunk::Chunk;
 use crate::config::MountOptions;
 use crate::dataset::Dataset;
-use crate::engine::{Engine, JobHandle, Reservation};
+use crate::engine::{Engine, Job, JobHandle, Reservation};
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_now;
 use crate::sync::lock;
@@ -60,8 +60,8 @@ const ROOT: u64 = fuser::FUSE_ROOT_ID;
 pub struct Mount {
     _session: fuser::BackgroundSession,
     dir: PathBuf,
-    /// The task taking order files, if any.
-    orders: Option<tokio::task::JoinHandle<()>>,
+    /// Its background tasks (detaching idle jobs, taking order files).
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Mount {
@@ -79,8 +79,8 @@ impl Mount {
 
 impl Drop for Mount {
     fn drop(&mut self) {
-        if let Some(orders) = self.orders.take() {
-            orders.abort();
+        for task in &self.tasks {
+            task.abort();
         }
         info!(dir = %self.dir.display(), "unmounting");
     }
@@ -116,8 +116,20 @@ pub fn mount(
         }
         None => None,
     };
+    let readers = Arc::new(Readers::default());
+    let sweeper = {
+        let readers = Arc::clone(&readers);
+        runtime.spawn(async move {
+            let mut every = tokio::time::interval(ATTACHED_IDLE / 2);
+            loop {
+                every.tick().await;
+                readers.sweep();
+            }
+        })
+    };
     let fs = MountFs {
         engine,
+        readers,
         runtime: runtime.clone(),
         default_job: Arc::from(default_job),
         nodes: Nodes::default(),
@@ -140,14 +152,15 @@ pub fn mount(
         )
     })?;
     info!(dir = %dir.display(), default_job, "data sets mounted read-only");
-    let orders = orders.map(|orders| {
+    let mut tasks = vec![sweeper];
+    if let Some(orders) = orders {
         info!(dir = %options.orders.as_ref().expect("set").display(), "taking order files");
-        runtime.spawn(orders.watch())
-    });
+        tasks.push(runtime.spawn(orders.watch()));
+    }
     Ok(Mount {
         _session: session,
         dir: dir.to_owned(),
-        orders,
+        tasks,
     })
 }
 
@@ -234,6 +247,10 @@ impl Nodes {
 /// this size is one source read, a larger one is read in windows of it.
 const WINDOW: u64 = 4 << 20;
 
+/// Most entries one `readdir` answer is made from (the kernel's buffer
+/// holds fewer): a page of a huge directory costs a page.
+const READDIR_PAGE: usize = 1024;
+
 /// Windows an open file keeps: the ones being read and the one after.
 const WINDOWS: usize = 3;
 
@@ -243,7 +260,7 @@ type Window = Arc<tokio::sync::OnceCell<Result<Arc<Chunk>, i32>>>;
 /// A file opened through the mount: the job it is read as, its bytes when
 /// a plan entry delivered it whole, else the windows read so far.
 struct Open {
-    job: JobHandle,
+    job: Arc<Job>,
     dataset: Arc<Dataset>,
     name: String,
     size: u64,
@@ -253,7 +270,7 @@ struct Open {
 
 impl Open {
     fn new(
-        job: JobHandle,
+        job: Arc<Job>,
         dataset: Arc<Dataset>,
         name: String,
         size: u64,
@@ -310,8 +327,70 @@ impl Source {
     }
 }
 
+/// How long a job stays attached after its last file through the mount
+/// was closed: a reader opening one file after another keeps its job
+/// attached (no telemetry burst per file), and a job read no more leaves.
+const ATTACHED_IDLE: Duration = Duration::from_secs(10);
+
+/// The jobs being read through the mount, each attached (a connection, for
+/// the engine) while any of its files is open and for [`ATTACHED_IDLE`]
+/// after.
+#[derive(Default)]
+struct Readers {
+    jobs: Mutex<HashMap<Arc<str>, Attached>>,
+}
+
+struct Attached {
+    handle: JobHandle,
+    open: usize,
+    idle_since: Option<Instant>,
+}
+
+impl Readers {
+    /// The job of a file being opened, attached if it was not.
+    fn open(&self, engine: &Engine, job: &Arc<str>) -> Arc<Job> {
+        let mut jobs = lock(&self.jobs);
+        let attached = jobs.entry(Arc::clone(job)).or_insert_with(|| Attached {
+            handle: engine.attach_keeping_labels(job),
+            open: 0,
+            idle_since: None,
+        });
+        attached.open += 1;
+        attached.idle_since = None;
+        Arc::clone(attached.handle.job())
+    }
+
+    /// A file of `job` was closed.
+    fn close(&self, job: &str) {
+        if let Some(attached) = lock(&self.jobs).get_mut(job) {
+            attached.open = attached.open.saturating_sub(1);
+            if attached.open == 0 {
+                attached.idle_since = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Detaches the jobs idle for [`ATTACHED_IDLE`].
+    fn sweep(&self) {
+        let idle: Vec<JobHandle> = {
+            let mut jobs = lock(&self.jobs);
+            let gone: Vec<Arc<str>> = jobs
+                .iter()
+                .filter(|(_, a)| a.idle_since.is_some_and(|t| t.elapsed() >= ATTACHED_IDLE))
+                .map(|(job, _)| Arc::clone(job))
+                .collect();
+            gone.iter()
+                .filter_map(|job| jobs.remove(job).map(|a| a.handle))
+                .collect()
+        };
+        // Dropped outside the lock: the last handle of a job reports it.
+        drop(idle);
+    }
+}
+
 struct MountFs {
     engine: Arc<Engine>,
+    readers: Arc<Readers>,
     runtime: Handle,
     default_job: Arc<str>,
     nodes: Nodes,
@@ -394,13 +473,16 @@ impl MountFs {
         })
     }
 
-    /// The entries of a directory node: (name, is a directory).
-    fn entries(&self, node: &Node) -> Result<Vec<(String, bool)>, i32> {
+    /// The entries of a directory node from the `skip`-th on, at most
+    /// `limit`: (name, is a directory).
+    fn entries(&self, node: &Node, skip: usize, limit: usize) -> Result<Vec<(String, bool)>, i32> {
         match node {
             Node::Root | Node::JobRoot(_) => Ok(self
                 .engine
                 .dataset_names()
                 .into_iter()
+                .skip(skip)
+                .take(limit)
                 .map(|n| (n, true))
                 .collect()),
             Node::Dir { dataset, path, .. } => {
@@ -408,7 +490,7 @@ impl MountFs {
                     .trees
                     .of(dataset, &self.runtime)
                     .map_err(|e| errno(&e))?;
-                Ok(tree.list(path))
+                Ok(tree.list(path, skip, limit))
             }
             Node::File { .. } => Err(libc::ENOTDIR),
         }
@@ -466,24 +548,19 @@ impl Filesystem for MountFs {
         let Some(node) = self.nodes.get(ino).cloned() else {
             return reply.error(libc::ENOENT);
         };
-        let entries = match self.entries(&node) {
-            Ok(entries) => entries,
-            Err(e) => return reply.error(e),
-        };
-        let dots = [
-            (ino, FileType::Directory, "."),
-            (ino, FileType::Directory, ".."),
-        ];
+        // Offsets 1 and 2 are "." and ".."; entry i of the directory is i + 3.
         let skip = usize::try_from(offset).unwrap_or(0);
-        let mut index = 0usize;
-        for (child, kind, name) in dots {
-            index += 1;
-            if index > skip && reply.add(child, index as i64, kind, name) {
+        for (i, name) in [".", ".."].into_iter().enumerate().skip(skip) {
+            if reply.add(ino, i as i64 + 1, FileType::Directory, name) {
                 return reply.ok();
             }
         }
-        for (name, is_dir) in entries.iter().skip(skip.saturating_sub(2)) {
-            index = index.max(skip) + 1;
+        let first = skip.saturating_sub(2);
+        let page = match self.entries(&node, first, READDIR_PAGE) {
+            Ok(page) => page,
+            Err(e) => return reply.error(e),
+        };
+        for (i, (name, is_dir)) in page.iter().enumerate() {
             let Ok(child) = self.child(&node, OsStr::new(name)) else {
                 continue;
             };
@@ -493,7 +570,7 @@ impl Filesystem for MountFs {
             } else {
                 FileType::RegularFile
             };
-            if reply.add(child_ino, index as i64, kind, name) {
+            if reply.add(child_ino, (first + i + 3) as i64, kind, name) {
                 break;
             }
         }
@@ -514,25 +591,28 @@ impl Filesystem for MountFs {
             return reply.error(libc::EISDIR);
         };
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let handle = self.engine.attach_keeping_labels(&job);
+        let job = self.readers.open(&self.engine, &job);
         let open = Arc::clone(&self.open);
         // A plan entry of the job is delivered whole, exactly once; a file
         // no plan holds is answered here, without a task.
-        let Some(claim) = handle.job().claim_planned(&dataset.name, &name) else {
-            lock(&open).insert(fh, Open::new(handle, dataset, name, size, None));
+        let Some(claim) = job.claim_planned(&dataset.name, &name) else {
+            lock(&open).insert(fh, Open::new(job, dataset, name, size, None));
             return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         };
+        let readers = Arc::clone(&self.readers);
         self.runtime.spawn(async move {
-            let job = Arc::clone(handle.job());
             let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
                     Ok(Payload::Bytes(chunk)) => Some((chunk, reservation)),
                     Ok(Payload::Shared { .. }) => None,
-                    Err(e) => return reply.error(errno(&e)),
+                    Err(e) => {
+                        readers.close(job.id());
+                        return reply.error(errno(&e));
+                    }
                 },
                 None => None,
             };
-            lock(&open).insert(fh, Open::new(handle, dataset, name, size, whole));
+            lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
             reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         });
     }
@@ -575,7 +655,7 @@ impl Filesystem for MountFs {
                 .map(|start| (start, file.window(start)))
                 .collect();
             let source = Source {
-                job: Arc::clone(file.job.job()),
+                job: Arc::clone(&file.job),
                 dataset: Arc::clone(&file.dataset),
                 name: file.name.clone(),
             };
@@ -619,7 +699,9 @@ impl Filesystem for MountFs {
         reply: ReplyEmpty,
     ) {
         let closed = lock(&self.open).remove(&fh);
-        drop(closed);
+        if let Some(file) = closed {
+            self.readers.close(file.job.id());
+        }
         reply.ok();
     }
 

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -118,6 +119,23 @@ def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     assert set(opened) | set(streamed) == set(files)
 
 
+def test_a_large_directory_lists_whole_across_pages(tmp_path, stage_factory):
+    root = tmp_path / "data"
+    flat = root / "flat"
+    flat.mkdir(parents=True)
+    names = sorted(f"{i:06d}-{'x' * (i % 40)}.bin" for i in range(6000))
+    for name in names:
+        (flat / name).write_bytes(name.encode())
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage_factory({"ds": root}, "--mount", str(mnt))
+    with os.scandir(mnt / "ds" / "flat") as it:
+        listed = [(e.name, e.is_file()) for e in it]
+    assert [n for n, _ in listed] == names, "every name once, in order, across readdir pages"
+    assert all(is_file for _, is_file in listed)
+    assert (mnt / "ds" / "flat" / names[-1]).read_bytes() == names[-1].encode()
+
+
 def write_order(path, lines) -> None:
     """Writes an order file as a framework should: elsewhere, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +171,40 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     write_order(orders / "tf" / "other", names[:1])
     wait_for((orders / "tf" / "other.error").exists, what="an unknown data set refused")
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
+
+
+TF_READER = r"""
+import json, sys
+import tensorflow as tf
+paths = json.load(sys.stdin)
+# The usual file pipeline: paths -> tf.io.read_file in parallel, in order.
+ds = tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file, num_parallel_calls=4, deterministic=True)
+sys.stdout.buffer.write(b"".join(len(t.numpy()).to_bytes(8, "big") + t.numpy() for t in ds))
+"""
+
+
+def test_a_tf_data_pipeline_reads_exact_bytes_through_the_mount_in_an_order_files_order(tmp_path, stage_factory,
+                                                                                        dataset):
+    root, files = dataset
+    mnt, orders = tmp_path / "mnt", tmp_path / "orders"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt), "--mount-orders", str(orders))
+    order = sorted(files, key=lambda n: (len(files[n]), n))
+    write_order(orders / "tf" / "ds", order)
+    reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf")  # noqa: E731
+    wait_for(lambda: reads() == len(order), what="the order prefetched")
+    paths = [str(mnt / "@tf" / "ds" / name) for name in order]
+    run = subprocess.run([sys.executable, "-c", TF_READER], input=json.dumps(paths).encode(),
+                         capture_output=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    out, got = run.stdout, []
+    while out:
+        n = int.from_bytes(out[:8], "big")
+        got.append(out[8:8 + n])
+        out = out[8 + n:]
+    assert got == [files[name] for name in order], "tf.data read every file's exact bytes"
+    assert reads() == len(order), "each file read from storage once, ahead of tf.data"
+    assert job_metric(stage, "sluice_stage_delivered_samples_total", "tf") == len(order)
 
 
 def test_order_files_need_a_mount(tmp_path, dataset):

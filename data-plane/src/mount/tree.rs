@@ -24,8 +24,9 @@ pub enum Entry {
 /// One listing's directories.
 #[derive(Debug, Default)]
 pub struct Tree {
-    /// Per directory path ("" the root): its names, a size for files.
-    dirs: HashMap<String, BTreeMap<String, Option<u64>>>,
+    /// Per directory path ("" the root): its names sorted, a size for
+    /// files (a vector, so that a page of a huge directory is a slice).
+    dirs: HashMap<String, Vec<(String, Option<u64>)>>,
 }
 
 impl Tree {
@@ -51,12 +52,18 @@ impl Tree {
                 .or_default()
                 .insert(rest.to_owned(), Some(size));
         }
+        let dirs = dirs
+            .into_iter()
+            .map(|(path, names)| (path, names.into_iter().collect()))
+            .collect();
         Self { dirs }
     }
 
     /// The entry `name` of directory `path`.
     pub fn entry(&self, path: &str, name: &str) -> Option<Entry> {
-        let size = *self.dirs.get(path)?.get(name)?;
+        let names = self.dirs.get(path)?;
+        let found = names.binary_search_by(|(n, _)| n.as_str().cmp(name)).ok()?;
+        let size = names[found].1;
         let full = if path.is_empty() {
             name.to_owned()
         } else {
@@ -68,12 +75,16 @@ impl Tree {
         })
     }
 
-    /// The names of directory `path`, sorted, each with whether it is a
-    /// directory.
-    pub fn list(&self, path: &str) -> Vec<(String, bool)> {
+    /// The names of directory `path` from the `skip`-th on, sorted, at
+    /// most `limit`, each with whether it is a directory: a page costs its
+    /// own entries, however large the directory.
+    pub fn list(&self, path: &str, skip: usize, limit: usize) -> Vec<(String, bool)> {
         self.dirs.get(path).map_or_else(Vec::new, |names| {
             names
+                .get(skip.min(names.len())..)
+                .unwrap_or_default()
                 .iter()
+                .take(limit)
                 .map(|(name, size)| (name.clone(), size.is_none()))
                 .collect()
         })
@@ -150,16 +161,19 @@ mod tests {
         ];
         let tree = Tree::new(files.into_iter());
         assert_eq!(
-            tree.list(""),
+            tree.list("", 0, 10),
             [("a".to_owned(), true), ("top".to_owned(), false)]
         );
         assert_eq!(
-            tree.list("a"),
+            tree.list("a", 0, 10),
             [("3.bin".to_owned(), false), ("b".to_owned(), true)]
         );
+        assert_eq!(tree.list("a", 1, 10), [("b".to_owned(), true)]);
+        assert_eq!(tree.list("a", 0, 1), [("3.bin".to_owned(), false)]);
+        assert!(tree.list("a", 5, 10).is_empty());
         assert!(matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, 2)) if n == "a/b/2.bin"));
         assert!(matches!(tree.entry("", "a"), Some(Entry::Dir(p)) if p == "a"));
         assert!(tree.entry("a", "nothing").is_none());
-        assert!(tree.list("missing").is_empty());
+        assert!(tree.list("missing", 0, 10).is_empty());
     }
 }
