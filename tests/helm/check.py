@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import subprocess
 import sys
@@ -38,6 +39,14 @@ SCENARIOS = {
     "monitoring": "values-monitoring.yaml",
     "s3": "values-s3.yaml",
     "cache": "values-cache.yaml",
+    "mount": "values-mount.yaml",
+}
+
+# Mount settings checked on top of the default scenario (the DaemonSet only).
+MOUNT_VARIANTS = {
+    "mount without order files": {"stage": {"mount": {"enabled": True}}},
+    "mount with order files beside it": {"stage": {"mount": {
+        "enabled": True, "hostPath": "/mnt/sluice/view", "orders": {"hostPath": "/srv/sluice-orders"}}}},
 }
 
 # Admin-auth settings checked on top of the default scenario.
@@ -64,10 +73,30 @@ MUST_FAIL = {
     "disk tier in a relative directory (values.schema.json)": (
         {"stage": {"cache": {"disk": {"hostPath": "nvme/sluice", "size": "100GiB"}}}},
         "at '/stage/cache/disk/hostPath': 'nvme/sluice' does not match pattern"),
+    # The DaemonSet's stage gets the mount directory's parent at the same path.
+    "mount in a top-level directory (values.schema.json)": (
+        {"stage": {"mount": {"enabled": True, "hostPath": "/sluice"}}},
+        "at '/stage/mount/hostPath': '/sluice' does not match pattern"),
+    "mount without a directory in DaemonSet mode": (
+        {"stage": {"mount": {"enabled": True, "hostPath": ""}}}, "DaemonSet mode needs an absolute directory"),
+    "mount whose parent hides the image": (
+        {"stage": {"mount": {"enabled": True, "hostPath": "/usr/local/sluice"}}},
+        "the stage gets /usr/local at the same path"),
+    "mount whose parent holds the socket's directory": (
+        {"stage": {"mount": {"enabled": True, "hostPath": "/run/sluice-mnt"}}},
+        "the stage gets /run at the same path"),
+    "order files inside the mount": (
+        {"stage": {"mount": {"enabled": True, "orders": {"hostPath": "/var/lib/sluice/mnt/orders"}}}},
+        "must be neither stage.mount.hostPath, inside it"),
 }
 
 # Where the chart mounts the disk tier's host directory in the stage.
 CACHE_DIR = "/var/cache/sluice"
+# The stage container's name in the DaemonSet and in the sidecar example.
+STAGE_NAMES = ("stage", "sluice-stage")
+# Sidecar mode: the emptyDir the stage and the trainer share, and the
+# directory on it where the stage mounts the data sets.
+SIDECAR_MOUNT_VOLUME, SIDECAR_MOUNT_DIR = "/mnt/sluice", "/mnt/sluice/data"
 
 CRD_SCHEMAS = {
     "ServiceMonitor": HERE / "crd-schemas" / "servicemonitor.json",
@@ -186,15 +215,30 @@ def properties(scenario: str, objs: list[tuple[str, dict]], values: dict | None)
     kinds = {}
     for _, obj in objs:
         kinds.setdefault(obj["kind"], []).append(obj)
+    mount_on = bool(mount_values(values).get("enabled"))
     for obj, pod in pod_specs(objs):
         where = f"{obj['kind']}/{obj['metadata']['name']}"
         volumes = {v["name"] for v in pod.get("volumes", [])}
+        pod_sc = pod.get("securityContext", {})
         for c in pod.get("initContainers", []) + pod["containers"]:
             sc = c.get("securityContext", {})
             if not sc.get("readOnlyRootFilesystem"):
                 problems.append(f"{where} {c['name']}: root file system is writable")
-            if sc.get("allowPrivilegeEscalation") is not False:
+            # The stage with the mount is privileged (mount_wiring checks
+            # exactly how); nothing else may be.
+            mounting_stage = mount_on and c["name"] in STAGE_NAMES and sc.get("privileged")
+            if sc.get("allowPrivilegeEscalation") is not False and not mounting_stage:
                 problems.append(f"{where} {c['name']}: privilege escalation allowed")
+            # What the API server and the kubelet refuse, which the schemas
+            # cannot see.
+            if sc.get("privileged") and sc.get("allowPrivilegeEscalation") is False:
+                problems.append(f"{where} {c['name']}: privileged with allowPrivilegeEscalation false (refused)")
+            if not sc.get("privileged") and any(m.get("mountPropagation") == "Bidirectional"
+                                                for m in c.get("volumeMounts", [])):
+                problems.append(f"{where} {c['name']}: Bidirectional propagation in an unprivileged container (refused)")
+            if (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+                    and sc.get("runAsUser", pod_sc.get("runAsUser")) == 0):
+                problems.append(f"{where} {c['name']}: runAsNonRoot with user 0 (the kubelet refuses to start it)")
             if "limits" not in c.get("resources", {}):
                 problems.append(f"{where} {c['name']}: no resource limits")
             for m in c.get("volumeMounts", []):
@@ -265,7 +309,8 @@ def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | Non
     """The node cache's flags follow the values; with a disk tier the
     DaemonSet's stage gets `--cache-dir` on a writable hostPath volume
     (DirectoryOrCreate) and a root init container that, run here on a
-    directory, hands it to the stage's user and group. Sidecars never get
+    directory, hands it to the stage container's user (root with the
+    mount) and group. Sidecars never get
     a disk tier (pods on one node would share its directory)."""
     stage = (values or {}).get("stage") or {}
     cache = stage.get("cache") or {}
@@ -310,9 +355,151 @@ def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | Non
         if len(fixers) != 1 or fixers[0].get("securityContext", {}).get("runAsUser") != 0:
             problems.append(f"{where}: want one init container running as root on the cache volume, have {fixers}")
             continue
-        sc = pod.get("securityContext", {})
+        # The stage container's user (root with the mount) and group.
+        sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
         problems += run_cache_fixer(where, fixers[0], sc.get("runAsUser", 0), sc.get("runAsGroup", 0))
     record(f"{scenario}: node cache wiring", not problems, "; ".join(problems))
+
+
+def mount_values(values: dict | None) -> dict:
+    """stage.mount of `values` over the chart's defaults."""
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["stage"]["mount"]
+    given = ((values or {}).get("stage") or {}).get("mount") or {}
+    return {**default, **given, "orders": {**default["orders"], **(given.get("orders") or {})}}
+
+
+def mount_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None) -> None:
+    """With `stage.mount.enabled` the stage gets `--mount` (and
+    `--mount-job`, `--mount-orders` as set), the mount directory's parent
+    with Bidirectional propagation (DaemonSet: a hostPath at the same path,
+    created if missing; sidecar: the emptyDir shared with the trainer, which
+    mounts it HostToContainer and finds the mount in SLUICE_MOUNT_DIR),
+    /dev/fuse as a CharDevice hostPath, and a privileged root security
+    context; an init container, run here on a directory, creates the mount
+    directory (and the order files' one, for the stage's group). No other
+    container is privileged, and the init containers stay as they were.
+    With the mount off none of it appears and the stage stays unprivileged."""
+    m = mount_values(values)
+    on = bool(m["enabled"])
+    problems = []
+    for obj, pod in pod_specs(objs):
+        if obj["kind"] == "Deployment":
+            continue
+        where = obj["kind"]
+        containers = pod.get("initContainers", []) + pod["containers"]
+        c = next(c for c in containers if c["name"] in STAGE_NAMES)
+        for o in containers:
+            if o is c:
+                continue
+            osc = o.get("securityContext", {})
+            if osc.get("privileged") or osc.get("allowPrivilegeEscalation") is not False \
+                    or osc.get("capabilities", {}).get("drop") != ["ALL"] \
+                    or any(x.get("mountPropagation") == "Bidirectional" for x in o.get("volumeMounts", [])):
+                problems.append(f"{where} {o['name']}: only the stage may be privileged or propagate mounts, have {osc}")
+        args = [a for a in c.get("args", []) if a.startswith("--mount")]
+        sc = c.get("securityContext", {})
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts = c.get("volumeMounts", [])
+        fuse = [x for x in mounts if x["mountPath"] == "/dev/fuse"]
+        bidir = [x for x in mounts if x.get("mountPropagation") == "Bidirectional"]
+        if not on:
+            if args or fuse or bidir or {"mount", "mount-orders", "fuse"} & set(volumes):
+                problems.append(f"{where}: mount off, yet args {args}, mounts {fuse + bidir}")
+            if sc.get("privileged") or "runAsUser" in sc or "runAsNonRoot" in sc \
+                    or sc.get("capabilities", {}).get("drop") != ["ALL"]:
+                problems.append(f"{where}: mount off, yet the stage runs with {sc}")
+            continue
+        job = [f"--mount-job={m['job']}"] if m["job"] else []
+        if obj["kind"] == "DaemonSet":
+            mount_dir = posixpath.normpath(m["hostPath"])
+            parent = posixpath.dirname(mount_dir)
+            orders = posixpath.normpath(m["orders"]["hostPath"]) if m["orders"]["hostPath"] else ""
+            want_args = [f"--mount={mount_dir}"] + job + ([f"--mount-orders={orders}"] if orders else [])
+            want_volume = {"hostPath": {"path": parent, "type": "DirectoryOrCreate"}}
+        else:
+            mount_dir, parent, orders = SIDECAR_MOUNT_DIR, SIDECAR_MOUNT_VOLUME, ""
+            want_args = [f"--mount={mount_dir}"] + job
+            want_volume = {"emptyDir": {"sizeLimit": "1Mi"}}
+        if args != want_args:
+            problems.append(f"{where}: mount flags {args}, want {want_args}")
+        if len(bidir) != 1 or bidir[0]["mountPath"] != parent or bidir[0].get("readOnly"):
+            problems.append(f"{where}: want one writable Bidirectional mount at {parent}, have {bidir}")
+            continue
+        volume = {k: v for k, v in volumes[bidir[0]["name"]].items() if k != "name"}
+        if volume != want_volume:
+            problems.append(f"{where}: the mount's volume is {volume}, want {want_volume}")
+        separate = bool(orders) and not orders.startswith(parent + "/")
+        orders_mounts = [x for x in mounts if orders and x["mountPath"] == orders]
+        if separate != bool(orders_mounts) or any(x.get("mountPropagation") or x.get("readOnly")
+                                                    for x in orders_mounts):
+            problems.append(f"{where}: order files {orders!r} mounted as {orders_mounts}")
+        for x in orders_mounts:
+            v = volumes[x["name"]]
+            if v.get("hostPath") != {"path": orders, "type": "DirectoryOrCreate"}:
+                problems.append(f"{where}: the order files' volume is {v}")
+        if len(fuse) != 1 or volumes[fuse[0]["name"]].get("hostPath") != {"path": "/dev/fuse", "type": "CharDevice"}:
+            problems.append(f"{where}: want /dev/fuse from a CharDevice hostPath, have {fuse}")
+        want_sc = {"privileged": True, "runAsUser": 0, "runAsNonRoot": False, "readOnlyRootFilesystem": True}
+        if {k: sc.get(k) for k in want_sc} != want_sc or sc.get("allowPrivilegeEscalation") is False \
+                or "capabilities" in sc:
+            problems.append(f"{where}: the stage runs with {sc}, want {want_sc} (escalation not refused, no capabilities)")
+        if not pod.get("securityContext", {}).get("runAsNonRoot"):
+            problems.append(f"{where}: the pod's runAsNonRoot is gone; override the stage container only")
+        if obj["kind"] == "Job":
+            trainer = next(t for t in pod["containers"] if t["name"] == "trainer")
+            seen = [x for x in trainer.get("volumeMounts", []) if x["name"] == bidir[0]["name"]]
+            if [(x["mountPath"], x.get("mountPropagation")) for x in seen] != [(parent, "HostToContainer")]:
+                problems.append(f"{where}: the trainer mounts the shared volume as {seen}, want {parent} HostToContainer")
+            env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
+            if env.get("SLUICE_MOUNT_DIR") != mount_dir:
+                problems.append(f"{where}: the trainer's SLUICE_MOUNT_DIR is {env.get('SLUICE_MOUNT_DIR')!r}, want {mount_dir}")
+        inits = pod.get("initContainers", [])
+        before = inits[: inits.index(c)] if c in inits else inits
+        makers = [i for i in before if any(x["name"] == bidir[0]["name"] for x in i.get("volumeMounts", []))]
+        if len(makers) != 1:
+            problems.append(f"{where}: want one init container before the stage creating {mount_dir}, have {makers}")
+            continue
+        pod_sc = pod.get("securityContext", {})
+        problems += run_mount_maker(where, makers[0], parent, mount_dir, orders if separate else "",
+                                    orders, (pod_sc.get("runAsUser", 0), pod_sc.get("runAsGroup", 0)))
+    record(f"{scenario}: mount wiring", not problems, "; ".join(problems))
+
+
+def run_mount_maker(where: str, init: dict, parent: str, mount_dir: str, orders_volume: str,
+                    orders: str, owner: tuple[int, int]) -> list[str]:
+    """Runs the init container's script twice (the second time everything
+    exists) on directories standing for the mount's parent and the order
+    files' directory (as root, like the container; skipped otherwise): the
+    mount directory must exist, the order files' one be owned by `owner`
+    with mode 2770."""
+    cmd = init.get("command", [])
+    if cmd[:2] != ["/bin/sh", "-c"] or len(cmd) != 3 or not isinstance(cmd[2], str):
+        return [f"{where}: init container {init['name']} command {cmd}, want /bin/sh -c SCRIPT"]
+    if os.geteuid() != 0:
+        print(f"skip {where}: running the mount directory's init script (needs root)")
+        return []
+    out = []
+    with tempfile.TemporaryDirectory(prefix="sluice-mount-") as d:
+        script = cmd[2]
+        if orders_volume:
+            os.mkdir(f"{d}/orders")
+            script = script.replace(orders_volume, f"{d}/orders")
+        script = script.replace(parent + "/", f"{d}/parent/")
+        os.mkdir(f"{d}/parent")
+        for attempt in (1, 2):
+            proc = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True)
+            if proc.returncode != 0:
+                out.append(f"{where}: init script failed (run {attempt}): {(proc.stdout + proc.stderr).strip()}")
+        made = f"{d}/parent/{posixpath.relpath(mount_dir, parent)}"
+        if not os.path.isdir(made):
+            out.append(f"{where}: the init script did not create {mount_dir}")
+        if orders:
+            o = f"{d}/orders" if orders_volume else f"{d}/parent/{posixpath.relpath(orders, parent)}"
+            st = os.stat(o) if os.path.isdir(o) else None
+            if st is None or (st.st_uid, st.st_gid) != owner or st.st_mode & 0o7777 != 0o2770:
+                out.append(f"{where}: after the init script the order files' directory is "
+                           f"{st and (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777))}, want {owner} 2770")
+    return out
 
 
 def run_cache_fixer(where: str, init: dict, uid: int, gid: int) -> list[str]:
@@ -400,8 +587,13 @@ def main() -> int:
             properties(scenario, objs, values)
             auth_wiring(scenario, objs, values)
             cache_wiring(scenario, objs, values)
+            mount_wiring(scenario, objs, values)
     for scenario, values in AUTH_VARIANTS.items():
         auth_wiring(scenario, objects(render(values)), values)
+    for scenario, values in MOUNT_VARIANTS.items():
+        objs = objects(render(values))
+        properties(scenario, objs, values)
+        mount_wiring(scenario, objs, values)
     documented_values()
     for name, (values, message) in MUST_FAIL.items():
         try:

@@ -145,12 +145,99 @@ both set), empty when it has none; fails when only one of the two is set
 {{- end }}
 
 {{/*
+Refuses a directory the DaemonSet's stage gets at the same path as on the
+node (the mount's parent, the order files' directory) where it would hide
+a directory of the image or nest with one of the stage's other volumes (a
+volume mounted inside a Bidirectional one would leak back to the node):
+call with (dict "ctx" $ "value" <the value, for the message> "path"
+<cleaned path>).
+*/}}
+{{- define "sluice.stage.mount.checkPath" -}}
+{{- $ctx := .ctx }}
+{{- $p := .path }}
+{{- $own := list "/usr" "/proc" "/sys" "/dev/fuse" "/run/sluice" }}
+{{- range $ctx.Values.stage.datasets }}
+{{- if not .s3 }}
+{{- $own = append $own (printf "/data/%s" .name) }}
+{{- end }}
+{{- end }}
+{{- if include "sluice.stage.cacheDisk" $ctx }}
+{{- $own = append $own (include "sluice.stage.cacheDir" $ctx) }}
+{{- end }}
+{{- if $ctx.Values.tls.enabled }}
+{{- $own = append $own (clean $ctx.Values.tls.mountPath) }}
+{{- end }}
+{{- $bad := has $p (list "/bin" "/boot" "/dev" "/etc" "/lib" "/lib64" "/root" "/sbin") }}
+{{- range $own }}
+{{- if or (eq $p .) (hasPrefix (printf "%s/" .) $p) (hasPrefix (printf "%s/" $p) .) (eq $p "/") }}
+{{- $bad = true }}
+{{- end }}
+{{- end }}
+{{- if $bad }}
+{{- fail (printf "%s: the stage gets %s at the same path, which must neither hide a directory of its image (/, /bin, /etc, /usr, /dev, ...) nor contain or lie inside one of its other mounts (%s); pick another directory, e.g. /var/lib/sluice/mnt for stage.mount.hostPath" .value $p (join ", " $own)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the DaemonSet's stage mounts the data sets, as a dict: "dir" (the
+node's stage.mount.hostPath, the same path in the stage), "parent" (its
+parent directory, the hostPath volume the stage gets: a stale mount at
+"dir" itself would keep the container from starting), "orders" (the order
+files' directory, or empty) and "ordersVolume" (true when "orders" needs a
+volume of its own, i.e. is not inside "parent"). Empty when the mount is
+off. Use with `include ... | fromYaml`.
+*/}}
+{{- define "sluice.stage.mount.node" -}}
+{{- $m := .Values.stage.mount }}
+{{- if $m.enabled }}
+{{- if not (regexMatch "^/[^/]+(/[^/]+)+/?$" $m.hostPath) }}
+{{- fail (printf "stage.mount.hostPath %q: DaemonSet mode needs an absolute directory at least two levels deep (the stage gets its parent), e.g. /var/lib/sluice/mnt" $m.hostPath) }}
+{{- end }}
+{{- $dir := clean $m.hostPath }}
+{{- $parent := dir $dir }}
+{{- include "sluice.stage.mount.checkPath" (dict "ctx" . "value" (printf "stage.mount.hostPath %q" $m.hostPath) "path" $parent) }}
+{{- $orders := "" }}
+{{- $ordersVolume := false }}
+{{- with $m.orders.hostPath }}
+{{- $orders = clean . }}
+{{- if not (isAbs $orders) }}
+{{- fail (printf "stage.mount.orders.hostPath %q must be an absolute directory" .) }}
+{{- end }}
+{{- if or (eq $orders $parent) (eq $orders $dir) (hasPrefix (printf "%s/" $dir) $orders) (hasPrefix (printf "%s/" $orders) $parent) }}
+{{- fail (printf "stage.mount.orders.hostPath %q must be neither stage.mount.hostPath, inside it (the read-only mount), nor its parent or above (the order files' directory would hold the mount)" .) }}
+{{- end }}
+{{- $ordersVolume = not (hasPrefix (printf "%s/" $parent) $orders) }}
+{{- if $ordersVolume }}
+{{- include "sluice.stage.mount.checkPath" (dict "ctx" $ "value" (printf "stage.mount.orders.hostPath %q" .) "path" $orders) }}
+{{- end }}
+{{- end }}
+dir: {{ $dir | quote }}
+parent: {{ $parent | quote }}
+orders: {{ $orders | quote }}
+ordersVolume: {{ $ordersVolume }}
+{{- end }}
+{{- end }}
+
+{{/* Where the sidecar's stage mounts the data sets: a directory on the emptyDir it shares with the trainer. */}}
+{{- define "sluice.stage.mount.sidecarVolume" -}}
+/mnt/sluice
+{{- end }}
+{{- define "sluice.stage.mount.sidecarDir" -}}
+/mnt/sluice/data
+{{- end }}
+
+{{/*
 The stage container, shared by the DaemonSet and the sidecar example.
 Call with (dict "ctx" $ "name" "stage" "stageId" <env source>), plus
 "cacheDisk" true where the pod has the disk tier's volume (the DaemonSet:
-sidecars on one node would share its directory).
+sidecars on one node would share its directory), and "mount" where the
+stage mounts the data sets (stage.mount.enabled): a dict with "dir"
+(`--mount`), "volume" (where the `mount` volume goes, mounted with
+Bidirectional propagation: a parent of "dir"), "orders" (`--mount-orders`,
+or empty) and "ordersVolume" (true: the `mount-orders` volume goes at
+"orders").
 The caller provides the volumes: socket, datasets (dataset-<name>), tls,
-cache-disk.
+cache-disk, mount, mount-orders, fuse.
 */}}
 {{- define "sluice.stage.container" -}}
 {{- $ctx := .ctx }}
@@ -195,6 +282,15 @@ cache-disk.
     {{- end }}
     {{- with $v.s3.deadline }}
     - --s3-deadline={{ . }}
+    {{- end }}
+    {{- with .mount }}
+    - --mount={{ .dir }}
+    {{- with $v.mount.job }}
+    - --mount-job={{ . }}
+    {{- end }}
+    {{- with .orders }}
+    - --mount-orders={{ . }}
+    {{- end }}
     {{- end }}
     {{- if $v.tcp.enabled }}
     - --listen=0.0.0.0:{{ $v.tcp.port }}
@@ -298,8 +394,21 @@ cache-disk.
     failureThreshold: {{ $v.readinessProbe.failureThreshold }}
   resources:
     {{- toYaml $v.resources | nindent 4 }}
+  {{- if .mount }}
+  # The mount: mount(2) needs root with CAP_SYS_ADMIN, and Kubernetes allows
+  # the Bidirectional propagation that takes the mount out of this container
+  # only in privileged containers. The group stays the pod's.
+  {{- $sc := omit $v.securityContext "privileged" "allowPrivilegeEscalation" "capabilities" "runAsUser" "runAsNonRoot" }}
+  {{- $_ := set $sc "privileged" true }}
+  {{- $_ := set $sc "allowPrivilegeEscalation" true }}
+  {{- $_ := set $sc "runAsUser" 0 }}
+  {{- $_ := set $sc "runAsNonRoot" false }}
+  securityContext:
+    {{- toYaml $sc | nindent 4 }}
+  {{- else }}
   securityContext:
     {{- toYaml $v.securityContext | nindent 4 }}
+  {{- end }}
   volumeMounts:
     - name: socket
       mountPath: /run/sluice
@@ -319,6 +428,25 @@ cache-disk.
       mountPath: {{ $ctx.Values.tls.mountPath }}
       readOnly: true
     {{- end }}
+    {{- with .mount }}
+    - name: mount
+      mountPath: {{ .volume }}
+      mountPropagation: Bidirectional
+    {{- if .ordersVolume }}
+    - name: mount-orders
+      mountPath: {{ .orders }}
+    {{- end }}
+    - name: fuse
+      mountPath: /dev/fuse
+    {{- end }}
+{{- end }}
+
+{{/* The /dev/fuse volume of a stage with the mount. */}}
+{{- define "sluice.stage.fuseVolume" -}}
+- name: fuse
+  hostPath:
+    path: /dev/fuse
+    type: CharDevice
 {{- end }}
 
 {{/* The datasets' volumes. */}}
