@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -64,7 +65,81 @@ def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
         assert f.read(7) == files[big][1_000_003:1_000_010]
         f.seek(len(files[big]) - 2)
         assert f.read(100) == files[big][-2:]
+    # os.pread at odd offsets and sizes, and mmap, of every file.
+    for name, data in files.items():
+        fd = os.open(mnt / "ds" / name, os.O_RDONLY)
+        try:
+            for offset, size in ((0, 1), (3, 4093), (4095, 2), (len(data) // 3, 65537), (len(data), 9)):
+                assert os.pread(fd, size, offset) == data[offset:offset + size], (name, offset, size)
+            if data:
+                with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+                    assert m[:] == data, name
+        finally:
+            os.close(fd)
     assert job_delivered(stage, "mount") > 0, "reads that name no job belong to the default job"
+
+
+def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, stage_factory):
+    root, outside = tmp_path / "data", tmp_path / "secret"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "key.bin").write_bytes(b"secret")
+    (root / "sub" / "real.bin").write_bytes(b"inside")
+    os.symlink("sub/real.bin", root / "alias.bin")  # stays beneath the root
+    os.symlink(outside / "key.bin", root / "escape.bin")  # leaves it
+    os.symlink(outside, root / "escape-dir")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage_factory({"ds": root}, "--mount", str(mnt))
+    assert walk(mnt / "ds") == {"sub/real.bin": b"inside", "alias.bin": b"inside"}
+    for name in ("escape.bin", "escape-dir/key.bin"):
+        with pytest.raises(FileNotFoundError):
+            open(mnt / "ds" / name, "rb")
+
+
+def test_a_reader_killed_mid_file_leaves_the_mount_serving_the_others(mounted):
+    stage, mnt, files = mounted
+    big = max(files, key=lambda n: len(files[n]))
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "f = open(sys.argv[1], 'rb', buffering=0)\n"
+        "f.read(300000)\n"
+        "print('reading', flush=True)\n"
+        "time.sleep(60)\n"), str(mnt / "@killed" / "ds" / big)], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "reading"
+    reader.kill()
+    reader.wait(timeout=10)
+    assert walk(mnt / "ds") == files
+    assert stage.proc.poll() is None
+
+
+def test_a_reader_inside_the_mount_gets_an_error_not_a_hang_when_the_stage_stops(tmp_path, stage_factory, dataset):
+    root, files = dataset
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    big = max(files, key=lambda n: len(files[n]))
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "os.pread(fd, 10, 0)\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "try:\n"
+        "    os.pread(fd, 100, 1_000_000)\n"
+        "    os.listdir(sys.argv[2])\n"
+        "    print('read')\n"
+        "except OSError as e:\n"
+        "    print('error', e.errno)\n"), str(mnt / "ds" / big), str(mnt / "ds")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "open"
+    stage.stop()
+    out, _ = reader.communicate("go\n", timeout=30)
+    assert out.startswith("error"), f"the reader got {out!r} after the stage stopped"
+    # The next stage takes the mount point over whatever the first left.
+    again = stage_factory({"ds": root}, "--mount", str(mnt))
+    assert walk(mnt / "ds") == files
+    again.stop()
 
 
 def test_writes_of_every_kind_are_refused(mounted):
@@ -257,7 +332,7 @@ class FileDataset:
             return self.names[i], f.read()
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 2, 4])
 def test_a_mount_sampler_makes_a_file_reading_dataloader_read_ahead_exactly_once(tmp_path, stage_factory,
                                                                                  workers):
     pytest.importorskip("torch")
