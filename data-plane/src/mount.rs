@@ -304,7 +304,7 @@ impl Open {
 /// What a read needs to fetch a window: the job, data set and file.
 #[derive(Clone)]
 struct Source {
-    job: Arc<crate::engine::Job>,
+    job: Arc<Job>,
     dataset: Arc<Dataset>,
     name: String,
 }

@@ -42,11 +42,21 @@ def job_delivered(stage, job: str) -> int:
 
 
 @pytest.fixture
-def mounted(tmp_path, stage_factory, dataset):
-    root, files = dataset
+def mount_stage(tmp_path, stage_factory):
+    """Starts a stage serving ``root`` as data set ``ds``, mounted at
+    ``tmp_path/mnt`` (with ``extra`` flags); returns ``(stage, mnt)``."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+
+    def start(root, *extra):
+        return stage_factory({"ds": root}, "--mount", str(mnt), *extra), mnt
+    return start
+
+
+@pytest.fixture
+def mounted(mount_stage, dataset):
+    root, files = dataset
+    stage, mnt = mount_stage(root)
     assert stage.ready["mount"] == str(mnt)
     return stage, mnt, files
 
@@ -79,7 +89,7 @@ def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
     assert job_delivered(stage, "mount") > 0, "reads that name no job belong to the default job"
 
 
-def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, stage_factory):
+def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, mount_stage):
     root, outside = tmp_path / "data", tmp_path / "secret"
     (root / "sub").mkdir(parents=True)
     outside.mkdir()
@@ -88,9 +98,7 @@ def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, s
     os.symlink("sub/real.bin", root / "alias.bin")  # stays beneath the root
     os.symlink(outside / "key.bin", root / "escape.bin")  # leaves it
     os.symlink(outside, root / "escape-dir")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    stage_factory({"ds": root}, "--mount", str(mnt))
+    _, mnt = mount_stage(root)
     assert walk(mnt / "ds") == {"sub/real.bin": b"inside", "alias.bin": b"inside"}
     for name in ("escape.bin", "escape-dir/key.bin"):
         with pytest.raises(FileNotFoundError):
@@ -113,11 +121,9 @@ def test_a_reader_killed_mid_file_leaves_the_mount_serving_the_others(mounted):
     assert stage.proc.poll() is None
 
 
-def test_a_reader_inside_the_mount_gets_an_error_not_a_hang_when_the_stage_stops(tmp_path, stage_factory, dataset):
+def test_a_reader_inside_the_mount_gets_an_error_not_a_hang_when_the_stage_stops(tmp_path, mount_stage, dataset):
     root, files = dataset
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    stage, mnt = mount_stage(root)
     big = max(files, key=lambda n: len(files[n]))
     reader = subprocess.Popen([sys.executable, "-c", (
         "import os, sys\n"
@@ -137,7 +143,7 @@ def test_a_reader_inside_the_mount_gets_an_error_not_a_hang_when_the_stage_stops
     out, _ = reader.communicate("go\n", timeout=30)
     assert out.startswith("error"), f"the reader got {out!r} after the stage stopped"
     # The next stage takes the mount point over whatever the first left.
-    again = stage_factory({"ds": root}, "--mount", str(mnt))
+    again, _ = mount_stage(root)
     assert walk(mnt / "ds") == files
     again.stop()
 
@@ -194,16 +200,14 @@ def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     assert set(opened) | set(streamed) == set(files)
 
 
-def test_a_large_directory_lists_whole_across_pages(tmp_path, stage_factory):
+def test_a_large_directory_lists_whole_across_pages(tmp_path, mount_stage):
     root = tmp_path / "data"
     flat = root / "flat"
     flat.mkdir(parents=True)
     names = sorted(f"{i:06d}-{'x' * (i % 40)}.bin" for i in range(6000))
     for name in names:
         (flat / name).write_bytes(name.encode())
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    stage_factory({"ds": root}, "--mount", str(mnt))
+    _, mnt = mount_stage(root)
     with os.scandir(mnt / "ds" / "flat") as it:
         listed = [(e.name, e.is_file()) for e in it]
     assert [n for n, _ in listed] == names, "every name once, in order, across readdir pages"
@@ -219,11 +223,10 @@ def write_order(path, lines) -> None:
     os.rename(tmp, path)
 
 
-def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(tmp_path, stage_factory, dataset):
+def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(tmp_path, mount_stage, dataset):
     root, files = dataset
-    mnt, orders = tmp_path / "mnt", tmp_path / "orders"
-    mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt), "--mount-orders", str(orders))
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
     names = sorted(files, reverse=True)
     reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf")  # noqa: E731
     # Names relative to the data set or paths under the mount; comments skipped.
@@ -258,12 +261,11 @@ sys.stdout.buffer.write(b"".join(len(t.numpy()).to_bytes(8, "big") + t.numpy() f
 """
 
 
-def test_a_tf_data_pipeline_reads_exact_bytes_through_the_mount_in_an_order_files_order(tmp_path, stage_factory,
+def test_a_tf_data_pipeline_reads_exact_bytes_through_the_mount_in_an_order_files_order(tmp_path, mount_stage,
                                                                                         dataset):
     root, files = dataset
-    mnt, orders = tmp_path / "mnt", tmp_path / "orders"
-    mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt), "--mount-orders", str(orders))
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
     order = sorted(files, key=lambda n: (len(files[n]), n))
     write_order(orders / "tf" / "ds", order)
     reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf")  # noqa: E731
@@ -290,17 +292,16 @@ def test_order_files_need_a_mount(tmp_path, dataset):
     assert "--mount-orders needs --mount" in run.stderr
 
 
-def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, stage_factory, dataset):
+def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, mount_stage, dataset):
     root, files = dataset
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
+    mnt = tmp_path / "mnt"  # made by mount_stage
     crashed = start_stage(tmp_path, {"ds": root}, "--mount", str(mnt))
     crashed.proc.send_signal(signal.SIGKILL)
     crashed.proc.wait()
     with pytest.raises(OSError) as e:
         os.listdir(mnt)
     assert e.value.errno == errno.ENOTCONN
-    again = stage_factory({"ds": root}, "--mount", str(mnt))
+    again, _ = mount_stage(root)
     assert walk(mnt / "ds") == files
     assert "stale mount" in again.stderr_tail()
     again.stop()
@@ -333,7 +334,7 @@ class FileDataset:
 
 
 @pytest.mark.parametrize("workers", [0, 2, 4])
-def test_a_mount_sampler_makes_a_file_reading_dataloader_read_ahead_exactly_once(tmp_path, stage_factory,
+def test_a_mount_sampler_makes_a_file_reading_dataloader_read_ahead_exactly_once(tmp_path, mount_stage,
                                                                                  workers):
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
@@ -345,9 +346,7 @@ def test_a_mount_sampler_makes_a_file_reading_dataloader_read_ahead_exactly_once
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    stage, mnt = mount_stage(root)
     ds = FileDataset(mnt / "@vision" / "ds", sorted(files))
     counts = {}
     for rank in range(2):  # two ranks of one job, one after the other
@@ -376,14 +375,12 @@ def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
         st.MountSampler(["/m/@a/ds/x", "/m/@b/ds/y"], "/nowhere.sock")
 
 
-def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, stage_factory):
+def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_stage):
     root = tmp_path / "data"
     root.mkdir()
     big = os.urandom(10 * 2**20 + 12345)  # three 4 MiB windows
     (root / "big.bin").write_bytes(big)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    stage = stage_factory({"ds": root}, "--mount", str(mnt))
+    stage, mnt = mount_stage(root)
     with open(mnt / "@seq" / "ds" / "big.bin", "rb") as f:
         assert f.read() == big
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))

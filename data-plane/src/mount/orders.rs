@@ -37,7 +37,6 @@ type Stamp = (SystemTime, u64, u64);
 /// The plan made from one order file.
 struct Current {
     stamp: Stamp,
-    epoch: u64,
     plan: Option<PlanHandle>,
     _job: Option<JobHandle>,
 }
@@ -49,6 +48,10 @@ pub struct Orders {
     mount: PathBuf,
     default_job: String,
     current: HashMap<(String, String), Current>,
+    /// The epoch of the last plan made, of any job or data set: every
+    /// order-file plan has its own key, so none is taken for one that
+    /// completed before or for another data set's.
+    epoch: u64,
 }
 
 impl Orders {
@@ -59,6 +62,7 @@ impl Orders {
             mount,
             default_job,
             current: HashMap::new(),
+            epoch: 0,
         }
     }
 
@@ -105,20 +109,14 @@ impl Orders {
                     warn!(file = %path.display(), "order file refused: {e}");
                     let _ = std::fs::write(&error_path, format!("{e}\n"));
                     // Not read again until it changes; the plan before it stays.
-                    match self.current.get_mut(&key) {
-                        Some(c) => c.stamp = stamp,
-                        None => {
-                            self.current.insert(
-                                key,
-                                Current {
-                                    stamp,
-                                    epoch: 0,
-                                    plan: None,
-                                    _job: None,
-                                },
-                            );
-                        }
-                    }
+                    self.current
+                        .entry(key)
+                        .and_modify(|c| c.stamp = stamp)
+                        .or_insert(Current {
+                            stamp,
+                            plan: None,
+                            _job: None,
+                        });
                 }
             }
         }
@@ -192,7 +190,7 @@ impl Orders {
             return Err("it lists no file".to_owned());
         }
         let key = (job.to_owned(), dataset.to_owned());
-        let epoch = self.current.get(&key).map_or(0, |c| c.epoch) + 1;
+        self.epoch += 1;
         let handle = self.engine.attach_keeping_labels(job);
         let fingerprint = listing.fingerprint(&files);
         // The previous epoch's plan goes first, and its buffer with it.
@@ -204,7 +202,7 @@ impl Orders {
             .attach_plan(
                 PlanKey {
                     rank: ORDER_RANK,
-                    epoch,
+                    epoch: self.epoch,
                 },
                 fingerprint,
                 ds,
@@ -217,7 +215,6 @@ impl Orders {
             key,
             Current {
                 stamp,
-                epoch,
                 plan: Some(plan),
                 _job: Some(handle),
             },

@@ -244,7 +244,7 @@ def loader_epoch(kind: str, workers: int, ds: BenchDataset, stage: Optional[Stag
     for names, _samples in loader:
         n += len(names)
     wall = time.perf_counter() - t0
-    if sampler is not None and hasattr(sampler, "close"):
+    if sampler is not None:
         sampler.close()
     if dataset is not None:
         dataset.close()
