@@ -173,6 +173,12 @@ pub struct Args {
     /// in that order (write it elsewhere and rename it into place).
     #[arg(long, env = "SLUICE_MOUNT_ORDERS")]
     pub mount_orders: Option<PathBuf>,
+    /// Let the kernel read files of 1 MiB or more that no plan holds
+    /// straight from a local data set (FUSE passthrough; charged to the job
+    /// whole when opened); `false` reads them through the stage in windows
+    /// [default: true, where the kernel allows it].
+    #[arg(long, env = "SLUICE_MOUNT_PASSTHROUGH")]
+    pub mount_passthrough: Option<bool>,
     /// The node this stage runs on, as the controller shows it [default: the
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
@@ -214,6 +220,8 @@ pub struct StageFile {
     pub mount_job: Option<String>,
     /// Directory of order files for the mount.
     pub mount_orders: Option<PathBuf>,
+    /// Large files read by the kernel from local data sets.
+    pub mount_passthrough: Option<bool>,
     /// Optional TCP address for trainers.
     pub listen: Option<SocketAddr>,
     /// Address for `/metrics` and `/healthz`.
@@ -356,6 +364,8 @@ pub struct MountOptions {
     pub job: String,
     /// Where order files are picked up, if anywhere.
     pub orders: Option<PathBuf>,
+    /// Whether large files may be passed through to local data sets.
+    pub passthrough: bool,
 }
 
 /// The node cache's configuration.
@@ -451,6 +461,10 @@ impl StageConfig {
                 dir,
                 job: mount_job,
                 orders,
+                passthrough: args
+                    .mount_passthrough
+                    .or(file.mount_passthrough)
+                    .unwrap_or(true),
             }),
             None if orders.is_some() => {
                 return Err(ConfigError(

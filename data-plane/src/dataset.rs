@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::{FileEntry, Fnv64, check_name};
+use crate::entry::{FileEntry, Fnv64, Walked, check_name};
 use crate::protocol::ProtocolError;
 use crate::source::Source;
 use crate::sync::lock;
@@ -20,24 +20,47 @@ const LISTING_TTL: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct Listing {
     pub files: Vec<FileEntry>,
+    /// Directories with nothing listed beneath them (the mount shows them).
+    pub empty_dirs: Vec<String>,
     pub total_bytes: u64,
     pub digest: u64,
 }
 
 impl Listing {
-    pub(crate) fn new(mut files: Vec<FileEntry>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(files: Vec<FileEntry>) -> Self {
+        Self::of(Walked {
+            files,
+            empty_dirs: Vec::new(),
+        })
+    }
+
+    /// The listing of what a source walked: files sorted by name, and a
+    /// digest that changes with any name or size (and empty directory).
+    pub(crate) fn of(walked: Walked) -> Self {
+        let Walked {
+            mut files,
+            mut empty_dirs,
+        } = walked;
         files.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        empty_dirs.sort_unstable();
         let mut digest = Fnv64::new();
         for f in &files {
             digest.write(f.name.as_bytes());
             digest.write(&[0]);
             digest.write(&f.size.to_be_bytes());
         }
+        for dir in &empty_dirs {
+            digest.write(b"/");
+            digest.write(dir.as_bytes());
+            digest.write(&[0]);
+        }
         files.shrink_to_fit();
         Self {
             total_bytes: files.iter().map(|f| f.size).sum(),
             digest: digest.0,
             files,
+            empty_dirs,
         }
     }
 
@@ -104,7 +127,7 @@ impl Dataset {
         {
             return Ok(Arc::clone(listing));
         }
-        let listing = Arc::new(Listing::new(self.source.list()?));
+        let listing = Arc::new(Listing::of(self.source.list()?));
         *cached = Some((Instant::now(), Arc::clone(&listing)));
         Ok(listing)
     }

@@ -29,6 +29,15 @@ impl FileEntry {
     }
 }
 
+/// What listing a source found: its samples, and the directories with
+/// nothing listed beneath them (a local directory's empty ones; object
+/// stores have none), which the mount shows as they are.
+#[derive(Debug, Default)]
+pub struct Walked {
+    pub files: Vec<FileEntry>,
+    pub empty_dirs: Vec<String>,
+}
+
 /// FNV-1a, 64 bits: the listing digest that `OPENED` reports, and plan
 /// fingerprints.
 pub(crate) struct Fnv64(pub u64);

@@ -10,8 +10,11 @@
 //! through the same engine calls as the socket's: an `open` of a file that
 //! one of the job's plans holds undelivered is served from the prefetch
 //! buffer and counts as that entry's delivery (so a sampler that submitted
-//! the epoch's order gets each file exactly once, whoever opens it), and any
-//! other read is a range read through the job's limiter and the node cache.
+//! the epoch's order gets each file exactly once, whoever opens it); a
+//! large file of a local data set that no plan holds is read by the kernel
+//! from the file itself (passthrough), charged to the job whole when
+//! opened; any other read is a range read through the job's limiter and
+//! the node cache.
 //! A job's labels are the ones its trainers declared (`HELLO`): the mount
 //! never changes them.
 //!
@@ -28,7 +31,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -137,6 +140,8 @@ pub fn mount(
         open: Arc::new(Mutex::new(HashMap::new())),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
+        passthrough: Arc::new(AtomicBool::new(false)),
+        allow_passthrough: options.passthrough,
     };
     let mount_options = [
         MountOption::RO,
@@ -251,8 +256,18 @@ const WINDOW: u64 = 4 << 20;
 /// holds fewer): a page of a huge directory costs a page.
 const READDIR_PAGE: usize = 1024;
 
-/// Windows an open file keeps: the ones being read and the one after.
-const WINDOWS: usize = 3;
+/// Files at least this large that no plan holds are read by the kernel
+/// straight from a local data set's file system (FUSE passthrough), where
+/// the kernel and the stage's privileges allow: no copy through the stage.
+/// Smaller ones go through windows, and stay in the mount's page cache.
+const PASSTHROUGH_MIN: u64 = 1 << 20;
+
+/// Windows fetched ahead of the last one a read touched: a file read
+/// front to back finds the next [`AHEAD`] windows in flight or done.
+const AHEAD: u64 = 2;
+
+/// Windows an open file keeps: the ones being read and the ones ahead.
+const WINDOWS: usize = AHEAD as usize + 2;
 
 /// One window of a file: fetched once, by whichever read needs it first.
 type Window = Arc<tokio::sync::OnceCell<Result<Arc<Chunk>, i32>>>;
@@ -266,6 +281,9 @@ struct Open {
     size: u64,
     whole: Option<(Chunk, Reservation)>,
     windows: Vec<(u64, Window)>,
+    /// The source file the kernel reads itself (passthrough), registered
+    /// until the file is released.
+    _backing: Option<fuser::BackingId>,
 }
 
 impl Open {
@@ -283,6 +301,7 @@ impl Open {
             size,
             whole,
             windows: Vec::new(),
+            _backing: None,
         }
     }
 
@@ -398,9 +417,49 @@ struct MountFs {
     open: Arc<Mutex<HashMap<u64, Open>>>,
     next_fh: AtomicU64,
     started: SystemTime,
+    /// Whether large files are passed through (see [`PASSTHROUGH_MIN`]):
+    /// where configured, the kernel offers it and the stage may use it.
+    passthrough: Arc<AtomicBool>,
+    allow_passthrough: bool,
 }
 
 impl MountFs {
+    /// Answers the open of a large file that no plan holds: the kernel
+    /// reads it from the source file itself (charged to the job whole, as
+    /// it is opened). Where the data set is not a local directory, or the
+    /// kernel refuses the file, it is read through windows instead; the
+    /// first refusal ends passthrough for the mount (logged once).
+    fn open_passthrough(&self, fh: u64, file: Open, reply: ReplyOpen) {
+        let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
+        let passthrough = Arc::clone(&self.passthrough);
+        self.runtime.spawn_blocking(move || {
+            let metrics = file.job.metrics_for(&file.dataset.name);
+            let backing = match file.job.open_passthrough(&file.dataset, &file.name, &metrics) {
+                Some(Ok(source)) => reply.open_backing(&source).map_err(|e| {
+                    if passthrough.swap(false, Ordering::Relaxed) {
+                        warn!(file = %file.name, error = %e, "the kernel refused to read a file through passthrough (privileges? a file system it cannot stack on?): the mount reads every file through the stage from now on");
+                    }
+                }),
+                Some(Err(e)) => {
+                    readers.close(file.job.id());
+                    return reply.error(errno(&e));
+                }
+                None => Err(()),
+            };
+            let mut open = lock(&open);
+            match backing {
+                Ok(backing) => {
+                    reply.opened_passthrough(fh, 0, &backing);
+                    open.insert(fh, Open { _backing: Some(backing), ..file });
+                }
+                Err(()) => {
+                    open.insert(fh, file);
+                    reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+                }
+            }
+        });
+    }
+
     fn attr(&self, ino: u64, node: &Node) -> FileAttr {
         let (kind, perm, size, nlink) = match node {
             Node::File { size, .. } => (FileType::RegularFile, 0o444, *size, 1),
@@ -514,6 +573,13 @@ impl Filesystem for MountFs {
         let _ = config.set_max_background(512);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
+        // Backing files may sit on a stacked file system (overlayfs).
+        let passthrough = self.allow_passthrough
+            && config
+                .add_capabilities(fuser::consts::FUSE_PASSTHROUGH)
+                .is_ok()
+            && config.set_max_stack_depth(2).is_ok();
+        self.passthrough.store(passthrough, Ordering::Relaxed);
         Ok(())
     }
 
@@ -596,6 +662,9 @@ impl Filesystem for MountFs {
         // A plan entry of the job is delivered whole, exactly once; a file
         // no plan holds is answered here, without a task.
         let Some(claim) = job.claim_planned(&dataset.name, &name) else {
+            if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
+                return self.open_passthrough(fh, Open::new(job, dataset, name, size, None), reply);
+            }
             lock(&open).insert(fh, Open::new(job, dataset, name, size, None));
             return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         };
@@ -659,10 +728,15 @@ impl Filesystem for MountFs {
                 dataset: Arc::clone(&file.dataset),
                 name: file.name.clone(),
             };
-            // Sequential read-ahead: the window after the last one read.
-            let ahead = last + WINDOW;
-            if ahead < file.size {
+            // Sequential read-ahead: the windows after the last one read.
+            for ahead in (1..=AHEAD).map(|n| last + n * WINDOW) {
+                if ahead >= file.size {
+                    break;
+                }
                 let window = file.window(ahead);
+                if window.initialized() {
+                    continue;
+                }
                 let source = source.clone();
                 self.runtime.spawn(async move {
                     let _ = source.fetch(ahead, &window).await;
@@ -671,18 +745,25 @@ impl Filesystem for MountFs {
             (source, needed, end)
         };
         self.runtime.spawn(async move {
+            let slice = |chunk: &[u8], start: u64| {
+                let from = offset.max(start) - start;
+                let to = (end.min(start + chunk.len() as u64)).saturating_sub(start);
+                from.min(to) as usize..to as usize
+            };
+            if let [(start, window)] = needed.as_slice() {
+                // Within one window (nearly every read): no copy here.
+                return match source.fetch(*start, window).await {
+                    Ok(chunk) => reply.data(&chunk[slice(&chunk, *start)]),
+                    Err(e) => reply.error(e),
+                };
+            }
             let mut out = Vec::with_capacity((end - offset) as usize);
             for (start, window) in &needed {
                 let chunk = match source.fetch(*start, window).await {
                     Ok(chunk) => chunk,
                     Err(e) => return reply.error(e),
                 };
-                let bytes: &[u8] = &chunk;
-                let from = offset.max(*start) - start;
-                let to = (end.min(start + bytes.len() as u64)).saturating_sub(*start);
-                if from < to {
-                    out.extend_from_slice(&bytes[from as usize..to as usize]);
-                }
+                out.extend_from_slice(&chunk[slice(&chunk, *start)]);
             }
             reply.data(&out);
         });

@@ -14,7 +14,7 @@ use std::io;
 use std::path::Path;
 
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::FileEntry;
+use crate::entry::Walked;
 use crate::metrics::Metrics;
 use crate::protocol::ProtocolError;
 
@@ -68,10 +68,13 @@ impl Source {
     }
 
     /// Lists the dataset. Blocking.
-    pub fn list(&self) -> io::Result<Vec<FileEntry>> {
+    pub fn list(&self) -> io::Result<Walked> {
         match self {
             Self::Dir(d) => d.list(),
-            Self::S3(s) => s.block_on(s.list()),
+            Self::S3(s) => Ok(Walked {
+                files: s.block_on(s.list())?,
+                empty_dirs: Vec::new(),
+            }),
         }
     }
 

@@ -304,3 +304,21 @@ def test_median_of_rounds_keeps_each_loaders_median_run():
     assert [(r["loader"], r.get("samples_per_s")) for r in out] == [
         ("naive", 20.0), ("threadpool", 30.0), ("torch", None)]
     assert out[0]["runs"] == [10.0, 30.0, 20.0]
+
+
+def test_dlio_runs_name_the_scaled_workload_and_refuse_without_dlio(tmp_path):
+    from sluice.bench import dlio
+
+    overrides = dlio._overrides(dlio.WORKLOADS["unet3d"], "/data/unet3d", 3, 2)
+    assert overrides[0] == "workload=unet3d_a100"
+    assert "++workload.dataset.data_folder=/data/unet3d" in overrides
+    assert "++workload.train.epochs=3" in overrides and "++workload.reader.read_threads=2" in overrides
+    # Compute per batch scaled with the record size (16 MiB of DLIO's 140 MiB).
+    assert "++workload.train.computation_time=0.0728" in overrides
+    table = dlio.format_table([{"workload": "unet3d", "loader": "mount", "au_percent": [31.3, 88.4],
+                                "samples_per_s": [23.9, 67.4]}])
+    assert table.splitlines()[2].split() == ["unet3d", "mount", "2", "88.4", "67.4"]
+    with pytest.raises(SystemExit, match="scripts/dlio-env"):
+        dlio.main(["--dlio", str(tmp_path / "none"), "--dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown workload"):
+        dlio.main(["--workloads", "bert"])

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,6 +88,20 @@ def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
         finally:
             os.close(fd)
     assert job_delivered(stage, "mount") > 0, "reads that name no job belong to the default job"
+
+
+def test_empty_directories_are_shown_as_they_are(tmp_path, mount_stage):
+    # DLIO, for one, lists a data set's `valid/` even when it holds nothing.
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "a.bin").write_bytes(b"a")
+    (root / "valid").mkdir()
+    (root / "deep" / "er").mkdir(parents=True)
+    _stage, mnt = mount_stage(root)
+    assert sorted(os.listdir(mnt / "ds")) == ["deep", "train", "valid"]
+    assert os.listdir(mnt / "ds" / "valid") == [] and os.path.isdir(mnt / "ds" / "valid")
+    assert os.listdir(mnt / "ds" / "deep") == ["er"] and os.listdir(mnt / "ds" / "deep" / "er") == []
+    assert os.listdir(mnt / "ds" / "train") == ["a.bin"]
 
 
 def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, mount_stage):
@@ -376,11 +391,12 @@ def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
 
 
 def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_stage):
+    # Through the stage (as from an object store): passthrough turned off.
     root = tmp_path / "data"
     root.mkdir()
     big = os.urandom(10 * 2**20 + 12345)  # three 4 MiB windows
     (root / "big.bin").write_bytes(big)
-    stage, mnt = mount_stage(root)
+    stage, mnt = mount_stage(root, "--mount-passthrough", "false")
     with open(mnt / "@seq" / "ds" / "big.bin", "rb") as f:
         assert f.read() == big
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
@@ -390,3 +406,34 @@ def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_sta
         for offset, size in [(4 * 2**20 - 5, 10), (9, 3 * 2**20), (len(big) - 7, 100), (8 * 2**20 - 1, 2)]:
             f.seek(offset)
             assert f.read(size) == big[offset:offset + size], (offset, size)
+
+
+def test_large_files_are_passed_through_to_the_kernel_and_charged_to_the_job_whole(tmp_path, mount_stage):
+    root = tmp_path / "data"
+    root.mkdir()
+    big = os.urandom(6 * 2**20 + 5)
+    (root / "big.bin").write_bytes(big)
+    (root / "small.bin").write_bytes(b"s" * 1000)
+    stage, mnt = mount_stage(root, "--rate-limit", "4MiB/s")
+    path = mnt / "@pt" / "ds" / "big.bin"
+    with open(path, "rb", buffering=0) as f:
+        assert f.read() == big
+    t0 = time.monotonic()
+    with open(path, "rb", buffering=0) as f:
+        opened = time.monotonic() - t0
+        assert f.read() == big
+        f.seek(3 * 2**20 + 1)
+        assert f.read(10) == big[3 * 2**20 + 1:3 * 2**20 + 11]
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert m[-5:] == big[-5:]
+    # Charged whole when opened: the second open waits until the job's
+    # limiter has paid for the first 6 MiB at 4 MiB/s.
+    assert opened >= 1.0, opened
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    assert metric_value(samples, "sluice_stage_storage_reads_total", job="pt") == 2
+    assert metric_value(samples, "sluice_stage_storage_read_bytes_total", job="pt") == 2 * len(big)
+    assert metric_value(samples, "sluice_stage_delivered_bytes_total", job="pt") == 2 * len(big)
+    # A small file still goes through the stage.
+    assert (mnt / "@pt" / "ds" / "small.bin").read_bytes() == b"s" * 1000
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    assert metric_value(samples, "sluice_stage_storage_reads_total", job="pt") == 3

@@ -440,18 +440,26 @@ impl Job {
         latency: Duration,
         data: &Result<Chunk, ProtocolError>,
     ) {
+        self.count_storage_read(m, latency, data.as_ref().map(|d| d.len() as u64));
+    }
+
+    /// Counts a storage read of `bytes` (or its error).
+    fn count_storage_read(
+        &self,
+        m: &DatasetMetrics,
+        latency: Duration,
+        bytes: Result<u64, &ProtocolError>,
+    ) {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
         self.stats
             .read_ns
             .fetch_add(latency.as_nanos() as u64, Ordering::Relaxed);
         m.storage_reads.inc();
         m.read_latency.observe(latency.as_secs_f64());
-        match data {
-            Ok(d) => {
-                self.stats
-                    .read_bytes
-                    .fetch_add(d.len() as u64, Ordering::Relaxed);
-                m.storage_read_bytes.inc_by(d.len() as u64);
+        match bytes {
+            Ok(bytes) => {
+                self.stats.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+                m.storage_read_bytes.inc_by(bytes);
             }
             Err(e) => {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
@@ -465,14 +473,18 @@ impl Job {
             .iter()
             .map(|s| s.data.as_ref().map_or(0, Payload::len))
             .sum();
+        self.count_delivered_bytes(m, bytes, samples.len() as u64);
+    }
+
+    fn count_delivered_bytes(&self, m: &DatasetMetrics, bytes: u64, samples: u64) {
         self.stats
             .delivered_bytes
             .fetch_add(bytes, Ordering::Relaxed);
         self.stats
             .delivered_samples
-            .fetch_add(samples.len() as u64, Ordering::Relaxed);
+            .fetch_add(samples, Ordering::Relaxed);
         m.delivered_bytes.inc_by(bytes);
-        m.delivered_samples.inc_by(samples.len() as u64);
+        m.delivered_samples.inc_by(samples);
     }
 
     fn count_stall(&self, m: &DatasetMetrics, stall: Duration) {

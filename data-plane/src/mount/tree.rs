@@ -30,10 +30,16 @@ pub struct Tree {
 }
 
 impl Tree {
-    fn new<'a>(files: impl Iterator<Item = (&'a str, u64)>) -> Self {
+    /// The tree of `files` (name, size) and of the directories `empty`.
+    fn new<'a>(
+        files: impl Iterator<Item = (&'a str, u64)>,
+        empty: impl Iterator<Item = &'a str>,
+    ) -> Self {
         let mut dirs: HashMap<String, BTreeMap<String, Option<u64>>> = HashMap::new();
         dirs.insert(String::new(), BTreeMap::new());
-        for (name, size) in files {
+        // An empty directory is a path whose last part is a directory too.
+        let empty = empty.map(|dir| (dir, None));
+        for (name, size) in files.map(|(name, size)| (name, Some(size))).chain(empty) {
             let mut parent = "";
             let mut rest = name;
             while let Some((dir, tail)) = rest.split_once('/') {
@@ -48,9 +54,12 @@ impl Tree {
                 parent = path;
                 rest = tail;
             }
+            if size.is_none() {
+                dirs.entry(name.to_owned()).or_default();
+            }
             dirs.entry(parent.to_owned())
                 .or_default()
-                .insert(rest.to_owned(), Some(size));
+                .insert(rest.to_owned(), size);
         }
         let dirs = dirs
             .into_iter()
@@ -125,9 +134,10 @@ impl Trees {
             Some(built) if built.digest == listing.digest => built,
             _ => {
                 let files = listing.files.iter().map(|f| (f.name.as_str(), f.size));
+                let empty = listing.empty_dirs.iter().map(String::as_str);
                 let built = Built {
                     digest: listing.digest,
-                    tree: Arc::new(Tree::new(files)),
+                    tree: Arc::new(Tree::new(files, empty)),
                     checked: Instant::now(),
                 };
                 trees.insert(dataset.name.clone(), built);
@@ -159,16 +169,29 @@ mod tests {
             ("a/3.bin", 3),
             ("top", 4),
         ];
-        let tree = Tree::new(files.into_iter());
+        let tree = Tree::new(files.into_iter(), ["a/empty", "void"].into_iter());
         assert_eq!(
             tree.list("", 0, 10),
-            [("a".to_owned(), true), ("top".to_owned(), false)]
+            [
+                ("a".to_owned(), true),
+                ("top".to_owned(), false),
+                ("void".to_owned(), true)
+            ]
         );
         assert_eq!(
             tree.list("a", 0, 10),
-            [("3.bin".to_owned(), false), ("b".to_owned(), true)]
+            [
+                ("3.bin".to_owned(), false),
+                ("b".to_owned(), true),
+                ("empty".to_owned(), true)
+            ]
         );
-        assert_eq!(tree.list("a", 1, 10), [("b".to_owned(), true)]);
+        assert_eq!(
+            tree.list("a", 1, 10),
+            [("b".to_owned(), true), ("empty".to_owned(), true)]
+        );
+        assert!(tree.list("a/empty", 0, 10).is_empty());
+        assert!(matches!(tree.entry("a", "empty"), Some(Entry::Dir(p)) if p == "a/empty"));
         assert_eq!(tree.list("a", 0, 1), [("3.bin".to_owned(), false)]);
         assert!(tree.list("a", 5, 10).is_empty());
         assert!(matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, 2)) if n == "a/b/2.bin"));

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::UNIX_EPOCH;
 
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::FileEntry;
+use crate::entry::{FileEntry, Walked};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{direct_unsupported, io_error, read_range, read_whole};
 
@@ -48,11 +48,11 @@ impl DirSource {
     }
 
     /// Walks the root. Blocking.
-    pub fn list(&self) -> io::Result<Vec<FileEntry>> {
-        let mut files = Vec::new();
+    pub fn list(&self) -> io::Result<Walked> {
+        let mut walked = Walked::default();
         let mut visited = vec![self.root.clone()];
-        walk(&self.root, &self.root, "", &mut files, &mut visited)?;
-        Ok(files)
+        walk(&self.root, &self.root, "", &mut walked, &mut visited)?;
+        Ok(walked)
     }
 
     /// Maps a checked name to a path beneath the root, refusing symlinks
@@ -162,7 +162,7 @@ fn walk(
     root: &Path,
     dir: &Path,
     prefix: &str,
-    out: &mut Vec<FileEntry>,
+    out: &mut Walked,
     visited: &mut Vec<PathBuf>,
 ) -> io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
@@ -195,10 +195,15 @@ fn walk(
                 continue;
             }
             visited.push(canonical);
+            let before = (out.files.len(), out.empty_dirs.len());
             walk(root, &target, &name, out, visited)?;
+            if (out.files.len(), out.empty_dirs.len()) == before {
+                out.empty_dirs.push(name);
+            }
         } else if file_type.is_file() {
             let meta = std::fs::metadata(&target)?;
-            out.push(FileEntry::new(name, meta.len(), mtime_version(&meta)));
+            out.files
+                .push(FileEntry::new(name, meta.len(), mtime_version(&meta)));
         }
     }
     Ok(())

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio} ...``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "delivery": "into the training loop: socket vs shared memory (hot), PyTorch DataLoaders (cold, and decoding)",
     "listing": "a million-entry dataset: listing time and stage memory per entry (dir or s3)",
     "mount": "file-reading PyTorch DataLoaders through the stage's mount vs the plain directory and the socket",
+    "dlio": "the DLIO benchmark (unet3d, resnet50 shapes) on the plain directory and through the mount",
     "cache": "the node cache under per-epoch random order: stable subset vs LRU, a cache that fits, two jobs",
 }
 
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
         from .listing import main as run
     elif argv[0] == "mount":
         from .mount import main as run
+    elif argv[0] == "dlio":
+        from .dlio import main as run
     elif argv[0] == "cache":
         from .cache import main as run
     else:

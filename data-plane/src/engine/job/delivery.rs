@@ -15,7 +15,8 @@ use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
-use crate::storage::clamp_range;
+use crate::source::Source;
+use crate::storage::{clamp_range, io_error};
 
 /// The plan of reservations that belong to none: whole files read for a
 /// trainer outside the readers.
@@ -500,6 +501,33 @@ impl Job {
 }
 
 impl Job {
+    /// Opens file `name` of a local data set for a reader that the kernel
+    /// serves from it directly (the mount's passthrough of large files):
+    /// the whole file is charged to the job's limiter and counted as one
+    /// storage read and one delivery, as the reader is about to read it.
+    /// `None` when the data set is not a local directory. Blocking.
+    pub fn open_passthrough(
+        &self,
+        dataset: &Dataset,
+        name: &str,
+        m: &DatasetMetrics,
+    ) -> Option<Result<std::fs::File, ProtocolError>> {
+        let Source::Dir(dir) = dataset.source() else {
+            return None;
+        };
+        let start = Instant::now();
+        let opened = dir.stat(name).and_then(|(path, size)| {
+            self.throttle(size);
+            let file = std::fs::File::open(&path).map_err(|e| io_error(name, &e))?;
+            Ok((file, size))
+        });
+        self.count_storage_read(m, start.elapsed(), opened.as_ref().map(|(_, size)| *size));
+        Some(opened.map(|(file, size)| {
+            self.count_delivered_bytes(m, size, 1);
+            file
+        }))
+    }
+
     /// The node cache's bytes of listed sample `name`, if it holds them.
     fn cached(&self, dataset: &Dataset, name: &str) -> Option<Arc<[u8]>> {
         let cache = self.cache.as_ref()?;
