@@ -140,8 +140,7 @@ pub fn mount(
         open: Arc::new(Mutex::new(HashMap::new())),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
-        passthrough: Arc::new(AtomicBool::new(false)),
-        allow_passthrough: options.passthrough,
+        passthrough: Arc::new(AtomicBool::new(options.passthrough)),
     };
     let mount_options = [
         MountOption::RO,
@@ -418,9 +417,8 @@ struct MountFs {
     next_fh: AtomicU64,
     started: SystemTime,
     /// Whether large files are passed through (see [`PASSTHROUGH_MIN`]):
-    /// where configured, the kernel offers it and the stage may use it.
+    /// as configured until `init`, then only while the kernel allows it.
     passthrough: Arc<AtomicBool>,
-    allow_passthrough: bool,
 }
 
 impl MountFs {
@@ -446,6 +444,7 @@ impl MountFs {
                 }
                 None => Err(()),
             };
+            // Recorded before a release of `fh` can be handled.
             let mut open = lock(&open);
             match backing {
                 Ok(backing) => {
@@ -574,7 +573,7 @@ impl Filesystem for MountFs {
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
         // Backing files may sit on a stacked file system (overlayfs).
-        let passthrough = self.allow_passthrough
+        let passthrough = self.passthrough.load(Ordering::Relaxed)
             && config
                 .add_capabilities(fuser::consts::FUSE_PASSTHROUGH)
                 .is_ok()

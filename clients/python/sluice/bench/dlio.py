@@ -94,18 +94,25 @@ def _overrides(shape: Dict[str, object], data_folder: str, epochs: int, read_thr
     return args + [f"++workload.{k}={v}" for k, v in settings.items()]
 
 
-def _dlio(program: str, overrides: List[str], out: str) -> dict:
-    """Runs DLIO once; returns its summary's metrics (raises with its log)."""
+def _run_dlio(program: str, overrides: List[str], out: str, expect: str) -> str:
+    """Runs DLIO once with its output in ``out`` (log beside it); returns
+    the path of ``expect`` there, raising with the log's tail when DLIO
+    failed or did not write it."""
     log_path = out + ".log"
     with open(log_path, "w") as f:
         run = subprocess.run([program, *overrides, f"hydra.run.dir={out}"], stdout=f, stderr=subprocess.STDOUT,
                              cwd=os.path.dirname(out))
-    summary = os.path.join(out, "summary.json")
-    if run.returncode != 0 or not os.path.exists(summary):
+    path = os.path.join(out, expect)
+    if run.returncode != 0 or not os.path.exists(path):
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise RuntimeError(f"dlio_benchmark failed (status {run.returncode}):\n{tail}")
-    with open(summary) as f:
+    return path
+
+
+def _dlio(program: str, overrides: List[str], out: str) -> dict:
+    """Runs DLIO training once; returns its summary's metrics."""
+    with open(_run_dlio(program, overrides, out, "summary.json")) as f:
         return json.load(f)["metric"]
 
 
@@ -122,12 +129,7 @@ def generate(program: str, name: str, shape: Dict[str, object], root: str, work:
     log(f"generating {name}: {count} files in {root} ...")
     overrides = _overrides(shape, root, 1, 1) + ["++workload.workflow.generate_data=True",
                                                  "++workload.workflow.train=False"]
-    out = os.path.join(work, f"generate-{name}")
-    with open(out + ".log", "w") as f:
-        run = subprocess.run([program, *overrides, f"hydra.run.dir={out}"], stdout=f, stderr=subprocess.STDOUT,
-                             cwd=work)
-    if run.returncode != 0:
-        raise RuntimeError(f"generating {name} failed; see {out}.log")
+    _run_dlio(program, overrides, os.path.join(work, f"generate-{name}"), "")
 
 
 def run_once(args, program: str, binary: str, name: str, shape: Dict[str, object], root: str, loader: str,

@@ -516,9 +516,10 @@ impl Job {
             return None;
         };
         let start = Instant::now();
-        let opened = dir.stat(name).and_then(|(path, size)| {
-            self.throttle(size);
+        let opened = dir.resolve(name).and_then(|path| {
             let file = std::fs::File::open(&path).map_err(|e| io_error(name, &e))?;
+            let size = file.metadata().map_err(|e| io_error(name, &e))?.len();
+            self.throttle(size);
             Ok((file, size))
         });
         self.count_storage_read(m, start.elapsed(), opened.as_ref().map(|(_, size)| *size));
