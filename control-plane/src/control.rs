@@ -20,27 +20,38 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use sluice_policy::STAGING_LABEL;
+use sluice_policy::coordination::demand::Window;
 use sluice_policy::coordination::{
     Coordinator, JobReport, JobShare, Shares, StageAssignment, StageReport, cache_assignment,
     to_push,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::metrics::Throughput;
 use crate::sessions::push;
-use crate::state::{Desired, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock};
-use crate::store::{Leadership, StoreError};
+use crate::state::{Desired, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms};
+use crate::store::{Labels, Leadership, NewEvent, Record, StageHello, StoreError};
 
-/// Runs the loop until `cancel` fires (then releases the lease), or until
-/// the leader lease is lost: then it fails, and the controller stops
-/// rather than push settings another leader may also be pushing.
+/// How the loop ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// `cancel` fired (the lease was released).
+    Cancelled,
+    /// The store was unreachable, and once it answered again another
+    /// replica held the lease: this one must stand by.
+    Deposed,
+}
+
+/// Runs the loop until `cancel` fires (then releases the lease). When the
+/// lease check fails the store is unreachable: the loop rides the outage
+/// out (see [`ride_out`]) and leads on once it holds the lease again.
 pub async fn run(
     shared: Arc<Shared>,
     tick: Duration,
     mut leadership: Leadership,
     cancel: CancellationToken,
-) -> Result<(), StoreError> {
+) -> Ended {
     // Policies loaded at start are not a change: settled rates stand.
     let mut memory = Memory {
         generation: Some(shared.policy_generation.load(Ordering::Relaxed)),
@@ -57,16 +68,121 @@ pub async fn run(
             _ = interval.tick() => {}
             () = shared.recompute.notified() => {}
         }
-        leadership.check(tick * 3 / 4).await?;
+        if let Err(e) = leadership.check(tick * 3 / 4).await {
+            match ride_out(&shared, tick, &e, &cancel).await {
+                Some(Ok(lease)) => leadership = lease,
+                Some(Err(ended)) => return ended,
+                None => return Ended::Cancelled,
+            }
+        }
+        let started = Instant::now();
         mark_lost(&shared).await;
         if leading_since.elapsed() >= shared.stage_timeout || all_back(&shared) {
             control(&shared, &mut memory).await;
         }
+        shared
+            .metrics
+            .tick_seconds
+            .observe(started.elapsed().as_secs_f64());
     }
     if let Err(e) = leadership.release().await {
         warn!(error = %e, "cannot release the leader lease (it ends with the connection)");
     }
-    Ok(())
+    Ended::Cancelled
+}
+
+/// Rides out a store outage. Stage sessions stay open and stages keep
+/// their settings; nothing is decided or published (it could not be
+/// stored); `/readyz`, the admin API and new sessions answer with the
+/// reason. Every tick the lease is tried on a fresh connection: taken,
+/// the controller reloads the store and leads on (`Some(Ok)`); held by
+/// another replica, it must stand by (`Some(Err(Deposed))`). `None` when
+/// `cancel` fires first.
+async fn ride_out(
+    shared: &Shared,
+    tick: Duration,
+    error: &StoreError,
+    cancel: &CancellationToken,
+) -> Option<Result<Leadership, Ended>> {
+    let since = Instant::now();
+    warn!(error = %error, "the store is unreachable: keeping stage sessions and their settings, refusing changes until it answers");
+    let set_reason = |error: &dyn std::fmt::Display| {
+        *lock(&shared.outage) = Some(format!(
+            "store unavailable: {error}; stages keep their settings, policy changes and new \
+             stage sessions are refused until it answers"
+        ));
+    };
+    set_reason(error);
+    shared.metrics.store_up.set(0);
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            _ = interval.tick() => {}
+        }
+        let attempt = tokio::time::timeout(tick.max(Duration::from_secs(1)), async {
+            let lease = shared
+                .store
+                .try_acquire_leadership()
+                .await
+                .map_err(|e| e.to_string())?;
+            if lease.is_some() {
+                // The stages still in session are connected whatever the
+                // store says now; then whatever another leader may have
+                // changed is loaded.
+                for hello in in_session(shared) {
+                    shared
+                        .store
+                        .stage_hello(&hello, now_ms())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                shared.reload().await.map_err(|e| e.to_string())?;
+                crate::policies::load(shared).await?;
+            }
+            Ok::<_, String>(lease)
+        })
+        .await;
+        match attempt {
+            Ok(Ok(Some(lease))) => {
+                *lock(&shared.outage) = None;
+                shared.metrics.store_up.set(1);
+                info!(
+                    seconds = since.elapsed().as_secs_f64(),
+                    "the store answers again: leading on"
+                );
+                shared
+                    .event(
+                        "store.recovered",
+                        "controller".to_owned(),
+                        format!(
+                            "the store answered again after {:.1} s",
+                            since.elapsed().as_secs_f64()
+                        ),
+                    )
+                    .await;
+                return Some(Ok(lease));
+            }
+            Ok(Ok(None)) => return Some(Err(Ended::Deposed)),
+            Ok(Err(e)) => set_reason(&e),
+            Err(_) => set_reason(&"the store does not answer"),
+        }
+    }
+}
+
+/// The hellos of the stages in session now, as the store records them.
+fn in_session(shared: &Shared) -> Vec<StageHello> {
+    lock(&shared.live)
+        .iter()
+        .filter(|(_, l)| l.session.is_some())
+        .map(|(id, l)| StageHello {
+            id: id.clone(),
+            node: l.hello.node.clone(),
+            labels: l.hello.labels.clone(),
+            running_version: l.running_version,
+        })
+        .collect()
 }
 
 /// Whether every stage the store listed as connected at start (and every
@@ -135,12 +251,43 @@ fn reading(report: &Telemetry) -> impl Iterator<Item = (&String, &JobSample)> {
         .filter(|(_, s)| s.counters.connections > 0)
 }
 
-/// Returns every reporting stage as the coordinator reads it: its jobs,
-/// each with the window between the stage's last two reports, and what
-/// each job read from storage over those windows.
-fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<StageReport<'_>>, Throughput) {
+/// A reporting stage as the coordinator reads it, copied out of the live
+/// state so the decision runs without holding the lock the sessions need.
+struct Report {
+    id: String,
+    node: String,
+    memory_budget: u64,
+    reader_budget: u32,
+    /// Each job reading there: id, labels, its latest window.
+    jobs: Vec<(String, Arc<Labels>, Option<Window>)>,
+}
+
+impl Report {
+    fn view(&self) -> StageReport<'_> {
+        StageReport {
+            id: &self.id,
+            node: &self.node,
+            memory_budget: self.memory_budget,
+            reader_budget: self.reader_budget,
+            jobs: self
+                .jobs
+                .iter()
+                .map(|(id, labels, window)| JobReport {
+                    id,
+                    labels: labels.as_ref(),
+                    window: *window,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Returns every reporting stage with its jobs, each with the window
+/// between the stage's last two reports, and what each job read from
+/// storage over those windows.
+fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<Report>, Throughput) {
     let mut throughput = Throughput::new();
-    let mut reports = Vec::new();
+    let mut reports = Vec::with_capacity(live.len());
     for (id, l) in live.iter().filter(|(_, l)| !l.lost) {
         let Some(now) = l.latest() else {
             continue;
@@ -151,20 +298,17 @@ fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<StageReport<'_>>, Through
                 if let Some(w) = window {
                     *throughput.entry(job.clone()).or_default() += w.read_bytes_per_second;
                 }
-                JobReport {
-                    id: job,
-                    labels: &sample.labels,
-                    window,
-                }
+                (job.clone(), sample.labels.clone(), window)
             })
             .collect();
-        reports.push(StageReport {
-            id,
-            node: if l.hello.node.is_empty() {
-                id
-            } else {
-                &l.hello.node
-            },
+        let node = if l.hello.node.is_empty() {
+            id
+        } else {
+            &l.hello.node
+        };
+        reports.push(Report {
+            id: id.clone(),
+            node: node.clone(),
             memory_budget: l.hello.memory_budget_bytes,
             reader_budget: l.hello.reader_budget,
             jobs,
@@ -174,14 +318,19 @@ fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<StageReport<'_>>, Through
 }
 
 /// Decides this tick: what every connected stage should run, and which of
-/// them must be sent a new version.
+/// them must be sent a new version. The live state is locked only to copy
+/// the reports out and to compare the decision with what stages run: the
+/// decision itself (tens of milliseconds per thousand stages) runs
+/// unlocked, so sessions keep being served meanwhile.
 fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcome {
-    let mut live = lock(&shared.live);
-    let (reports, throughput) = reports(&live);
-    let policies = shared.read_policies();
-    let decision = coordinator.decide(&policies, &reports);
+    let (reports, throughput) = reports(&lock(&shared.live));
+    let policies = shared.read_policies().clone();
+    let views: Vec<StageReport<'_>> = reports.iter().map(Report::view).collect();
+    let decision = coordinator.decide(&policies, &views);
+    drop(views);
     drop(reports);
     let rounds = lock(&shared.staging_rounds).clone();
+    let mut live = lock(&shared.live);
     let desired = lock(&shared.desired);
     let mut assignments = decision.assignments;
     let mut publish = Vec::new();
@@ -242,9 +391,7 @@ async fn control(shared: &Shared, memory: &mut Memory) {
     let exact = memory.generation != Some(generation);
     memory.generation = Some(generation);
     let outcome = decide(shared, &mut memory.coordinator, exact);
-    for p in outcome.publish {
-        publish(shared, p).await;
-    }
+    publish(shared, outcome.publish).await;
     let metrics = &shared.metrics.allocation;
     metrics.set(&outcome.shares, &outcome.throughput);
     metrics
@@ -308,30 +455,58 @@ fn allocation_changes(
     out
 }
 
-async fn publish(shared: &Shared, p: Publish) {
-    let version = match shared
-        .store
-        .set_desired_settings(&p.stage, &p.settings.encode())
-        .await
-    {
-        Ok(v) => v,
+/// Stores the new desired settings of every stage in `publish` in one
+/// transaction, pushes each, and records an event for each.
+async fn publish(shared: &Shared, publish: Vec<Publish>) {
+    if publish.is_empty() {
+        return;
+    }
+    let writes: Vec<Record> = publish
+        .iter()
+        .map(|p| Record::Desired {
+            stage: p.stage.clone(),
+            document: p.settings.encode(),
+        })
+        .collect();
+    let versions = match shared.store.record(&writes).await {
+        Ok(versions) => versions,
         Err(e) => {
-            warn!(error = %e, stage = %p.stage, "cannot store desired settings");
+            warn!(error = %e, stages = publish.len(), "cannot store desired settings");
             return;
         }
     };
-    let queued = push(&p.session, version, &p.settings);
-    lock(&shared.desired).insert(
-        p.stage.clone(),
-        Desired {
-            version,
-            settings: p.settings,
-        },
-    );
-    shared.metrics.settings_pushes.inc();
-    info!(stage = %p.stage, version, queued, "settings published");
-    let message = format!("settings version {version} published to stage {}", p.stage);
-    shared
-        .event("settings.pushed", format!("stage/{}", p.stage), message)
-        .await;
+    let mut events = Vec::with_capacity(publish.len());
+    let mut pushed = 0_usize;
+    {
+        let mut desired = lock(&shared.desired);
+        for (p, version) in publish.into_iter().zip(versions) {
+            let version = match version {
+                Ok(v) => v,
+                Err(e) => {
+                    warn!(error = %e, stage = %p.stage, "cannot store desired settings");
+                    continue;
+                }
+            };
+            let queued = push(&p.session, version, &p.settings);
+            debug!(stage = %p.stage, version, queued, "settings published");
+            pushed += 1;
+            let message = format!("settings version {version} published to stage {}", p.stage);
+            events.push(NewEvent {
+                kind: "settings.pushed".into(),
+                subject: format!("stage/{}", p.stage),
+                message,
+                unix_millis: now_ms(),
+            });
+            desired.insert(
+                p.stage,
+                Desired {
+                    version,
+                    settings: p.settings,
+                },
+            );
+        }
+    }
+    shared.metrics.settings_pushes.inc_by(pushed as u64);
+    info!(stages = pushed, "settings published");
+    shared.events(events).await;
 }

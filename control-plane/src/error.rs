@@ -46,6 +46,12 @@ impl ApiError {
                 StoreError::LeadershipLost { .. } => {
                     (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE)
                 }
+                // The database is unreachable (down, or restarting): the
+                // caller may try again.
+                StoreError::Database {
+                    source: sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed,
+                    ..
+                } => (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
                 _ => (Code::Internal, StatusCode::INTERNAL_SERVER_ERROR),
             },
         }

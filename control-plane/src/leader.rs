@@ -17,12 +17,13 @@ use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
-use crate::control;
+use crate::control::{self, Ended};
 use crate::policies::{self, Source};
 use crate::state::Shared;
 use crate::store::Leadership;
+use crate::sync::lock;
 
 /// Why a standby refuses work, for `/readyz`, `/api/` and gRPC callers.
 const STANDBY: &str =
@@ -30,15 +31,17 @@ const STANDBY: &str =
 /// Why a new leader refuses work while it reloads the store.
 const STARTING: &str = "starting: loading policies and settings from the store";
 
-/// Returns why this controller cannot serve yet, or `None` once it leads
-/// and has loaded its state.
-pub fn unready_reason(shared: &Shared) -> Option<&'static str> {
-    if shared.ready.load(Ordering::Acquire) {
+/// Returns why this controller cannot serve yet, or `None` once it leads,
+/// has loaded its state and reaches its store.
+pub fn unready_reason(shared: &Shared) -> Option<String> {
+    if let Some(outage) = lock(&shared.outage).as_ref() {
+        Some(outage.clone())
+    } else if shared.ready.load(Ordering::Acquire) {
         None
     } else if shared.metrics.leader.get() == 0 {
-        Some(STANDBY)
+        Some(STANDBY.to_owned())
     } else {
-        Some(STARTING)
+        Some(STARTING.to_owned())
     }
 }
 
@@ -62,32 +65,49 @@ pub async fn take_office(shared: &Shared, policies: Option<Vec<Source>>) -> anyh
     Ok(())
 }
 
-/// Runs the control loop with `leadership`; a standby (`None`) first waits
-/// for the lease and takes office with `policies` (the loop then lets the
-/// stages reconnect before it publishes, as for a controller started
-/// fresh). Returns when `cancel` fires; fails when the lease is lost.
+/// Leads for as long as this controller runs: a standby (`leadership`
+/// `None`) first waits for the lease and takes office with `policies` (the
+/// loop then lets the stages reconnect before it publishes, as for a
+/// controller started fresh). A leader that lost its store and, once the
+/// store answered again, found another replica in office stands by again.
+/// Returns when `cancel` fires.
 pub async fn lead(
     shared: Arc<Shared>,
     tick: Duration,
-    leadership: Option<Leadership>,
-    policies: Option<Vec<Source>>,
+    mut leadership: Option<Leadership>,
+    mut policies: Option<Vec<Source>>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    let leadership = match leadership {
-        Some(leadership) => leadership,
-        None => {
-            info!("another controller holds the leader lease: standing by");
-            let Some(leadership) = Leadership::wait(&shared.store, tick, &cancel).await else {
-                return Ok(());
-            };
-            info!("took the leader lease: taking over");
-            take_office(&shared, policies).await?;
-            info!("leading: serving stages");
-            leadership
+    loop {
+        let lease = match leadership.take() {
+            Some(lease) => lease,
+            None => {
+                info!("another controller holds the leader lease: standing by");
+                let Some(lease) = Leadership::wait(&shared.store, tick, &cancel).await else {
+                    return Ok(());
+                };
+                info!("took the leader lease: taking over");
+                take_office(&shared, policies.take()).await?;
+                info!("leading: serving stages");
+                lease
+            }
+        };
+        match control::run(shared.clone(), tick, lease, cancel.clone()).await {
+            Ended::Cancelled => return Ok(()),
+            Ended::Deposed => step_down(&shared),
         }
-    };
-    control::run(shared, tick, leadership, cancel).await?;
-    Ok(())
+    }
+}
+
+/// Stops leading: not ready, its stages' sessions ended (they reconnect,
+/// through the Service, to the leader) and its view of them forgotten.
+fn step_down(shared: &Shared) {
+    warn!("another controller took the leader lease while the store was unreachable: standing by");
+    shared.ready.store(false, Ordering::Release);
+    shared.metrics.leader.set(0);
+    *lock(&shared.outage) = None;
+    shared.metrics.store_up.set(1);
+    shared.forget_stages();
 }
 
 /// A gRPC interceptor that answers `UNAVAILABLE` until this controller

@@ -24,6 +24,7 @@ mod http;
 mod leader;
 mod metrics;
 mod policies;
+mod recorder;
 mod sessions;
 mod state;
 pub mod store;

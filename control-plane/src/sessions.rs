@@ -27,7 +27,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::state::{
     HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
 };
-use crate::store::{JobSighting, Labels, StageHello};
+use crate::store::{JobSighting, Labels, Record, StageHello};
 
 /// Messages queued per session before pushes to it are dropped (a stage
 /// that does not read its stream cannot hold the control loop up).
@@ -35,7 +35,12 @@ const DOWNSTREAM_DEPTH: usize = 16;
 
 /// How often a job a stage keeps reporting is recorded again in the store
 /// (its `last_seen`); new jobs and label changes are recorded at once.
-const JOB_REFRESH: Duration = Duration::from_secs(30);
+const JOB_REFRESH: Duration = Duration::from_secs(60);
+
+/// How often a stage that keeps reporting is recorded as seen in the
+/// store (`last_seen`, shown by `sluicectl get stages`; the views add what
+/// the controller heard since). A stage that comes back is recorded at once.
+const SEEN_REFRESH: Duration = Duration::from_secs(30);
 
 /// How long a hello for a stage id whose session is open waits for that
 /// session to end before it is refused: a restarted stage's new
@@ -144,6 +149,7 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
             memory_budget_bytes: hello.memory_budget_bytes,
             reader_budget: hello.reader_budget,
             node: hello.node.clone(),
+            labels: hello.labels.clone(),
         };
         // The last telemetry stays until the next one: clearing it would
         // make the stage's jobs look gone to the other stages for a tick.
@@ -233,9 +239,10 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
                 l.running_version = l.running_version.max(a.version);
             });
             shared.metrics.acks.inc();
-            if let Err(e) = shared.store.record_ack(stage, a.version).await {
-                warn!(error = %e, "cannot record an ack");
-            }
+            shared.recorder.send(Record::Ack {
+                stage: stage.to_owned(),
+                version: a.version,
+            });
             let message = format!("stage {stage} applied settings version {}", a.version);
             shared.event("settings.acked", subject, message).await;
         }
@@ -262,13 +269,22 @@ fn heard(shared: &Shared, stage: &str) {
 }
 
 async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
-    let snapshot = from_proto(t);
-    let (was_lost, due, decide_now) = shared.with_live(stage, |l| {
+    let mut snapshot = from_proto(t);
+    let now = now_ms();
+    let (was_lost, due, decide_now, seen) = shared.with_live(stage, |l| {
+        share_labels(&mut snapshot, l.latest());
         let was_lost = l.lost;
+        let seen = was_lost
+            || l.seen_recorded
+                .is_none_or(|at| at.elapsed() >= SEEN_REFRESH);
+        if seen {
+            l.seen_recorded = Some(Instant::now());
+        }
+        l.heard_ms = now;
         // Jobs the store has not heard about from this stage lately (or
         // whose labels changed): telemetry comes twice a second, the store
         // does not need every sighting.
-        let due: Vec<(String, Labels)> = snapshot
+        let due: Vec<(String, Arc<Labels>)> = snapshot
             .jobs
             .iter()
             .filter(|(job, s)| {
@@ -282,7 +298,7 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
         l.record(snapshot);
         l.last_heard = Instant::now();
         l.lost = false;
-        (was_lost, due, changed(&before, &reading_windows(l)))
+        (was_lost, due, changed(&before, &reading_windows(l)), seen)
     });
     // A job that arrived, left or changed how it reads changes everyone's
     // share: decide now rather than at the next tick (a new job waits for
@@ -290,9 +306,11 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
     if decide_now {
         shared.recompute.notify_one();
     }
-    let now = now_ms();
-    if let Err(e) = shared.store.mark_stage_seen(stage, now).await {
-        warn!(error = %e, "cannot mark the stage seen");
+    if seen {
+        shared.recorder.send(Record::Seen {
+            stage: stage.to_owned(),
+            unix_millis: now,
+        });
     }
     if was_lost {
         let message = format!("stage {stage} reports again");
@@ -303,15 +321,19 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
     for (job, labels) in due {
         let sighting = JobSighting {
             job: job.clone(),
-            labels,
+            labels: Labels::clone(&labels),
             stage: stage.to_owned(),
         };
-        if let Err(e) = shared.store.upsert_job(&sighting, now).await {
+        let write = Record::Job {
+            sighting: sighting.clone(),
+            unix_millis: now,
+        };
+        if let Err(e) = shared.recorder.write(write).await {
             warn!(error = %e, job, "cannot record a job");
             continue;
         }
         shared.with_live(stage, |l| {
-            let entry = (sighting.labels, Instant::now());
+            let entry = (labels, Instant::now());
             l.recorded_jobs.insert(job.clone(), entry);
         });
         let new = lock(&shared.known_jobs).insert(job.clone());
@@ -321,6 +343,20 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
             shared
                 .event("job.appeared", format!("job/{job}"), message)
                 .await;
+        }
+    }
+}
+
+/// Makes a report's labels share the previous report's where they are
+/// equal: a stage's jobs keep their labels, and thousands of stages' worth
+/// of copies would be kept and copied every tick.
+fn share_labels(report: &mut Telemetry, previous: Option<&Telemetry>) {
+    let Some(previous) = previous else { return };
+    for (job, sample) in &mut report.jobs {
+        if let Some(before) = previous.jobs.get(job)
+            && before.labels == sample.labels
+        {
+            sample.labels = before.labels.clone();
         }
     }
 }
@@ -370,7 +406,7 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
         .into_iter()
         .map(|j| {
             let sample = JobSample {
-                labels: j.labels,
+                labels: Arc::new(j.labels),
                 counters: JobCounters {
                     storage_read_bytes: j.storage_read_bytes,
                     delivered_bytes: j.delivered_bytes,

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluice_policy::PolicySet;
@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::metrics::Metrics;
-use crate::store::{Labels, NewEvent, Store, StoreError};
+use crate::recorder::Recorder;
+use crate::store::{Labels, NewEvent, Record, Store, StoreError};
 pub use crate::sync::lock;
 
 /// The sending half of one session's downstream.
@@ -57,12 +58,14 @@ pub struct HelloInfo {
     pub memory_budget_bytes: u64,
     pub reader_budget: u32,
     pub node: String,
+    pub labels: Labels,
 }
 
 /// One job in one telemetry snapshot.
 #[derive(Debug, Clone, Default)]
 pub struct JobSample {
-    pub labels: Labels,
+    /// Shared with the stage's earlier reports while they do not change.
+    pub labels: Arc<Labels>,
     /// What demand estimation compares from one report to the next.
     pub counters: JobCounters,
 }
@@ -88,8 +91,12 @@ pub struct LiveStage {
     /// [`LiveStage::window`]).
     reports: VecDeque<Telemetry>,
     pub last_heard: Instant,
+    /// When telemetry last came (Unix milliseconds, the controller's clock).
+    pub heard_ms: i64,
+    /// When the stage was last recorded as seen in the store.
+    pub seen_recorded: Option<Instant>,
     /// Jobs last recorded in the store for this stage: labels, when.
-    pub recorded_jobs: BTreeMap<String, (Labels, Instant)>,
+    pub recorded_jobs: BTreeMap<String, (Arc<Labels>, Instant)>,
     pub lost: bool,
     /// Push a new version even if the settings did not change (the stage
     /// runs a version the controller does not know).
@@ -156,6 +163,8 @@ impl LiveStage {
             hello: HelloInfo::default(),
             reports: VecDeque::new(),
             last_heard: now,
+            heard_ms: 0,
+            seen_recorded: None,
             recorded_jobs: BTreeMap::new(),
             lost: false,
             force_push: false,
@@ -177,6 +186,8 @@ pub struct Desired {
 #[derive(Debug)]
 pub struct Shared {
     pub store: Store,
+    /// Batches what sessions report into the store (see [`Recorder`]).
+    pub recorder: Recorder,
     pub policies: RwLock<PolicySet>,
     /// Counts policy-set swaps (the control loop pushes exact rates, not
     /// settled ones, after a change).
@@ -197,6 +208,9 @@ pub struct Shared {
     pub recompute: Notify,
     pub metrics: Metrics,
     pub ready: AtomicBool,
+    /// While the leader cannot reach its store: why, for `/readyz`, the
+    /// admin API and new sessions (stage sessions already open are kept).
+    pub outage: Mutex<Option<String>>,
     pub stage_timeout: Duration,
     /// Fired at shutdown: ends event watches.
     pub shutdown: CancellationToken,
@@ -205,8 +219,10 @@ pub struct Shared {
 
 impl Shared {
     /// Returns the state around an opened store.
+    /// Starts the recorder's task, so it must run inside the runtime.
     pub fn new(store: Store, stage_timeout: Duration) -> Self {
         Self {
+            recorder: Recorder::start(store.clone()),
             store,
             policies: RwLock::new(PolicySet::new()),
             policy_generation: AtomicU64::new(0),
@@ -220,6 +236,7 @@ impl Shared {
             recompute: Notify::new(),
             metrics: Metrics::new(),
             ready: AtomicBool::new(false),
+            outage: Mutex::new(None),
             stage_timeout,
             shutdown: CancellationToken::new(),
             next_session: AtomicU64::new(1),
@@ -247,8 +264,10 @@ impl Shared {
                     },
                 );
             }
+            // A stage with a session (a leader that rode out a store
+            // outage) keeps it.
             if s.state == crate::store::StageState::Connected {
-                live.insert(s.id, LiveStage::new(now));
+                live.entry(s.id).or_insert_with(|| LiveStage::new(now));
             }
         }
         self.metrics.jobs.set(jobs.len() as i64);
@@ -277,6 +296,20 @@ impl Shared {
         }
     }
 
+    /// Ends every stage session and forgets the stages and their desired
+    /// settings: a leader that finds another one in office stands by, and
+    /// its stages reconnect to the leader.
+    pub fn forget_stages(&self) {
+        let mut live = lock(&self.live);
+        for l in live.values() {
+            if let Some(session) = &l.session {
+                session.ended.cancel();
+            }
+        }
+        live.clear();
+        lock(&self.desired).clear();
+    }
+
     /// Returns a fresh session id.
     pub fn next_session_id(&self) -> u64 {
         self.next_session.fetch_add(1, Ordering::Relaxed)
@@ -291,8 +324,25 @@ impl Shared {
         f(entry)
     }
 
+    /// Appends events in order (logging, not failing, when the store
+    /// refuses) and wakes the watchers once they are committed.
+    pub async fn events(&self, mut events: Vec<NewEvent>) {
+        let Some(last) = events.pop() else {
+            return;
+        };
+        // Committed in queue order: once the last is, so are the others.
+        for event in events {
+            self.recorder.send(Record::Event(event));
+        }
+        let kind = last.kind.clone();
+        if let Err(e) = self.recorder.write(Record::Event(last)).await {
+            warn!(error = %e, kind, "cannot record an event");
+        }
+        self.events.notify_waiters();
+    }
+
     /// Appends an event (logging, not failing, when the store refuses) and
-    /// wakes the watchers.
+    /// wakes the watchers once it is committed.
     pub async fn event(&self, kind: &str, subject: String, message: String) {
         let event = NewEvent {
             kind: kind.to_owned(),
@@ -300,10 +350,7 @@ impl Shared {
             message,
             unix_millis: now_ms(),
         };
-        if let Err(e) = self.store.append_event(&event).await {
-            warn!(error = %e, kind, "cannot record an event");
-        }
-        self.events.notify_waiters();
+        self.events(vec![event]).await;
     }
 }
 

@@ -35,7 +35,7 @@ pub use error::StoreError;
 pub use leadership::Leadership;
 pub use model::{
     Applied, ApplyOutcome, DesiredSettings, Event, JobRecord, JobSighting, Labels, MAX_NAME_LEN,
-    Nack, NewEvent, PolicyDocument, PolicyRevision, StageHello, StageRecord, StageState,
+    Nack, NewEvent, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord, StageState,
 };
 
 use error::redact;
@@ -157,7 +157,12 @@ impl Store {
 
     /// Marks a stage connected and seen at `now_ms`.
     pub async fn mark_stage_seen(&self, id: &str, now_ms: i64) -> Result<(), StoreError> {
-        dispatch!(self.set_stage_state(id, StageState::Connected, Some(now_ms)))
+        self.record_one(Record::Seen {
+            stage: id.to_owned(),
+            unix_millis: now_ms,
+        })
+        .await
+        .map(drop)
     }
 
     /// Marks a stage lost (its `last_seen_ms` is kept).
@@ -179,14 +184,40 @@ impl Store {
         stage: &str,
         document: &str,
     ) -> Result<u64, StoreError> {
-        dispatch!(self.set_desired_settings(stage, document))
+        self.record_one(Record::Desired {
+            stage: stage.to_owned(),
+            document: document.to_owned(),
+        })
+        .await
     }
 
     /// Records that a stage applied `version`; clears its last nack when that
     /// was for `version` or earlier.
     pub async fn record_ack(&self, stage: &str, version: u64) -> Result<(), StoreError> {
-        let version = rows::to_i64("acked version", version)?;
-        dispatch!(self.record_ack(stage, version))
+        self.record_one(Record::Ack {
+            stage: stage.to_owned(),
+            version,
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Commits `writes` in one transaction, so a batch costs one flush to
+    /// disk however many writes it holds: the controller batches what
+    /// thousands of stages report. Each write has its own outcome, in
+    /// order (a [`Record::Desired`] its version, a [`Record::Event`] its
+    /// seq, others 0); a stage that is not known fails only its write. A
+    /// database error fails the whole batch and writes nothing.
+    pub async fn record(
+        &self,
+        writes: &[Record],
+    ) -> Result<Vec<Result<u64, StoreError>>, StoreError> {
+        dispatch!(self.record(writes))
+    }
+
+    async fn record_one(&self, write: Record) -> Result<u64, StoreError> {
+        let mut outcomes = self.record(std::slice::from_ref(&write)).await?;
+        outcomes.pop().unwrap_or(Ok(0))
     }
 
     /// Records that a stage rejected `version`, and why.
@@ -214,8 +245,12 @@ impl Store {
     /// or updates the job (labels: last sighting wins) and links the stage.
     /// Fails with [`StoreError::StageNotFound`] if the stage never said hello.
     pub async fn upsert_job(&self, sighting: &JobSighting, now_ms: i64) -> Result<(), StoreError> {
-        model::check_name("job id", &sighting.job)?;
-        dispatch!(self.upsert_job(sighting, now_ms))
+        self.record_one(Record::Job {
+            sighting: sighting.clone(),
+            unix_millis: now_ms,
+        })
+        .await
+        .map(drop)
     }
 
     /// Returns every job, sorted by id.
@@ -232,7 +267,7 @@ impl Store {
     /// committed before it (so a watcher reading [`Store::events_since`] its
     /// last seq misses nothing).
     pub async fn append_event(&self, event: &NewEvent) -> Result<u64, StoreError> {
-        dispatch!(self.append_event(event))
+        self.record_one(Record::Event(event.clone())).await
     }
 
     /// Returns up to `limit` events with a seq above `after`, oldest first.

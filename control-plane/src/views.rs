@@ -135,7 +135,8 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
             reason: n.reason,
         }),
         state: if lost { "lost" } else { "connected" },
-        last_seen_unix_millis: r.last_seen_ms,
+        // The store is told every few seconds; the controller hears more.
+        last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
         jobs: telemetry
             .map(|t| t.jobs.keys().cloned().collect())
             .unwrap_or_default(),

@@ -263,9 +263,11 @@ fn add_nodes(snapshot: &mut Snapshot, stages: &[StageReport<'_>]) {
         node.1 = node.1.saturating_add(stage.reader_budget);
         node.2 = node.2.saturating_add(stage.memory_budget);
     }
-    for (name, (ids, readers, buffer)) in nodes {
-        snapshot.add_node(name, ids, readers, buffer);
-    }
+    snapshot.add_nodes(
+        nodes
+            .into_iter()
+            .map(|(name, (ids, readers, buffer))| (name.to_owned(), ids, readers, buffer)),
+    );
 }
 
 /// Returns every pool's capacity and what the allocation gives its jobs.

@@ -76,3 +76,11 @@ pub fn eventually_blocking<T>(
         .expect("a runtime for polling")
         .block_on(eventually(what, limit, || std::future::ready(check())))
 }
+
+/// Parses a duration flag of the test tools (`5ms`, `1s`) with the
+/// project's quantity grammar.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    s.parse::<sluice_policy::Millis>()
+        .map(|m| Duration::from_millis(m.0))
+        .map_err(|e| e.to_string())
+}

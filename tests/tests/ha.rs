@@ -11,63 +11,14 @@
 
 mod support;
 
-use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
 use sluice_proto::StageServiceClient;
 use sluice_proto::v1::{ListPoliciesRequest, ListStagesRequest};
 use sluice_tests::postgres::TestDatabase;
 use support::{
-    KillOnDrop, acked_above, admin, apply, controller_command, eventually, http, policy,
-    stage_command, trainer,
+    acked_above, admin, apply, eventually, http, policy, replica, service, stage_command, trainer,
 };
-
-struct Replica {
-    process: KillOnDrop,
-    ready_line: serde_json::Value,
-    grpc: String,
-    http: String,
-}
-
-fn replica(database_url: &str, log: &std::path::Path) -> Replica {
-    let (process, ready_line) = support::start(controller_command(database_url), log);
-    Replica {
-        process,
-        grpc: ready_line["grpc"].as_str().unwrap().to_owned(),
-        http: ready_line["http"].as_str().unwrap().to_owned(),
-        ready_line,
-    }
-}
-
-/// Stands in for a Kubernetes Service in front of the replicas: each new
-/// connection goes to the first backend whose `/readyz` answers 200 (gRPC,
-/// HTTP address pairs); with none ready it is closed at once.
-fn service(backends: Vec<(String, String)>) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for client in listener.incoming().flatten() {
-            let ready = backends.iter().find(|(_, http_addr)| {
-                TcpStream::connect(http_addr).is_ok()
-                    && http(http_addr, "GET", "/readyz", "").starts_with("HTTP/1.1 200")
-            });
-            let Some(server) = ready.and_then(|(grpc, _)| TcpStream::connect(grpc).ok()) else {
-                continue;
-            };
-            for (mut from, mut to) in [
-                (client.try_clone().unwrap(), server.try_clone().unwrap()),
-                (server, client),
-            ] {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Both);
-                    let _ = from.shutdown(std::net::Shutdown::Both);
-                });
-            }
-        }
-    });
-    addr
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {

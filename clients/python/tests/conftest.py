@@ -32,17 +32,23 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 
 
-def stage_binary() -> pathlib.Path:
-    """Returns the stage binary's path, or skips (fails in CI) without it."""
+def binary(name: str) -> pathlib.Path:
+    """Returns the path of one of sluice's binaries, or skips (fails in CI)
+    without it."""
     bin_dir = pathlib.Path(os.environ.get("SLUICE_BIN_DIR") or REPO / "target" / "debug")
-    path = bin_dir / "sluice-stage"
+    path = bin_dir / name
     if not os.access(path, os.X_OK):
-        msg = (f"sluice-stage not found at {path}: build it with `cargo build -p sluice-stage` "
+        msg = (f"{name} not found at {path}: build it with `cargo build --workspace --bins` "
                "or point SLUICE_BIN_DIR at the directory holding it")
         if in_ci():
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+def stage_binary() -> pathlib.Path:
+    """Returns the stage binary's path, or skips (fails in CI) without it."""
+    return binary("sluice-stage")
 
 
 def start_stage(tmp_path: pathlib.Path, datasets: dict, *extra: str, tcp: bool = False) -> StageProcess:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, in_ci
+from conftest import binary
 from sluice.bench.coordination import analysis, controller_shares, max_enforced_gap
 from sluice.bench.coordination.scenario import (MiB, Phase, Simulated, SimulateError, oversubscribed,
                                                 parse_simulate, phase_simulated, phase_targets, policies_yaml,
@@ -168,14 +168,8 @@ def test_the_enforced_gap_compares_simulation_and_controller():
 
 
 def _bin_dir():
-    bin_dir = os.environ.get("SLUICE_BIN_DIR") or str(REPO / "target" / "debug")
     names = ("sluice-controller", "sluice-stage", "sluicectl")
-    if not all(os.access(os.path.join(bin_dir, n), os.X_OK) for n in names):
-        msg = f"sluice binaries not found in {bin_dir}: run `cargo build --bins`"
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return bin_dir
+    return str([binary(n) for n in names][0].parent)
 
 
 def test_a_short_run_reports_every_phase(tmp_path):

@@ -2,9 +2,9 @@
 //! on SQLite too): written once, expanded into each backend's `impl`.
 //!
 //! The expansion site provides `self.pool`, `begin_write` and `begin_snapshot`,
-//! the `stage_columns!`, `job_columns!` and `labels_param!` macros (the SQL
-//! that differs) and the error and row helpers, so the same text serves both
-//! pool types.
+//! the `stage_columns!`, `job_columns!`, `labels_param!` and
+//! `insert_event_sql!` macros (the SQL that differs) and the error and row
+//! helpers, so the same text serves both pool types.
 
 macro_rules! common_queries {
     () => {
@@ -74,39 +74,22 @@ macro_rules! common_queries {
         stage_version(version, stage)
     }
 
-    pub(super) async fn set_desired_settings(
+    /// Commits `writes` in one transaction (one commit, so one flush to
+    /// disk for the whole batch). Each write has its own outcome (a stage
+    /// that is not known fails only its write); a database error fails
+    /// the batch and writes nothing.
+    pub(super) async fn record(
         &self,
-        stage: &str,
-        document: &str,
-    ) -> Result<u64, StoreError> {
-        // Every right-hand side reads the row as it was before the update.
-        let version: Option<i64> = sqlx::query_scalar(
-            "UPDATE stages SET settings_version = settings_version + 1,
-                               desired_version = settings_version + 1,
-                               desired_settings = $2
-             WHERE id = $1 RETURNING desired_version",
-        )
-        .bind(stage)
-        .bind(document)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db("recording desired settings"))?;
-        stage_version(version, stage)
-    }
-
-    pub(super) async fn record_ack(&self, stage: &str, version: i64) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "UPDATE stages SET acked_version = $2,
-                 nack_reason  = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_reason END,
-                 nack_version = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_version END
-             WHERE id = $1",
-        )
-        .bind(stage)
-        .bind(version)
-        .execute(&self.pool)
-        .await
-        .map_err(db("recording an ack"))?;
-        found(done.rows_affected(), stage)
+        writes: &[Record],
+    ) -> Result<Vec<Result<u64, StoreError>>, StoreError> {
+        const OP: &str = "recording";
+        let mut tx = self.begin_write(OP).await?;
+        let mut outcomes = Vec::with_capacity(writes.len());
+        for write in writes {
+            outcomes.push(record_one(&mut tx, write).await?);
+        }
+        tx.commit().await.map_err(db(OP))?;
+        Ok(outcomes)
     }
 
     pub(super) async fn record_nack(
@@ -149,39 +132,6 @@ macro_rules! common_queries {
         .await
         .map_err(db("reading a stage"))?;
         row.map(rows::stage_from_row).transpose()
-    }
-
-    pub(super) async fn upsert_job(
-        &self,
-        sighting: &JobSighting,
-        now_ms: i64,
-    ) -> Result<(), StoreError> {
-        const OP: &str = "recording a job";
-        let mut tx = self.begin_write(OP).await?;
-        sqlx::query(concat!(
-            "INSERT INTO jobs (id, labels, first_seen_ms, last_seen_ms) VALUES ($1, ",
-            labels_param!(),
-            ", $3, $3)
-             ON CONFLICT (id) DO UPDATE SET labels = excluded.labels,
-                                            last_seen_ms = excluded.last_seen_ms"
-        ))
-        .bind(&sighting.job)
-        .bind(rows::labels_to_json(&sighting.labels))
-        .bind(now_ms)
-        .execute(&mut *tx)
-        .await
-        .map_err(db(OP))?;
-        sqlx::query(
-            "INSERT INTO job_stages (job_id, stage_id, last_seen_ms) VALUES ($1, $2, $3)
-             ON CONFLICT (job_id, stage_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms",
-        )
-        .bind(&sighting.job)
-        .bind(&sighting.stage)
-        .bind(now_ms)
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| unknown_stage(e, &sighting.stage, OP))?;
-        tx.commit().await.map_err(db(OP))
     }
 
     pub(super) async fn jobs(&self) -> Result<Vec<JobRecord>, StoreError> {
@@ -291,6 +241,121 @@ macro_rules! common_revision_queries {
             .await
             .map_err(db(op))?;
             Ok(())
+        }
+    };
+}
+
+/// One write of [`record`](super::Store::record) inside its transaction,
+/// for a backend's transaction type `$tx`: the outer error is the
+/// database's (it fails the batch), the inner one the write's own.
+macro_rules! common_record_queries {
+    ($tx:ty) => {
+        async fn record_one(
+            tx: &mut $tx,
+            write: &Record,
+        ) -> Result<Result<u64, StoreError>, StoreError> {
+            match write {
+                Record::Seen { stage, unix_millis } => {
+                    const OP: &str = "recording a stage's state";
+                    let done = sqlx::query(
+                        "UPDATE stages SET state = 'connected', last_seen_ms = $2 WHERE id = $1",
+                    )
+                    .bind(stage)
+                    .bind(unix_millis)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db(OP))?;
+                    Ok(found(done.rows_affected(), stage).map(|()| 0))
+                }
+                Record::Ack { stage, version } => {
+                    let version = match rows::to_i64("acked version", *version) {
+                        Ok(v) => v,
+                        Err(e) => return Ok(Err(e)),
+                    };
+                    let done = sqlx::query(
+                        "UPDATE stages SET acked_version = $2,
+                 nack_reason  = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_reason END,
+                 nack_version = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_version END
+             WHERE id = $1",
+                    )
+                    .bind(stage)
+                    .bind(version)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db("recording an ack"))?;
+                    Ok(found(done.rows_affected(), stage).map(|()| 0))
+                }
+                Record::Desired { stage, document } => {
+                    // Every right-hand side reads the row as it was before
+                    // the update.
+                    let version: Option<i64> = sqlx::query_scalar(
+                        "UPDATE stages SET settings_version = settings_version + 1,
+                               desired_version = settings_version + 1,
+                               desired_settings = $2
+             WHERE id = $1 RETURNING desired_version",
+                    )
+                    .bind(stage)
+                    .bind(document)
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(db("recording desired settings"))?;
+                    Ok(stage_version(version, stage))
+                }
+                Record::Job {
+                    sighting,
+                    unix_millis,
+                } => {
+                    const OP: &str = "recording a job";
+                    if let Err(e) = check_name("job id", &sighting.job) {
+                        return Ok(Err(e));
+                    }
+                    // Checked first: a failed statement would abort the
+                    // whole transaction on Postgres.
+                    let known: Option<String> = sqlx::query_scalar("SELECT id FROM stages WHERE id = $1")
+                        .bind(&sighting.stage)
+                        .fetch_optional(&mut **tx)
+                        .await
+                        .map_err(db(OP))?;
+                    if known.is_none() {
+                        return Ok(found(0, &sighting.stage).map(|()| 0));
+                    }
+                    sqlx::query(concat!(
+                        "INSERT INTO jobs (id, labels, first_seen_ms, last_seen_ms) VALUES ($1, ",
+                        labels_param!(),
+                        ", $3, $3)
+             ON CONFLICT (id) DO UPDATE SET labels = excluded.labels,
+                                            last_seen_ms = excluded.last_seen_ms"
+                    ))
+                    .bind(&sighting.job)
+                    .bind(rows::labels_to_json(&sighting.labels))
+                    .bind(unix_millis)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db(OP))?;
+                    sqlx::query(
+                        "INSERT INTO job_stages (job_id, stage_id, last_seen_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (job_id, stage_id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms",
+                    )
+                    .bind(&sighting.job)
+                    .bind(&sighting.stage)
+                    .bind(unix_millis)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db(OP))?;
+                    Ok(Ok(0))
+                }
+                Record::Event(event) => {
+                    let seq: i64 = sqlx::query_scalar(insert_event_sql!())
+                        .bind(&event.kind)
+                        .bind(&event.subject)
+                        .bind(&event.message)
+                        .bind(event.unix_millis)
+                        .fetch_one(&mut **tx)
+                        .await
+                        .map_err(db("appending an event"))?;
+                    Ok(rows::to_u64("event seq", seq))
+                }
+            }
         }
     };
 }

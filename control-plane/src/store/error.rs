@@ -59,7 +59,10 @@ pub enum StoreError {
     },
     /// The connection holding the leader lease is gone (or did not answer
     /// in time): another controller may be leader now.
-    #[error("the leader lease was lost")]
+    #[error(
+        "the connection holding the leader lease {}",
+        source.as_ref().map_or("did not answer in time".to_owned(), |e| format!("failed: {e}"))
+    )]
     LeadershipLost {
         /// Why, when the database said.
         #[source]
@@ -108,16 +111,6 @@ pub(super) fn stage_version(version: Option<i64>, stage: &str) -> Result<u64, St
         id: stage.to_owned(),
     })?;
     super::rows::to_u64("settings version", version)
-}
-
-/// Maps a foreign key violation on a stage id to [`StoreError::StageNotFound`].
-pub(super) fn unknown_stage(e: sqlx::Error, stage: &str, op: &'static str) -> StoreError {
-    match e.as_database_error() {
-        Some(d) if d.is_foreign_key_violation() => StoreError::StageNotFound {
-            id: stage.to_owned(),
-        },
-        _ => db(op)(e),
-    }
 }
 
 /// Returns `url` with any password replaced by `***`, for messages and logs.

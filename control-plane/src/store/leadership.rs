@@ -15,8 +15,10 @@
 //!   stages and `sluicectl` to the leader only.
 //! - The leader calls [`Leadership::check`] every tick with a timeout shorter
 //!   than the tick. An error means the session is gone or unreachable:
-//!   the leader stops pushing at once and exits non-zero; restarted, it
-//!   comes back as a standby if another replica took the lease meanwhile.
+//!   the leader stops deciding and pushing at once, keeps its stage
+//!   sessions, refuses changes, and tries the lease again every tick; it
+//!   leads on if it gets it, and stands by (ending its sessions, so the
+//!   stages move to the leader) if another replica holds it.
 //! - When a leader dies or is partitioned from Postgres, the server ends its
 //!   session (on TCP reset at once, otherwise after the server's keepalive
 //!   or `tcp_user_timeout`), which frees the lock for a standby.

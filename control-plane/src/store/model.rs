@@ -209,6 +209,27 @@ impl StageRecord {
     }
 }
 
+/// One write of a batch that [`Store::record`](super::Store::record)
+/// commits in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    /// The stage was heard from at `unix_millis`: connected, last seen then.
+    Seen { stage: String, unix_millis: i64 },
+    /// The stage applied settings `version`; clears its last nack when that
+    /// was for `version` or earlier.
+    Ack { stage: String, version: u64 },
+    /// The stage's next settings version, with `document` as its desired
+    /// settings; yields the version.
+    Desired { stage: String, document: String },
+    /// A trainer of a job was seen on a stage at `unix_millis`.
+    Job {
+        sighting: JobSighting,
+        unix_millis: i64,
+    },
+    /// An event; yields its seq.
+    Event(NewEvent),
+}
+
 /// A stage reporting a trainer of a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobSighting {

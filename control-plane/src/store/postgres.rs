@@ -11,11 +11,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, PgTransaction, SqlSafeStr};
 
 use super::StoreError;
-use super::error::{db, found, redact, stage_version, unknown_stage};
+use super::error::{db, found, redact, stage_version};
 use super::leadership::Leadership;
 use super::model::{
-    Applied, Event, JobRecord, JobSighting, NewEvent, PolicyDocument, PolicyRevision, StageHello,
-    StageRecord, StageState,
+    Applied, Event, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord,
+    StageState, check_name,
 };
 use super::revision::{self, ApplyPlan, HeadRow};
 use super::rows::{self, EventRow, JobRow, PolicyRow, StageRow};
@@ -35,6 +35,19 @@ macro_rules! stage_columns {
 macro_rules! job_columns {
     () => {
         "id, labels::text, first_seen_ms, last_seen_ms"
+    };
+}
+
+/// The statement that appends an event (binds kind, subject, message,
+/// time; returns the seq).
+macro_rules! insert_event_sql {
+    () => {
+        // The counter row stays locked until the transaction commits (see
+        // event_counter in the migration): events commit in seq order.
+        "WITH next AS (UPDATE event_counter SET last_seq = last_seq + 1 RETURNING last_seq)
+         INSERT INTO events (seq, kind, subject, message, unix_millis)
+         SELECT last_seq, $1, $2, $3, $4 FROM next
+         RETURNING seq"
     };
 }
 
@@ -192,25 +205,7 @@ impl PgStore {
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
     }
-
-    pub(super) async fn append_event(&self, event: &NewEvent) -> Result<u64, StoreError> {
-        let seq: i64 = sqlx::query_scalar(
-            // The counter row stays locked until this statement commits:
-            // see event_counter in the migration.
-            "WITH next AS (UPDATE event_counter SET last_seq = last_seq + 1 RETURNING last_seq)
-             INSERT INTO events (seq, kind, subject, message, unix_millis)
-             SELECT last_seq, $1, $2, $3, $4 FROM next
-             RETURNING seq",
-        )
-        .bind(&event.kind)
-        .bind(&event.subject)
-        .bind(&event.message)
-        .bind(event.unix_millis)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(db("appending an event"))?;
-        rows::to_u64("event seq", seq)
-    }
 }
 
 common_revision_queries!(PgTransaction<'static>);
+common_record_queries!(PgTransaction<'static>);

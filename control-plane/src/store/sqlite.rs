@@ -12,10 +12,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{SqlSafeStr, SqlitePool, SqliteTransaction};
 
 use super::StoreError;
-use super::error::{db, found, redact, stage_version, unknown_stage};
+use super::error::{db, found, redact, stage_version};
 use super::model::{
-    Applied, Event, JobRecord, JobSighting, NewEvent, PolicyDocument, PolicyRevision, StageHello,
-    StageRecord, StageState,
+    Applied, Event, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord,
+    StageState, check_name,
 };
 use super::revision::{self, ApplyPlan, HeadRow};
 use super::rows::{self, EventRow, JobRow, PolicyRow, StageRow};
@@ -35,6 +35,15 @@ macro_rules! stage_columns {
 macro_rules! job_columns {
     () => {
         "id, labels, first_seen_ms, last_seen_ms"
+    };
+}
+
+/// The statement that appends an event (binds kind, subject, message,
+/// time; returns the seq).
+macro_rules! insert_event_sql {
+    () => {
+        "INSERT INTO events (kind, subject, message, unix_millis) VALUES ($1, $2, $3, $4)
+         RETURNING seq"
     };
 }
 
@@ -186,21 +195,7 @@ impl SqliteStore {
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
     }
-
-    pub(super) async fn append_event(&self, event: &NewEvent) -> Result<u64, StoreError> {
-        let seq: i64 = sqlx::query_scalar(
-            "INSERT INTO events (kind, subject, message, unix_millis) VALUES ($1, $2, $3, $4)
-             RETURNING seq",
-        )
-        .bind(&event.kind)
-        .bind(&event.subject)
-        .bind(&event.message)
-        .bind(event.unix_millis)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(db("appending an event"))?;
-        rows::to_u64("event seq", seq)
-    }
 }
 
 common_revision_queries!(SqliteTransaction<'static>);
+common_record_queries!(SqliteTransaction<'static>);

@@ -2,6 +2,8 @@
 //! way the controller (every tick) and `sluicectl simulate` (offline) turn
 //! jobs and stages into engine input, so that they agree.
 
+use std::collections::HashMap;
+
 use crate::{JobPolicy, JobPolicySpec, Labels, PolicySet};
 
 use super::{Bounds, JobInput, NodeInput, PoolInput, Rates, Snapshot, StageInput};
@@ -55,36 +57,39 @@ impl Snapshot {
         Some(policy)
     }
 
-    /// Adds a node running `stages` with its budgets; a reader budget of 0
-    /// (the stage did not say) becomes the sum of its jobs' maxima, and a
-    /// buffer budget of 0 (not limited) the sum of their buffer maxima, so
-    /// an unknown budget never holds a job below its bounds. Call it after
-    /// the jobs are added.
-    pub fn add_node(&mut self, name: &str, stages: Vec<String>, readers: u32, buffer: u64) {
-        let on_node = || {
-            self.jobs
-                .iter()
-                .flat_map(|j| &j.stages)
-                .filter(|s| stages.contains(&s.stage))
-        };
-        let readers = match readers {
-            0 => on_node()
-                .map(|s| s.readers.max)
-                .fold(0u32, u32::saturating_add),
-            n => n,
-        };
-        let buffer = match buffer {
-            0 => on_node()
-                .map(|s| s.buffer.max)
-                .fold(0u64, u64::saturating_add),
-            n => n,
-        };
-        self.nodes.push(NodeInput {
-            name: name.to_owned(),
-            stages,
-            readers,
-            buffer,
-        });
+    /// Adds nodes, each `(name, stages on it, reader budget, buffer
+    /// budget)`; a reader budget of 0 (the stages did not say) becomes the
+    /// sum of its jobs' maxima, and a buffer budget of 0 (not limited) the
+    /// sum of their buffer maxima, so an unknown budget never holds a job
+    /// below its bounds. Call it after the jobs are added.
+    pub fn add_nodes(&mut self, nodes: impl IntoIterator<Item = (String, Vec<String>, u32, u64)>) {
+        // Every job's maxima per stage, summed once (not once per node:
+        // a cluster has thousands of both).
+        let mut maxima: HashMap<&str, (u32, u64)> = HashMap::new();
+        for s in self.jobs.iter().flat_map(|j| &j.stages) {
+            let sum = maxima.entry(&s.stage).or_default();
+            sum.0 = sum.0.saturating_add(s.readers.max);
+            sum.1 = sum.1.saturating_add(s.buffer.max);
+        }
+        let mut added = Vec::new();
+        for (name, stages, readers, buffer) in nodes {
+            let on_node = || stages.iter().filter_map(|s| maxima.get(s.as_str()));
+            let readers = match readers {
+                0 => on_node().fold(0u32, |sum, m| sum.saturating_add(m.0)),
+                n => n,
+            };
+            let buffer = match buffer {
+                0 => on_node().fold(0u64, |sum, m| sum.saturating_add(m.1)),
+                n => n,
+            };
+            added.push(NodeInput {
+                name,
+                stages,
+                readers,
+                buffer,
+            });
+        }
+        self.nodes.extend(added);
     }
 }
 
@@ -206,7 +211,7 @@ spec:
             Rates::default(),
             [stage("s1", 0)],
         );
-        s.add_node("n1", vec!["s1".to_owned()], 0, 0);
+        s.add_nodes([("n1".to_owned(), vec!["s1".to_owned()], 0, 0)]);
         assert_eq!((s.nodes[0].readers, s.nodes[0].buffer), (8, 64 << 20));
         let allocation = allocate(&s);
         let on_stage = &allocation.jobs[0].stages[0];

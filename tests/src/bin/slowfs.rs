@@ -31,7 +31,8 @@ use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request,
 };
-use sluice_policy::{ByteRate, Millis};
+use sluice_policy::ByteRate;
+use sluice_tests::parse_duration;
 
 /// How long the kernel may keep names and attributes.
 const TTL: Duration = Duration::from_secs(1);
@@ -47,7 +48,7 @@ struct Args {
     /// Where to mount it (an existing empty directory).
     mountpoint: PathBuf,
     /// Added to every open and every read call, e.g. 5ms.
-    #[arg(long, default_value = "0ms", value_parser = parse_millis)]
+    #[arg(long, default_value = "0ms", value_parser = parse_duration)]
     latency: Duration,
     /// Bytes served per second at most, e.g. 500MiB/s (default: no cap).
     #[arg(long, value_parser = parse_rate)]
@@ -55,12 +56,6 @@ struct Args {
     /// Calls served (and delayed) at once.
     #[arg(long, default_value_t = 256)]
     threads: usize,
-}
-
-fn parse_millis(s: &str) -> Result<Duration, String> {
-    s.parse::<Millis>()
-        .map(|m| Duration::from_millis(m.0))
-        .map_err(|e| e.to_string())
 }
 
 fn parse_rate(s: &str) -> Result<u64, String> {

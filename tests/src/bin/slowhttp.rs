@@ -35,7 +35,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use sluice_policy::Millis;
+use sluice_tests::parse_duration;
 use tokio::net::{TcpListener, TcpStream};
 
 #[derive(Debug, Parser)]
@@ -51,7 +51,7 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
     /// Added to every request, e.g. 5ms.
-    #[arg(long, default_value = "0ms", value_parser = parse_millis)]
+    #[arg(long, default_value = "0ms", value_parser = parse_duration)]
     latency: Duration,
     /// Answer every N-th request `503 SlowDown` (0: never).
     #[arg(long, default_value_t = 0)]
@@ -62,12 +62,6 @@ struct Args {
     /// Answer `403 AccessDenied` to requests whose path contains this.
     #[arg(long)]
     deny: Option<String>,
-}
-
-fn parse_millis(s: &str) -> Result<Duration, String> {
-    s.parse::<Millis>()
-        .map(|m| Duration::from_millis(m.0))
-        .map_err(|e| e.to_string())
 }
 
 struct Proxy {

@@ -113,12 +113,39 @@ pub fn trainer(socket: &Path, job: &str) -> UnixStream {
         features: 0,
     };
     s.write_all(&hello.encode()).unwrap();
+    assert_eq!(frame(&mut s).0, 0x81, "WELCOME");
+    s
+}
+
+/// Reads one frame from the stage: its type byte and payload.
+pub fn frame(s: &mut UnixStream) -> (u8, Vec<u8>) {
     let mut head = [0u8; 5];
     s.read_exact(&mut head).unwrap();
-    assert_eq!(head[4], 0x81, "WELCOME");
     let mut rest = vec![0u8; u32::from_be_bytes(head[..4].try_into().unwrap()) as usize - 1];
     s.read_exact(&mut rest).unwrap();
-    s
+    (head[4], rest)
+}
+
+/// Reads `a.bin` (the file [`stage_command`] writes) of data set `train`
+/// on a trainer's connection, as a trainer does: open, then read.
+pub fn read_sample(s: &mut UnixStream) -> Vec<u8> {
+    s.write_all(
+        &Frame::Open {
+            dataset: "train".into(),
+        }
+        .encode(),
+    )
+    .unwrap();
+    assert_eq!(frame(s).0, 0x82, "OPENED");
+    let read = Frame::Read {
+        name: "a.bin".into(),
+        offset: 0,
+        length: 3,
+    };
+    s.write_all(&read.encode()).unwrap();
+    let (kind, payload) = frame(s);
+    assert_eq!(kind, 0x86, "DATA: {}", String::from_utf8_lossy(&payload));
+    payload[4..].to_vec()
 }
 
 /// Sends one HTTP/1.1 request and returns the whole response.
@@ -184,4 +211,53 @@ pub async fn acked_above(client: &AdminServiceClient<Channel>, id: &str, above: 
         },
     )
     .await
+}
+
+/// Stands in for a Kubernetes Service in front of the replicas: each new
+/// connection goes to the first backend whose `/readyz` answers 200 (gRPC,
+/// HTTP address pairs); with none ready it is closed at once.
+pub fn service(backends: Vec<(String, String)>) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let ready = backends.iter().find(|(_, http_addr)| {
+                TcpStream::connect(http_addr).is_ok()
+                    && http(http_addr, "GET", "/readyz", "").starts_with("HTTP/1.1 200")
+            });
+            let Some(server) = ready.and_then(|(grpc, _)| TcpStream::connect(grpc).ok()) else {
+                continue;
+            };
+            for (mut from, mut to) in [
+                (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                (server, client),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Both);
+                    let _ = from.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        }
+    });
+    addr
+}
+
+/// A controller replica and where it listens.
+pub struct Replica {
+    pub process: KillOnDrop,
+    pub ready_line: serde_json::Value,
+    pub grpc: String,
+    pub http: String,
+}
+
+/// Starts a controller replica on `database_url` ([`controller_command`]).
+pub fn replica(database_url: &str, log: &std::path::Path) -> Replica {
+    let (process, ready_line) = start(controller_command(database_url), log);
+    Replica {
+        process,
+        grpc: ready_line["grpc"].as_str().unwrap().to_owned(),
+        http: ready_line["http"].as_str().unwrap().to_owned(),
+        ready_line,
+    }
 }

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio,scale} ...``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ _SUBCOMMANDS = {
     "listing": "a million-entry dataset: listing time and stage memory per entry (dir or s3)",
     "mount": "file-reading PyTorch DataLoaders through the stage's mount vs the plain directory and the socket",
     "dlio": "the DLIO benchmark (unet3d, resnet50 shapes) on the plain directory and through the mount",
+    "scale": "the controller under thousands of simulated stages: CPU, RSS, tick, apply to every ack",
     "cache": "the node cache under per-epoch random order: stable subset vs LRU, a cache that fits, two jobs",
 }
 
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
         from .mount import main as run
     elif argv[0] == "dlio":
         from .dlio import main as run
+    elif argv[0] == "scale":
+        from .scale import main as run
     elif argv[0] == "cache":
         from .cache import main as run
     else:
