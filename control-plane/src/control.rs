@@ -253,7 +253,7 @@ fn reading(report: &Telemetry) -> impl Iterator<Item = (&String, &JobSample)> {
 
 /// A reporting stage as the coordinator reads it, copied out of the live
 /// state so the decision runs without holding the lock the sessions need.
-struct Report {
+pub(crate) struct Report {
     id: String,
     node: String,
     memory_budget: u64,
@@ -263,7 +263,7 @@ struct Report {
 }
 
 impl Report {
-    fn view(&self) -> StageReport<'_> {
+    pub(crate) fn view(&self) -> StageReport<'_> {
         StageReport {
             id: &self.id,
             node: &self.node,
@@ -285,7 +285,7 @@ impl Report {
 /// Returns every reporting stage with its jobs, each with the window
 /// between the stage's last two reports, and what each job read from
 /// storage over those windows.
-fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<Report>, Throughput) {
+pub(crate) fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<Report>, Throughput) {
     let mut throughput = Throughput::new();
     let mut reports = Vec::with_capacity(live.len());
     for (id, l) in live.iter().filter(|(_, l)| !l.lost) {

@@ -20,6 +20,8 @@ mod config;
 mod control;
 mod datasets;
 mod error;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 mod http;
 mod leader;
 mod metrics;

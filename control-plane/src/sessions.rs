@@ -142,15 +142,7 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
     let known = desired.as_ref().map_or(0, |d| d.version);
     let resend = desired.filter(|d| d.version > running);
     shared.with_live(&stage, |live| {
-        live.hello = HelloInfo {
-            software_version: hello.software_version,
-            capabilities: hello.capabilities,
-            datasets: hello.datasets,
-            memory_budget_bytes: hello.memory_budget_bytes,
-            reader_budget: hello.reader_budget,
-            node: hello.node.clone(),
-            labels: hello.labels.clone(),
-        };
+        live.hello = HelloInfo::from(hello);
         // The last telemetry stays until the next one: clearing it would
         // make the stage's jobs look gone to the other stages for a tick.
         live.last_heard = Instant::now();
@@ -350,7 +342,7 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
 /// Makes a report's labels share the previous report's where they are
 /// equal: a stage's jobs keep their labels, and thousands of stages' worth
 /// of copies would be kept and copied every tick.
-fn share_labels(report: &mut Telemetry, previous: Option<&Telemetry>) {
+pub(crate) fn share_labels(report: &mut Telemetry, previous: Option<&Telemetry>) {
     let Some(previous) = previous else { return };
     for (job, sample) in &mut report.jobs {
         if let Some(before) = previous.jobs.get(job)
@@ -400,7 +392,7 @@ pub fn push(session: &SessionHandle, version: u64, settings: &StageAssignment) -
     session.tx.try_send(Ok(message)).is_ok()
 }
 
-fn from_proto(t: v1::Telemetry) -> Telemetry {
+pub(crate) fn from_proto(t: v1::Telemetry) -> Telemetry {
     let jobs = t
         .jobs
         .into_iter()
@@ -412,8 +404,8 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
                     delivered_bytes: j.delivered_bytes,
                     cache_hit_bytes: j.cache_hit_bytes,
                     delivered_samples: j.delivered_samples,
-                    throttled_seconds: j.throttled_seconds,
-                    stall_seconds: j.stall_seconds,
+                    throttled_seconds: seconds(j.throttled_seconds),
+                    stall_seconds: seconds(j.stall_seconds),
                     connections: j.connections,
                 },
             };
@@ -425,6 +417,17 @@ fn from_proto(t: v1::Telemetry) -> Telemetry {
         memory_used_bytes: t.memory_used_bytes,
         jobs,
         cache: t.cache,
+    }
+}
+
+/// A duration counter as a stage reports it, or 0 when it is not one (not
+/// a number, infinite or negative): a stage's telemetry is not trusted to
+/// steer the demand estimate with values no clock gives.
+fn seconds(reported: f64) -> f64 {
+    if reported.is_finite() && reported >= 0.0 {
+        reported
+    } else {
+        0.0
     }
 }
 
@@ -474,5 +477,54 @@ pub fn job_to_proto(s: &JobAssignment) -> v1::JobSettings {
         policy: s.policy.clone(),
         pool: s.pool.clone(),
         reason: s.reason.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(stall: f64, throttled: f64) -> v1::JobTelemetry {
+        v1::JobTelemetry {
+            job: "j".into(),
+            stall_seconds: stall,
+            throttled_seconds: throttled,
+            connections: 1,
+            ..v1::JobTelemetry::default()
+        }
+    }
+
+    /// The stall and throttled times the controller reads from a report.
+    fn read_as(stall: f64, throttled: f64) -> (f64, f64) {
+        let t = v1::Telemetry {
+            jobs: vec![job(stall, throttled)],
+            ..v1::Telemetry::default()
+        };
+        let counters = &from_proto(t).jobs["j"].counters;
+        (counters.stall_seconds, counters.throttled_seconds)
+    }
+
+    #[test]
+    fn durations_no_clock_gives_are_read_as_zero() {
+        // Found by fuzzing: a NaN stall time passed every check of the
+        // demand estimate.
+        assert_eq!(read_as(f64::NAN, f64::INFINITY), (0.0, 0.0));
+        assert_eq!(read_as(-1.0, f64::NEG_INFINITY), (0.0, 0.0));
+        assert_eq!(read_as(2.5, 0.25), (2.5, 0.25));
+    }
+
+    #[test]
+    fn report_times_at_the_ends_of_the_clock_do_not_overflow() {
+        let mut live = LiveStage::new(Instant::now());
+        for unix_millis in [i64::MIN, i64::MAX, -1, i64::MIN, 0, i64::MAX] {
+            let t = v1::Telemetry {
+                unix_millis,
+                jobs: vec![job(1.0, 1.0)],
+                ..v1::Telemetry::default()
+            };
+            live.record(from_proto(t));
+            let _ = live.window("j");
+            let _ = live.has_window();
+        }
     }
 }

@@ -61,6 +61,20 @@ pub struct HelloInfo {
     pub labels: Labels,
 }
 
+impl From<sluice_proto::v1::Hello> for HelloInfo {
+    fn from(hello: sluice_proto::v1::Hello) -> Self {
+        Self {
+            software_version: hello.software_version,
+            capabilities: hello.capabilities,
+            datasets: hello.datasets,
+            memory_budget_bytes: hello.memory_budget_bytes,
+            reader_budget: hello.reader_budget,
+            node: hello.node,
+            labels: hello.labels,
+        }
+    }
+}
+
 /// One job in one telemetry snapshot.
 #[derive(Debug, Clone, Default)]
 pub struct JobSample {
@@ -125,7 +139,7 @@ impl LiveStage {
         while self
             .reports
             .get(1)
-            .is_some_and(|r| newest - r.unix_millis >= MIN_WINDOW_MS)
+            .is_some_and(|r| newest.saturating_sub(r.unix_millis) >= MIN_WINDOW_MS)
         {
             self.reports.pop_front();
         }
@@ -136,7 +150,8 @@ impl LiveStage {
     fn window_reports(&self) -> Option<(&Telemetry, &Telemetry)> {
         let latest = self.reports.back()?;
         let start = self.reports.front()?;
-        (latest.unix_millis - start.unix_millis >= MIN_WINDOW_MS).then_some((latest, start))
+        (latest.unix_millis.saturating_sub(start.unix_millis) >= MIN_WINDOW_MS)
+            .then_some((latest, start))
     }
 
     /// Whether the stage's reports span a window yet.
@@ -152,12 +167,12 @@ impl LiveStage {
         let (latest, start) = self.window_reports()?;
         let now = latest.jobs.get(job)?;
         let before = start.jobs.get(job)?;
-        let seconds = (latest.unix_millis - start.unix_millis) as f64 / 1000.0;
+        let seconds = latest.unix_millis.saturating_sub(start.unix_millis) as f64 / 1000.0;
         let window = Window::between(&before.counters, &now.counters, seconds, latest.unix_millis)?;
         Some((window, now))
     }
 
-    fn new(now: Instant) -> Self {
+    pub(crate) fn new(now: Instant) -> Self {
         Self {
             session: None,
             hello: HelloInfo::default(),

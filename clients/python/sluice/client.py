@@ -377,8 +377,12 @@ class Client:
         region = self._region
         if region is not None and not self._closed:
             with self._lock:
+                # A reconnection may have come between: the offsets of the
+                # region before mean nothing to the stage now.
+                if self._closed or self._region is not region:
+                    return
                 back = region.returned()
-                if back and not self._closed:
+                if back:
                     self._sock.sendall(p.encode_release(back))
 
     def _notify(self, frame: bytes) -> None:

@@ -156,7 +156,8 @@ class Region:
         return kind
 
     def _give_back(self, offset: int, length: int, handed: bool) -> None:
-        if handed:
+        # A closed region's slots went back with its connection.
+        if handed or not self._open:
             return
         self._returned.append((offset, length))
         self._waiting += length

@@ -233,6 +233,31 @@ def test_a_sample_from_before_a_restart_is_never_handed_off_into_the_new_region(
         assert rebuild(*args)[0].numpy().tobytes() == files[name]
 
 
+def test_a_sample_from_before_a_restart_is_never_released_to_the_new_stage(restartable, many_files):
+    """Dropped after the client reconnected, a sample of the old region
+    goes nowhere: its offset, released to the new stage, is one the job
+    does not hold there (BAD_RELEASE closes the connection)."""
+    root, files = many_files
+    stage = restartable(root)
+    with sluice.Client(stage.sock, job="release", reconnect=30) as c:
+        ds = c.dataset("ds")
+        with ds.epoch(0, seed=1, batch=4) as it:
+            name, data = next(iter(it))
+        assert c.shared_memory and isinstance(data, memoryview)
+        old = c._region
+        restart_after(stage, 0.2).join()
+        other = sorted(files)[1]
+        assert bytes(ds.read(other)) == files[other]  # reconnects
+        assert c._region is not old
+        del data
+        assert not old._returned, "a slot of the closed region was queued for release"
+        c._flush_returns()
+        # The stage is still talking to this connection.
+        for name in sorted(files)[2:40]:
+            assert bytes(ds.read(name)) == files[name]
+        assert c.reconnects == 1
+
+
 def test_a_panic_in_one_connection_leaves_every_other_job_served(stage_factory, many_files, monkeypatch):
     root, files = many_files
     monkeypatch.setenv("SLUICE_STAGE_PANIC_JOB", "victim")

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio,scale} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio,scale,soak} ...``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ _SUBCOMMANDS = {
     "mount": "file-reading PyTorch DataLoaders through the stage's mount vs the plain directory and the socket",
     "dlio": "the DLIO benchmark (unet3d, resnet50 shapes) on the plain directory and through the mount",
     "scale": "the controller under thousands of simulated stages: CPU, RSS, tick, apply to every ack",
+    "soak": "an hour of trainers through two stages with random applies and restarts: memory flat, nothing lost",
     "cache": "the node cache under per-epoch random order: stable subset vs LRU, a cache that fits, two jobs",
 }
 
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
         from .dlio import main as run
     elif argv[0] == "scale":
         from .scale import main as run
+    elif argv[0] == "soak":
+        from .soak import main as run
     elif argv[0] == "cache":
         from .cache import main as run
     else:
