@@ -311,13 +311,12 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
             .await;
     }
     for (job, labels) in due {
-        let sighting = JobSighting {
-            job: job.clone(),
-            labels: Labels::clone(&labels),
-            stage: stage.to_owned(),
-        };
         let write = Record::Job {
-            sighting: sighting.clone(),
+            sighting: JobSighting {
+                job: job.clone(),
+                labels: Labels::clone(&labels),
+                stage: stage.to_owned(),
+            },
             unix_millis: now,
         };
         if let Err(e) = shared.recorder.write(write).await {

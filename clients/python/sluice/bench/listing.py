@@ -23,7 +23,7 @@ from ..client import Client
 from .common import add_stage_args, log
 from .dataset import prepare
 from .harness import HarnessError
-from .stage import StageProcess, StageStartError, find_stage_binary
+from .stage import StageProcess, StageStartError, find_stage_binary, rss_bytes
 from .storage import open_storage
 from .units import format_bytes, parse_duration_ms
 
@@ -40,11 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rss(stage: StageProcess) -> int:
-    with open(f"/proc/{stage.pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/PID/status")
+    return rss_bytes(stage.pid)[0]
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -34,7 +34,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .common import Daemon, fetch_metrics, find_binaries, log, metric_value, wait_for
-from .stage import pid_cpu_seconds
+from .stage import pid_cpu_seconds, rss_bytes
 
 POLICY = """apiVersion: sluice.dev/v1
 kind: StoragePool
@@ -117,17 +117,6 @@ class LoadGen:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def rss_bytes(pid: int) -> Tuple[int, int]:
-    """Returns a live process's resident set now and at its peak, in bytes."""
-    found = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(rest.split()[0]) * 1024
-    return found.get("VmRSS", 0), found.get("VmHWM", 0)
 
 
 def histogram(samples, name: str) -> List[Tuple[float, float]]:

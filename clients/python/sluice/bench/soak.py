@@ -44,8 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import sluice
 
 from .common import Daemon, find_binaries, get_json, log, wait_for
-from .scale import rss_bytes
-from .stage import StageProcess
+from .stage import StageProcess, rss_bytes
 
 POLICY = """apiVersion: sluice.dev/v1
 kind: StoragePool

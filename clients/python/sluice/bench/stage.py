@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["StageProcess", "StageStartError", "find_stage_binary", "pid_cpu_seconds"]
 
@@ -115,11 +115,7 @@ class StageProcess:
 
     def peak_rss_bytes(self) -> int:
         """Returns the stage's peak resident set (``VmHWM``) in bytes."""
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return rss_bytes(self.pid)[1]
 
     def stderr_tail(self, limit: int = 4000) -> str:
         return _tail(self.stderr_path, limit)
@@ -146,6 +142,17 @@ def pid_cpu_seconds(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     # Fields after the command: state is [0], utime [11], stime [12].
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> Tuple[int, int]:
+    """Returns a live process's resident set now and at its peak, in bytes."""
+    found = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(rest.split()[0]) * 1024
+    return found.get("VmRSS", 0), found.get("VmHWM", 0)
 
 
 def _tail(path: str, limit: int = 4000) -> str:
