@@ -117,6 +117,8 @@ pub struct Engine {
     /// telemetry tick: a new job waits for its settings, and a departed
     /// job's share should go to the others.
     jobs_changed: Arc<tokio::sync::Notify>,
+    /// Set once the stage stops taking trainers ([`Engine::begin_drain`]).
+    draining: AtomicBool,
 }
 
 impl Engine {
@@ -146,6 +148,7 @@ impl Engine {
             cache,
             staging: Staging::default(),
             jobs_changed: Arc::new(tokio::sync::Notify::new()),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -225,7 +228,11 @@ impl Engine {
                     metrics: Arc::clone(&self.metrics),
                     cache: self.cache.clone(),
                 };
-                Job::start(id, labels.clone().unwrap_or_default(), config, start)
+                let job = Job::start(id, labels.clone().unwrap_or_default(), config, start);
+                if self.draining.load(Ordering::Acquire) {
+                    job.lend_book().keep_reclaimed();
+                }
+                job
             })
             .clone();
         if let Some(labels) = labels {
@@ -403,6 +410,19 @@ impl Engine {
     /// Returns the per-job telemetry snapshot (what the controller receives).
     pub fn snapshot(&self) -> Vec<JobSnapshot> {
         self.jobs().iter().map(|j| j.snapshot()).collect()
+    }
+
+    /// The stage is stopping: from now on no job reuses a slot its
+    /// trainers did not return, since they go on reading what they hold
+    /// while they reconnect to another stage (the slots' memory stays
+    /// until the stage exits; their budget goes back so that the
+    /// connections still draining are served).
+    pub fn begin_drain(&self) {
+        let jobs = lock(&self.jobs);
+        self.draining.store(true, Ordering::Release);
+        for job in jobs.values() {
+            job.lend_book().keep_reclaimed();
+        }
     }
 
     /// Stops every job's readers (shutdown).

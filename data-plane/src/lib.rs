@@ -251,11 +251,13 @@ impl Stage {
             .instrument(info_span!("tuner")),
         );
 
+        let drain = CancellationToken::new();
         let ctx = Accepting {
             engine: Arc::clone(&engine),
             stage_id,
             access,
             cancel: cancel.clone(),
+            drain: drain.clone(),
             tracker: tracker.clone(),
         };
         let accept_unix = ctx.clone().run(Listener::Unix(unix));
@@ -273,6 +275,8 @@ impl Stage {
             tracing::error!("{failure:#}; the stage stops");
         }
         cancel.cancel();
+        engine.begin_drain();
+        drain.cancel();
         info!("shutting down: draining trainer connections");
         tracker.close();
         if tokio::time::timeout(DRAIN_TIMEOUT, tracker.wait())
@@ -377,6 +381,9 @@ struct Accepting {
     stage_id: Arc<str>,
     access: Arc<TrainerAccess>,
     cancel: CancellationToken,
+    /// Ends the connections: fired after `cancel`, once the engine keeps
+    /// every slot its trainers hold ([`Engine::begin_drain`]).
+    drain: CancellationToken,
     tracker: TaskTracker,
 }
 
@@ -427,7 +434,7 @@ impl Accepting {
             stream,
             peer,
             unix,
-            self.cancel.clone(),
+            self.drain.clone(),
         );
         self.tracker
             .spawn(task.instrument(info_span!("trainer", %peer)));

@@ -54,25 +54,43 @@ pub async fn serve<S>(
     metrics.connections.inc();
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut conn = Connection::new(engine, stage_id, access, peer, unix);
-    while let Some(request) = next_request(&mut rd, &mut wr, &metrics, &cancel).await {
-        if conn.respond(request, &mut wr, &metrics).await.is_break() {
-            break;
+    let ending = loop {
+        let ending = match next_request(&mut rd, &mut wr, &metrics, &cancel).await {
+            Ok(request) => conn.respond(request, &mut wr, &metrics).await,
+            Err(ending) => ControlFlow::Break(ending),
+        };
+        if let ControlFlow::Break(ending) = ending {
+            break ending;
         }
-    }
+    };
+    conn.end(ending);
     let _ = wr.shutdown().await;
     metrics.connections.dec();
 }
 
-/// Reads and decodes the next request. Returns `None` when the connection
-/// ends first: the trainer left, its frame was malformed (answered with an
-/// error), the connection broke, or the stage is shutting down (answered
-/// with `UNAVAILABLE`).
+/// Which side ended a connection: it decides what becomes of the samples
+/// its trainer holds in shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// The trainer said `BYE` or closed its end, so that reading or
+    /// writing fails (its client let go of its samples first, or its
+    /// process is gone).
+    ByTrainer,
+    /// The stage ended it (a malformed frame, a fatal error, shutdown):
+    /// the trainer may still be reading its samples.
+    ByStage,
+}
+
+/// Reads and decodes the next request. Returns how the connection ended
+/// when it ends first: the trainer left, its frame was malformed (answered
+/// with an error), the connection broke, or the stage is shutting down
+/// (answered with `UNAVAILABLE`).
 async fn next_request<R, W>(
     rd: &mut R,
     wr: &mut W,
     metrics: &Metrics,
     cancel: &CancellationToken,
-) -> Option<Result<Request, ProtocolError>>
+) -> Result<Result<Request, ProtocolError>, Ending>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -80,20 +98,20 @@ where
     let frame = tokio::select! {
         () = cancel.cancelled() => {
             let _ = send(wr, &Response::Error(ProtocolError::new(ErrorCode::Unavailable, "the stage is shutting down"))).await;
-            return None;
+            return Err(Ending::ByStage);
         }
         frame = protocol::read_frame(rd, MAX_REQUEST_FRAME) => frame,
     };
     match frame {
-        Ok(Some(body)) => Some(Request::decode(&body)),
-        Ok(None) => None,
+        Ok(Some(body)) => Ok(Request::decode(&body)),
+        Ok(None) => Err(Ending::ByTrainer),
         Err(FrameReadError::Malformed(err)) => {
             send_error(wr, metrics, err).await;
-            None
+            Err(Ending::ByStage)
         }
         Err(e) => {
             debug!(error = %e, "connection ended");
-            None
+            Err(Ending::ByTrainer)
         }
     }
 }
@@ -218,10 +236,10 @@ impl Connection {
         request: Result<Request, ProtocolError>,
         wr: &mut W,
         metrics: &Metrics,
-    ) -> ControlFlow<()> {
+    ) -> ControlFlow<Ending> {
         if matches!(request, Ok(Request::Bye)) {
             let _ = send(wr, &Response::Goodbye).await;
-            return ControlFlow::Break(());
+            return ControlFlow::Break(Ending::ByTrainer);
         }
         // RELEASE and HAND_OFF have no answer: only a failure is sent (and
         // is fatal).
@@ -246,7 +264,7 @@ impl Connection {
                 let fatal = err.code.is_fatal();
                 send_error(wr, metrics, err).await;
                 return if fatal {
-                    ControlFlow::Break(())
+                    ControlFlow::Break(Ending::ByStage)
                 } else {
                     ControlFlow::Continue(())
                 };
@@ -259,9 +277,19 @@ impl Connection {
         drop(reservation);
         if let Err(e) = written {
             debug!(error = %e, "writing to the trainer failed");
-            return ControlFlow::Break(());
+            return ControlFlow::Break(Ending::ByTrainer);
         }
         ControlFlow::Continue(())
+    }
+
+    /// Ends the connection: what its trainer holds in shared memory goes
+    /// back at once when the trainer ended it, or stays the job's when the
+    /// stage did (the trainer may still read it), before the connection
+    /// leaves the job.
+    fn end(mut self, ending: Ending) {
+        if let Some(shared) = self.shared.take() {
+            shared.end(ending == Ending::ByStage);
+        }
     }
 
     async fn handle(&mut self, request: Request) -> Answer {

@@ -454,6 +454,10 @@ class Client:
                 self._close_socket(shutdown=False)
             return
         with self._lock:
+            # The samples this process holds keep their bytes: the stage
+            # reuses their slots once the connection ends.
+            if self._region is not None:
+                self._region.close()
             try:
                 if not self._closed:
                     self._call(p.encode_bye(), p.Goodbye)

@@ -13,7 +13,11 @@ reference goes, the slot is queued for return to the stage (``RELEASE``),
 which goes with the client's next request or, when the client is idle,
 from a small background thread. A job holds at most half its buffer (at
 least 64 MiB) in slots; beyond that the stage sends samples as bytes, so
-holding samples never stalls reading.
+holding samples never stalls reading. A sample stays valid after its
+connection ends: the client copies the pages of the samples it still
+holds before it ends a connection, or as soon as it finds it ended
+(:meth:`Region.close`), and the stage does not reuse the slots of a
+connection it ended itself.
 
 A process may hand its samples to another process of the same job without
 copying them (:meth:`Region.hand_off`): the stage then counts them as the
@@ -84,6 +88,29 @@ FLUSH_BYTES = 16 << 20
 FLUSH_AFTER_S = 0.05
 
 
+#: Slot types by size in bytes (whole pages), shared by every region of
+#: the process: a type costs kilobytes, so one per sample length and region
+#: would be megabytes for a data set of varied sizes.
+_SLOT_TYPES: Dict[int, type] = {}
+
+
+def _slot_type(size: int) -> type:
+    """A ctypes array type of ``size`` bytes whose instances give their
+    slot back to their region when the last reference to them goes
+    (``__del__`` is much cheaper per sample than a ``weakref.finalize``)."""
+    kind = _SLOT_TYPES.get(size)
+    if kind is None:
+        if len(_SLOT_TYPES) > 1024:
+            _SLOT_TYPES.clear()
+        kind = type(f"Slot{size}", (ctypes.c_char * size,), {"__del__": _give_back_slot})
+        _SLOT_TYPES[size] = kind
+    return kind
+
+
+def _give_back_slot(slot) -> None:
+    slot.region._give_back(slot.offset, slot.length, slot.handed)
+
+
 class Region:
     """A job's shared-memory region as this process maps it.
 
@@ -109,7 +136,8 @@ class Region:
         # Bytes returned since the flusher was last woken (approximate:
         # updated without a lock from whichever thread drops a sample).
         self._waiting = 0
-        self._types: Dict[int, type] = {}
+        # Samples of this region alive in this process: offset -> length.
+        self._live: Dict[int, int] = {}
         self._open = True
         self._flush = flush
         self._wake = threading.Event()
@@ -120,44 +148,39 @@ class Region:
         """Returns the ``length`` bytes at ``offset`` as a read-write
         ``memoryview`` of this process's mapping, returned to the stage when
         the last reference to it (or anything made from it) goes."""
-        return memoryview(self.slot(offset, length)).cast("B")
+        return memoryview(self.slot(offset, length)).cast("B")[:length]
 
     def slot(self, offset: int, length: int):
         """Returns the object that owns the sample at ``offset`` (a ctypes
-        array over it): the sample goes back when it is collected, unless
-        it was handed off."""
+        array over its whole pages; the sample is its first ``length``
+        bytes): the sample goes back when it is collected, unless it was
+        handed off."""
         if offset < 0 or length < 0 or offset + length > self.size or offset % PAGE:
             raise ValueError(f"the stage placed a sample at {offset}+{length}, outside its "
                              f"{self.size}-byte region or off a page boundary")
-        kind = self._types.get(length)
-        if kind is None:
-            kind = self._slot_type(length)
-        owner = kind.from_buffer(self._mm, offset)
+        owner = _slot_type(min(-(-length // PAGE) * PAGE, self.size - offset)).from_buffer(self._mm, offset)
         owner.offset = offset
+        owner.length = length
         owner.handed = False
         # The region the sample is in: after a reconnection the client has
         # another, and the offset means nothing there.
         owner.region = self
+        self._live[offset] = length
+        if not self._open:
+            # Handed over from another process after this one's connection
+            # ended: keep the bytes as they are now.
+            self._keep(offset, length)
         return owner
 
-    def _slot_type(self, length: int) -> type:
-        """A ctypes array type of ``length`` bytes whose instances give their
-        slot back when the last reference to them goes (``__del__`` is much
-        cheaper per sample than a ``weakref.finalize``)."""
-        if len(self._types) > 4096:
-            self._types.clear()
-        give_back = self._give_back
-
-        def __del__(slot, _length=length):
-            give_back(slot.offset, _length, slot.handed)
-
-        kind = type(f"Slot{length}", (ctypes.c_char * length,), {"__del__": __del__})
-        self._types[length] = kind
-        return kind
-
     def _give_back(self, offset: int, length: int, handed: bool) -> None:
-        # A closed region's slots went back with its connection.
-        if handed or not self._open:
+        self._live.pop(offset, None)
+        if handed:
+            return
+        if not self._open:
+            # Its slot went back with the connection: only this process's
+            # pages of it are left to drop (a copy made at close, or the
+            # stage's pages this mapping touched).
+            self._madvise(offset, offset + -(-length // PAGE) * PAGE)
             return
         self._returned.append((offset, length))
         self._waiting += length
@@ -241,12 +264,29 @@ class Region:
         return offsets
 
     def close(self) -> None:
-        """Forgets the returns (the stage reclaims every slot when the
-        connection ends). The mapping itself goes when the last sample
-        viewing it does."""
+        """Keeps the samples still alive as they are (the stage reuses a
+        slot once the connection that held it ended) and forgets the
+        returns. Called before the client ends its connection, or as soon
+        as it finds the connection ended. The mapping itself goes when the
+        last sample viewing it does."""
+        if not self._open:
+            return
+        self.returned()  # their slots go back with the connection; their pages go now
         self._open = False
-        self._returned.clear()
+        for offset, length in list(self._live.items()):
+            self._keep(offset, length)
         self._wake.set()
+
+    def _keep(self, offset: int, length: int) -> None:
+        """Gives this process its own copy of a sample's pages: a write to
+        each page of the private mapping copies it (copy-on-write), and
+        later writes by the stage no longer show through."""
+        mm = self._mm
+        try:
+            for page in range(offset, offset + max(length, 1), PAGE):
+                mm[page] = mm[page]
+        except (ValueError, IndexError):
+            pass  # the mapping is closed: nothing views it any more
 
 
 # -- which region a process holds for a job --------------------------------------------

@@ -19,13 +19,21 @@ def test_flatness_compares_mature_samples_of_the_first_and_last_quarter():
     duration = 400.0
     samples = []
     for t in range(0, 400, 10):
-        # a young incarnation (restarted at t=200) is left out
-        age = t if t < 200 else t - 200
-        samples.append((float(t), "stage", float(age), (100 if t < 300 else 105) * MiB))
+        samples.append((float(t), "stage", float(t), (100 if t < 300 else 105) * MiB))
         samples.append((float(t), "leaky", float(t), (100 + t) * MiB))
+        # a process that ends smaller did not leak
+        samples.append((float(t), "shrinking", float(t), (100 if t < 200 else 60) * MiB))
+        # restarted at t=200: its quarters are two processes, so no verdict;
+        # its young samples are left out of the peaks
+        age = t if t < 200 else t - 200
+        samples.append((float(t), "restarted", float(age), (100 if t < 200 else 130 + (age < 60) * 500) * MiB))
     verdict = flatness(samples, duration)
     assert verdict["stage"] == {"first_mib": 100.0, "last_mib": 105.0, "change_pct": 5.0, "flat": True}
     assert verdict["leaky"]["flat"] is False and verdict["leaky"]["change_pct"] > 10
+    assert verdict["shrinking"]["flat"] is True and verdict["shrinking"]["change_pct"] == -40.0
+    assert verdict["restarted"]["flat"] is None
+    assert verdict["restarted"]["restarted"] == 1
+    assert verdict["restarted"]["peak_mib_range"] == [100.0, 130.0]
     # no mature sample in the first quarter: no verdict rather than a guess
     assert flatness([(350.0, "x", 100.0, MiB)], duration)["x"]["flat"] is None
 

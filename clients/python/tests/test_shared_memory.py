@@ -5,10 +5,13 @@ job, the socket fallback, and the cap on what a job's trainers may hold."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -16,7 +19,7 @@ import sluice
 from sluice import protocol as p
 from sluice import shm
 
-from conftest import job_metric, sorted_names, wait_for
+from conftest import http_get, job_metric, sorted_names, wait_for
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared-memory delivery on this platform")
 
@@ -25,6 +28,11 @@ MiB = 1 << 20
 
 def lent(stage, job: str) -> float:
     return job_metric(stage, "sluice_stage_shared_lent_bytes", job)
+
+
+def connections(stage) -> float:
+    body = http_get(stage.metrics, "/metrics")
+    return float(re.search(r"^sluice_stage_connections (\S+)$", body, re.M).group(1))
 
 
 def test_samples_arrive_in_shared_memory_byte_for_byte(stage_factory, dataset):
@@ -197,3 +205,94 @@ def test_a_sample_handed_to_another_connection_is_returned_there(stage_factory, 
         del view  # the process it was handed to returns it
         main.dataset("d").fetch([name])
         wait_for(lambda: lent(stage, "hand") == 0, what="the handed slot to come back")
+
+
+@pytest.fixture
+def even_files(tmp_path):
+    """64 samples of 64 KiB: one slot size, so a freed slot is the next one
+    taken."""
+    root = tmp_path / "even"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(64 * 1024) for i in range(64)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root, files
+
+
+def hold(client, count: int, seed: int = 1):
+    """The first ``count`` samples of an epoch, held as received."""
+    held = []
+    with client.dataset("d").epoch(0, seed=seed, batch=16) as it:
+        for name, data in it:
+            assert isinstance(data, memoryview)
+            held.append((name, data))
+            if len(held) == count:
+                break
+    return held
+
+
+def test_samples_held_after_close_keep_their_bytes(stage_factory, even_files):
+    root, files = even_files
+    stage = stage_factory({"d": root})
+    c = sluice.Client(stage.socket, job="after-close")
+    held = hold(c, 16)
+    c.close()
+    # Another trainer of the job reads on: the slots the closed connection
+    # held go back and are filled with other samples.
+    with sluice.Client(stage.socket, job="after-close") as other:
+        for epoch in range(3):
+            for name, data in other.dataset("d").epoch(epoch, seed=epoch + 7, batch=16):
+                assert bytes(data) == files[name]
+    for name, data in held:
+        assert bytes(data) == files[name], f"{name} changed after its connection closed"
+
+
+def test_samples_held_through_a_graceful_stop_keep_their_bytes(stage_factory, even_files):
+    root, files = even_files
+    # 1 MiB/s: the other trainer's batch of 64 samples takes seconds, so
+    # the stage drains it (reading on) after the holder's connection ended.
+    stage = stage_factory({"d": root}, "--rate-limit", "1MiB/s", "--burst-ms", "1000")
+    holder = sluice.Client(stage.socket, job="drain", reconnect=0)
+    held = hold(holder, 16)
+    reading = sluice.Client(stage.socket, job="drain", reconnect=0)
+    done = threading.Event()
+
+    def read_on():
+        try:
+            for _ in reading.dataset("d").epoch(1, seed=5, batch=64):
+                pass
+        except sluice.SluiceError:
+            pass  # the stage stopped
+        finally:
+            done.set()
+
+    threading.Thread(target=read_on, daemon=True).start()
+    time.sleep(1.0)
+    assert not done.is_set(), "the other trainer's batch came before the stage was stopped"
+    assert stage.stop() == 0, stage.stderr_tail()
+    done.wait(10)
+    for name, data in held:
+        assert bytes(data) == files[name], f"{name} changed while the stage drained"
+    holder.close()
+    reading.close()
+
+
+def test_samples_held_when_the_stage_ends_the_connection_keep_their_bytes(stage_factory, even_files):
+    root, files = even_files
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="ended", reconnect=0) as other:
+        holder = sluice.Client(stage.socket, job="ended", reconnect=0)
+        held = hold(holder, 16)
+        # A frame far over the request limit: the stage answers with an
+        # error and ends the connection, whose trainer still holds samples.
+        holder._sock.sendall((1 << 30).to_bytes(4, "big") + b"\0" * 8)
+        wait_for(lambda: connections(stage) == 1, what="the stage to end the connection")
+        assert lent(stage, "ended") >= 16 * 64 * 1024, "the ended connection's slots stay the job's"
+        for epoch in range(3):
+            for name, data in other.dataset("d").epoch(epoch, seed=epoch + 7, batch=16):
+                assert bytes(data) == files[name]
+        for name, data in held:
+            assert bytes(data) == files[name], f"{name} changed after the stage ended its connection"
+        holder.close()
+    # The job's last connection gone, its slots come back.
+    wait_for(lambda: lent(stage, "ended") == 0, what="the job's slots to come back")

@@ -5,7 +5,8 @@
 //! ([`crate::engine::Lending`]): any connection of the job may return any
 //! of them, and the job holds at most half its buffer (at least 64 MiB) in
 //! them; past that samples come in the frame. What this connection holds
-//! goes back when it ends, however it ends.
+//! goes back when the trainer ends it; when the stage ends it, the job
+//! keeps it until its last connection ends.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -108,6 +109,18 @@ impl Shared {
     /// Hands this connection's slots at `offsets` to the job.
     pub fn hand_off(&self, offsets: &[u64]) {
         self.job.lend_book().hand_off(offsets, self.holder);
+    }
+}
+
+impl Shared {
+    /// The connection ended: its slots go back, or, when the stage ended
+    /// it (`keep`), are handed to the job, so that a trainer still reading
+    /// them never sees another sample written there; they come back when
+    /// the job's last connection ends.
+    pub fn end(self, keep: bool) {
+        if keep {
+            self.job.lend_book().hand_off_all(self.holder);
+        }
     }
 }
 

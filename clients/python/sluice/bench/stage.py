@@ -144,15 +144,29 @@ def pid_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_bytes(pid: int) -> Tuple[int, int]:
-    """Returns a live process's resident set now and at its peak, in bytes."""
+def _status(pid: int, keys: Tuple[str, ...]) -> Dict[str, int]:
+    """The sizes ``keys`` of a live process's ``/proc/PID/status``, in bytes."""
     found = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in keys:
                 found[key] = int(rest.split()[0]) * 1024
+    return found
+
+
+def rss_bytes(pid: int) -> Tuple[int, int]:
+    """Returns a live process's resident set now and at its peak, in bytes."""
+    found = _status(pid, ("VmRSS", "VmHWM"))
     return found.get("VmRSS", 0), found.get("VmHWM", 0)
+
+
+def private_rss_bytes(pid: int) -> int:
+    """Returns a live process's resident set without the shared memory it
+    maps (for a trainer: the pages of its stage's regions that its mappings
+    show, which are the stage's buffers, counted in the stage's RSS)."""
+    found = _status(pid, ("RssAnon", "RssFile"))
+    return found.get("RssAnon", 0) + found.get("RssFile", 0)
 
 
 def _tail(path: str, limit: int = 4000) -> str:

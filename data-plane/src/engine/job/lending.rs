@@ -10,6 +10,14 @@
 //! [`Lending::limit`] bytes of lent slots; past that its samples travel in
 //! the frame, so trainers that keep samples cannot take the job's buffer or
 //! the node's budget.
+//!
+//! A slot taken back without its trainer returning it (its connection
+//! ended) may still be mapped by a trainer that holds the sample: the
+//! client copies what it holds before it ends a connection itself, and a
+//! connection the stage ends hands its slots to the job instead (see
+//! `server::shared`). Once the stage is stopping, slots taken back are
+//! never reused ([`Lending::keep_reclaimed`]): its trainers go on reading
+//! what they hold while they reconnect elsewhere.
 
 use std::collections::HashMap;
 
@@ -33,6 +41,10 @@ struct LentSlot {
 pub struct Lending {
     slots: HashMap<u64, LentSlot>,
     bytes: u64,
+    /// Set once the stage stops: slots taken back keep their bytes here
+    /// (their budget goes back) until the job is dropped.
+    keeping: bool,
+    kept: Vec<Chunk>,
 }
 
 /// Why a slot could not be returned.
@@ -101,6 +113,22 @@ impl Lending {
         }
     }
 
+    /// Hands every slot connection `holder` holds to the job (the stage
+    /// ended the connection: its trainer may still read them).
+    pub fn hand_off_all(&mut self, holder: u64) {
+        for slot in self.slots.values_mut() {
+            if slot.holder == Some(holder) {
+                slot.holder = None;
+            }
+        }
+    }
+
+    /// From now on, slots taken back without a `RELEASE` are never reused
+    /// (the stage is stopping).
+    pub fn keep_reclaimed(&mut self) {
+        self.keeping = true;
+    }
+
     /// Takes back every slot connection `holder` holds (it ended).
     pub fn reclaim(&mut self, holder: u64) -> Returned {
         self.take(|slot| slot.holder == Some(holder))
@@ -121,6 +149,10 @@ impl Lending {
         let mut returned = Returned::default();
         // Present by construction.
         let _ = self.release(&offsets, &mut returned);
+        if self.keeping {
+            self.kept
+                .extend(returned.0.iter_mut().map(|slot| std::mem::take(&mut slot.chunk)));
+        }
         returned
     }
 
