@@ -35,7 +35,7 @@ pub fn session(messages: Vec<StageMessage>, policies: &PolicySet, limit: u64) {
                 live.record(snapshot);
             }
             Some(stage_message::Kind::Ack(a)) => {
-                live.running_version = live.running_version.max(a.version);
+                live.acked(a.version);
             }
             Some(stage_message::Kind::Nack(_)) | None => {}
         }

@@ -228,7 +228,7 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
         Some(stage_message::Kind::Ack(a)) => {
             shared.with_live(stage, |l| {
                 l.last_heard = Instant::now();
-                l.running_version = l.running_version.max(a.version);
+                l.acked(a.version);
             });
             shared.metrics.acks.inc();
             shared.recorder.send(Record::Ack {

@@ -172,6 +172,12 @@ impl LiveStage {
         Some((window, now))
     }
 
+    /// Records the stage's acknowledgement of settings `version` (acks of
+    /// older versions may arrive late and change nothing).
+    pub fn acked(&mut self, version: u64) {
+        self.running_version = self.running_version.max(version);
+    }
+
     pub(crate) fn new(now: Instant) -> Self {
         Self {
             session: None,

@@ -32,7 +32,10 @@ fn policies() -> &'static PolicySet {
     static SET: OnceLock<PolicySet> = OnceLock::new();
     SET.get_or_init(|| {
         let documents = parse_documents("fuzz.yaml", POLICIES).expect("the fixed policies parse");
-        PolicySet::new().apply(documents).expect("the fixed policies apply").0
+        PolicySet::new()
+            .apply(documents)
+            .expect("the fixed policies apply")
+            .0
     })
 }
 

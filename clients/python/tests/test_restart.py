@@ -208,6 +208,21 @@ def test_dataloader_with_4_workers_survives_a_stage_restart(restartable, many_fi
     assert max(gaps) >= 0.9
 
 
+def sample_across_a_restart(stage: Restartable, c: sluice.Client, files):
+    """Takes the first sample of an epoch in shared memory, restarts the
+    stage and reads another sample (the client reconnects). Returns the
+    dataset, the sample's name and data, and the region it came in."""
+    ds = c.dataset("ds")
+    with ds.epoch(0, seed=1, batch=4) as it:
+        name, data = next(iter(it))
+    assert c.shared_memory and isinstance(data, memoryview)
+    region = c._region
+    restart_after(stage, 0.2).join()
+    other = sorted(files)[1]
+    assert bytes(ds.read(other)) == files[other]  # reconnects
+    return ds, name, data, region
+
+
 def test_a_sample_from_before_a_restart_is_never_handed_off_into_the_new_region(restartable, many_files):
     """A DataLoader worker's sample fetched before its client reconnected
     lives in the old stage's region: handing its offset to the new stage
@@ -218,13 +233,7 @@ def test_a_sample_from_before_a_restart_is_never_handed_off_into_the_new_region(
     root, files = many_files
     stage = restartable(root)
     with sluice.Client(stage.sock, job="handoff", reconnect=30) as c:
-        ds = c.dataset("ds")
-        with ds.epoch(0, seed=1, batch=4) as it:
-            name, data = next(iter(it))
-        assert c.shared_memory and isinstance(data, memoryview)
-        restart_after(stage, 0.2).join()
-        other = sorted(files)[1]
-        assert bytes(ds.read(other)) == files[other]  # reconnects
+        ds, name, data, _ = sample_across_a_restart(stage, c, files)
         # Made into a tensor after the reconnection, as a prefetched sample is.
         before = st._as_tensor(data, c)
         assert c._region is not None and before._sluice_slot[2] is not c._region
@@ -240,14 +249,7 @@ def test_a_sample_from_before_a_restart_is_never_released_to_the_new_stage(resta
     root, files = many_files
     stage = restartable(root)
     with sluice.Client(stage.sock, job="release", reconnect=30) as c:
-        ds = c.dataset("ds")
-        with ds.epoch(0, seed=1, batch=4) as it:
-            name, data = next(iter(it))
-        assert c.shared_memory and isinstance(data, memoryview)
-        old = c._region
-        restart_after(stage, 0.2).join()
-        other = sorted(files)[1]
-        assert bytes(ds.read(other)) == files[other]  # reconnects
+        ds, name, data, old = sample_across_a_restart(stage, c, files)
         assert c._region is not old
         del data
         assert not old._returned, "a slot of the closed region was queued for release"

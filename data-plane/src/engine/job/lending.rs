@@ -150,8 +150,12 @@ impl Lending {
         // Present by construction.
         let _ = self.release(&offsets, &mut returned);
         if self.keeping {
-            self.kept
-                .extend(returned.0.iter_mut().map(|slot| std::mem::take(&mut slot.chunk)));
+            self.kept.extend(
+                returned
+                    .0
+                    .iter_mut()
+                    .map(|slot| std::mem::take(&mut slot.chunk)),
+            );
         }
         returned
     }
