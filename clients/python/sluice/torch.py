@@ -79,6 +79,7 @@ it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import socket
@@ -155,6 +156,8 @@ def collate(batch):
     if samples and all(isinstance(s, _torch.Tensor) for s in samples) \
             and len({tuple(s.shape) for s in samples}) > 1:
         return [names, samples]
+    if samples and _data.get_worker_info() is None and _plain_rows(samples):
+        return [names, _stack(samples)]
     return [names, _default_collate(samples)]
 
 
@@ -203,15 +206,45 @@ def _rebuild_batch(address, job: str, labels, ident, slots):
     if region is None:
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
                            "region this process cannot map (the stage restarted in between?)")
-    return _stack([_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
-                   else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots])
+    if len({n for _, n in slots}) == 1:
+        # Copied straight from the region: no tensor per sample.
+        n = slots[0][1]
+        out = _torch.empty((len(slots), n), dtype=_torch.uint8)
+        for i, (offset, _) in enumerate(slots):
+            if n:
+                owner = region.slot(offset, n)  # held until copied: it gives the slot back
+                ctypes.memmove(out.data_ptr() + i * n, ctypes.addressof(owner), n)
+                del owner
+        return out
+    return [_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
+            else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
+
+
+def _plain_rows(samples) -> bool:
+    """Whether ``samples`` are all contiguous one-dimensional ``uint8``
+    tensors in CPU memory (raw samples, as the datasets give them)."""
+    return all(isinstance(s, _torch.Tensor) and s.dtype == _torch.uint8 and s.dim() == 1
+               and s.device.type == "cpu" and s.is_contiguous() for s in samples)
 
 
 def _stack(views):
-    """One tensor of the samples when their sizes agree, else the list."""
-    if len({v.numel() for v in views}) == 1:
+    """One tensor of the samples when their sizes agree, else the list.
+
+    Raw samples are stacked with one ``memmove`` each, on the calling
+    thread: ``torch.stack`` would split a 100 KiB copy between torch's
+    intra-op threads, which then spin for more work on every core and take
+    them from the ``DataLoader``'s workers and the stage (in the main
+    process the thread pool is the machine's size; workers use one thread)."""
+    if len({v.numel() for v in views}) != 1:
+        return views
+    if not _plain_rows(views):
         return _torch.stack(views)
-    return views
+    n = views[0].numel()
+    out = _torch.empty((len(views), n), dtype=_torch.uint8)
+    if n:
+        for i, v in enumerate(views):
+            ctypes.memmove(out.data_ptr() + i * n, v.data_ptr(), n)
+    return out
 
 
 #: How many indices a sampler yields between checks that its stage is

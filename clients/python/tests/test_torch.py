@@ -112,13 +112,14 @@ def records(tmp_path):
 
 
 @pytest.mark.parametrize("collate_fn", [None, collate], ids=["default-collate", "sluice-collate"])
-def test_batches_of_records_reach_the_main_process_whole(stage_factory, records, collate_fn):
+@pytest.mark.parametrize("workers", [0, 4])
+def test_batches_of_records_reach_the_main_process_whole(stage_factory, records, collate_fn, workers):
     root, files = records
     stage = stage_factory({"d": root})
     ds = SluiceDataset(stage.socket, "d", job="records")
     sampler = SluiceSampler(ds, seed=2)
-    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=4, persistent_workers=True,
-                        collate_fn=collate_fn)
+    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=workers,
+                        persistent_workers=workers > 0, collate_fn=collate_fn)
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         seen = {}
