@@ -33,6 +33,8 @@ pub struct Metrics {
     pub jobs: IntGauge,
     pub settings_version: IntGauge,
     pub controller_connected: IntGauge,
+    /// Inodes of the mount the kernel holds (looked up, not yet forgotten).
+    pub mount_inodes: IntGauge,
     pub settings_rejected: IntCounter,
     /// Jobs started, by how their first read was cleared: `settings` (the
     /// controller's settings named the job), `timeout` (they did not come
@@ -186,6 +188,10 @@ impl Metrics {
             controller_connected: r.scalar(
                 "sluice_stage_controller_connected",
                 "1 while the session with the controller is up.",
+            ),
+            mount_inodes: r.scalar(
+                "sluice_stage_mount_inodes",
+                "Inodes of the mount the kernel holds (looked up and not yet forgotten); the stage keeps nothing for the others.",
             ),
             settings_rejected: r.add(
                 IntCounter::new(

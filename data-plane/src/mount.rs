@@ -218,33 +218,106 @@ enum Node {
     },
 }
 
-/// Inodes, each made once per (parent, name) and kept for the mount's life.
+/// The inodes the kernel holds: one is made by a `lookup` and dropped when
+/// the kernel has forgotten every lookup of it (it evicts inodes it no
+/// longer caches), so the table follows the kernel's inode cache, not
+/// every file ever listed. An inode's number is a hash of its parent's and
+/// its name, so a directory listing gives its entries' numbers without
+/// keeping anything, and a file looked up again gets the same number.
 #[derive(Debug, Default)]
 struct Nodes {
-    nodes: Vec<Node>,
-    by_name: HashMap<(u64, Vec<u8>), u64>,
+    known: HashMap<u64, Known>,
+    by_name: HashMap<(u64, Box<[u8]>), u64>,
+}
+
+#[derive(Debug)]
+struct Known {
+    node: Node,
+    parent: u64,
+    name: Box<[u8]>,
+    /// Lookups answered and not forgotten yet (the kernel's count of them).
+    lookups: u64,
 }
 
 impl Nodes {
     fn get(&self, ino: u64) -> Option<&Node> {
         match ino {
             ROOT => Some(&Node::Root),
-            _ => self
-                .nodes
-                .get(usize::try_from(ino.checked_sub(ROOT + 1)?).ok()?),
+            _ => self.known.get(&ino).map(|k| &k.node),
         }
     }
 
-    /// The inode of `name` in `parent`, made from `node` the first time.
-    fn intern(&mut self, parent: u64, name: &[u8], node: impl FnOnce() -> Node) -> u64 {
-        if let Some(&ino) = self.by_name.get(&(parent, name.to_vec())) {
+    /// The number of `name` in `parent`: the inode's if the kernel holds
+    /// it, else the one a lookup would give it.
+    fn number(&self, parent: u64, name: &[u8]) -> u64 {
+        match self.by_name.get(&(parent, Box::from(name))) {
+            Some(&ino) => ino,
+            None => inode_number(parent, name),
+        }
+    }
+
+    /// Counts a lookup of `name` in `parent` answered with `node` (made
+    /// the first time) and returns the inode's number.
+    fn looked_up(&mut self, parent: u64, name: &[u8], node: impl FnOnce() -> Node) -> u64 {
+        let key = (parent, Box::from(name));
+        if let Some(&ino) = self.by_name.get(&key)
+            && let Some(known) = self.known.get_mut(&ino)
+        {
+            known.lookups += 1;
             return ino;
         }
-        self.nodes.push(node());
-        let ino = ROOT + self.nodes.len() as u64;
-        self.by_name.insert((parent, name.to_vec()), ino);
+        let mut ino = inode_number(parent, name);
+        // Two names whose hashes meet (about one chance in 2^40 for a
+        // million names) take the next free number.
+        while self.known.contains_key(&ino) {
+            ino = (ino + 1).max(ROOT + 1);
+        }
+        self.known.insert(
+            ino,
+            Known {
+                node: node(),
+                parent,
+                name: key.1.clone(),
+                lookups: 1,
+            },
+        );
+        self.by_name.insert(key, ino);
         ino
     }
+
+    /// The kernel dropped `n` of its lookups of `ino`: the inode goes
+    /// with the last.
+    fn forget(&mut self, ino: u64, n: u64) {
+        let Some(known) = self.known.get_mut(&ino) else {
+            return;
+        };
+        known.lookups = known.lookups.saturating_sub(n);
+        if known.lookups == 0
+            && let Some(gone) = self.known.remove(&ino)
+        {
+            self.by_name.remove(&(gone.parent, gone.name));
+            // A table the kernel mostly emptied gives its room back.
+            if self.known.capacity() > 4096 && self.known.len() * 8 < self.known.capacity() {
+                self.known.shrink_to(self.known.len() * 2);
+                self.by_name.shrink_to(self.by_name.len() * 2);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.known.len()
+    }
+}
+
+/// The number a lookup gives `name` in `parent` (unless another name took
+/// it first): a hash of both, never the root's.
+fn inode_number(parent: u64, name: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // Fixed keys: the same number for the same name for the mount's life.
+    let mut h = std::hash::DefaultHasher::new();
+    parent.hash(&mut h);
+    name.hash(&mut h);
+    (h.finish() >> 1).max(ROOT + 1)
 }
 
 /// Bytes a read through the mount fetches at once (aligned): a file up to
@@ -588,11 +661,35 @@ impl Filesystem for MountFs {
         };
         match self.child(&parent_node, name) {
             Ok(node) => {
-                let ino = self.nodes.intern(parent, name.as_bytes(), || node.clone());
+                let ino = self
+                    .nodes
+                    .looked_up(parent, name.as_bytes(), || node.clone());
+                self.engine
+                    .metrics()
+                    .mount_inodes
+                    .set(self.nodes.len() as i64);
                 reply.entry(&TTL, &self.attr(ino, &node), 0);
             }
             Err(e) => reply.error(e),
         }
+    }
+
+    fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
+        self.nodes.forget(ino, nlookup);
+        self.engine
+            .metrics()
+            .mount_inodes
+            .set(self.nodes.len() as i64);
+    }
+
+    fn batch_forget(&mut self, _req: &Request<'_>, nodes: &[fuser::fuse_forget_one]) {
+        for node in nodes {
+            self.nodes.forget(node.nodeid, node.nlookup);
+        }
+        self.engine
+            .metrics()
+            .mount_inodes
+            .set(self.nodes.len() as i64);
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
@@ -626,10 +723,10 @@ impl Filesystem for MountFs {
             Err(e) => return reply.error(e),
         };
         for (i, (name, is_dir)) in page.iter().enumerate() {
-            let Ok(child) = self.child(&node, OsStr::new(name)) else {
+            if self.child(&node, OsStr::new(name)).is_err() {
                 continue;
-            };
-            let child_ino = self.nodes.intern(ino, name.as_bytes(), || child);
+            }
+            let child_ino = self.nodes.number(ino, name.as_bytes());
             let kind = if *is_dir {
                 FileType::Directory
             } else {
@@ -871,5 +968,71 @@ impl Filesystem for MountFs {
         reply: fuser::ReplyCreate,
     ) {
         reply.error(libc::EROFS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job_root(job: &str) -> Node {
+        Node::JobRoot(Arc::from(job))
+    }
+
+    #[test]
+    fn an_inode_lives_until_the_kernel_forgets_every_lookup_of_it() {
+        let mut nodes = Nodes::default();
+        let listed = nodes.number(ROOT, b"@a");
+        let ino = nodes.looked_up(ROOT, b"@a", || job_root("a"));
+        assert_eq!(ino, listed, "a listing and a lookup agree on the number");
+        assert_eq!(nodes.looked_up(ROOT, b"@a", || unreachable!()), ino);
+        nodes.forget(ino, 1);
+        assert!(nodes.get(ino).is_some(), "one lookup is still held");
+        nodes.forget(ino, 1);
+        assert!(nodes.get(ino).is_none());
+        assert_eq!(nodes.len(), 0);
+        // Looked up again: the same number, a fresh count.
+        assert_eq!(nodes.looked_up(ROOT, b"@a", || job_root("a")), ino);
+        nodes.forget(ino, 1);
+        assert_eq!(nodes.len(), 0);
+        assert!(nodes.get(ROOT).is_some(), "the root is never forgotten");
+    }
+
+    #[test]
+    fn names_whose_numbers_meet_get_different_inodes() {
+        let mut nodes = Nodes::default();
+        let a = nodes.looked_up(ROOT, b"@a", || job_root("a"));
+        // Another name made to take the same number first.
+        nodes.known.insert(
+            a + 1,
+            Known {
+                node: job_root("x"),
+                parent: ROOT,
+                name: Box::from(&b"@x"[..]),
+                lookups: 1,
+            },
+        );
+        nodes.forget(a, 1);
+        let b = {
+            // `@b` hashing onto `a`'s number is simulated by the table's
+            // probe: take `a` itself and its neighbour.
+            nodes.known.insert(
+                a,
+                Known {
+                    node: job_root("y"),
+                    parent: ROOT,
+                    name: Box::from(&b"@y"[..]),
+                    lookups: 1,
+                },
+            );
+            nodes.looked_up(ROOT, b"@a", || job_root("a"))
+        };
+        assert!(b != a && b != a + 1, "{a} {b}");
+        assert!(matches!(nodes.get(b), Some(Node::JobRoot(j)) if &**j == "a"));
+        assert_eq!(
+            nodes.number(ROOT, b"@a"),
+            b,
+            "a listing names the inode the kernel holds"
+        );
     }
 }

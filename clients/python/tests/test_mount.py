@@ -230,6 +230,37 @@ def test_a_large_directory_lists_whole_across_pages(tmp_path, mount_stage):
     assert (mnt / "ds" / "flat" / names[-1]).read_bytes() == names[-1].encode()
 
 
+def mount_inodes(stage) -> int:
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    return int(metric_value(samples, "sluice_stage_mount_inodes") or 0)
+
+
+def test_the_stage_keeps_only_the_inodes_the_kernel_holds(tmp_path, mount_stage):
+    root = tmp_path / "data"
+    flat = root / "flat"
+    flat.mkdir(parents=True)
+    names = [f"{i:05d}.bin" for i in range(3000)]
+    for name in names:
+        (flat / name).write_bytes(name.encode())
+    stage, mnt = mount_stage(root)
+    with os.scandir(mnt / "ds" / "flat") as it:
+        listed = {e.name: e.inode() for e in it}
+    assert mount_inodes(stage) < 10, "a listing alone keeps nothing"
+    for name in names:
+        assert os.stat(mnt / "ds" / "flat" / name).st_ino == listed[name], "listing and lookup agree"
+    assert mount_inodes(stage) >= len(names)
+    # The kernel drops its unused dentries and inodes and forgets them.
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+    wait_for(lambda: mount_inodes(stage) < len(names) // 10, timeout=10,
+             what="the stage to drop the inodes the kernel forgot")
+    # Looked up again: the same numbers, the same bytes.
+    for name in names[::100]:
+        path = mnt / "ds" / "flat" / name
+        assert os.stat(path).st_ino == listed[name]
+        assert path.read_bytes() == name.encode()
+
+
 def write_order(path, lines) -> None:
     """Writes an order file as a framework should: elsewhere, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
