@@ -334,6 +334,14 @@ const READDIR_PAGE: usize = 1024;
 /// Smaller ones go through windows, and stay in the mount's page cache.
 const PASSTHROUGH_MIN: u64 = 1 << 20;
 
+/// The block size files report (`st_blksize`): a local file system's, so
+/// that programs, which size their buffers by it (Python's `open` does),
+/// read through the mount as they read the directory. A reader that asks
+/// for less than its buffer gets every byte copied twice: with 1 MiB here,
+/// `numpy.load` of a hot 16 MiB `.npz` took 9-11 ms through the mount
+/// against 7.5-8.3 on the directory; with 4 KiB (or 128 KiB) 8.1-8.3.
+const BLOCK_SIZE: u32 = 4096;
+
 /// Windows fetched ahead of the last one a read touched: a file read
 /// front to back finds the next [`AHEAD`] windows in flight or done.
 const AHEAD: u64 = 2;
@@ -551,7 +559,7 @@ impl MountFs {
             uid: 0,
             gid: 0,
             rdev: 0,
-            blksize: 1 << 20,
+            blksize: BLOCK_SIZE,
             flags: 0,
         }
     }

@@ -69,6 +69,8 @@ def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
     for name, data in files.items():
         st = os.stat(mnt / "ds" / name)
         assert st.st_size == len(data) and st.st_mode & 0o777 == 0o444, name
+        # A local file system's block size: programs size their buffers by it.
+        assert st.st_blksize == 4096, name
     # Reads at any offset and size.
     big = max(files, key=lambda n: len(files[n]))
     with open(mnt / "ds" / big, "rb", buffering=0) as f:
