@@ -267,8 +267,8 @@ impl Nodes {
             return ino;
         }
         let mut ino = inode_number(parent, name);
-        // Two names whose hashes meet (about one chance in 2^40 for a
-        // million names) take the next free number.
+        // Two names whose hashes meet (about one chance in 16 million
+        // among a million names held at once) take the next free number.
         while self.known.contains_key(&ino) {
             ino = (ino + 1).max(ROOT + 1);
         }
