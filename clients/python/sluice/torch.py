@@ -207,15 +207,11 @@ def _rebuild_batch(address, job: str, labels, ident, slots):
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
                            "region this process cannot map (the stage restarted in between?)")
     if len({n for _, n in slots}) == 1:
-        # Copied straight from the region: no tensor per sample.
+        # Copied straight from the region: no tensor per sample. The
+        # owners give their slots back once the copy is made.
         n = slots[0][1]
-        out = _torch.empty((len(slots), n), dtype=_torch.uint8)
-        for i, (offset, _) in enumerate(slots):
-            if n:
-                owner = region.slot(offset, n)  # held until copied: it gives the slot back
-                ctypes.memmove(out.data_ptr() + i * n, ctypes.addressof(owner), n)
-                del owner
-        return out
+        owners = [region.slot(offset, n) for offset, _ in slots] if n else []
+        return _rows(len(slots), n, [ctypes.addressof(o) for o in owners])
     return [_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
             else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
 
@@ -228,22 +224,27 @@ def _plain_rows(samples) -> bool:
 
 
 def _stack(views):
-    """One tensor of the samples when their sizes agree, else the list.
-
-    Raw samples are stacked with one ``memmove`` each, on the calling
-    thread: ``torch.stack`` would split a 100 KiB copy between torch's
-    intra-op threads, which then spin for more work on every core and take
-    them from the ``DataLoader``'s workers and the stage (in the main
-    process the thread pool is the machine's size; workers use one thread)."""
+    """One tensor of the samples when their sizes agree, else the list (raw
+    samples are copied by :func:`_rows`)."""
     if len({v.numel() for v in views}) != 1:
         return views
     if not _plain_rows(views):
         return _torch.stack(views)
     n = views[0].numel()
-    out = _torch.empty((len(views), n), dtype=_torch.uint8)
-    if n:
-        for i, v in enumerate(views):
-            ctypes.memmove(out.data_ptr() + i * n, v.data_ptr(), n)
+    return _rows(len(views), n, [v.data_ptr() for v in views] if n else [])
+
+
+def _rows(count: int, n: int, addresses) -> "_torch.Tensor":
+    """A ``count`` x ``n`` ``uint8`` tensor of the ``n`` bytes at each of
+    ``addresses``, copied with one ``memmove`` each on the calling thread:
+    ``torch.stack`` would split a 100 KiB copy between torch's intra-op
+    threads, which then spin for more work on every core and take them from
+    the ``DataLoader``'s workers and the stage (in the main process the
+    thread pool is the machine's size; workers use one thread)."""
+    out = _torch.empty((count, n), dtype=_torch.uint8)
+    base = out.data_ptr()
+    for i, address in enumerate(addresses):
+        ctypes.memmove(base + i * n, address, n)
     return out
 
 

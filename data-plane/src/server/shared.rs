@@ -110,9 +110,7 @@ impl Shared {
     pub fn hand_off(&self, offsets: &[u64]) {
         self.job.lend_book().hand_off(offsets, self.holder);
     }
-}
 
-impl Shared {
     /// The connection ended: its slots go back, or, when the stage ended
     /// it (`keep`), are handed to the job, so that a trainer still reading
     /// them never sees another sample written there; they come back when
