@@ -35,6 +35,10 @@ pub struct Metrics {
     pub controller_connected: IntGauge,
     /// Inodes of the mount the kernel holds (looked up, not yet forgotten).
     pub mount_inodes: IntGauge,
+    /// Requests the kernel sent the mount, by operation.
+    pub mount_requests: IntCounterVec,
+    /// Bytes of planned files the mount put into the kernel's page cache.
+    pub mount_stored_bytes: IntCounter,
     pub settings_rejected: IntCounter,
     /// Jobs started, by how their first read was cleared: `settings` (the
     /// controller's settings named the job), `timeout` (they did not come
@@ -192,6 +196,19 @@ impl Metrics {
             mount_inodes: r.scalar(
                 "sluice_stage_mount_inodes",
                 "Inodes of the mount the kernel holds (looked up and not yet forgotten); the stage keeps nothing for the others.",
+            ),
+            mount_requests: r.counter(
+                "sluice_stage_mount_requests_total",
+                "Requests the kernel sent the mount, by operation (lookup, getattr, readdir, open, read, release); \
+                 reads the page cache answered are not requests.",
+                &["op"],
+            ),
+            mount_stored_bytes: r.add(
+                IntCounter::new(
+                    "sluice_stage_mount_stored_bytes_total",
+                    "Bytes of planned files the mount put into the kernel's page cache as they were opened.",
+                )
+                .expect("valid metric"),
             ),
             settings_rejected: r.add(
                 IntCounter::new(

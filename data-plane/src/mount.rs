@@ -10,7 +10,10 @@
 //! through the same engine calls as the socket's: an `open` of a file that
 //! one of the job's plans holds undelivered is served from the prefetch
 //! buffer and counts as that entry's delivery (so a sampler that submitted
-//! the epoch's order gets each file exactly once, whoever opens it); a
+//! the epoch's order gets each file exactly once, whoever opens it), its
+//! bytes put into the kernel's page cache before the open returns
+//! (`FUSE_NOTIFY_STORE`), so that the reads which follow are answered by
+//! the kernel, with no request to the stage; a
 //! large file of a local data set that no plan holds is read by the kernel
 //! from the file itself (passthrough), charged to the job whole when
 //! opened; any other read is a range read through the job's limiter and
@@ -32,7 +35,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
@@ -40,6 +43,7 @@ use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request,
 };
+use prometheus::IntCounter;
 use tokio::runtime::Handle;
 use tracing::{info, warn};
 
@@ -47,6 +51,7 @@ use crate::chunk::Chunk;
 use crate::config::MountOptions;
 use crate::dataset::Dataset;
 use crate::engine::{Engine, Job, JobHandle, Reservation};
+use crate::metrics::Metrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_now;
 use crate::sync::lock;
@@ -131,7 +136,6 @@ pub fn mount(
         })
     };
     let fs = MountFs {
-        engine,
         readers,
         runtime: runtime.clone(),
         default_job: Arc::from(default_job),
@@ -141,7 +145,11 @@ pub fn mount(
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
+        notifier: Arc::default(),
+        counters: Counters::new(engine.metrics()),
+        engine,
     };
+    let notifier = Arc::clone(&fs.notifier);
     let mount_options = [
         MountOption::RO,
         MountOption::FSName("sluice".to_owned()),
@@ -155,6 +163,7 @@ pub fn mount(
             dir.display()
         )
     })?;
+    let _ = notifier.set(session.notifier());
     info!(dir = %dir.display(), default_job, "data sets mounted read-only");
     let mut tasks = vec![sweeper];
     if let Some(orders) = orders {
@@ -334,6 +343,11 @@ const READDIR_PAGE: usize = 1024;
 /// Smaller ones go through windows, and stay in the mount's page cache.
 const PASSTHROUGH_MIN: u64 = 1 << 20;
 
+/// The largest planned file whose bytes an open puts into the kernel's page
+/// cache (a store is one write, made before the open is answered: a larger
+/// file is read through requests, which the kernel makes in parallel).
+const STORE_MAX: u64 = WINDOW;
+
 /// The block size files report (`st_blksize`): a local file system's, so
 /// that programs, which size their buffers by it (Python's `open` does),
 /// read through the mount as they read the directory. A reader that asks
@@ -500,6 +514,35 @@ struct MountFs {
     /// Whether large files are passed through (see [`PASSTHROUGH_MIN`]):
     /// as configured until `init`, then only while the kernel allows it.
     passthrough: Arc<AtomicBool>,
+    /// Puts file pages into the kernel's cache; set once the session runs.
+    notifier: Arc<OnceLock<fuser::Notifier>>,
+    counters: Counters,
+}
+
+/// The counters of the mount's requests, resolved once.
+struct Counters {
+    lookup: IntCounter,
+    getattr: IntCounter,
+    readdir: IntCounter,
+    open: IntCounter,
+    read: IntCounter,
+    release: IntCounter,
+    stored_bytes: IntCounter,
+}
+
+impl Counters {
+    fn new(metrics: &Metrics) -> Self {
+        let op = |name: &str| metrics.mount_requests.with_label_values(&[name]);
+        Self {
+            lookup: op("lookup"),
+            getattr: op("getattr"),
+            readdir: op("readdir"),
+            open: op("open"),
+            read: op("read"),
+            release: op("release"),
+            stored_bytes: metrics.mount_stored_bytes.clone(),
+        }
+    }
 }
 
 impl MountFs {
@@ -678,6 +721,7 @@ impl Filesystem for MountFs {
     }
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        self.counters.lookup.inc();
         let Some(parent_node) = self.nodes.get(parent).cloned() else {
             return reply.error(libc::ENOENT);
         };
@@ -715,6 +759,7 @@ impl Filesystem for MountFs {
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+        self.counters.getattr.inc();
         match self.nodes.get(ino) {
             Some(node) => reply.attr(&TTL, &self.attr(ino, node)),
             None => reply.error(libc::ENOENT),
@@ -729,6 +774,7 @@ impl Filesystem for MountFs {
         offset: i64,
         mut reply: ReplyDirectory,
     ) {
+        self.counters.readdir.inc();
         let Some(node) = self.nodes.get(ino).cloned() else {
             return reply.error(libc::ENOENT);
         };
@@ -762,6 +808,7 @@ impl Filesystem for MountFs {
     }
 
     fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+        self.counters.open.inc();
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return reply.error(libc::EROFS);
         }
@@ -787,6 +834,8 @@ impl Filesystem for MountFs {
             return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         };
         let readers = Arc::clone(&self.readers);
+        let notifier = Arc::clone(&self.notifier);
+        let stored_bytes = self.counters.stored_bytes.clone();
         self.answer_soon(async move {
             let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
@@ -799,6 +848,19 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
+            if let (Some((chunk, _)), Some(notifier)) = (&whole, notifier.get())
+                && chunk.len() as u64 == size
+                && size <= STORE_MAX
+            {
+                // Read from the page cache from here on; kept for a read
+                // that comes anyway (pages reclaimed before it, O_DIRECT).
+                match notifier.store(ino, 0, chunk) {
+                    Ok(()) => stored_bytes.inc_by(size),
+                    Err(e) => {
+                        tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
+                    }
+                }
+            }
             lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
             reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
         });
@@ -815,6 +877,7 @@ impl Filesystem for MountFs {
         _lock_owner: Option<u64>,
         reply: ReplyData,
     ) {
+        self.counters.read.inc();
         let Ok(offset) = u64::try_from(offset) else {
             return reply.error(libc::EINVAL);
         };
@@ -897,6 +960,7 @@ impl Filesystem for MountFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.counters.release.inc();
         let closed = lock(&self.open).remove(&fh);
         if let Some(file) = closed {
             self.readers.close(file.job.id());

@@ -217,6 +217,38 @@ def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     assert set(opened) | set(streamed) == set(files)
 
 
+def test_a_planned_files_bytes_are_in_the_page_cache_when_its_open_returns(mounted):
+    """Reading a planned file sends the stage no read request: its open put
+    the bytes into the kernel's page cache. An unplanned file's read is a
+    request."""
+    stage, mnt, files = mounted
+    names = sorted(files)
+
+    def metric(name: str, **labels) -> int:
+        return int(metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")), name, **labels) or 0)
+
+    def requests(op: str) -> int:
+        return metric("sluice_stage_mount_requests_total", op=op)
+
+    reads = requests("read")
+    with open(mnt / "@free" / "ds" / names[0], "rb") as f:
+        assert f.read() == files[names[0]]
+    assert requests("read") > reads, "an unplanned file is read through requests"
+
+    planned = names[1:]
+    with sluice.Client(stage.socket, job="stored") as c:
+        plan = c.dataset("ds").plan_names(planned, 0, prefetch=0)  # as a MountSampler does
+        reads, opens = requests("read"), requests("open")
+        stored = metric("sluice_stage_mount_stored_bytes_total")
+        for name in planned:
+            with open(mnt / "@stored" / "ds" / name, "rb") as f:
+                assert f.read() == files[name], name
+        assert requests("open") == opens + len(planned)
+        assert requests("read") == reads, "a planned file's bytes came from the page cache"
+        assert metric("sluice_stage_mount_stored_bytes_total") == stored + sum(len(files[n]) for n in planned)
+        del plan
+
+
 def test_a_large_directory_lists_whole_across_pages(tmp_path, mount_stage):
     root = tmp_path / "data"
     flat = root / "flat"
