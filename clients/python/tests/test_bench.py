@@ -285,7 +285,27 @@ def test_mount_wiring_on_a_tiny_set(tmp_path):
         assert r["workers"] == 2 and r["samples_per_s"] > 0 and r["mib_per_s"] > 0
     assert doc["storage"] == {"kind": "dir", "latency_ms": 1.0}
     assert doc["hot"]["mount_samples_per_s"] > 0 and doc["hot"]["socket_samples_per_s"] > 0
+    assert doc["hot"]["dir_samples_per_s"] > 0
     assert "vs dataloader-dir" in out
+
+
+def test_train_wiring_on_a_tiny_set(tmp_path):
+    """A real training loop (a two-layer model on the CPU) fed by every
+    loader, each epoch whole; the images are written once."""
+    args = ("train", "--files", "40", "--side", "48", "--crop", "32", "--classes", "4", "--batch", "16",
+            "--model", "small", "--device", "cpu", "--workers", "1", "--latency", "1ms",
+            "--dir", str(tmp_path / "t"))
+    out, doc = _bench(tmp_path, *args)
+    loaders = {r["loader"]: r for r in doc["results"]}
+    assert set(loaders) == {"dataloader-dir", "dataloader-mount", "dataloader-mount-sampler", "socket"}
+    for r in loaders.values():
+        assert r["workers"] == 1 and r["samples_per_s"] > 0 and 0 < r["au"] <= 1 and r["wait_s"] >= 0
+    assert doc["dataset"]["files"] == 40 and doc["device"] == "cpu" and doc["ceiling_samples_per_s"] > 0
+    assert doc["storage"] == {"kind": "dir", "latency_ms": 1.0}
+    assert "ceiling (no loading)" in out
+    written = os.path.getmtime(tmp_path / "t" / "data" / "train" / "c000" / "0000000.jpg")
+    _bench(tmp_path, *args[:-4], "--loaders", "socket", "--dir", str(tmp_path / "t"))
+    assert os.path.getmtime(tmp_path / "t" / "data" / "train" / "c000" / "0000000.jpg") == written
 
 
 def test_median_of_rounds_keeps_each_loaders_median_run():

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio,scale,soak} ...``."""
+"""Entry point: ``python -m sluice.bench {prefetch,receive,limiter,tuner,apply,coordination,delivery,listing,cache,mount,dlio,scale,soak,train} ...``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "dlio": "the DLIO benchmark (unet3d, resnet50 shapes) on the plain directory and through the mount",
     "scale": "the controller under thousands of simulated stages: CPU, RSS, tick, apply to every ack",
     "soak": "an hour of trainers through two stages with random applies and restarts: memory flat, nothing lost",
+    "train": "a real training loop (ResNet on the GPU when there is one) fed four ways: AU and samples/s",
     "cache": "the node cache under per-epoch random order: stable subset vs LRU, a cache that fits, two jobs",
 }
 
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
         from .scale import main as run
     elif argv[0] == "soak":
         from .soak import main as run
+    elif argv[0] == "train":
+        from .train import main as run
     elif argv[0] == "cache":
         from .cache import main as run
     else:

@@ -22,10 +22,10 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 from ..client import DEFAULT_PREFETCH, Client, Dataset
 from .dataset import BenchDataset, prepare
 from .stage import StageProcess, StageStartError, find_stage_binary
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, parse_bytes, parse_duration_ms
 
 __all__ = [
-    "add_dataset_args", "add_stage_args", "load_dataset", "stage_binary_or_exit", "log",
+    "add_dataset_args", "add_stage_args", "load_dataset", "loader_options", "stage_binary_or_exit", "log",
     "StageSession", "stage_session", "Timeline", "read_epochs",
     "WindowRate", "window_rate", "rolling_rate", "first_reach",
     "parse_byte_rate", "parse_ops_rate", "epochs_for",
@@ -83,6 +83,23 @@ def load_dataset(args) -> BenchDataset:
         suffix = f"-sd{format_bytes(stdev)}" if stdev else ""
         args.dir = os.path.join("bench-out", f"{args.files}x{format_bytes(size)}{suffix}")
     return prepare(args.dir, args.files, size, stdev, log=log)
+
+
+def loader_options(args, known: Sequence[str]) -> Tuple[List[str], List[int], float]:
+    """``--loaders`` (a subset of ``known``), ``--workers`` and ``--latency``
+    of a DataLoader benchmark: (loaders, worker counts, milliseconds);
+    exits with a clear error on a bad value."""
+    loaders = [name.strip() for name in args.loaders.split(",") if name.strip()]
+    if set(loaders) - set(known) or not loaders:
+        raise SystemExit(f"error: --loaders: choose from {', '.join(known)}")
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+        latency_ms = parse_duration_ms(args.latency)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not workers or min(workers) < 0:
+        raise SystemExit("error: --workers must list worker counts >= 0")
+    return loaders, workers, latency_ms
 
 
 def stage_binary_or_exit(bin_dir: str) -> str:

@@ -23,12 +23,14 @@ and report each one's median.
 **hot**: a data set read before (``--hot-files`` files, its pages in the
 page cache, the mount's included), one consumer in one process: every file
 opened and read through the mount in an epoch's order, against the socket
-client's epoch of the same order (``Client.dataset().epoch()``).
+client's epoch of the same order (``Client.dataset().epoch()``), and the
+same files opened and read on the plain directory (what the kernel alone
+costs).
 
 With ``--json`` stdout ends with one object in the shape of ``prefetch``'s:
 ``{"dataset", "batch", "seed", "storage", "results": [{"loader", "workers",
 "samples_per_s", "mib_per_s", "runs"}], "hot": {"mount_samples_per_s",
-"socket_samples_per_s"}}``.
+"socket_samples_per_s", "dir_samples_per_s"}}``.
 """
 
 from __future__ import annotations
@@ -39,16 +41,16 @@ import os
 import random
 import tempfile
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..client import Client
-from .common import add_dataset_args, load_dataset, log, stage_binary_or_exit, stage_session
+from .common import add_dataset_args, load_dataset, loader_options, log, stage_binary_or_exit, stage_session
 from .dataset import BenchDataset, evict, prepare
-from .delivery import MOUNT_JOB, loader_epoch
+from .delivery import loader_epoch
 from .harness import HarnessError
 from .prefetch import median_of_rounds
 from .storage import open_storage
-from .units import format_bytes, parse_duration_ms
+from .units import format_bytes
 
 #: The benchmark's loader names, in the order each round runs them, and
 #: the kind of ``loader_epoch`` each one is.
@@ -111,7 +113,7 @@ def _read_all(paths: List[str]) -> int:
 
 def run_hot(args, binary: str, ds: BenchDataset) -> dict:
     """One consumer, a data set read before: the mount against the socket."""
-    rates = {"mount": [], "socket": []}
+    rates = {"dir": [], "mount": [], "socket": []}
     with tempfile.TemporaryDirectory(prefix="sluice-mount-") as mount:
         with stage_session(binary, ds, args.stage_memory, [*args.stage_arg, "--mount", mount]) as session:
             through = ds._replace(root=os.path.join(mount, "@hot", "bench")).paths()
@@ -123,15 +125,18 @@ def run_hot(args, binary: str, ds: BenchDataset) -> dict:
                     for _ in it:
                         pass
 
-            def mount_epoch(epoch: int) -> None:
-                order = list(through)
-                random.Random(args.seed * 1000 + epoch).shuffle(order)
-                _read_all(order)
+            def files_epoch(paths: List[str]) -> Callable[[int], None]:
+                def epoch_fn(epoch: int) -> None:
+                    order = list(paths)
+                    random.Random(args.seed * 1000 + epoch).shuffle(order)
+                    _read_all(order)
+                return epoch_fn
 
-            for name, epoch_fn in (("mount", mount_epoch), ("socket", socket_epoch)):
+            epochs = (("dir", files_epoch(ds.paths())), ("mount", files_epoch(through)), ("socket", socket_epoch))
+            for name, epoch_fn in epochs:
                 epoch_fn(0)  # untimed: pages in, buffers and tuner warm
             for round_ in range(args.repeat):
-                for name, epoch_fn in (("mount", mount_epoch), ("socket", socket_epoch)):
+                for name, epoch_fn in epochs:
                     t0 = time.perf_counter()
                     epoch_fn(round_ + 1)
                     rate = ds.files / (time.perf_counter() - t0)
@@ -140,7 +145,7 @@ def run_hot(args, binary: str, ds: BenchDataset) -> dict:
             client.close()
     mid = {name: sorted(rs)[(len(rs) - 1) // 2] for name, rs in rates.items()}
     return {"files": ds.files, "size": ds.size, "mount_samples_per_s": round(mid["mount"], 1),
-            "socket_samples_per_s": round(mid["socket"], 1),
+            "socket_samples_per_s": round(mid["socket"], 1), "dir_samples_per_s": round(mid["dir"], 1),
             "runs": {name: [round(r, 1) for r in rs] for name, rs in rates.items()}}
 
 
@@ -157,23 +162,14 @@ def format_table(results: List[dict], hot: Optional[dict]) -> str:
     if hot:
         ratio = hot["mount_samples_per_s"] / hot["socket_samples_per_s"]
         lines.append(f"hot ({hot['files']} files, one consumer): mount {hot['mount_samples_per_s']:,.0f} samples/s, "
-                     f"socket {hot['socket_samples_per_s']:,.0f} samples/s ({ratio:.2f}x)")
+                     f"socket {hot['socket_samples_per_s']:,.0f} samples/s ({ratio:.2f}x); the plain directory "
+                     f"{hot['dir_samples_per_s']:,.0f} samples/s")
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    loaders = [name.strip() for name in args.loaders.split(",") if name.strip()]
-    unknown = set(loaders) - set(LOADERS)
-    if unknown or not loaders:
-        raise SystemExit(f"error: --loaders: choose from {', '.join(LOADERS)}")
-    try:
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-        latency_ms = parse_duration_ms(args.latency)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    if not workers or min(workers) < 0:
-        raise SystemExit("error: --workers must list worker counts >= 0")
+    loaders, workers, latency_ms = loader_options(args, list(LOADERS))
     if args.repeat < 1 or args.hot_files < 0:
         raise SystemExit("error: --repeat must be >= 1 and --hot-files >= 0")
     try:
