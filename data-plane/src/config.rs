@@ -17,13 +17,18 @@ use crate::cache::CachePolicy;
 use crate::job_config::{JobConfig, MAX_BURST, MAX_READERS};
 use crate::source::S3Options;
 
-/// The default most readers (requests in flight) per job on a stage that
-/// serves an object store: enough for 100 KiB objects at 50 ms each to
-/// reach about 1 GiB/s.
-const REMOTE_MAX_READERS: u32 = 512;
 use crate::token_bucket::Limits;
 use crate::trust::{TrainerAccess, TrainerRule};
 use crate::tuner::Bounds;
+
+/// The default most readers (reads in flight) per job on a stage that
+/// serves an object store or a network file system: enough for 100 KiB
+/// samples at 50 ms each to reach about 1 GiB/s. On a local disk the
+/// default is [`LOCAL_MAX_READERS`].
+const REMOTE_MAX_READERS: u32 = 512;
+/// The default most readers per job when every data set is on a local
+/// disk, where more reads in flight than this only add threads.
+const LOCAL_MAX_READERS: u32 = 64;
 
 const MIB: u64 = 1 << 20;
 /// The least of the memory budget the cache must leave to prefetch buffers.
@@ -415,9 +420,10 @@ impl StageConfig {
         let datasets = merge_datasets(&file.datasets, &args.datasets)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
         let cache = cache_options(&args, &file.cache, memory_budget, &datasets)?;
-        let remote = datasets
-            .iter()
-            .any(|(_, location)| location.to_str().is_some_and(|l| l.starts_with("s3://")));
+        let remote = datasets.iter().any(|(_, location)| {
+            location.to_str().is_some_and(|l| l.starts_with("s3://"))
+                || on_network_file_system(location)
+        });
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
         let mut labels = file.labels;
@@ -629,10 +635,93 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
     })
 }
 
+/// Whether `dir` is on a file system whose every read is a round trip over
+/// a network or to a user-space server (NFS, SMB, Lustre, GPFS, CephFS,
+/// BeeGFS, 9P, AFS, FUSE): reads there take milliseconds, so keeping a
+/// read rate needs many more in flight than on a local disk. A path that
+/// cannot be examined counts as local.
+fn on_network_file_system(dir: &Path) -> bool {
+    let (Ok(dir), Ok(mounts)) = (
+        dir.canonicalize(),
+        std::fs::read_to_string("/proc/self/mountinfo"),
+    ) else {
+        return false;
+    };
+    mount_type(&mounts, &dir).is_some_and(network_file_system)
+}
+
+/// The type of the file system `path` (canonical) is on, from the text of
+/// `/proc/self/mountinfo`: the mount with the longest mount point above
+/// it (the last one mounted, where several are on one point).
+fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
+    let mut best: Option<(usize, &str)> = None;
+    for line in mountinfo.lines() {
+        // ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER-OPTIONS
+        let mut fields = line.split(' ');
+        let Some(point) = fields.nth(4) else { continue };
+        let Some(kind) = fields.skip_while(|f| *f != "-").nth(1) else {
+            continue;
+        };
+        let point = unescape_octal(point);
+        if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
+            best = Some((point.len(), kind));
+        }
+    }
+    best.map(|(_, kind)| kind)
+}
+
+/// A mountinfo field with its `\ooo` escapes (space, tab, newline, `\`)
+/// undone.
+fn unescape_octal(field: &str) -> String {
+    let mut out = String::with_capacity(field.len());
+    let mut rest = field;
+    while let Some(i) = rest.find('\\') {
+        out.push_str(&rest[..i]);
+        match rest
+            .get(i + 1..i + 4)
+            .and_then(|o| u8::from_str_radix(o, 8).ok())
+        {
+            Some(byte) => {
+                out.push(char::from(byte));
+                rest = &rest[i + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[i + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether a mountinfo file system type is one read over a network or
+/// through a user-space server.
+fn network_file_system(kind: &str) -> bool {
+    const NETWORK: &[&str] = &[
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "ceph",
+        "beegfs",
+        "9p",
+        "afs",
+        "fuse",
+        "glusterfs",
+        "wekafs",
+    ];
+    NETWORK.contains(&kind) || kind.starts_with("fuse.")
+}
+
 /// Returns the configuration every job starts with: the reader, buffer and
 /// limit flags laid over the file's `readers:`, `buffer:` and `limits:`.
-/// With an object-store dataset (`remote`), a reader is a request in
-/// flight rather than a thread, and the default ceiling is higher.
+/// With a dataset in an object store or on a network file system
+/// (`remote`), reads take milliseconds and the default ceiling of reads
+/// in flight is higher.
 fn job_config(
     args: &Args,
     file: &StageFile,
@@ -666,7 +755,11 @@ fn reader_counts(
     remote: bool,
 ) -> Result<(u32, u32, u32), ConfigError> {
     let min_readers = fixed.or(args.min_readers).or(file.min).unwrap_or(1);
-    let default_max = if remote { REMOTE_MAX_READERS } else { 64 };
+    let default_max = if remote {
+        REMOTE_MAX_READERS
+    } else {
+        LOCAL_MAX_READERS
+    };
     let max_readers = fixed
         .or(args.max_readers)
         .or(file.max)
@@ -823,6 +916,46 @@ mod tests {
         let mut argv = vec!["sluice-stage"];
         argv.extend_from_slice(extra);
         Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn the_file_system_of_a_path_is_the_deepest_mount_above_it() {
+        let mountinfo = "\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+40 22 0:40 / /mnt/data rw,relatime shared:2 - nfs4 filer:/export rw,vers=4.2
+41 40 0:41 / /mnt/data/scratch rw - tmpfs tmpfs rw
+42 22 0:42 / /mnt/my\\040set rw - fuse.s3fs s3fs rw
+43 22 0:43 / /mnt/lustre rw master:3 - lustre 10.0.0.1@tcp:/fs rw
+";
+        let kind = |p: &str| mount_type(mountinfo, Path::new(p));
+        assert_eq!(kind("/home/x"), Some("ext4"));
+        assert_eq!(kind("/mnt/data/imagenet/train"), Some("nfs4"));
+        assert_eq!(kind("/mnt/data/scratch/x"), Some("tmpfs"));
+        assert_eq!(
+            kind("/mnt/datasets"),
+            Some("ext4"),
+            "a mount point is a whole component"
+        );
+        assert_eq!(kind("/mnt/my set/a"), Some("fuse.s3fs"), "escaped spaces");
+        assert_eq!(
+            kind("/mnt/lustre/x"),
+            Some("lustre"),
+            "optional fields skipped"
+        );
+        for (kind, network) in [
+            ("nfs4", true),
+            ("fuse.s3fs", true),
+            ("fuse", true),
+            ("lustre", true),
+            ("cifs", true),
+            ("ext4", false),
+            ("xfs", false),
+            ("tmpfs", false),
+            ("overlay", false),
+        ] {
+            assert_eq!(network_file_system(kind), network, "{kind}");
+        }
+        assert!(!on_network_file_system(Path::new("/no/such/dir")));
     }
 
     #[test]
