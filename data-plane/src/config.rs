@@ -420,9 +420,11 @@ impl StageConfig {
         let datasets = merge_datasets(&file.datasets, &args.datasets)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
         let cache = cache_options(&args, &file.cache, memory_budget, &datasets)?;
+        // Read once for every data set (unreadable: every one counts as local).
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let remote = datasets.iter().any(|(_, location)| {
             location.to_str().is_some_and(|l| l.starts_with("s3://"))
-                || on_network_file_system(location)
+                || on_network_file_system(&mounts, location)
         });
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
@@ -638,16 +640,14 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
 /// Whether `dir` is on a file system whose every read is a round trip over
 /// a network or to a user-space server (NFS, SMB, Lustre, GPFS, CephFS,
 /// BeeGFS, 9P, AFS, FUSE): reads there take milliseconds, so keeping a
-/// read rate needs many more in flight than on a local disk. A path that
-/// cannot be examined counts as local.
-fn on_network_file_system(dir: &Path) -> bool {
-    let (Ok(dir), Ok(mounts)) = (
-        dir.canonicalize(),
-        std::fs::read_to_string("/proc/self/mountinfo"),
-    ) else {
+/// read rate needs many more in flight than on a local disk. `mountinfo`
+/// is the text of `/proc/self/mountinfo`; a path that cannot be examined
+/// counts as local.
+fn on_network_file_system(mountinfo: &str, dir: &Path) -> bool {
+    let Ok(dir) = dir.canonicalize() else {
         return false;
     };
-    mount_type(&mounts, &dir).is_some_and(network_file_system)
+    mount_type(mountinfo, &dir).is_some_and(network_file_system)
 }
 
 /// The type of the file system `path` (canonical) is on, from the text of
@@ -955,7 +955,10 @@ mod tests {
         ] {
             assert_eq!(network_file_system(kind), network, "{kind}");
         }
-        assert!(!on_network_file_system(Path::new("/no/such/dir")));
+        assert!(!on_network_file_system(
+            mountinfo,
+            Path::new("/no/such/dir")
+        ));
     }
 
     #[test]

@@ -43,7 +43,7 @@ use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, Request,
 };
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntGauge};
 use tokio::runtime::Handle;
 use tracing::{info, warn};
 
@@ -519,8 +519,9 @@ struct MountFs {
     counters: Counters,
 }
 
-/// The counters of the mount's requests, resolved once.
+/// The mount's metrics, resolved once.
 struct Counters {
+    inodes: IntGauge,
     lookup: IntCounter,
     getattr: IntCounter,
     readdir: IntCounter,
@@ -534,6 +535,7 @@ impl Counters {
     fn new(metrics: &Metrics) -> Self {
         let op = |name: &str| metrics.mount_requests.with_label_values(&[name]);
         Self {
+            inodes: metrics.mount_inodes.clone(),
             lookup: op("lookup"),
             getattr: op("getattr"),
             readdir: op("readdir"),
@@ -730,10 +732,7 @@ impl Filesystem for MountFs {
                 let ino = self
                     .nodes
                     .looked_up(parent, name.as_bytes(), || node.clone());
-                self.engine
-                    .metrics()
-                    .mount_inodes
-                    .set(self.nodes.len() as i64);
+                self.counters.inodes.set(self.nodes.len() as i64);
                 reply.entry(&TTL, &self.attr(ino, &node), 0);
             }
             Err(e) => reply.error(e),
@@ -742,20 +741,14 @@ impl Filesystem for MountFs {
 
     fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
         self.nodes.forget(ino, nlookup);
-        self.engine
-            .metrics()
-            .mount_inodes
-            .set(self.nodes.len() as i64);
+        self.counters.inodes.set(self.nodes.len() as i64);
     }
 
     fn batch_forget(&mut self, _req: &Request<'_>, nodes: &[fuser::fuse_forget_one]) {
         for node in nodes {
             self.nodes.forget(node.nodeid, node.nlookup);
         }
-        self.engine
-            .metrics()
-            .mount_inodes
-            .set(self.nodes.len() as i64);
+        self.counters.inodes.set(self.nodes.len() as i64);
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {

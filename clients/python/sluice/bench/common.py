@@ -25,7 +25,7 @@ from .stage import StageProcess, StageStartError, find_stage_binary
 from .units import format_bytes, parse_bytes, parse_duration_ms
 
 __all__ = [
-    "add_dataset_args", "add_stage_args", "load_dataset", "loader_options", "stage_binary_or_exit", "log",
+    "add_dataset_args", "add_stage_args", "add_loader_args", "load_dataset", "loader_options", "stage_binary_or_exit", "log",
     "StageSession", "stage_session", "Timeline", "read_epochs",
     "WindowRate", "window_rate", "rolling_rate", "first_reach",
     "parse_byte_rate", "parse_ops_rate", "epochs_for",
@@ -83,6 +83,21 @@ def load_dataset(args) -> BenchDataset:
         suffix = f"-sd{format_bytes(stdev)}" if stdev else ""
         args.dir = os.path.join("bench-out", f"{args.files}x{format_bytes(size)}{suffix}")
     return prepare(args.dir, args.files, size, stdev, log=log)
+
+
+def add_loader_args(ap, loaders: Sequence[str], workers: str) -> None:
+    """The options of a DataLoader benchmark that reads through a stage,
+    perhaps behind ``sluice-slowfs``; :func:`loader_options` reads them."""
+    ap.add_argument("--workers", default=workers, help=f"DataLoader num_workers values (default {workers})")
+    ap.add_argument("--loaders", default=",".join(loaders), help=f"comma-separated subset of {','.join(loaders)}")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every loader; medians reported (default 1)")
+    ap.add_argument("--latency", default="0ms",
+                    help="added to every storage operation by sluice-slowfs, e.g. 5ms (default 0ms: the "
+                         "directory itself)")
+    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage and sluice-slowfs")
+    ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
+    ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
+    ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
 
 
 def loader_options(args, known: Sequence[str]) -> Tuple[List[str], List[int], float]:

@@ -44,7 +44,8 @@ import time
 from typing import Callable, List, Optional
 
 from ..client import Client
-from .common import add_dataset_args, load_dataset, loader_options, log, stage_binary_or_exit, stage_session
+from .common import (add_dataset_args, add_loader_args, load_dataset, loader_options, log, stage_binary_or_exit,
+                     stage_session)
 from .dataset import BenchDataset, evict, prepare
 from .delivery import loader_epoch
 from .harness import HarnessError
@@ -66,18 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sluice.bench mount", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_args(ap, files=20000)
-    ap.add_argument("--workers", default="1,2,4,8", help="DataLoader num_workers values (default 1,2,4,8)")
-    ap.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of every loader; medians reported (default 1)")
-    ap.add_argument("--latency", default="0ms",
-                    help="added to every storage operation by sluice-slowfs, e.g. 5ms (default 0ms: the "
-                         "directory itself)")
+    add_loader_args(ap, list(LOADERS), "1,2,4,8")
     ap.add_argument("--hot-files", type=int, default=10000,
                     help="files of the hot part (100 KiB each unless --size; 0 skips it; default 10000)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage and sluice-slowfs")
-    ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
-    ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
-    ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
     return ap
 
 

@@ -44,7 +44,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import plan as splan
-from .common import loader_options, log, stage_binary_or_exit, stage_session
+from .common import add_loader_args, loader_options, log, stage_binary_or_exit, stage_session
 from .dataset import BenchDataset, evict
 from .harness import HarnessError
 from .prefetch import median_of_rounds
@@ -71,17 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="resnet50", choices=MODELS, help="what trains (default resnet50)")
     ap.add_argument("--device", default="auto", help="torch device: auto (cuda when there is one), cuda, cpu")
     ap.add_argument("--batch", type=int, default=128, help="samples per step (default 128)")
-    ap.add_argument("--workers", default="8", help="DataLoader num_workers values (default 8)")
-    ap.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds of every loader; medians reported (default 1)")
-    ap.add_argument("--latency", default="0ms",
-                    help="added to every storage operation by sluice-slowfs, e.g. 5ms (default 0ms: the "
-                         "directory itself)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage and sluice-slowfs")
-    ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
-    ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
-    ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
+    add_loader_args(ap, LOADERS, "8")
     return ap
 
 
