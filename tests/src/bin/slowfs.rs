@@ -11,19 +11,30 @@
 //!
 //! Prints `{"mounted": MOUNTPOINT, ...}` on stdout once the mount is live,
 //! serves until SIGTERM or SIGINT, then unmounts. Mounting needs root (or
-//! `fusermount3`) and `/dev/fuse`. Requests wait on a pool of `--threads`
-//! threads, so at most that many are delayed at once: the harness serves
-//! at most `threads / latency` calls per second.
+//! `fusermount3`) and `/dev/fuse`. A call waits out its latency in a
+//! queue, not on a thread: the latency is the same for every call, so
+//! calls fall due in the order they come, and each of `--threads` threads
+//! keeps a queue of its own (calls are dealt round robin), sleeps until its
+//! first call is due and serves it. So the threads bound how many calls
+//! are served at once (the source's I/O), not how many wait.
+//!
+//! The harness stands in for a filer on another machine, so it spends as
+//! little of this machine's CPU as it can: files are read with `O_DIRECT`
+//! (the disk writes into the reply buffer; no copy out of a page cache of
+//! the source) into a buffer each pool thread keeps, and only the reply's
+//! copy into the mount's pages remains. A source file system that refuses
+//! `O_DIRECT` (tmpfs) is read through its page cache.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::ffi::OsStr;
-use std::fs::{File, Metadata};
+use std::fs::{File, Metadata, OpenOptions};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use clap::Parser;
@@ -36,6 +47,10 @@ use sluice_tests::parse_duration;
 
 /// How long the kernel may keep names and attributes.
 const TTL: Duration = Duration::from_secs(1);
+
+/// Offsets, lengths and buffer addresses of `O_DIRECT` reads are
+/// multiples of this.
+const ALIGN: u64 = 4096;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -53,8 +68,9 @@ struct Args {
     /// Bytes served per second at most, e.g. 500MiB/s (default: no cap).
     #[arg(long, value_parser = parse_rate)]
     bandwidth: Option<u64>,
-    /// Calls served (and delayed) at once.
-    #[arg(long, default_value_t = 256)]
+    /// Threads serving calls: how many are served at once (calls wait
+    /// out their latency in queues, not on threads).
+    #[arg(long, default_value_t = 32)]
     threads: usize,
 }
 
@@ -156,7 +172,7 @@ struct Shared {
     latency: Duration,
     /// Bytes per second, and when the link is next free.
     bandwidth: Option<(u64, Mutex<Instant>)>,
-    open: Mutex<HashMap<u64, Arc<File>>>,
+    open: Mutex<HashMap<u64, Arc<Source>>>,
 }
 
 impl Shared {
@@ -175,7 +191,7 @@ impl Shared {
         std::thread::sleep(done.saturating_duration_since(Instant::now()));
     }
 
-    fn file(&self, fh: u64) -> Option<Arc<File>> {
+    fn file(&self, fh: u64) -> Option<Arc<Source>> {
         lock(&self.open).get(&fh).cloned()
     }
 }
@@ -185,18 +201,18 @@ struct SlowFs {
     inodes: Inodes,
     shared: Arc<Shared>,
     next_fh: AtomicU64,
-    jobs: Sender<Job>,
+    lanes: Vec<Arc<Lane>>,
+    next_lane: AtomicUsize,
 }
 
 impl SlowFs {
     fn new(source: PathBuf, latency: Duration, bandwidth: Option<u64>, threads: usize) -> Self {
-        let (jobs, queue) = channel::<Job>();
-        let queue = Arc::new(Mutex::new(queue));
-        for i in 0..threads {
-            let queue = Arc::clone(&queue);
+        let lanes: Vec<Arc<Lane>> = (0..threads).map(|_| Arc::default()).collect();
+        for (i, lane) in lanes.iter().enumerate() {
+            let lane = Arc::clone(lane);
             std::thread::Builder::new()
                 .name(format!("slowfs-{i}"))
-                .spawn(move || serve(&queue))
+                .spawn(move || lane.serve())
                 .expect("a pool thread");
         }
         let mut inodes = Inodes::default();
@@ -210,7 +226,8 @@ impl SlowFs {
                 open: Mutex::new(HashMap::new()),
             }),
             next_fh: AtomicU64::new(1),
-            jobs,
+            lanes,
+            next_lane: AtomicUsize::new(0),
         }
     }
 
@@ -248,12 +265,78 @@ impl SlowFs {
     fn delayed(&self, job: impl FnOnce(&Shared) + Send + 'static) {
         let shared = Arc::clone(&self.shared);
         let due = Instant::now() + shared.latency;
-        let job: Job = Box::new(move || {
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-            job(&shared);
-        });
-        // The pool outlives the session: a send cannot fail.
-        let _ = self.jobs.send(job);
+        let lane = self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+        self.lanes[lane].push(due, Box::new(move || job(&shared)));
+    }
+}
+
+/// An open source file: with `O_DIRECT` where its file system takes it.
+struct Source {
+    file: File,
+    direct: bool,
+}
+
+thread_local! {
+    /// The buffer a pool thread reads into (it only grows).
+    static BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Source {
+    fn open(path: &Path) -> std::io::Result<Self> {
+        let direct = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path);
+        match direct {
+            Ok(file) => Ok(Self { file, direct: true }),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Self {
+                file: File::open(path)?,
+                direct: false,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads up to `size` bytes at `offset` (fewer at the end of the
+    /// file) into `buffer`, returning them. A direct read covers the
+    /// aligned range around the bytes asked for.
+    fn read<'b>(
+        &self,
+        buffer: &'b mut Vec<u8>,
+        offset: u64,
+        size: u32,
+    ) -> std::io::Result<&'b [u8]> {
+        let (start, skip, len) = if self.direct {
+            let start = offset / ALIGN * ALIGN;
+            let end = (offset + u64::from(size)).div_ceil(ALIGN) * ALIGN;
+            (start, (offset - start) as usize, (end - start) as usize)
+        } else {
+            (offset, 0, size as usize)
+        };
+        // Room for `len` bytes from an aligned address in the buffer.
+        if buffer.len() < len + ALIGN as usize {
+            buffer.resize(len + ALIGN as usize, 0);
+        }
+        let base = buffer.as_ptr().align_offset(ALIGN as usize);
+        let window = &mut buffer[base..base + len];
+        let mut filled = 0;
+        while filled < len {
+            match self
+                .file
+                .read_at(&mut window[filled..], start + filled as u64)
+            {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            if self.direct && filled % ALIGN as usize != 0 {
+                break; // a short direct read ends at the end of the file
+            }
+        }
+        let from = skip.min(filled);
+        let to = (skip + size as usize).min(filled);
+        Ok(&buffer[base + from..base + to])
     }
 }
 
@@ -262,15 +345,47 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn serve(queue: &Mutex<Receiver<Job>>) {
-    loop {
-        let job = {
-            let queue = lock(queue);
-            queue.recv()
-        };
-        match job {
-            Ok(job) => job(),
-            Err(_) => return,
+/// One pool thread's calls, in the order they fall due.
+#[derive(Default)]
+struct Lane {
+    calls: Mutex<VecDeque<(Instant, Job)>>,
+    changed: Condvar,
+}
+
+impl Lane {
+    fn push(&self, due: Instant, job: Job) {
+        let mut calls = lock(&self.calls);
+        calls.push_back((due, job));
+        if calls.len() == 1 {
+            // Its thread waits for a first call (with one it waits on time).
+            self.changed.notify_one();
+        }
+    }
+
+    /// Serves the calls as they fall due; never returns.
+    fn serve(&self) {
+        let mut calls = lock(&self.calls);
+        loop {
+            let Some(due) = calls.front().map(|(due, _)| *due) else {
+                calls = self
+                    .changed
+                    .wait(calls)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            };
+            let now = Instant::now();
+            if due > now {
+                calls = self
+                    .changed
+                    .wait_timeout(calls, due - now)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+                continue;
+            }
+            let (_, job) = calls.pop_front().expect("a call is queued");
+            drop(calls);
+            job();
+            calls = lock(&self.calls);
         }
     }
 }
@@ -339,7 +454,7 @@ impl Filesystem for SlowFs {
             return reply.error(libc::ENOENT);
         };
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.delayed(move |shared| match File::open(&path) {
+        self.delayed(move |shared| match Source::open(&path) {
             Ok(file) => {
                 lock(&shared.open).insert(fh, Arc::new(file));
                 // No FOPEN_KEEP_CACHE: every open reads through, as each
@@ -368,18 +483,13 @@ impl Filesystem for SlowFs {
             let Some(file) = shared.file(fh) else {
                 return reply.error(libc::EBADF);
             };
-            let mut buf = vec![0u8; size as usize];
-            let mut filled = 0;
-            while filled < buf.len() {
-                match file.read_at(&mut buf[filled..], offset + filled as u64) {
-                    Ok(0) => break,
-                    Ok(n) => filled += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => return reply.error(errno(&e)),
+            BUFFER.with_borrow_mut(|buffer| match file.read(buffer, offset, size) {
+                Ok(bytes) => {
+                    shared.transfer(bytes.len());
+                    reply.data(bytes);
                 }
-            }
-            shared.transfer(filled);
-            reply.data(&buf[..filled]);
+                Err(e) => reply.error(errno(&e)),
+            });
         });
     }
 

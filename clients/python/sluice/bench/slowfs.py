@@ -32,7 +32,7 @@ class SlowFs(Harness):
 
     @classmethod
     def start(cls, binary: str, source: str, mountpoint: str, latency: str = "0ms",
-              bandwidth: Optional[str] = None, threads: int = 256, timeout: float = 20.0) -> "SlowFs":
+              bandwidth: Optional[str] = None, threads: int = 32, timeout: float = 20.0) -> "SlowFs":
         """Mounts ``source`` at ``mountpoint`` (created if missing) and returns
         once the mount serves. Raises :class:`SlowFsError` with the harness's
         own words when it cannot mount."""

@@ -22,6 +22,9 @@ __all__ = ["Storage", "open_storage", "LIMIT_CONCURRENCY"]
 
 # Reads in flight when the harness's own limit is measured.
 LIMIT_CONCURRENCY = 256
+# sluice-slowfs's threads: calls served at once (they wait out the latency
+# in queues, so this bounds the source's I/O in flight, not the calls).
+SLOWFS_THREADS = 64
 BUCKET = "bench"
 
 
@@ -82,7 +85,7 @@ def open_storage(kind: str, latency: str, latency_ms: float, ds: BenchDataset, b
     with tempfile.TemporaryDirectory(prefix="sluice-bench-store-") as tmp:
         if kind == "dir":
             fs = SlowFs.start(find_slowfs_binary(bin_dir), ds.root, os.path.join(tmp, "mnt"),
-                              latency=latency, threads=1024)
+                              latency=latency, threads=SLOWFS_THREADS)
             with fs:
                 yield Storage("dir", latency_ms, ds._replace(root=fs.mountpoint))
             return
