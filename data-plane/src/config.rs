@@ -526,12 +526,14 @@ fn merge_datasets(
             "no dataset configured: pass --dataset NAME=DIR (or `datasets:` in --config)".into(),
         ));
     }
+    // The mount shows a dataset as DIR/<name> and a job as DIR/@<job>.
+    let unreachable = |n: &str| n.is_empty() || n == "." || n == ".." || n.starts_with('@');
     if let Some((name, _)) = datasets
         .iter()
-        .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']))
+        .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']) || unreachable(n))
     {
         return Err(ConfigError(format!(
-            "dataset name `{name}` is invalid: at most 128 bytes, no `/`"
+            "dataset name `{name}` is invalid: at most 128 bytes, no `/`, not `.` or `..`, not starting with `@` (the mount's job directories), e.g. `imagenet`"
         )));
     }
     Ok(datasets)
@@ -1022,6 +1024,29 @@ mod tests {
         }
         assert!(Args::try_parse_from(["s", "--dataset", "nodir"]).is_err());
         assert!(Args::try_parse_from(["s", "--memory-budget", "1KB"]).is_err());
+    }
+
+    #[test]
+    fn dataset_names_the_mount_cannot_show_are_refused() {
+        for name in [".", "..", "@a", "@", "a/b"] {
+            let flag = format!("{name}=/tmp");
+            let e = StageConfig::from_args(args(&["--dataset", &flag]))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("dataset name `{name}` is invalid")),
+                "{name}: {e}"
+            );
+        }
+        let file = BTreeMap::from([(String::new(), PathBuf::from("/tmp"))]);
+        assert!(merge_datasets(&file, &[]).is_err());
+        for name in ["a", "a.b", "..a", "a@b", "_"] {
+            let flag = format!("{name}=/tmp");
+            assert!(
+                StageConfig::from_args(args(&["--dataset", &flag])).is_ok(),
+                "{name}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The local-directory source: a canonical root, its walked listing, and
 //! the path confinement that keeps every read beneath it.
 
+use std::fs::{DirEntry, FileType, ReadDir};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,12 +48,17 @@ impl DirSource {
         &self.root
     }
 
-    /// Walks the root. Blocking.
+    /// Walks the root, skipping with a warning the subdirectories that
+    /// cannot be read (not the root: that is an error). Blocking.
     pub fn list(&self) -> io::Result<Walked> {
-        let mut walked = Walked::default();
-        let mut visited = vec![self.root.clone()];
-        walk(&self.root, &self.root, "", &mut walked, &mut visited)?;
-        Ok(walked)
+        let entries = std::fs::read_dir(&self.root)?;
+        let mut walk = Walk {
+            root: &self.root,
+            out: Walked::default(),
+            ancestors: vec![self.root.clone()],
+        };
+        walk.entries(&self.root, entries, "")?;
+        Ok(walk.out)
     }
 
     /// Maps a checked name to a path beneath the root, refusing symlinks
@@ -156,55 +162,161 @@ fn mtime_version(meta: &std::fs::Metadata) -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Collects the regular files beneath `dir`, following symlinks only when
-/// their target stays beneath `root` and was not visited (no cycles).
-fn walk(
-    root: &Path,
-    dir: &Path,
-    prefix: &str,
-    out: &mut Walked,
-    visited: &mut Vec<PathBuf>,
-) -> io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let Some(file_name) = entry.file_name().to_str().map(str::to_owned) else {
-            tracing::warn!(dir = %dir.display(), "skipping a file whose name is not UTF-8");
-            continue;
-        };
-        let name = if prefix.is_empty() {
-            file_name
-        } else {
-            format!("{prefix}/{file_name}")
-        };
-        let path = entry.path();
-        let mut file_type = entry.file_type()?;
-        let mut target = path.clone();
-        if file_type.is_symlink() {
-            let Ok(resolved) = path.canonicalize() else {
+/// A walk of a root: what it has listed so far, and the directories on the
+/// path it is in (canonical, the root first), which it does not enter
+/// again: a symlink to one of them is a cycle.
+struct Walk<'a> {
+    root: &'a Path,
+    out: Walked,
+    ancestors: Vec<PathBuf>,
+}
+
+impl Walk<'_> {
+    /// Collects the regular files among `entries`, those of `dir` (last of
+    /// the ancestors), named under `prefix`. Symlinks are followed when
+    /// their target stays beneath the root and is not an ancestor; a
+    /// directory reached both by its own name and through a symlink is
+    /// listed under both names, as `os.walk(followlinks=True)` does.
+    fn entries(&mut self, dir: &Path, entries: ReadDir, prefix: &str) -> io::Result<()> {
+        for entry in entries {
+            let entry = entry?;
+            let Some(file_name) = entry.file_name().to_str().map(str::to_owned) else {
+                tracing::warn!(dir = %dir.display(), "skipping a file whose name is not UTF-8");
                 continue;
             };
-            if !resolved.starts_with(root) {
+            let name = if prefix.is_empty() {
+                file_name
+            } else {
+                format!("{prefix}/{file_name}")
+            };
+            let Some((file_type, target)) = self.follow(&entry)? else {
                 continue;
+            };
+            if file_type.is_dir() {
+                self.subdir(target, name)?;
+            } else if file_type.is_file() {
+                let meta = std::fs::metadata(&target)?;
+                self.out
+                    .files
+                    .push(FileEntry::new(name, meta.len(), mtime_version(&meta)));
             }
-            file_type = std::fs::metadata(&resolved)?.file_type();
-            target = resolved;
         }
-        if file_type.is_dir() {
-            let canonical = target.canonicalize()?;
-            if visited.contains(&canonical) {
-                continue;
-            }
-            visited.push(canonical);
-            let before = (out.files.len(), out.empty_dirs.len());
-            walk(root, &target, &name, out, visited)?;
-            if (out.files.len(), out.empty_dirs.len()) == before {
-                out.empty_dirs.push(name);
-            }
-        } else if file_type.is_file() {
-            let meta = std::fs::metadata(&target)?;
-            out.files
-                .push(FileEntry::new(name, meta.len(), mtime_version(&meta)));
-        }
+        Ok(())
     }
-    Ok(())
+
+    /// Returns the type of `entry` and the canonical path to read it by:
+    /// its own (its directory's is canonical), or a symlink's target;
+    /// `None` for a symlink that dangles or leaves the root.
+    fn follow(&self, entry: &DirEntry) -> io::Result<Option<(FileType, PathBuf)>> {
+        let path = entry.path();
+        let file_type = entry.file_type()?;
+        if !file_type.is_symlink() {
+            return Ok(Some((file_type, path)));
+        }
+        let Ok(resolved) = path.canonicalize() else {
+            return Ok(None);
+        };
+        if !resolved.starts_with(self.root) {
+            return Ok(None);
+        }
+        let file_type = std::fs::metadata(&resolved)?.file_type();
+        Ok(Some((file_type, resolved)))
+    }
+
+    /// Walks the subdirectory `dir` (canonical) listed as `name`, recording
+    /// it when nothing is listed beneath it. Skips an ancestor (a cycle),
+    /// and, with a warning, a directory that cannot be read: one of those
+    /// must not make the whole dataset unusable.
+    fn subdir(&mut self, dir: PathBuf, name: String) -> io::Result<()> {
+        if self.ancestors.contains(&dir) {
+            return Ok(());
+        }
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(error) => {
+                tracing::warn!(dir = %dir.display(), %error, "skipping a directory that cannot be read");
+                return Ok(());
+            }
+        };
+        let before = (self.out.files.len(), self.out.empty_dirs.len());
+        self.ancestors.push(dir.clone());
+        self.entries(&dir, entries, &name)?;
+        self.ancestors.pop();
+        if (self.out.files.len(), self.out.empty_dirs.len()) == before {
+            self.out.empty_dirs.push(name);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn listed(root: &Path) -> Vec<String> {
+        let walked = DirSource::open("d", root, false).unwrap().list().unwrap();
+        let mut names: Vec<String> = walked.files.into_iter().map(|f| f.name).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn symlinked_directories_are_listed_beside_their_targets_and_cycles_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("realdir")).unwrap();
+        std::fs::create_dir_all(root.join("other")).unwrap();
+        std::fs::write(root.join("realdir/file"), b"1").unwrap();
+        std::fs::write(root.join("other/x"), b"2").unwrap();
+        // Whichever of `alias` and `realdir` the directory order gives
+        // first, both are listed.
+        symlink("realdir", root.join("alias")).unwrap();
+        symlink("../other", root.join("realdir/side")).unwrap();
+        // Cycles: to the directory itself, to the root, and back to
+        // `realdir` from beneath it (`realdir/side/back`).
+        symlink(".", root.join("realdir/loop")).unwrap();
+        symlink("..", root.join("realdir/up")).unwrap();
+        symlink("../realdir", root.join("other/back")).unwrap();
+        assert_eq!(
+            listed(&root),
+            [
+                "alias/file",
+                "alias/side/x",
+                "other/back/file",
+                "other/x",
+                "realdir/file",
+                "realdir/side/x",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_subdirectory_that_cannot_be_read_is_skipped() {
+        // Root reads a directory whatever its mode, so the unreadable one
+        // here lies past PATH_MAX, where opening it fails (ENAMETOOLONG)
+        // for root too. It is built from the bottom up by renames of
+        // short paths.
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("kept.bin"), b"1").unwrap();
+        let (chain, next) = (dir.path().join("chain"), dir.path().join("next"));
+        std::fs::create_dir(&chain).unwrap();
+        for _ in 0..24 {
+            std::fs::create_dir(&next).unwrap();
+            std::fs::rename(&chain, next.join("d".repeat(200))).unwrap();
+            std::fs::rename(&next, &chain).unwrap();
+        }
+        std::fs::rename(&chain, root.join("deep")).unwrap();
+        assert_eq!(listed(&root), ["kept.bin"]);
+    }
+
+    #[test]
+    fn an_unreadable_root_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = DirSource::open("d", dir.path(), false).unwrap();
+        std::fs::remove_dir(dir.path()).unwrap();
+        assert!(source.list().is_err());
+    }
 }
