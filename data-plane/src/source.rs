@@ -28,7 +28,7 @@ pub use s3::{S3Options, S3Source};
 #[derive(Debug)]
 pub enum Source {
     Dir(DirSource),
-    S3(S3Source),
+    S3(Box<S3Source>),
 }
 
 impl Source {
@@ -42,11 +42,11 @@ impl Source {
         metrics: &Metrics,
     ) -> anyhow::Result<Self> {
         match location.to_str() {
-            Some(url) if url.starts_with("s3://") => Ok(Self::S3(
+            Some(url) if url.starts_with("s3://") => Ok(Self::S3(Box::new(
                 S3Source::open(dataset, url, s3, metrics)
                     .await
                     .map_err(anyhow::Error::msg)?,
-            )),
+            ))),
             _ => Ok(Self::Dir(DirSource::open(dataset, location, direct)?)),
         }
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import threading
 import time
 
 import pytest
@@ -137,6 +138,55 @@ def test_throttling_and_resets_are_retried(s3, stage_factory):
     assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="throttled") >= 1
     assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="connection") >= 1
     assert metric_sum(stage, "sluice_stage_source_retries_total") >= 2
+
+
+def test_keys_no_sample_name_can_carry_are_skipped_and_the_rest_served(s3, stage_factory):
+    server, files = s3
+    data = os.path.join(server.root, BUCKET, PREFIX)
+    odd = {"plus+sign.bin": b"+", "pct%20enc.bin": b"%", "sp ace/x.bin": b" "}
+    for name, body in odd.items():
+        os.makedirs(os.path.dirname(os.path.join(data, name)), exist_ok=True)
+        with open(os.path.join(data, name), "wb") as f:
+            f.write(body)
+    # A control character: a legal S3 key, but not one object_store can
+    # address; it used to fail the whole listing (and so the stage's start).
+    with open(os.path.join(data, "ctrl\ttab.bin"), "wb") as f:
+        f.write(b"tab")
+    stage = s3_stage(stage_factory, f"http://{server.address}")
+    with sluice.Client(stage.socket, job="odd") as c:
+        ds = c.dataset("ds")
+        assert ds.files.names() == sorted_names({**files, **odd})
+        got = {name: bytes(data) for name, data in ds.epoch(0, seed=2, batch=4)}
+    assert got == {**files, **odd}
+    assert "skipping an object whose key is not a servable name" in stage.stderr_tail()
+
+
+def test_a_store_restarting_within_the_deadline_loses_no_sample(s3, stage_factory):
+    server, files = s3
+    stage = s3_stage(stage_factory, f"http://{server.address}")
+    port = int(server.address.rsplit(":", 1)[1])
+    with sluice.Client(stage.socket, job="restart") as c:
+        ds = c.dataset("ds")
+        server.proc.kill()
+        server.proc.wait()
+        revived = []
+
+        def restart() -> None:  # refused connections for 3 s, then back
+            time.sleep(3)
+            revived.append(S3Server.start(server.proc.args[0], server.root, port=port))
+
+        t = threading.Thread(target=restart)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            got = {name: bytes(data) for name, data in ds.epoch(0, seed=4, batch=4)}
+        finally:
+            t.join()
+            for s in revived:
+                s.stop()
+    assert got == files
+    assert time.monotonic() - t0 >= 2.5
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="connection") > 0
 
 
 def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):

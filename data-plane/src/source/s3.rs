@@ -1,9 +1,11 @@
 //! The S3-compatible object-store source: `s3://bucket/prefix`.
 //!
-//! Signing, listing, GETs and their retries are `object_store`'s, over a
-//! hyper client of our own (rustls on ring, like the controller session), so
-//! the stage has one TLS stack and one runtime. Every request passes
-//! through [`Http`], which counts it by outcome and times it.
+//! Signing, GETs and their retries are `object_store`'s, over a hyper
+//! client of our own (rustls on ring, like the controller session), so the
+//! stage has one TLS stack and one runtime. Every request passes through
+//! [`Http`], which counts it by outcome and times it. Listing is our own
+//! (`s3/list.rs`): it judges each key alone, skipping folder markers and
+//! keys that are not servable names instead of failing the dataset.
 //!
 //! Reads are asynchronous: a job's readers start them on the runtime and go
 //! on, so hundreds are in flight on a few threads. An object of
@@ -39,6 +41,9 @@ use crate::entry::{FileEntry, Fnv64};
 use crate::metrics::{Metrics, SourceMetrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{MAX_FILE_BYTES, clamp_range};
+use list::{ListError, Listed, Lister};
+
+mod list;
 
 /// Objects this large or larger are fetched as parallel ranged GETs of
 /// this size.
@@ -92,7 +97,7 @@ pub struct S3Source {
     /// Sample reads: requests and retries within the sample deadline.
     store: AmazonS3,
     /// Listings: requests as long as a page takes.
-    lister: AmazonS3,
+    lister: Lister,
     runtime: Handle,
     deadline: Duration,
     metrics: SourceMetrics,
@@ -137,36 +142,50 @@ impl S3Source {
                 max_backoff: Duration::from_secs(2),
                 base: 2.0,
             },
-            max_retries: 16,
+            // Retried until the sample's deadline, however many tries
+            // that takes: a store refusing connections for a few seconds
+            // (a restart) exhausts 16 tries of 20 ms backoff in one.
+            max_retries: usize::MAX,
             retry_timeout: options.deadline,
         };
-        let builder = builder(&bucket, options, &source_metrics)
+        let (builder, addressing) = builder(&bucket, options, &source_metrics)
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         let endpoint = options
             .endpoint
             .clone()
             .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
             .unwrap_or_else(|| "AWS S3".into());
-        // Listing requests are not bound by the sample deadline; the check
-        // at start gives up after a few tries: a wrong endpoint should fail
-        // the start, not stall it.
-        let lister = builder
+        // The start-up check gives up after a few tries: a wrong endpoint
+        // should fail the start, not stall it.
+        let probe = builder
             .clone()
-            .with_client_options(client_options(PROBE_TIMEOUT.max(options.deadline)))
+            .with_client_options(client_options(PROBE_TIMEOUT))
             .with_retry(RetryConfig {
                 max_retries: 3,
                 retry_timeout: PROBE_TIMEOUT,
-                ..retry.clone()
+                backoff: BackoffConfig::default(),
             })
             .build()
-            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
-        check(&lister, &prefix, &bucket, &endpoint)
-            .await
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         let store = builder
             .with_client_options(client_options(options.deadline))
             .with_retry(retry)
             .build()
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        // Listing requests are not bound by the sample deadline.
+        let lister = Lister {
+            http: object_store::client::HttpConnector::connect(
+                &Connector(source_metrics.clone()),
+                &ClientOptions::new(),
+            )
+            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?,
+            bucket_url: addressing.bucket_url,
+            region: addressing.region,
+            credentials: (!options.anonymous).then(|| store.credentials().clone()),
+            timeout: PROBE_TIMEOUT.max(options.deadline),
+        };
+        check(&lister, &probe, &prefix, &bucket, &endpoint)
+            .await
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         Ok(Self {
             url: url.to_owned(),
@@ -200,61 +219,91 @@ impl S3Source {
     /// [`LIST_SPLIT`] sub-prefixes, at most [`LIST_DEPTH`] levels down) and
     /// the sub-prefixes are listed [`LIST_CONCURRENCY`] at a time.
     pub async fn list(&self) -> std::io::Result<Vec<FileEntry>> {
-        let failed = |e: object_store::Error| {
-            std::io::Error::other(format!("listing {} failed: {e}", self.url))
-        };
+        let failed =
+            |e: ListError| std::io::Error::other(format!("listing {} failed: {e}", self.url));
         let mut files = Vec::new();
-        let mut prefixes = vec![self.prefix.clone()];
+        let mut prefixes = vec![self.key_prefix()];
         for _ in 0..LIST_DEPTH {
             if prefixes.len() >= LIST_SPLIT {
                 break;
             }
             let levels = futures::stream::iter(prefixes.iter())
-                .map(|prefix| self.lister.list_with_delimiter(Some(prefix)))
+                .map(|prefix| self.list_all(prefix, true))
                 .buffer_unordered(LIST_CONCURRENCY)
                 .collect::<Vec<_>>()
                 .await;
             let mut deeper = Vec::new();
             for level in levels {
-                let level = level.map_err(failed)?;
-                files.extend(level.objects.iter().filter_map(|meta| self.entry_of(meta)));
-                deeper.extend(level.common_prefixes);
+                let (objects, sub) = level.map_err(failed)?;
+                files.extend(objects.iter().filter_map(|o| self.entry_of(o)));
+                deeper.extend(sub);
             }
             prefixes = deeper;
         }
-        let mut pages = futures::stream::iter(prefixes.iter())
-            .map(|prefix| self.lister.list(Some(prefix)))
-            .flatten_unordered(LIST_CONCURRENCY);
-        while let Some(meta) = pages.next().await {
-            files.extend(self.entry_of(&meta.map_err(failed)?));
+        let rest = futures::stream::iter(prefixes.iter())
+            .map(|prefix| self.list_all(prefix, false))
+            .buffer_unordered(LIST_CONCURRENCY)
+            .collect::<Vec<_>>()
+            .await;
+        for listed in rest {
+            let (objects, _) = listed.map_err(failed)?;
+            files.extend(objects.iter().filter_map(|o| self.entry_of(o)));
         }
         Ok(files)
     }
 
-    /// The entry of a listed object; its version is a hash of the ETag.
-    fn entry_of(&self, meta: &object_store::ObjectMeta) -> Option<FileEntry> {
-        let name = self.name_of(&meta.location)?;
-        let version = match &meta.e_tag {
-            Some(tag) => {
-                let mut h = Fnv64::new();
-                h.write(tag.as_bytes());
-                h.0
-            }
-            None => meta.last_modified.timestamp_nanos_opt().unwrap_or(0) as u64,
-        };
-        Some(FileEntry::new(name, meta.size, version))
+    /// The prefix keys of the dataset begin with (`prefix/`, or nothing
+    /// for a whole bucket).
+    fn key_prefix(&self) -> String {
+        match self.prefix.as_ref() {
+            "" => String::new(),
+            prefix => format!("{prefix}/"),
+        }
     }
 
-    /// The dataset name of a listed key, or `None` for keys that are not
-    /// servable names.
-    fn name_of(&self, key: &Key) -> Option<String> {
-        let raw = key.as_ref();
-        let name = if self.prefix.as_ref().is_empty() {
-            raw
-        } else {
-            raw.strip_prefix(self.prefix.as_ref())?.strip_prefix('/')?
-        };
-        if crate::entry::check_name(name).is_err() {
+    /// Every page beneath `prefix`: its objects and (when `delimited`) its
+    /// sub-prefixes.
+    async fn list_all(
+        &self,
+        prefix: &str,
+        delimited: bool,
+    ) -> Result<(Vec<Listed>, Vec<String>), ListError> {
+        let (mut objects, mut prefixes) = (Vec::new(), Vec::new());
+        let mut token = None;
+        loop {
+            let page = self
+                .lister
+                .page(prefix, delimited, token.as_deref())
+                .await?;
+            objects.extend(page.objects);
+            prefixes.extend(page.prefixes);
+            match page.next {
+                Some(next) if Some(&next) != token.as_ref() => token = Some(next),
+                _ => return Ok((objects, prefixes)),
+            }
+        }
+    }
+
+    /// The entry of a listed object; its version is a hash of the ETag
+    /// (else of the modification time).
+    fn entry_of(&self, listed: &Listed) -> Option<FileEntry> {
+        let name = self.name_of(&listed.key)?;
+        let mut h = Fnv64::new();
+        h.write(listed.version.as_bytes());
+        Some(FileEntry::new(name, listed.size, h.0))
+    }
+
+    /// The dataset name of a listed key, or `None` for a folder marker
+    /// (`cats/`: no sample, the folder shows by the keys beneath it) and
+    /// for keys that are not servable names or cannot be read back as
+    /// they are.
+    fn name_of(&self, raw: &str) -> Option<String> {
+        let name = raw.strip_prefix(&self.key_prefix())?;
+        if name.is_empty() || name.ends_with('/') {
+            return None;
+        }
+        let addressable = || Key::parse(raw).is_ok_and(|key| key.as_ref() == raw);
+        if crate::entry::check_name(name).is_err() || !addressable() {
             tracing::warn!(
                 key = raw,
                 "skipping an object whose key is not a servable name"
@@ -370,16 +419,23 @@ impl S3Source {
                 Ok::<_, object_store::Error>((meta, result.bytes().await?))
             }
         });
-        let parts = futures::future::try_join_all(parts).await?;
-        let etag = &parts[0].0.e_tag;
-        if parts
-            .iter()
-            .any(|(meta, _)| meta.size != size || &meta.e_tag != etag)
-        {
+        let parts = match futures::future::try_join_all(parts).await {
+            Ok(parts) => Some(parts),
+            // The object shrank below a part's range since it was listed.
+            Err(e) if e.to_string().contains("416") => None,
+            Err(e) => return Err(e),
+        };
+        let replaced = parts.as_ref().is_none_or(|parts| {
+            let etag = &parts[0].0.e_tag;
+            parts
+                .iter()
+                .any(|(meta, _)| meta.size != size || &meta.e_tag != etag)
+        });
+        let Some(parts) = parts.filter(|_| !replaced) else {
             buf.recycle();
             let whole = self.store.get_opts(key, GetOptions::default()).await?;
             return Ok(Chunk::from_vec(whole.bytes().await?.to_vec()));
-        }
+        };
         let bytes = buf.as_mut_slice();
         let mut len = 0;
         for (_, piece) in parts {
@@ -408,12 +464,14 @@ impl S3Source {
                 ),
             )
         };
+        let started = tokio::time::Instant::now();
         let failed = match tokio::time::timeout(self.deadline, work).await {
             Ok(Ok(value)) => return Ok(value),
             // object_store's own clock (its request timeout or the end of
-            // its retries) ran out first.
+            // its retries, both set to the deadline) ran out first.
             Ok(Err(e))
-                if e.to_string().contains("timed out") || e.to_string().contains("retry") =>
+                if started.elapsed() >= self.deadline.mul_f64(0.9)
+                    && (e.to_string().contains("timed out") || e.to_string().contains("retr")) =>
             {
                 past_deadline(&format!(": {e}"))
             }
@@ -501,48 +559,108 @@ fn client_options(request_timeout: Duration) -> ClientOptions {
         .with_timeout(request_timeout)
 }
 
-/// Lists one page beneath the prefix, turning each way it can fail into a
-/// sentence that says what to fix.
-async fn check(store: &AmazonS3, prefix: &Key, bucket: &str, endpoint: &str) -> Result<(), String> {
-    let listed = tokio::time::timeout(PROBE_TIMEOUT, store.list_with_delimiter(Some(prefix))).await;
-    let e = match listed {
-        Ok(Ok(_)) => return Ok(()),
-        Ok(Err(e)) => e,
+/// Lists one page beneath the prefix and asks for a key that does not
+/// exist, turning each way that can fail into a sentence that says what
+/// to fix. A prefix with no objects is only warned about (the data may
+/// not be uploaded yet).
+async fn check(
+    lister: &Lister,
+    store: &AmazonS3,
+    prefix: &Key,
+    bucket: &str,
+    endpoint: &str,
+) -> Result<(), String> {
+    let key_prefix = match prefix.as_ref() {
+        "" => String::new(),
+        p => format!("{p}/"),
+    };
+    let first = match tokio::time::timeout(PROBE_TIMEOUT, lister.page(&key_prefix, false, None))
+        .await
+    {
+        Ok(Ok(page)) => page,
+        Ok(Err(e)) => return Err(list_failure(&e, bucket, endpoint)),
         Err(_) => {
             return Err(format!(
                 "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
             ));
         }
     };
-    let text = e.to_string();
+    // A server that is not an object store (a web server answering every
+    // path) may pass for an empty one; it also "finds" a key that cannot
+    // exist.
+    let absent = prefix.clone().join(".sluice-probe-no-such-key");
     use object_store::Error as E;
-    Err(match &e {
-        _ if text.contains("NoSuchBucket") => format!(
+    match tokio::time::timeout(PROBE_TIMEOUT, store.head(&absent)).await {
+        Ok(Err(E::NotFound { .. } | E::PermissionDenied { .. } | E::Unauthenticated { .. })) => {}
+        Ok(Ok(_)) => {
+            return Err(format!(
+                "the server at {endpoint} does not answer like an S3 object store (it found an object that cannot exist): check --s3-endpoint"
+            ));
+        }
+        Ok(Err(e)) => {
+            return Err(format!(
+                "the server at {endpoint} does not answer like an S3 object store ({e}): check --s3-endpoint"
+            ));
+        }
+        Err(_) => {
+            return Err(format!(
+                "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
+            ));
+        }
+    }
+    if first.objects.is_empty() && first.prefixes.is_empty() {
+        tracing::warn!(
+            bucket,
+            prefix = %prefix,
+            "the dataset's prefix holds no objects (yet?): check the dataset URL"
+        );
+    }
+    Ok(())
+}
+
+/// What to fix, when the start-up listing failed with `e`.
+fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
+    let refused = || {
+        format!(
+            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({e}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+        )
+    };
+    let no_bucket = || {
+        format!(
             "bucket `{bucket}` does not exist at {endpoint}: check the dataset URL (and --s3-endpoint)"
+        )
+    };
+    match e {
+        ListError::Status(_, body) if body.contains("NoSuchBucket") => no_bucket(),
+        ListError::Status(status, _) if *status == http::StatusCode::NOT_FOUND => no_bucket(),
+        ListError::Status(status, _)
+            if *status == http::StatusCode::FORBIDDEN
+                || *status == http::StatusCode::UNAUTHORIZED =>
+        {
+            refused()
+        }
+        ListError::Transport(_) => format!(
+            "cannot reach the object store at {endpoint} ({e}): check --s3-endpoint and the network"
         ),
-        E::PermissionDenied { .. } | E::Unauthenticated { .. } => format!(
-            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({text}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+        ListError::Timeout(_) => format!(
+            "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
         ),
-        E::NotFound { .. } => format!(
-            "bucket `{bucket}` does not exist at {endpoint}: check the dataset URL (and --s3-endpoint)"
+        ListError::NotS3(_) => format!(
+            "the server at {endpoint} does not answer like an S3 object store: {e}; check --s3-endpoint"
         ),
-        _ if text.contains("403") => format!(
-            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({text}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
-        ),
-        _ if text.contains("connect") || text.contains("Connect") => format!(
-            "cannot reach the object store at {endpoint} ({text}): check --s3-endpoint and the network"
-        ),
-        _ => format!("listing bucket `{bucket}` at {endpoint} failed: {text}"),
-    })
+        ListError::Status(..) => format!("listing bucket `{bucket}` at {endpoint} failed: {e}"),
+    }
 }
 
 /// The builder for `bucket` with the endpoint, region, addressing and
-/// credentials the options and the standard AWS variables and files give.
+/// credentials the options and the standard AWS variables and files give,
+/// and the bucket's URL and region for the listing requests (as object_store
+/// addresses them).
 fn builder(
     bucket: &str,
     options: &S3Options,
     metrics: &SourceMetrics,
-) -> Result<AmazonS3Builder, String> {
+) -> Result<(AmazonS3Builder, Addressing), String> {
     let mut b = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(!options.path_style)
@@ -569,16 +687,24 @@ fn builder(
         .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
         .or_else(|| profile.config.get("region").cloned())
         .unwrap_or_else(|| "us-east-1".into());
-    b = b.with_region(region);
+    b = b.with_region(&region);
+    // A virtual-hosted endpoint already names the bucket (object_store's rule).
+    let bucket_url = match (&endpoint, options.path_style) {
+        (Some(endpoint), false) => endpoint.trim_end_matches('/').to_owned(),
+        (Some(endpoint), true) => format!("{}/{bucket}", endpoint.trim_end_matches('/')),
+        (None, false) => format!("https://{bucket}.s3.{region}.amazonaws.com"),
+        (None, true) => format!("https://s3.{region}.amazonaws.com/{bucket}"),
+    };
+    let addressing = Addressing { bucket_url, region };
     if options.anonymous {
-        return Ok(b.with_skip_signature(true));
+        return Ok((b.with_skip_signature(true), addressing));
     }
     let from_env = std::env::var_os("AWS_ACCESS_KEY_ID").is_some()
         || std::env::var_os("AWS_WEB_IDENTITY_TOKEN_FILE").is_some()
         || std::env::var_os("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").is_some()
         || std::env::var_os("AWS_CONTAINER_CREDENTIALS_FULL_URI").is_some();
     if from_env {
-        return Ok(b);
+        return Ok((b, addressing));
     }
     match (
         profile.credentials.get("aws_access_key_id"),
@@ -589,7 +715,7 @@ fn builder(
             if let Some(token) = profile.credentials.get("aws_session_token") {
                 b = b.with_token(token);
             }
-            Ok(b)
+            Ok((b, addressing))
         }
         _ => Err(format!(
             "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or put profile `{}` in {} (AWS_PROFILE picks another), or pass --s3-anonymous for a public bucket",
@@ -597,6 +723,12 @@ fn builder(
             profile.credentials_file.display()
         )),
     }
+}
+
+/// Where a bucket's requests go.
+struct Addressing {
+    bucket_url: String,
+    region: String,
 }
 
 /// The named profile of the shared AWS files (`~/.aws/credentials` and

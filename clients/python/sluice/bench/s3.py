@@ -52,9 +52,11 @@ class S3Server(Harness):
         self.address = f"127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, binary: str, root: str, timeout: float = 20.0) -> "S3Server":
+    def start(cls, binary: str, root: str, timeout: float = 20.0,
+              port: Optional[int] = None) -> "S3Server":
+        """Serves ``root`` on ``port`` (a free one when not given)."""
         os.makedirs(root, exist_ok=True)
-        port = free_port()
+        port = port or free_port()
         args = [binary, "--host", "127.0.0.1", "--port", str(port),
                 "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, root]
         proc, ready = Harness.launch(args, f"s3s-fs (serving {root})", timeout, port=port)

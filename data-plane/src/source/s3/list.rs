@@ -1,0 +1,337 @@
+//! Listing a bucket prefix with ListObjectsV2, keys as the store sent them.
+//!
+//! object_store's listing parses every key of a page into its `Path` and
+//! fails the whole page (and so the dataset) on one key it cannot represent
+//! (`a//b`, `a/../b`, a control character), and it drops the `/` that marks
+//! a "folder" object (`cats/`, what a console's "Create folder" makes), so
+//! such a marker looked like a sample that cannot be read. Here each key is
+//! judged alone: markers and unservable keys are skipped, the others
+//! listed. Requests are signed with object_store's SigV4 signer and sent
+//! through the source's own HTTP client.
+
+use std::time::Duration;
+
+use http::{Method, Request, StatusCode};
+use object_store::aws::{AwsAuthorizer, AwsCredentialProvider};
+use object_store::client::{HttpClient, HttpErrorKind, HttpRequestBody};
+use serde::Deserialize;
+
+/// Keys per page (the most S3 returns).
+const PAGE_KEYS: u32 = 1000;
+/// Tries of one page request when the store refuses, resets or throttles,
+/// and the wait before the second (doubled before each next one).
+const TRIES: u32 = 4;
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Where and how listing requests go.
+pub struct Lister {
+    pub http: HttpClient,
+    /// The bucket's URL (`https://bucket.s3.region.amazonaws.com`, or
+    /// `endpoint/bucket` path-style), no trailing `/`.
+    pub bucket_url: String,
+    pub region: String,
+    /// `None` for unsigned requests (`--s3-anonymous`).
+    pub credentials: Option<AwsCredentialProvider>,
+    /// How long one page request may take.
+    pub timeout: Duration,
+}
+
+/// One listed object: its key as stored, its size and what identifies its
+/// version (the ETag, else the modification time).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub key: String,
+    pub size: u64,
+    pub version: String,
+}
+
+/// One page: the objects, the sub-prefixes (with a delimiter), and the
+/// token of the next page.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Page {
+    pub objects: Vec<Listed>,
+    pub prefixes: Vec<String>,
+    pub next: Option<String>,
+}
+
+/// Why a listing request failed.
+#[derive(Debug)]
+pub enum ListError {
+    /// The store answered with this status (and body).
+    Status(StatusCode, String),
+    /// No answer: refused, reset, unresolvable, TLS.
+    Transport(String),
+    /// No answer in time.
+    Timeout(Duration),
+    /// An answer that is not an S3 listing.
+    NotS3(String),
+}
+
+impl std::fmt::Display for ListError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Status(status, body) => write!(f, "the store answered {status}: {body}"),
+            Self::Transport(e) => write!(f, "{e}"),
+            Self::Timeout(t) => write!(f, "no answer within {t:?}"),
+            Self::NotS3(e) => write!(f, "the answer is not an S3 listing ({e})"),
+        }
+    }
+}
+
+impl Lister {
+    /// Lists one page of the keys beginning with `prefix` (with `/` as the
+    /// delimiter when `delimited`), from `token` on. Retries refusals,
+    /// resets and 5xx/429 answers a few times with backoff.
+    pub async fn page(
+        &self,
+        prefix: &str,
+        delimited: bool,
+        token: Option<&str>,
+    ) -> Result<Page, ListError> {
+        let mut backoff = FIRST_BACKOFF;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let answer = self.request(prefix, delimited, token).await;
+            let retry = match &answer {
+                Err(ListError::Transport(_) | ListError::Timeout(_)) => true,
+                Err(ListError::Status(status, _)) => {
+                    status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS
+                }
+                _ => false,
+            };
+            if !retry || tries >= TRIES {
+                return answer;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff *= 2;
+        }
+    }
+
+    async fn request(
+        &self,
+        prefix: &str,
+        delimited: bool,
+        token: Option<&str>,
+    ) -> Result<Page, ListError> {
+        let mut query = vec![
+            ("list-type", "2".to_owned()),
+            ("max-keys", PAGE_KEYS.to_string()),
+            ("prefix", prefix.to_owned()),
+        ];
+        if delimited {
+            query.push(("delimiter", "/".to_owned()));
+        }
+        if let Some(token) = token {
+            query.push(("continuation-token", token.to_owned()));
+        }
+        // SigV4 signs the query sorted by name, each part encoded as below.
+        query.sort();
+        let query: Vec<String> = query
+            .iter()
+            .map(|(k, v)| format!("{k}={}", encode(v)))
+            .collect();
+        let url = format!("{}/?{}", self.bucket_url, query.join("&"));
+        let mut request = Request::builder()
+            .method(Method::GET)
+            .uri(&url)
+            .body(HttpRequestBody::empty())
+            .map_err(|e| ListError::Transport(format!("bad listing URL {url}: {e}")))?;
+        if let Some(credentials) = &self.credentials {
+            let credential = credentials
+                .get_credential()
+                .await
+                .map_err(|e| ListError::Transport(format!("no credentials: {e}")))?;
+            AwsAuthorizer::new(&credential, "s3", &self.region)
+                .try_authorize(&mut request, None)
+                .map_err(|e| ListError::Transport(format!("cannot sign the request: {e}")))?;
+        }
+        let exchange = async {
+            let response = self.http.execute(request).await.map_err(|e| {
+                let kind = match e.kind() {
+                    HttpErrorKind::Connect => "cannot connect",
+                    _ => "the request failed",
+                };
+                ListError::Transport(format!("{kind}: {e}"))
+            })?;
+            let status = response.status();
+            let body = response
+                .into_body()
+                .bytes()
+                .await
+                .map_err(|e| ListError::Transport(format!("the answer broke off: {e}")))?;
+            Ok::<_, ListError>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| ListError::Timeout(self.timeout))??;
+        let text = String::from_utf8_lossy(&body);
+        if !status.is_success() {
+            return Err(ListError::Status(status, text.chars().take(512).collect()));
+        }
+        parse(&text)
+    }
+}
+
+/// Parses a ListObjectsV2 answer, decoding keys and prefixes when the store
+/// says it URL-encoded them. (They are not asked for encoded: some
+/// compatible stores echo `encoding-type=url` without encoding, and a key
+/// with `+` or `%` then reads back wrong.)
+pub fn parse(text: &str) -> Result<Page, ListError> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "PascalCase")]
+    struct Answer {
+        #[serde(default)]
+        contents: Vec<Contents>,
+        #[serde(default)]
+        common_prefixes: Vec<Prefix>,
+        #[serde(default)]
+        next_continuation_token: Option<String>,
+        #[serde(default)]
+        is_truncated: Option<bool>,
+        #[serde(default)]
+        encoding_type: Option<String>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "PascalCase")]
+    struct Contents {
+        key: String,
+        size: u64,
+        #[serde(rename = "ETag", default)]
+        e_tag: Option<String>,
+        #[serde(default)]
+        last_modified: Option<String>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "PascalCase")]
+    struct Prefix {
+        prefix: String,
+    }
+    if !text.contains("<ListBucketResult") {
+        let start: String = text.trim_start().chars().take(80).collect();
+        return Err(ListError::NotS3(format!("it begins `{start}`")));
+    }
+    let answer: Answer =
+        quick_xml::de::from_str(text).map_err(|e| ListError::NotS3(e.to_string()))?;
+    let encoded = answer.encoding_type.as_deref() == Some("url");
+    let decode = |s: String| if encoded { decode(&s) } else { s };
+    let next = match answer.is_truncated {
+        Some(false) => None,
+        _ => answer.next_continuation_token,
+    };
+    Ok(Page {
+        objects: answer
+            .contents
+            .into_iter()
+            .map(|c| Listed {
+                key: decode(c.key),
+                size: c.size,
+                version: c.e_tag.or(c.last_modified).unwrap_or_default(),
+            })
+            .collect(),
+        prefixes: answer
+            .common_prefixes
+            .into_iter()
+            .map(|p| decode(p.prefix))
+            .collect(),
+        next,
+    })
+}
+
+/// Percent-encodes a query value as SigV4 wants it: everything but
+/// `A-Z a-z 0-9 - _ . ~`.
+fn encode(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes a key S3 URL-encoded in a listing (`%XX`, and `+` for a space,
+/// as AWS writes it). A malformed escape is kept as it is.
+fn decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match std::str::from_utf8(&bytes[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    Some(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_decoded_only_when_the_store_encoded_them() {
+        let encoded = r#"<?xml version="1.0" encoding="UTF-8"?>
+<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name>
+<Prefix>train%2F</Prefix><KeyCount>3</KeyCount><MaxKeys>1000</MaxKeys><EncodingType>url</EncodingType>
+<IsTruncated>true</IsTruncated><NextContinuationToken>tok+en/=</NextContinuationToken>
+<Contents><Key>train/cats/</Key><Size>0</Size><ETag>&quot;d41d&quot;</ETag><LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>
+<Contents><Key>train/a+b%2Bc%09d%25.jpg</Key><Size>7</Size><ETag>&quot;e1&quot;</ETag></Contents>
+<Contents><Key>train/no-etag</Key><Size>1</Size><LastModified>2026-01-02T00:00:00.000Z</LastModified></Contents>
+<CommonPrefixes><Prefix>train/dogs%20x/</Prefix></CommonPrefixes>
+</ListBucketResult>"#;
+        let page = parse(encoded).unwrap();
+        let keys: Vec<&str> = page.objects.iter().map(|o| o.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["train/cats/", "train/a b+c\td%.jpg", "train/no-etag"]
+        );
+        assert_eq!(page.objects[1].size, 7);
+        assert_eq!(page.objects[1].version, "\"e1\"");
+        assert_eq!(page.objects[2].version, "2026-01-02T00:00:00.000Z");
+        assert_eq!(page.prefixes, ["train/dogs x/"]);
+        assert_eq!(page.next.as_deref(), Some("tok+en/="));
+
+        let raw = "<ListBucketResult><IsTruncated>false</IsTruncated>\
+                   <NextContinuationToken>stale</NextContinuationToken>\
+                   <Contents><Key>a+b%41</Key><Size>1</Size></Contents></ListBucketResult>";
+        let page = parse(raw).unwrap();
+        assert_eq!(page.objects[0].key, "a+b%41");
+        assert_eq!(page.next, None, "a last page has no next page");
+    }
+
+    #[test]
+    fn an_answer_that_is_not_a_listing_is_refused() {
+        for text in [
+            "<html><body>Welcome to nginx!</body></html>",
+            "",
+            "{\"ok\": true}",
+        ] {
+            assert!(matches!(parse(text), Err(ListError::NotS3(_))), "{text}");
+        }
+    }
+
+    #[test]
+    fn query_values_are_encoded_for_signing_and_keys_decoded_back() {
+        assert_eq!(encode("a b/c+d~e_f.g-h%"), "a%20b%2Fc%2Bd~e_f.g-h%25");
+        assert_eq!(encode("é"), "%C3%A9");
+        assert_eq!(decode("%C3%A9%2"), "é%2");
+        assert_eq!(decode("100%"), "100%");
+        assert_eq!(decode("%zz"), "%zz");
+    }
+}
