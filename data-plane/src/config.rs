@@ -674,7 +674,7 @@ fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
 
 /// A mountinfo field with its `\ooo` escapes (space, tab, newline, `\`)
 /// undone.
-fn unescape_octal(field: &str) -> String {
+pub(crate) fn unescape_octal(field: &str) -> String {
     let mut out = String::with_capacity(field.len());
     let mut rest = field;
     while let Some(i) = rest.find('\\') {

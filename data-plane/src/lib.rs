@@ -174,6 +174,7 @@ impl Stage {
             Some(options) => Some(mount::mount(
                 Arc::clone(&engine),
                 options,
+                Arc::clone(&access),
                 tokio::runtime::Handle::current(),
             )?),
             None => None,

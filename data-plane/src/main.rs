@@ -30,13 +30,17 @@ fn main() -> ExitCode {
         .thread_name("stage-io")
         .build()
         .expect("building the tokio runtime");
-    match runtime.block_on(run(config)) {
+    let code = match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sluice-stage: {e:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // A storage read stuck in a hung file system (a filer that stopped
+    // answering) must not hold the exit: its trainer already has an error.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    code
 }
 
 async fn run(config: StageConfig) -> anyhow::Result<()> {

@@ -55,6 +55,7 @@ use crate::metrics::Metrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_now;
 use crate::sync::lock;
+use crate::trust::{Peer, TrainerAccess};
 use orders::Orders;
 use tree::{Entry, Trees};
 
@@ -66,7 +67,7 @@ const ROOT: u64 = fuser::FUSE_ROOT_ID;
 
 /// A live mount; unmounted when dropped.
 pub struct Mount {
-    _session: fuser::BackgroundSession,
+    session: Option<fuser::BackgroundSession>,
     dir: PathBuf,
     /// Its background tasks (detaching idle jobs, taking order files).
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -91,6 +92,13 @@ impl Drop for Mount {
             task.abort();
         }
         info!(dir = %self.dir.display(), "unmounting");
+        // The session's own unmount fails while a reader holds a file or
+        // a working directory in the mount; the mount then outlives the
+        // stage, dead, until it is detached.
+        drop(self.session.take());
+        if sluice_mount_at(&self.dir) && !detach(&self.dir) {
+            warn!(dir = %self.dir.display(), "the mount is left behind: run `fusermount3 -u -z` or `umount -l` on it as root");
+        }
     }
 }
 
@@ -101,6 +109,7 @@ impl Drop for Mount {
 pub fn mount(
     engine: Arc<Engine>,
     options: &MountOptions,
+    access: Arc<TrainerAccess>,
     runtime: Handle,
 ) -> anyhow::Result<Mount> {
     let (dir, default_job) = (options.dir.as_path(), options.job.as_str());
@@ -110,7 +119,18 @@ pub fn mount(
             dir.display()
         );
     }
-    recover_stale(dir)?;
+    if detach_stale(dir)? {
+        warn!(dir = %dir.display(), "a stale mount was in the way (a stage that crashed?): it is unmounted");
+    }
+    let canonical = dir
+        .canonicalize()
+        .with_context(|| format!("the mount directory {}", dir.display()))?;
+    if sluice_mount_at(&canonical) {
+        anyhow::bail!(
+            "{} is already served by a running sluice stage: stop that stage or pick another --mount directory",
+            dir.display()
+        );
+    }
     let orders = match &options.orders {
         Some(orders) => {
             std::fs::create_dir_all(orders)
@@ -146,6 +166,8 @@ pub fn mount(
         started: SystemTime::now(),
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
         notifier: Arc::default(),
+        backings: Arc::default(),
+        access,
         counters: Counters::new(engine.metrics()),
         engine,
     };
@@ -171,27 +193,20 @@ pub fn mount(
         tasks.push(runtime.spawn(orders.watch()));
     }
     Ok(Mount {
-        _session: session,
-        dir: dir.to_owned(),
+        session: Some(session),
+        dir: canonical,
         tasks,
     })
 }
 
-/// Unmounts what a crashed stage left at `dir` (its `stat` fails with
-/// `ENOTCONN`: "transport endpoint is not connected").
-fn recover_stale(dir: &Path) -> anyhow::Result<()> {
+/// Detaches a dead mount at `dir` (its `stat` fails with `ENOTCONN`:
+/// "transport endpoint is not connected"), one a crashed stage left or
+/// one whose session ended while a reader still held it; returns whether
+/// there was one.
+fn detach_stale(dir: &Path) -> anyhow::Result<bool> {
     match std::fs::metadata(dir) {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            warn!(dir = %dir.display(), "a stale mount is in the way (a stage that crashed?): unmounting it");
-            let lazy = |program: &str, args: &[&str]| {
-                std::process::Command::new(program)
-                    .args(args)
-                    .arg(dir)
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success())
-            };
-            if !lazy("fusermount3", &["-u", "-z"]) && !lazy("umount", &["-l"]) {
+            if !detach(dir) {
                 anyhow::bail!(
                     "a stale mount at {} cannot be removed: run `fusermount3 -u {}` or `umount -l {}` as root",
                     dir.display(),
@@ -199,12 +214,42 @@ fn recover_stale(dir: &Path) -> anyhow::Result<()> {
                     dir.display()
                 );
             }
-            Ok(())
+            Ok(true)
         }
         Err(e) => Err(e).with_context(|| format!("the mount directory {}", dir.display())),
         Ok(meta) if !meta.is_dir() => anyhow::bail!("{} is not a directory", dir.display()),
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(false),
     }
+}
+
+/// Unmounts `dir` lazily (it goes once nothing uses it); whether that
+/// worked.
+fn detach(dir: &Path) -> bool {
+    let lazy = |program: &str, args: &[&str]| {
+        std::process::Command::new(program)
+            .args(args)
+            .arg(dir)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    lazy("fusermount3", &["-u", "-z"]) || lazy("umount", &["-l"])
+}
+
+/// Whether a sluice mount is at `dir` (canonical) itself: a FUSE mount
+/// whose source is `sluice` (its type is `fuse` when the stage mounted it
+/// itself, `fuse.sluice` through `fusermount3`).
+fn sluice_mount_at(dir: &Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mounts.lines().any(|line| {
+        let mut fields = line.split(' ');
+        let point = fields.nth(4).map(crate::config::unescape_octal);
+        let mut tail = fields.skip_while(|f| *f != "-").skip(1);
+        let (kind, source) = (tail.next(), tail.next());
+        kind.is_some_and(|k| k == "fuse" || k.starts_with("fuse."))
+            && source == Some("sluice")
+            && point.as_deref() == dir.to_str()
+    })
 }
 
 /// What an inode is.
@@ -218,13 +263,102 @@ enum Node {
         job: Arc<str>,
         dataset: Arc<Dataset>,
         path: String,
+        meta: Option<Meta>,
     },
     File {
         job: Arc<str>,
         dataset: Arc<Dataset>,
         name: String,
         size: u64,
+        meta: Option<Meta>,
     },
+}
+
+/// What a local data set's file system says of a file or directory: the
+/// mount shows its permission bits (less the write bits), owner and
+/// times, so the kernel checks every reader's access as the source's own
+/// permissions would (the mount is `default_permissions`), and a file
+/// changed in place shows a new size and time (the kernel then drops its
+/// cached pages: `FUSE_AUTO_INVAL_DATA`). An object store's entries have
+/// none: they show as readable by all, owned by root.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Meta {
+    perm: u16,
+    uid: u32,
+    gid: u32,
+    mtime: SystemTime,
+    ctime: SystemTime,
+    size: u64,
+}
+
+impl Meta {
+    /// The metadata of `path` beneath a directory data set's root
+    /// (following the symlinks the listing followed), if it has one.
+    fn of(dataset: &Dataset, path: &str) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let crate::source::Source::Dir(dir) = dataset.source() else {
+            return None;
+        };
+        let m = std::fs::metadata(dir.root().join(path)).ok()?;
+        let time = |secs: i64, nanos: i64| {
+            u64::try_from(secs).map_or(SystemTime::UNIX_EPOCH, |s| {
+                SystemTime::UNIX_EPOCH + Duration::new(s, nanos as u32)
+            })
+        };
+        Some(Self {
+            perm: (m.mode() & 0o7777 & !0o222) as u16,
+            uid: m.uid(),
+            gid: m.gid(),
+            mtime: time(m.mtime(), m.mtime_nsec()),
+            ctime: time(m.ctime(), m.ctime_nsec()),
+            size: m.len(),
+        })
+    }
+}
+
+impl Node {
+    /// The node again, with its metadata (and a file's size) as the source
+    /// has them now; `None` when a local file or directory is gone.
+    fn refreshed(&self) -> Option<Self> {
+        match self {
+            Self::Dir {
+                dataset,
+                path,
+                meta: Some(_),
+                ..
+            } => {
+                let meta = Meta::of(dataset, path)?;
+                let mut node = self.clone();
+                if let Self::Dir { meta: m, .. } = &mut node {
+                    *m = Some(meta);
+                }
+                Some(node)
+            }
+            Self::File {
+                dataset,
+                name,
+                meta: Some(_),
+                ..
+            } => {
+                let meta = Meta::of(dataset, name)?;
+                let mut node = self.clone();
+                if let Self::File { meta: m, size, .. } = &mut node {
+                    *m = Some(meta);
+                    *size = meta.size;
+                }
+                Some(node)
+            }
+            _ => Some(self.clone()),
+        }
+    }
+
+    /// The job reads of this node belong to (none for the mount's root).
+    fn job(&self) -> Option<&Arc<str>> {
+        match self {
+            Self::Root => None,
+            Self::JobRoot(job) | Self::Dir { job, .. } | Self::File { job, .. } => Some(job),
+        }
+    }
 }
 
 /// The inodes the kernel holds: one is made by a `lookup` and dropped when
@@ -265,14 +399,16 @@ impl Nodes {
         }
     }
 
-    /// Counts a lookup of `name` in `parent` answered with `node` (made
-    /// the first time) and returns the inode's number.
+    /// Counts a lookup of `name` in `parent` answered with `node` (as the
+    /// data set has it now: a file may have changed since the last lookup)
+    /// and returns the inode's number.
     fn looked_up(&mut self, parent: u64, name: &[u8], node: impl FnOnce() -> Node) -> u64 {
         let key = (parent, Box::from(name));
         if let Some(&ino) = self.by_name.get(&key)
             && let Some(known) = self.known.get_mut(&ino)
         {
             known.lookups += 1;
+            known.node = node();
             return ino;
         }
         let mut ino = inode_number(parent, name);
@@ -292,6 +428,13 @@ impl Nodes {
         );
         self.by_name.insert(key, ino);
         ino
+    }
+
+    /// Replaces the node of a known `ino` (its metadata refreshed).
+    fn set(&mut self, ino: u64, node: Node) {
+        if let Some(known) = self.known.get_mut(&ino) {
+            known.node = node;
+        }
     }
 
     /// The kernel dropped `n` of its lookups of `ino`: the inode goes
@@ -376,8 +519,8 @@ struct Open {
     whole: Option<(Chunk, Reservation)>,
     windows: Vec<(u64, Window)>,
     /// The source file the kernel reads itself (passthrough), registered
-    /// until the file is released.
-    _backing: Option<fuser::BackingId>,
+    /// until every open of the inode is released.
+    _backing: Option<Arc<fuser::BackingId>>,
 }
 
 impl Open {
@@ -516,6 +659,13 @@ struct MountFs {
     passthrough: Arc<AtomicBool>,
     /// Puts file pages into the kernel's cache; set once the session runs.
     notifier: Arc<OnceLock<fuser::Notifier>>,
+    /// The passed-through source file of each inode open that way: the
+    /// kernel takes one backing file per inode, so every open of the inode
+    /// while one is registered shares it (a second registration of the
+    /// same inode fails the open).
+    backings: Arc<Mutex<HashMap<u64, std::sync::Weak<fuser::BackingId>>>>,
+    /// Which jobs each reader (by uid and gid) may read as.
+    access: Arc<TrainerAccess>,
     counters: Counters,
 }
 
@@ -567,17 +717,32 @@ impl MountFs {
     /// it is opened). Where the data set is not a local directory, or the
     /// kernel refuses the file, it is read through windows instead; the
     /// first refusal ends passthrough for the mount (logged once).
-    fn open_passthrough(&self, fh: u64, file: Open, reply: ReplyOpen) {
+    fn open_passthrough(&self, ino: u64, fh: u64, file: Open, reply: ReplyOpen) {
         let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
-        let passthrough = Arc::clone(&self.passthrough);
+        let (passthrough, backings) = (Arc::clone(&self.passthrough), Arc::clone(&self.backings));
         self.runtime.spawn_blocking(move || {
             let metrics = file.job.metrics_for(&file.dataset.name);
             let backing = match file.job.open_passthrough(&file.dataset, &file.name, &metrics) {
-                Some(Ok(source)) => reply.open_backing(&source).map_err(|e| {
-                    if passthrough.swap(false, Ordering::Relaxed) {
-                        warn!(file = %file.name, error = %e, "the kernel refused to read a file through passthrough (privileges? a file system it cannot stack on?): the mount reads every file through the stage from now on");
+                Some(Ok(source)) => {
+                    let mut backings = lock(&backings);
+                    match backings.get(&ino).and_then(std::sync::Weak::upgrade) {
+                        Some(shared) => Ok(shared),
+                        None => match reply.open_backing(&source) {
+                            Ok(backing) => {
+                                let backing = Arc::new(backing);
+                                backings.retain(|_, b| b.strong_count() > 0);
+                                backings.insert(ino, Arc::downgrade(&backing));
+                                Ok(backing)
+                            }
+                            Err(e) => {
+                                if passthrough.swap(false, Ordering::Relaxed) {
+                                    warn!(file = %file.name, error = %e, "the kernel refused to read a file through passthrough (privileges? a file system it cannot stack on?): the mount reads every file through the stage from now on");
+                                }
+                                Err(())
+                            }
+                        },
                     }
-                }),
+                }
                 Some(Err(e)) => {
                     readers.close(file.job.id());
                     return reply.error(errno(&e));
@@ -600,26 +765,51 @@ impl MountFs {
     }
 
     fn attr(&self, ino: u64, node: &Node) -> FileAttr {
-        let (kind, perm, size, nlink) = match node {
-            Node::File { size, .. } => (FileType::RegularFile, 0o444, *size, 1),
-            _ => (FileType::Directory, 0o555, 0, 2),
+        let (kind, perm, size, nlink, meta) = match node {
+            Node::File { size, meta, .. } => (FileType::RegularFile, 0o444, *size, 1, *meta),
+            Node::Dir { meta, .. } => (FileType::Directory, 0o555, 0, 2, *meta),
+            _ => (FileType::Directory, 0o555, 0, 2, None),
         };
+        let (perm, uid, gid, mtime, ctime) = meta
+            .map_or((perm, 0, 0, self.started, self.started), |m| {
+                (m.perm, m.uid, m.gid, m.mtime, m.ctime)
+            });
         FileAttr {
             ino,
             size,
             blocks: size.div_ceil(512),
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
+            atime: mtime,
+            mtime,
+            ctime,
+            crtime: mtime,
             kind,
             perm,
             nlink,
-            uid: 0,
-            gid: 0,
+            uid,
+            gid,
             rdev: 0,
             blksize: BLOCK_SIZE,
             flags: 0,
+        }
+    }
+
+    /// Whether the reader of `req` may read as `job` (the `trainers:`
+    /// rules, as for a trainer on the socket with the reader's uid and
+    /// gid); refusals are logged.
+    fn may_read_as(&self, req: &Request<'_>, job: &str) -> bool {
+        if !self.access.restricts() {
+            return true;
+        }
+        let peer = Peer::Unix {
+            uid: req.uid(),
+            gid: req.gid(),
+        };
+        match self.access.check(&peer, job, &Default::default()) {
+            Ok(()) => true,
+            Err(why) => {
+                warn!(%why, "a read through the mount was refused");
+                false
+            }
         }
     }
 
@@ -638,7 +828,9 @@ impl MountFs {
                 self.dataset_root(&self.default_job, text)
             }
             Node::JobRoot(job) => self.dataset_root(job, text),
-            Node::Dir { job, dataset, path } => {
+            Node::Dir {
+                job, dataset, path, ..
+            } => {
                 let tree = self
                     .trees
                     .of(dataset, &self.runtime)
@@ -646,15 +838,20 @@ impl MountFs {
                 match tree.entry(path, text) {
                     Some(Entry::Dir(path)) => Ok(Node::Dir {
                         job: Arc::clone(job),
+                        meta: Meta::of(dataset, &path),
                         dataset: Arc::clone(dataset),
                         path,
                     }),
-                    Some(Entry::File(name, size)) => Ok(Node::File {
-                        job: Arc::clone(job),
-                        dataset: Arc::clone(dataset),
-                        name,
-                        size,
-                    }),
+                    Some(Entry::File(name, size)) => {
+                        let meta = Meta::of(dataset, &name);
+                        Ok(Node::File {
+                            job: Arc::clone(job),
+                            dataset: Arc::clone(dataset),
+                            size: meta.map_or(size, |m| m.size),
+                            name,
+                            meta,
+                        })
+                    }
                     None => Err(libc::ENOENT),
                 }
             }
@@ -666,6 +863,7 @@ impl MountFs {
         let dataset = self.engine.dataset(name).ok_or(libc::ENOENT)?;
         Ok(Node::Dir {
             job: Arc::clone(job),
+            meta: Meta::of(&dataset, ""),
             dataset,
             path: String::new(),
         })
@@ -712,6 +910,8 @@ impl Filesystem for MountFs {
         let _ = config.set_max_background(512);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
+        // A file whose size or time changed has its cached pages dropped.
+        let _ = config.add_capabilities(fuser::consts::FUSE_AUTO_INVAL_DATA);
         // Backing files may sit on a stacked file system (overlayfs).
         let passthrough = self.passthrough.load(Ordering::Relaxed)
             && config
@@ -753,10 +953,12 @@ impl Filesystem for MountFs {
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         self.counters.getattr.inc();
-        match self.nodes.get(ino) {
-            Some(node) => reply.attr(&TTL, &self.attr(ino, node)),
-            None => reply.error(libc::ENOENT),
-        }
+        let Some(node) = self.nodes.get(ino).and_then(Node::refreshed) else {
+            return reply.error(libc::ENOENT);
+        };
+        let attr = self.attr(ino, &node);
+        self.nodes.set(ino, node);
+        reply.attr(&TTL, &attr);
     }
 
     fn readdir(
@@ -800,7 +1002,7 @@ impl Filesystem for MountFs {
         reply.ok();
     }
 
-    fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+    fn open(&mut self, req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
         self.counters.open.inc();
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return reply.error(libc::EROFS);
@@ -810,10 +1012,14 @@ impl Filesystem for MountFs {
             dataset,
             name,
             size,
+            ..
         }) = self.nodes.get(ino).cloned()
         else {
             return reply.error(libc::EISDIR);
         };
+        if !self.may_read_as(req, &job) {
+            return reply.error(libc::EACCES);
+        }
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         let job = self.readers.open(&self.engine, &job);
         let open = Arc::clone(&self.open);
@@ -821,7 +1027,12 @@ impl Filesystem for MountFs {
         // no plan holds is answered here, without a task.
         let Some(claim) = job.claim_planned(&dataset.name, &name) else {
             if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
-                return self.open_passthrough(fh, Open::new(job, dataset, name, size, None), reply);
+                return self.open_passthrough(
+                    ino,
+                    fh,
+                    Open::new(job, dataset, name, size, None),
+                    reply,
+                );
             }
             lock(&open).insert(fh, Open::new(job, dataset, name, size, None));
             return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
@@ -961,9 +1172,12 @@ impl Filesystem for MountFs {
         reply.ok();
     }
 
-    fn opendir(&mut self, _req: &Request<'_>, ino: u64, _flags: i32, reply: ReplyOpen) {
+    fn opendir(&mut self, req: &Request<'_>, ino: u64, _flags: i32, reply: ReplyOpen) {
         match self.nodes.get(ino) {
             Some(Node::File { .. }) => reply.error(libc::ENOTDIR),
+            Some(node) if node.job().is_some_and(|job| !self.may_read_as(req, job)) => {
+                reply.error(libc::EACCES)
+            }
             Some(_) => reply.opened(0, 0),
             None => reply.error(libc::ENOENT),
         }
@@ -1064,7 +1278,10 @@ mod tests {
         let listed = nodes.number(ROOT, b"@a");
         let ino = nodes.looked_up(ROOT, b"@a", || job_root("a"));
         assert_eq!(ino, listed, "a listing and a lookup agree on the number");
-        assert_eq!(nodes.looked_up(ROOT, b"@a", || unreachable!()), ino);
+        // A lookup again answers with the node as it is now (a file may
+        // have changed), under the same number.
+        assert_eq!(nodes.looked_up(ROOT, b"@a", || job_root("b")), ino);
+        assert!(matches!(nodes.get(ino), Some(Node::JobRoot(job)) if &**job == "b"));
         nodes.forget(ino, 1);
         assert!(nodes.get(ino).is_some(), "one lookup is still held");
         nodes.forget(ino, 1);

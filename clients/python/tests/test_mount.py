@@ -8,15 +8,20 @@ import errno
 import json
 import mmap
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 
 import sluice
 from sluice.bench.common import metric_value, parse_prometheus
+from sluice.bench.stage import StageProcess, StageStartError
 
 from conftest import http_get, stage_binary, start_stage, wait_for
 
@@ -502,3 +507,108 @@ def test_large_files_are_passed_through_to_the_kernel_and_charged_to_the_job_who
     assert (mnt / "@pt" / "ds" / "small.bin").read_bytes() == b"s" * 1000
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
     assert metric_value(samples, "sluice_stage_storage_reads_total", job="pt") == 3
+
+
+def test_a_large_file_opens_many_times_at_once(tmp_path, mount_stage):
+    """Every open of a passed-through file shares the inode's one backing
+    file: a second registration of the inode would fail the open (EIO)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    big = os.urandom(3 * 2**20 + 7)
+    (root / "big.bin").write_bytes(big)
+    stage, mnt = mount_stage(root)
+    path = mnt / "ds" / "big.bin"
+    held = os.open(path, os.O_RDONLY)
+    try:
+        failures = []
+
+        def read() -> None:
+            for _ in range(5):
+                try:
+                    if path.read_bytes() != big:
+                        failures.append("wrong bytes")
+                except OSError as e:
+                    failures.append(e)
+        threads = [threading.Thread(target=read) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == []
+        assert os.pread(held, 10, 3 * 2**20) == big[3 * 2**20:3 * 2**20 + 7]
+    finally:
+        os.close(held)
+
+
+def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_them(tmp_path, stage_factory):
+    root = tmp_path / "data"
+    (root / "closed").mkdir(parents=True)
+    (root / "open.bin").write_bytes(b"readable")
+    (root / "secret.bin").write_bytes(b"secret")
+    (root / "closed" / "inner.bin").write_bytes(b"inner")
+    os.chmod(root / "open.bin", 0o644)
+    os.chmod(root / "secret.bin", 0o600)
+    os.chmod(root / "closed", 0o700)
+    os.utime(root / "open.bin", (1_000_000_000, 1_000_000_000))
+    # A mount point other users can reach (pytest's own directories are
+    # the owner's alone).
+    shared = tempfile.mkdtemp(prefix="sluice-mount-")
+    try:
+        os.chmod(shared, 0o755)
+        mnt = os.path.join(shared, "mnt")
+        os.mkdir(mnt)
+        config = tmp_path / "stage.yaml"
+        config.write_text("trainers:\n"
+                          "  - uids: [0]\n    jobs: ['*']\n"
+                          "  - uids: [65534]\n    jobs: ['team-*']\n")
+        stage = stage_factory({"ds": str(root)}, "--mount", mnt, "--config", str(config))
+        seen = os.stat(os.path.join(mnt, "ds", "open.bin"))
+        assert seen.st_mtime == 1_000_000_000
+        assert stat.S_IMODE(seen.st_mode) == 0o444
+        assert stat.S_IMODE(os.stat(os.path.join(mnt, "ds", "secret.bin")).st_mode) == 0o400
+        if os.geteuid() == 0:
+            # Another user reads what the source lets it read, and nothing else.
+            def cat(path: str) -> int:
+                return subprocess.run(["cat", os.path.join(mnt, path)], user=65534, group=65534,
+                                      capture_output=True, timeout=30).returncode
+            assert cat("@team-a/ds/open.bin") == 0
+            assert cat("@team-a/ds/secret.bin") != 0
+            assert cat("@team-a/ds/closed/inner.bin") != 0
+            # The `trainers:` rules: not a job this user may claim.
+            assert cat("@other/ds/open.bin") != 0
+            assert cat("ds/open.bin") != 0, "the default job is not one of team-*"
+            assert "a read through the mount was refused" in stage.stderr_tail()
+        stage.stop()
+    finally:
+        subprocess.run(["umount", "-l", os.path.join(shared, "mnt")], capture_output=True)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_second_stage_on_a_live_mount_is_refused(tmp_path, mount_stage, dataset):
+    root, files = dataset
+    stage, mnt = mount_stage(root)
+    with pytest.raises(StageStartError) as e:
+        StageProcess.start(str(stage_binary()), str(tmp_path / "second.sock"), {"other": str(root)},
+                           ["--mount", str(mnt)])
+    assert "already served by a running sluice stage" in str(e.value)
+    assert walk(mnt / "ds") == files, "the first stage's mount is untouched"
+
+
+def test_a_stage_stopped_while_a_reader_holds_a_file_leaves_no_mount(tmp_path, mount_stage, dataset):
+    root, files = dataset
+    stage, mnt = mount_stage(root)
+    name = min(files)
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "os.chdir(os.path.dirname(sys.argv[1]))\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.readline()\n"), str(mnt / "ds" / name)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "open"
+        assert stage.stop() == 0
+        assert not os.path.ismount(mnt), "the mount outlived its stage"
+        assert os.listdir(mnt) == []
+    finally:
+        reader.communicate("done\n", timeout=30)
