@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::{FileEntry, Fnv64, Walked, check_name};
+use crate::entry::{FileEntry, Fnv64, Owner, Walked, check_name};
 use crate::protocol::ProtocolError;
 use crate::source::Source;
 use crate::sync::lock;
@@ -16,14 +16,20 @@ const LISTING_TTL: Duration = Duration::from_secs(5);
 
 /// A dataset's files sorted by name, as `LIST` pages them. A name is found
 /// by binary search, so a listing costs its entries and nothing more (a
-/// million entries of ImageNet-like names: about 90 bytes each).
+/// million entries of ImageNet-like names: about 90 bytes each, and 16 more
+/// for a local file's permissions and owner).
 #[derive(Debug)]
 pub struct Listing {
     pub files: Vec<FileEntry>,
     /// Directories with nothing listed beneath them (the mount shows them).
     pub empty_dirs: Vec<String>,
+    /// A local data set's directories with their owners, sorted by path.
+    pub dir_owners: Vec<(String, Owner)>,
     pub total_bytes: u64,
     pub digest: u64,
+    /// Changes with the digest and with any file's version or any owner:
+    /// what the mount shows of the listing.
+    pub shown_digest: u64,
 }
 
 impl Listing {
@@ -31,7 +37,7 @@ impl Listing {
     pub(crate) fn new(files: Vec<FileEntry>) -> Self {
         Self::of(Walked {
             files,
-            empty_dirs: Vec::new(),
+            ..Walked::default()
         })
     }
 
@@ -41,26 +47,45 @@ impl Listing {
         let Walked {
             mut files,
             mut empty_dirs,
+            mut dir_owners,
         } = walked;
         files.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         empty_dirs.sort_unstable();
+        dir_owners.sort_unstable();
         let mut digest = Fnv64::new();
+        let mut shown = Fnv64::new();
+        let owned = |h: &mut Fnv64, owner: &Owner| {
+            h.write(&owner.perm.to_be_bytes());
+            h.write(&owner.uid.to_be_bytes());
+            h.write(&owner.gid.to_be_bytes());
+        };
         for f in &files {
             digest.write(f.name.as_bytes());
             digest.write(&[0]);
             digest.write(&f.size.to_be_bytes());
+            shown.write(&f.version.to_be_bytes());
+            if let Some(owner) = &f.owner {
+                owned(&mut shown, owner);
+            }
         }
         for dir in &empty_dirs {
             digest.write(b"/");
             digest.write(dir.as_bytes());
             digest.write(&[0]);
         }
+        for (dir, owner) in &dir_owners {
+            shown.write(dir.as_bytes());
+            owned(&mut shown, owner);
+        }
+        shown.write(&digest.0.to_be_bytes());
         files.shrink_to_fit();
         Self {
             total_bytes: files.iter().map(|f| f.size).sum(),
             digest: digest.0,
+            shown_digest: shown.0,
             files,
             empty_dirs,
+            dir_owners,
         }
     }
 

@@ -17,6 +17,8 @@ pub struct FileEntry {
     pub name: String,
     pub size: u64,
     pub version: u64,
+    /// A local file's permissions and owner (an object has none).
+    pub owner: Option<Owner>,
 }
 
 impl FileEntry {
@@ -25,6 +27,27 @@ impl FileEntry {
             name,
             size,
             version,
+            owner: None,
+        }
+    }
+}
+
+/// A local file's or directory's permission bits and owner, as listed:
+/// the mount shows them (so the kernel checks readers against them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Owner {
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    pub fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            perm: (meta.mode() & 0o7777) as u16,
+            uid: meta.uid(),
+            gid: meta.gid(),
         }
     }
 }
@@ -36,6 +59,8 @@ impl FileEntry {
 pub struct Walked {
     pub files: Vec<FileEntry>,
     pub empty_dirs: Vec<String>,
+    /// A local data set's directories ("" its root) with their owners.
+    pub dir_owners: Vec<(String, Owner)>,
 }
 
 /// FNV-1a, 64 bits: the listing digest that `OPENED` reports, and plan

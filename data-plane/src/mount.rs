@@ -51,13 +51,14 @@ use crate::chunk::Chunk;
 use crate::config::MountOptions;
 use crate::dataset::Dataset;
 use crate::engine::{Engine, Job, JobHandle, Reservation};
+use crate::entry::Owner;
 use crate::metrics::Metrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_now;
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 use orders::Orders;
-use tree::{Entry, Trees};
+use tree::{Entry, Shown, Trees};
 
 /// How long the kernel may keep names, attributes and pages.
 pub const TTL: Duration = Duration::from_secs(60);
@@ -274,84 +275,46 @@ enum Node {
     },
 }
 
-/// What a local data set's file system says of a file or directory: the
+/// What a local data set's listing says of a file or directory: the
 /// mount shows its permission bits (less the write bits), owner and
-/// times, so the kernel checks every reader's access as the source's own
-/// permissions would (the mount is `default_permissions`), and a file
-/// changed in place shows a new size and time (the kernel then drops its
-/// cached pages: `FUSE_AUTO_INVAL_DATA`). An object store's entries have
-/// none: they show as readable by all, owned by root.
+/// modification time, so the kernel checks every reader's access as the
+/// source's own permissions would (the mount is `default_permissions`),
+/// and a file changed in place shows a new size and time once the stage
+/// has listed it again (the kernel then drops its cached pages:
+/// `FUSE_AUTO_INVAL_DATA`). An object store's entries have none: they show
+/// as readable by all, owned by root. Nothing here asks the source: a
+/// lookup on a slow file system costs no round trip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Meta {
     perm: u16,
     uid: u32,
     gid: u32,
-    mtime: SystemTime,
-    ctime: SystemTime,
-    size: u64,
+    /// A file's modification time (a directory shows the mount's start).
+    mtime: Option<SystemTime>,
 }
 
 impl Meta {
-    /// The metadata of `path` beneath a directory data set's root
-    /// (following the symlinks the listing followed), if it has one.
-    fn of(dataset: &Dataset, path: &str) -> Option<Self> {
-        use std::os::unix::fs::MetadataExt;
-        let crate::source::Source::Dir(dir) = dataset.source() else {
-            return None;
-        };
-        let m = std::fs::metadata(dir.root().join(path)).ok()?;
-        let time = |secs: i64, nanos: i64| {
-            u64::try_from(secs).map_or(SystemTime::UNIX_EPOCH, |s| {
-                SystemTime::UNIX_EPOCH + Duration::new(s, nanos as u32)
-            })
-        };
-        Some(Self {
-            perm: (m.mode() & 0o7777 & !0o222) as u16,
-            uid: m.uid(),
-            gid: m.gid(),
-            mtime: time(m.mtime(), m.mtime_nsec()),
-            ctime: time(m.ctime(), m.ctime_nsec()),
-            size: m.len(),
+    fn of_dir(owner: Option<Owner>) -> Option<Self> {
+        owner.map(|o| Self {
+            perm: o.perm & !0o222,
+            uid: o.uid,
+            gid: o.gid,
+            mtime: None,
+        })
+    }
+
+    fn of_file(shown: &Shown) -> Option<Self> {
+        shown.owner.map(|o| Self {
+            perm: o.perm & !0o222,
+            uid: o.uid,
+            gid: o.gid,
+            // A local file's version is its modification time.
+            mtime: Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.version)),
         })
     }
 }
 
 impl Node {
-    /// The node again, with its metadata (and a file's size) as the source
-    /// has them now; `None` when a local file or directory is gone.
-    fn refreshed(&self) -> Option<Self> {
-        match self {
-            Self::Dir {
-                dataset,
-                path,
-                meta: Some(_),
-                ..
-            } => {
-                let meta = Meta::of(dataset, path)?;
-                let mut node = self.clone();
-                if let Self::Dir { meta: m, .. } = &mut node {
-                    *m = Some(meta);
-                }
-                Some(node)
-            }
-            Self::File {
-                dataset,
-                name,
-                meta: Some(_),
-                ..
-            } => {
-                let meta = Meta::of(dataset, name)?;
-                let mut node = self.clone();
-                if let Self::File { meta: m, size, .. } = &mut node {
-                    *m = Some(meta);
-                    *size = meta.size;
-                }
-                Some(node)
-            }
-            _ => Some(self.clone()),
-        }
-    }
-
     /// The job reads of this node belong to (none for the mount's root).
     fn job(&self) -> Option<&Arc<str>> {
         match self {
@@ -770,17 +733,16 @@ impl MountFs {
             Node::Dir { meta, .. } => (FileType::Directory, 0o555, 0, 2, *meta),
             _ => (FileType::Directory, 0o555, 0, 2, None),
         };
-        let (perm, uid, gid, mtime, ctime) = meta
-            .map_or((perm, 0, 0, self.started, self.started), |m| {
-                (m.perm, m.uid, m.gid, m.mtime, m.ctime)
-            });
+        let (perm, uid, gid, mtime) =
+            meta.map_or((perm, 0, 0, None), |m| (m.perm, m.uid, m.gid, m.mtime));
+        let mtime = mtime.unwrap_or(self.started);
         FileAttr {
             ino,
             size,
             blocks: size.div_ceil(512),
             atime: mtime,
             mtime,
-            ctime,
+            ctime: mtime,
             crtime: mtime,
             kind,
             perm,
@@ -836,22 +798,19 @@ impl MountFs {
                     .of(dataset, &self.runtime)
                     .map_err(|e| errno(&e))?;
                 match tree.entry(path, text) {
-                    Some(Entry::Dir(path)) => Ok(Node::Dir {
+                    Some(Entry::Dir(path, owner)) => Ok(Node::Dir {
                         job: Arc::clone(job),
-                        meta: Meta::of(dataset, &path),
+                        meta: Meta::of_dir(owner),
                         dataset: Arc::clone(dataset),
                         path,
                     }),
-                    Some(Entry::File(name, size)) => {
-                        let meta = Meta::of(dataset, &name);
-                        Ok(Node::File {
-                            job: Arc::clone(job),
-                            dataset: Arc::clone(dataset),
-                            size: meta.map_or(size, |m| m.size),
-                            name,
-                            meta,
-                        })
-                    }
+                    Some(Entry::File(name, shown)) => Ok(Node::File {
+                        job: Arc::clone(job),
+                        dataset: Arc::clone(dataset),
+                        size: shown.size,
+                        meta: Meta::of_file(&shown),
+                        name,
+                    }),
                     None => Err(libc::ENOENT),
                 }
             }
@@ -861,12 +820,38 @@ impl MountFs {
 
     fn dataset_root(&self, job: &Arc<str>, name: &str) -> Result<Node, i32> {
         let dataset = self.engine.dataset(name).ok_or(libc::ENOENT)?;
+        let tree = self
+            .trees
+            .of(&dataset, &self.runtime)
+            .map_err(|e| errno(&e))?;
         Ok(Node::Dir {
             job: Arc::clone(job),
-            meta: Meta::of(&dataset, ""),
+            meta: Meta::of_dir(tree.owner("")),
             dataset,
             path: String::new(),
         })
+    }
+
+    /// The node as the data set's latest listing has it (a file may have
+    /// changed); `None` when it is gone.
+    fn refreshed(&self, node: &Node) -> Option<Node> {
+        let (dataset, full) = match node {
+            Node::Dir { dataset, path, .. } if !path.is_empty() => (dataset, path),
+            Node::File { dataset, name, .. } => (dataset, name),
+            _ => return Some(node.clone()),
+        };
+        let (parent, last) = full.rsplit_once('/').unwrap_or(("", full));
+        let tree = self.trees.of(dataset, &self.runtime).ok()?;
+        let mut node = node.clone();
+        match (&mut node, tree.entry(parent, last)?) {
+            (Node::Dir { meta, .. }, Entry::Dir(_, owner)) => *meta = Meta::of_dir(owner),
+            (Node::File { meta, size, .. }, Entry::File(_, shown)) => {
+                *meta = Meta::of_file(&shown);
+                *size = shown.size;
+            }
+            _ => return None,
+        }
+        Some(node)
     }
 
     /// The entries of a directory node from the `skip`-th on, at most
@@ -953,7 +938,7 @@ impl Filesystem for MountFs {
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         self.counters.getattr.inc();
-        let Some(node) = self.nodes.get(ino).and_then(Node::refreshed) else {
+        let Some(node) = self.nodes.get(ino).and_then(|n| self.refreshed(n)) else {
             return reply.error(libc::ENOENT);
         };
         let attr = self.attr(ino, &node);

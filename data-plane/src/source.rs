@@ -73,7 +73,7 @@ impl Source {
             Self::Dir(d) => d.list(),
             Self::S3(s) => Ok(Walked {
                 files: s.block_on(s.list())?,
-                empty_dirs: Vec::new(),
+                ..Walked::default()
             }),
         }
     }

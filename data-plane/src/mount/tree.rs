@@ -10,32 +10,49 @@ use tokio::runtime::Handle;
 
 use super::TTL;
 use crate::dataset::Dataset;
+use crate::entry::Owner;
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::sync::lock;
 
 /// What a name in a directory is.
 pub enum Entry {
-    /// A directory, by its path in the data set.
-    Dir(String),
-    /// A file: its name in the data set and its size.
-    File(String, u64),
+    /// A directory, by its path in the data set, and its owner (listed by
+    /// a local data set).
+    Dir(String, Option<Owner>),
+    /// A file: its name in the data set and what the listing says of it.
+    File(String, Shown),
+}
+
+/// What the listing says of a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown {
+    pub size: u64,
+    /// A local file's modification time in nanoseconds; a hash for an
+    /// object.
+    pub version: u64,
+    pub owner: Option<Owner>,
 }
 
 /// One listing's directories.
 #[derive(Debug, Default)]
 pub struct Tree {
-    /// Per directory path ("" the root): its names sorted, a size for
-    /// files (a vector, so that a page of a huge directory is a slice).
-    dirs: HashMap<String, Vec<(String, Option<u64>)>>,
+    /// Per directory path ("" the root): its names sorted, what the
+    /// listing says of files (a vector, so that a page of a huge directory
+    /// is a slice).
+    dirs: HashMap<String, Vec<(String, Option<Shown>)>>,
+    /// A local data set's directories' owners.
+    owners: HashMap<String, Owner>,
 }
 
 impl Tree {
-    /// The tree of `files` (name, size) and of the directories `empty`.
+    /// The tree of `files`, of the directories `empty` and of the owners
+    /// of directories.
     fn new<'a>(
-        files: impl Iterator<Item = (&'a str, u64)>,
+        files: impl Iterator<Item = (&'a str, Shown)>,
         empty: impl Iterator<Item = &'a str>,
+        owners: impl Iterator<Item = (&'a str, Owner)>,
     ) -> Self {
-        let mut dirs: HashMap<String, BTreeMap<String, Option<u64>>> = HashMap::new();
+        let mut dirs: HashMap<String, BTreeMap<String, Option<Shown>>> = HashMap::new();
         dirs.insert(String::new(), BTreeMap::new());
         // An empty directory is a path whose last part is a directory too.
         let empty = empty.map(|dir| (dir, None));
@@ -65,7 +82,13 @@ impl Tree {
             .into_iter()
             .map(|(path, names)| (path, names.into_iter().collect()))
             .collect();
-        Self { dirs }
+        let owners = owners.map(|(path, o)| (path.to_owned(), o)).collect();
+        Self { dirs, owners }
+    }
+
+    /// The owner of directory `path`, if the listing gave one.
+    pub fn owner(&self, path: &str) -> Option<Owner> {
+        self.owners.get(path).copied()
     }
 
     /// The entry `name` of directory `path`.
@@ -79,8 +102,11 @@ impl Tree {
             format!("{path}/{name}")
         };
         Some(match size {
-            None => Entry::Dir(full),
-            Some(size) => Entry::File(full, size),
+            None => {
+                let owner = self.owner(&full);
+                Entry::Dir(full, owner)
+            }
+            Some(shown) => Entry::File(full, shown),
         })
     }
 
@@ -131,13 +157,21 @@ impl Trees {
         };
         let mut trees = lock(&self.by_dataset);
         let built = match trees.get_mut(&dataset.name) {
-            Some(built) if built.digest == listing.digest => built,
+            Some(built) if built.digest == listing.shown_digest => built,
             _ => {
-                let files = listing.files.iter().map(|f| (f.name.as_str(), f.size));
+                let files = listing.files.iter().map(|f| {
+                    let shown = Shown {
+                        size: f.size,
+                        version: f.version,
+                        owner: f.owner,
+                    };
+                    (f.name.as_str(), shown)
+                });
                 let empty = listing.empty_dirs.iter().map(String::as_str);
+                let owners = listing.dir_owners.iter().map(|(p, o)| (p.as_str(), *o));
                 let built = Built {
-                    digest: listing.digest,
-                    tree: Arc::new(Tree::new(files, empty)),
+                    digest: listing.shown_digest,
+                    tree: Arc::new(Tree::new(files, empty, owners)),
                     checked: Instant::now(),
                 };
                 trees.insert(dataset.name.clone(), built);
@@ -169,7 +203,21 @@ mod tests {
             ("a/3.bin", 3),
             ("top", 4),
         ];
-        let tree = Tree::new(files.into_iter(), ["a/empty", "void"].into_iter());
+        let shown = |size| Shown {
+            size,
+            version: 0,
+            owner: None,
+        };
+        let owner = Owner {
+            perm: 0o750,
+            uid: 7,
+            gid: 8,
+        };
+        let tree = Tree::new(
+            files.into_iter().map(|(name, size)| (name, shown(size))),
+            ["a/empty", "void"].into_iter(),
+            [("a", owner)].into_iter(),
+        );
         assert_eq!(
             tree.list("", 0, 10),
             [
@@ -191,11 +239,15 @@ mod tests {
             [("b".to_owned(), true), ("empty".to_owned(), true)]
         );
         assert!(tree.list("a/empty", 0, 10).is_empty());
-        assert!(matches!(tree.entry("a", "empty"), Some(Entry::Dir(p)) if p == "a/empty"));
+        assert!(matches!(tree.entry("a", "empty"), Some(Entry::Dir(p, None)) if p == "a/empty"));
         assert_eq!(tree.list("a", 0, 1), [("3.bin".to_owned(), false)]);
         assert!(tree.list("a", 5, 10).is_empty());
-        assert!(matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, 2)) if n == "a/b/2.bin"));
-        assert!(matches!(tree.entry("", "a"), Some(Entry::Dir(p)) if p == "a"));
+        assert!(
+            matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, s)) if n == "a/b/2.bin" && s.size == 2)
+        );
+        assert!(
+            matches!(tree.entry("", "a"), Some(Entry::Dir(p, Some(o))) if p == "a" && o == owner)
+        );
         assert!(tree.entry("a", "nothing").is_none());
         assert!(tree.list("missing", 0, 10).is_empty());
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::UNIX_EPOCH;
 
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::{FileEntry, Walked};
+use crate::entry::{FileEntry, Owner, Walked};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{direct_unsupported, io_error, read_range, read_whole};
 
@@ -57,6 +57,8 @@ impl DirSource {
             out: Walked::default(),
             ancestors: vec![self.root.clone()],
         };
+        let root = std::fs::metadata(&self.root)?;
+        walk.out.dir_owners.push((String::new(), Owner::of(&root)));
         walk.entries(&self.root, entries, "")?;
         Ok(walk.out)
     }
@@ -196,9 +198,10 @@ impl Walk<'_> {
                 self.subdir(target, name)?;
             } else if file_type.is_file() {
                 let meta = std::fs::metadata(&target)?;
-                self.out
-                    .files
-                    .push(FileEntry::new(name, meta.len(), mtime_version(&meta)));
+                self.out.files.push(FileEntry {
+                    owner: Some(Owner::of(&meta)),
+                    ..FileEntry::new(name, meta.len(), mtime_version(&meta))
+                });
             }
         }
         Ok(())
@@ -238,6 +241,9 @@ impl Walk<'_> {
                 return Ok(());
             }
         };
+        if let Ok(meta) = std::fs::metadata(&dir) {
+            self.out.dir_owners.push((name.clone(), Owner::of(&meta)));
+        }
         let before = (self.out.files.len(), self.out.empty_dirs.len());
         self.ancestors.push(dir.clone());
         self.entries(&dir, entries, &name)?;
