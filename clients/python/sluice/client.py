@@ -472,6 +472,14 @@ class Client:
     def __enter__(self) -> "Client":
         return self
 
+    def __del__(self) -> None:
+        # Dropped without close(): the samples still held keep their bytes
+        # (the stage reuses their slots once the connection goes, which is
+        # when the socket is collected, after this).
+        region = getattr(self, "_region", None)
+        if region is not None and getattr(self, "_pid", None) == os.getpid():
+            region.close()
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -598,10 +606,12 @@ class Client:
         """Marks the client closed, closes the socket and wakes the prefetch
         threads (they report the closed connection to their iterators)."""
         self._closed = True
-        self._close_socket(shutdown=True)
+        # The held samples keep their bytes before the stage can see the
+        # connection end (it reuses the slots then).
         region = getattr(self, "_region", None)
         if region is not None:
             region.close()
+        self._close_socket(shutdown=True)
         for pf in list(getattr(self, "_prefetchers", ())):
             pf.wake()
 
@@ -830,13 +840,20 @@ class Dataset:
             raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
         c = self.client
         c._check_process()
-        # PLAN and the new generation are one step: a prefetch thread of an
-        # older iterator must never send NEXT for this plan.
-        with c._lock:
-            self._reopen_if_needed()
-            planned = c._call(frame, p.Planned)
-            c._plan_generation += 1
-            return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
+        while True:
+            seen = c._connection
+            try:
+                # PLAN and the new generation are one step: a prefetch thread
+                # of an older iterator must never send NEXT for this plan.
+                with c._lock:
+                    self._reopen_if_needed()
+                    planned = c._call(frame, p.Planned)
+                    c._plan_generation += 1
+                    return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
+            except (ConnectionClosedError, UnavailableError) as e:
+                # The stage went away (or is stopping) since the last
+                # request: submitted again on a new connection, as a read is.
+                c._reconnect(e, seen)
 
     # -- random access -------------------------------------------------------
 

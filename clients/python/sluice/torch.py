@@ -114,8 +114,10 @@ def _as_tensor(data, client: Client):
         if hasattr(data.obj, "handed"):
             # The sample's own region, not the client's current one: a
             # sample fetched before a reconnection (prefetched, or held by
-            # the caller) is not in the new stage's region.
-            tensor._sluice_slot = (client, data.obj, data.obj.region)
+            # the caller) is not in the new stage's region. The version
+            # tells an unchanged sample from one a transform changed in
+            # place (its pages are then this process's own copy).
+            tensor._sluice_slot = (client, data.obj, data.obj.region, tensor._version)
         return tensor
     if not data:
         return _torch.empty(0, dtype=_torch.uint8)
@@ -150,8 +152,7 @@ def collate(batch):
     Anything else is collated as the default collate does."""
     names = [name for name, _ in batch]
     samples = [sample for _, sample in batch]
-    if samples and _data.get_worker_info() is not None \
-            and all(getattr(s, "_sluice_slot", None) is not None for s in samples):
+    if samples and _data.get_worker_info() is not None and all(map(_unchanged_slot, samples)):
         return [names, _SlotBatch(samples)]
     if samples and all(isinstance(s, _torch.Tensor) for s in samples) \
             and len({tuple(s.shape) for s in samples}) > 1:
@@ -159,6 +160,14 @@ def collate(batch):
     if samples and _data.get_worker_info() is None and _plain_rows(samples):
         return [names, _stack(samples)]
     return [names, _default_collate(samples)]
+
+
+def _unchanged_slot(sample) -> bool:
+    """Whether ``sample`` is a tensor still viewing its stage slot as it
+    came (no in-place change since: the main process would map the stage's
+    bytes, not this process's changed copy)."""
+    slot = getattr(sample, "_sluice_slot", None)
+    return slot is not None and sample._version == slot[3]
 
 
 class _SlotBatch:
@@ -173,7 +182,7 @@ class _SlotBatch:
         self.samples = samples
 
     def __reduce__(self):
-        client, _, region = self.samples[0]._sluice_slot
+        client, _, region, _ = self.samples[0]._sluice_slot
         owners = [s._sluice_slot[1] for s in self.samples]
         same = all(s._sluice_slot[2] is region for s in self.samples)
         if region is None or not same or not client.hand_off(owners, region):
@@ -200,8 +209,11 @@ def _rebuild_batch(address, job: str, labels, ident, slots):
     if region is None and address is not None:
         key = (str(address), job)
         client = _mapping_clients.get(key)
-        if client is None or client.closed:
-            client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True)
+        if client is not None and not client.closed:
+            # Not its region: a connection to a stage that restarted since
+            # (it only sends returns, so it never noticed): open a new one.
+            client.close()
+        client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True)
         region = _shm.region_of(ident)
     if region is None:
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "

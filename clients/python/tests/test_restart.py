@@ -15,7 +15,7 @@ import pytest
 import sluice
 from sluice.bench.stage import StageProcess
 
-from conftest import READY_TIMEOUT, stage_binary, wait_for
+from conftest import READY_TIMEOUT, stage_binary
 
 FILES = 1200
 
@@ -346,3 +346,49 @@ def test_a_critical_task_that_dies_stops_the_stage_with_an_error(tmp_path, datas
     assert f"the {task} task panicked: injected fault" in proc.stderr
     assert "the stage stops" in proc.stderr
     assert not sock.exists(), "the socket is removed on the way out"
+
+
+def test_an_epoch_after_a_restart_between_epochs_is_submitted_again(restartable, many_files):
+    """The stage restarts while the trainer is between epochs (validation,
+    a checkpoint, a rolling update): the next epoch's plan goes out on a
+    new connection, as a read does, instead of failing the epoch."""
+    root, files = many_files
+    stage = restartable(root)
+    with sluice.Client(stage.sock, job="between", reconnect=20) as c:
+        ds = c.dataset("ds")
+        assert sorted(n for n, _ in ds.epoch(0, seed=1)) == sorted(files)
+        restart_after(stage, 0.3).join()
+        got = {n: bytes(d) for n, d in ds.epoch(1, seed=1)}
+        assert got == files
+        assert c.reconnects == 1
+
+
+@pytest.mark.parametrize("loader", ["map", "iterable"])
+def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, many_files, loader):
+    """Workers hand their samples to the main process by slot; after each
+    restart the main process maps the new stage's region (its mapping
+    connection to the old stage is replaced, not kept)."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    import sluice.torch as st
+
+    root, files = many_files
+    stage = restartable(root)
+    if loader == "map":
+        ds = st.SluiceDataset(stage.sock, "ds", job=f"dl-between-{loader}", reconnect=30)
+        sampler = st.SluiceSampler(ds, seed=2)
+        dl = DataLoader(ds, batch_size=50, sampler=sampler, num_workers=2, collate_fn=st.collate)
+    else:
+        sampler = ds = st.SluiceIterableDataset(stage.sock, "ds", job=f"dl-between-{loader}", seed=2,
+                                                batch=50, reconnect=30)
+        dl = DataLoader(ds, batch_size=50, num_workers=2, collate_fn=st.collate)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        got = {}
+        for names, samples in dl:
+            for name, data in zip(names, samples):
+                got[name] = data.numpy().tobytes()
+        assert got == files, f"epoch {epoch}"
+        if epoch < 2:
+            restart_after(stage, 0.3).join()

@@ -4,6 +4,7 @@ job, the socket fallback, and the cap on what a job's trainers may hold."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -231,20 +232,39 @@ def hold(client, count: int, seed: int = 1):
     return held
 
 
+def read_on_and_check_held(stage, job: str, files, held) -> None:
+    """Another trainer of ``job`` reads three epochs (the slots the held
+    samples' connection had go back and are filled with other samples);
+    then every held sample must still be its file."""
+    with sluice.Client(stage.socket, job=job) as other:
+        for epoch in range(3):
+            for name, data in other.dataset("d").epoch(epoch, seed=epoch + 7, batch=16):
+                assert bytes(data) == files[name]
+    for name, data in held:
+        assert bytes(data) == files[name], f"{name} changed after its connection ended"
+
+
 def test_samples_held_after_close_keep_their_bytes(stage_factory, even_files):
     root, files = even_files
     stage = stage_factory({"d": root})
     c = sluice.Client(stage.socket, job="after-close")
     held = hold(c, 16)
     c.close()
-    # Another trainer of the job reads on: the slots the closed connection
-    # held go back and are filled with other samples.
-    with sluice.Client(stage.socket, job="after-close") as other:
-        for epoch in range(3):
-            for name, data in other.dataset("d").epoch(epoch, seed=epoch + 7, batch=16):
-                assert bytes(data) == files[name]
-    for name, data in held:
-        assert bytes(data) == files[name], f"{name} changed after its connection closed"
+    read_on_and_check_held(stage, "after-close", files, held)
+
+
+def test_samples_held_after_their_client_is_dropped_keep_their_bytes(stage_factory, even_files):
+    """No close(): the client goes with the function that opened it, and
+    its samples outlive it."""
+    root, files = even_files
+    stage = stage_factory({"d": root})
+
+    def held_from_a_dropped_client():
+        return hold(sluice.Client(stage.socket, job="dropped"), 16)
+
+    held = held_from_a_dropped_client()
+    gc.collect()
+    read_on_and_check_held(stage, "dropped", files, held)
 
 
 def test_samples_held_through_a_graceful_stop_keep_their_bytes(stage_factory, even_files):

@@ -139,6 +139,32 @@ def test_batches_of_records_reach_the_main_process_whole(stage_factory, records,
              what="the handed-over slots to come back")
 
 
+@pytest.mark.parametrize("loader", ["map", "iterable"])
+def test_a_transform_that_changes_a_sample_in_place_is_what_arrives(stage_factory, dataset, loader):
+    """A sample a worker changed in place is not handed over by slot (the
+    main process would map the stage's bytes, not the change)."""
+    root, files = dataset
+    stage = stage_factory({"ds": root})
+
+    def flip(sample):
+        sample.bitwise_xor_(0xFF)
+        return sample
+
+    if loader == "map":
+        ds = SluiceDataset(stage.socket, "ds", job=f"inplace-{loader}", transform=flip)
+        dl = DataLoader(ds, batch_size=4, sampler=SluiceSampler(ds, seed=1), num_workers=2,
+                        collate_fn=collate)
+    else:
+        ds = SluiceIterableDataset(stage.socket, "ds", job=f"inplace-{loader}", seed=1, batch=4,
+                                   transform=flip)
+        dl = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate)
+    got = {}
+    for names, samples in dl:
+        for name, sample in zip(names, samples):
+            got[name] = sample.numpy().tobytes()
+    assert got == {name: bytes(b ^ 0xFF for b in data) for name, data in files.items()}
+
+
 def test_transform_and_repeat_guard(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})
