@@ -7,6 +7,7 @@ import collections
 import os
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple, Union
 
 from . import protocol as p
@@ -49,6 +50,15 @@ class PlanIterator:
         self.epoch = epoch
         self.length: int = planned.length
         self.state = p.PlanState(planned.state) if planned.state in (0, 1, 2) else planned.state
+        if self.state == p.PlanState.COMPLETE and self.length:
+            # Right for a trainer of a running job that comes back to an
+            # epoch its job finished (nothing is delivered twice); a
+            # surprise for a new run that reuses the job's name.
+            c = dataset.client
+            warnings.warn(
+                f"epoch {epoch} of job {c.job!r} (rank {c.rank}) was already read in full on this "
+                "stage, so this iterator yields nothing; a new run of the job needs new epoch "
+                "numbers or a new job name", RuntimeWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch
