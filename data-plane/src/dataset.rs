@@ -153,6 +153,7 @@ impl Dataset {
             return Ok(Arc::clone(listing));
         }
         let listing = Arc::new(Listing::of(self.source.list()?));
+        crate::heap::give_back_freed_memory();
         *cached = Some((Instant::now(), Arc::clone(&listing)));
         Ok(listing)
     }

@@ -15,6 +15,7 @@ mod engine;
 mod entry;
 #[cfg(debug_assertions)]
 mod fault;
+mod heap;
 mod http;
 mod job_config;
 mod metrics;

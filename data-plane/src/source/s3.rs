@@ -234,8 +234,8 @@ impl S3Source {
                 .await;
             let mut deeper = Vec::new();
             for level in levels {
-                let (objects, sub) = level.map_err(failed)?;
-                files.extend(objects.iter().filter_map(|o| self.entry_of(o)));
+                let (entries, sub) = level.map_err(failed)?;
+                files.extend(entries);
                 deeper.extend(sub);
             }
             prefixes = deeper;
@@ -246,8 +246,7 @@ impl S3Source {
             .collect::<Vec<_>>()
             .await;
         for listed in rest {
-            let (objects, _) = listed.map_err(failed)?;
-            files.extend(objects.iter().filter_map(|o| self.entry_of(o)));
+            files.extend(listed.map_err(failed)?.0);
         }
         Ok(files)
     }
@@ -261,25 +260,26 @@ impl S3Source {
         }
     }
 
-    /// Every page beneath `prefix`: its objects and (when `delimited`) its
-    /// sub-prefixes.
+    /// Every page beneath `prefix`: its entries (each page's objects made
+    /// entries as it comes: a page's keys and ETags are not kept) and
+    /// (when `delimited`) its sub-prefixes.
     async fn list_all(
         &self,
         prefix: &str,
         delimited: bool,
-    ) -> Result<(Vec<Listed>, Vec<String>), ListError> {
-        let (mut objects, mut prefixes) = (Vec::new(), Vec::new());
+    ) -> Result<(Vec<FileEntry>, Vec<String>), ListError> {
+        let (mut entries, mut prefixes) = (Vec::new(), Vec::new());
         let mut token = None;
         loop {
             let page = self
                 .lister
                 .page(prefix, delimited, token.as_deref())
                 .await?;
-            objects.extend(page.objects);
+            entries.extend(page.objects.iter().filter_map(|o| self.entry_of(o)));
             prefixes.extend(page.prefixes);
             match page.next {
                 Some(next) if Some(&next) != token.as_ref() => token = Some(next),
-                _ => return Ok((objects, prefixes)),
+                _ => return Ok((entries, prefixes)),
             }
         }
     }
