@@ -657,14 +657,7 @@ fn on_network_file_system(mountinfo: &str, dir: &Path) -> bool {
 /// it (the last one mounted, where several are on one point).
 fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
     let mut best: Option<(usize, &str)> = None;
-    for line in mountinfo.lines() {
-        // ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER-OPTIONS
-        let mut fields = line.split(' ');
-        let Some(point) = fields.nth(4) else { continue };
-        let Some(kind) = fields.skip_while(|f| *f != "-").nth(1) else {
-            continue;
-        };
-        let point = unescape_octal(point);
+    for (point, kind, _) in mounts(mountinfo) {
         if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
             best = Some((point.len(), kind));
         }
@@ -672,9 +665,21 @@ fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
     best.map(|(_, kind)| kind)
 }
 
+/// The mounts of a `/proc/self/mountinfo` text: mount point (unescaped),
+/// file system type and source.
+pub(crate) fn mounts(mountinfo: &str) -> impl Iterator<Item = (String, &str, &str)> {
+    mountinfo.lines().filter_map(|line| {
+        // ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER-OPTIONS
+        let mut fields = line.split(' ');
+        let point = unescape_octal(fields.nth(4)?);
+        let mut tail = fields.skip_while(|f| *f != "-").skip(1);
+        Some((point, tail.next()?, tail.next().unwrap_or("")))
+    })
+}
+
 /// A mountinfo field with its `\ooo` escapes (space, tab, newline, `\`)
 /// undone.
-pub(crate) fn unescape_octal(field: &str) -> String {
+fn unescape_octal(field: &str) -> String {
     let mut out = String::with_capacity(field.len());
     let mut rest = field;
     while let Some(i) = rest.find('\\') {

@@ -58,7 +58,7 @@ use crate::server::read_now;
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 use orders::Orders;
-use tree::{Entry, Shown, Trees};
+use tree::{Entry, Trees};
 
 /// How long the kernel may keep names, attributes and pages.
 pub const TTL: Duration = Duration::from_secs(60);
@@ -241,15 +241,11 @@ fn detach(dir: &Path) -> bool {
 /// whose source is `sluice` (its type is `fuse` when the stage mounted it
 /// itself, `fuse.sluice` through `fusermount3`).
 fn sluice_mount_at(dir: &Path) -> bool {
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    mounts.lines().any(|line| {
-        let mut fields = line.split(' ');
-        let point = fields.nth(4).map(crate::config::unescape_octal);
-        let mut tail = fields.skip_while(|f| *f != "-").skip(1);
-        let (kind, source) = (tail.next(), tail.next());
-        kind.is_some_and(|k| k == "fuse" || k.starts_with("fuse."))
-            && source == Some("sluice")
-            && point.as_deref() == dir.to_str()
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    crate::config::mounts(&mountinfo).any(|(point, kind, source)| {
+        (kind == "fuse" || kind.starts_with("fuse."))
+            && source == "sluice"
+            && Path::new(&point) == dir
     })
 }
 
@@ -294,27 +290,41 @@ struct Meta {
 }
 
 impl Meta {
-    fn of_dir(owner: Option<Owner>) -> Option<Self> {
+    fn of(owner: Option<Owner>, mtime: Option<SystemTime>) -> Option<Self> {
         owner.map(|o| Self {
             perm: o.perm & !0o222,
             uid: o.uid,
             gid: o.gid,
-            mtime: None,
-        })
-    }
-
-    fn of_file(shown: &Shown) -> Option<Self> {
-        shown.owner.map(|o| Self {
-            perm: o.perm & !0o222,
-            uid: o.uid,
-            gid: o.gid,
-            // A local file's version is its modification time.
-            mtime: Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.version)),
+            mtime,
         })
     }
 }
 
 impl Node {
+    /// The node of a data set's tree entry, read as `job`.
+    fn of_entry(job: &Arc<str>, dataset: &Arc<Dataset>, entry: Entry) -> Self {
+        let (job, dataset) = (Arc::clone(job), Arc::clone(dataset));
+        match entry {
+            Entry::Dir(path, owner) => Self::Dir {
+                job,
+                dataset,
+                path,
+                meta: Meta::of(owner, None),
+            },
+            Entry::File(name, shown) => Self::File {
+                job,
+                dataset,
+                name,
+                size: shown.size,
+                // A local file's version is its modification time.
+                meta: Meta::of(
+                    shown.owner,
+                    Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.version)),
+                ),
+            },
+        }
+    }
+
     /// The job reads of this node belong to (none for the mount's root).
     fn job(&self) -> Option<&Arc<str>> {
         match self {
@@ -365,13 +375,13 @@ impl Nodes {
     /// Counts a lookup of `name` in `parent` answered with `node` (as the
     /// data set has it now: a file may have changed since the last lookup)
     /// and returns the inode's number.
-    fn looked_up(&mut self, parent: u64, name: &[u8], node: impl FnOnce() -> Node) -> u64 {
+    fn looked_up(&mut self, parent: u64, name: &[u8], node: Node) -> u64 {
         let key = (parent, Box::from(name));
         if let Some(&ino) = self.by_name.get(&key)
             && let Some(known) = self.known.get_mut(&ino)
         {
             known.lookups += 1;
-            known.node = node();
+            known.node = node;
             return ino;
         }
         let mut ino = inode_number(parent, name);
@@ -383,7 +393,7 @@ impl Nodes {
         self.known.insert(
             ino,
             Known {
-                node: node(),
+                node,
                 parent,
                 name: key.1.clone(),
                 lookups: 1,
@@ -483,7 +493,7 @@ struct Open {
     windows: Vec<(u64, Window)>,
     /// The source file the kernel reads itself (passthrough), registered
     /// until every open of the inode is released.
-    _backing: Option<Arc<fuser::BackingId>>,
+    backing: Option<Arc<fuser::BackingId>>,
 }
 
 impl Open {
@@ -501,7 +511,7 @@ impl Open {
             size,
             whole,
             windows: Vec::new(),
-            _backing: None,
+            backing: None,
         }
     }
 
@@ -693,7 +703,6 @@ impl MountFs {
                         None => match reply.open_backing(&source) {
                             Ok(backing) => {
                                 let backing = Arc::new(backing);
-                                backings.retain(|_, b| b.strong_count() > 0);
                                 backings.insert(ino, Arc::downgrade(&backing));
                                 Ok(backing)
                             }
@@ -717,7 +726,7 @@ impl MountFs {
             match backing {
                 Ok(backing) => {
                     reply.opened_passthrough(fh, 0, &backing);
-                    open.insert(fh, Open { _backing: Some(backing), ..file });
+                    open.insert(fh, Open { backing: Some(backing), ..file });
                 }
                 Err(()) => {
                     open.insert(fh, file);
@@ -797,22 +806,8 @@ impl MountFs {
                     .trees
                     .of(dataset, &self.runtime)
                     .map_err(|e| errno(&e))?;
-                match tree.entry(path, text) {
-                    Some(Entry::Dir(path, owner)) => Ok(Node::Dir {
-                        job: Arc::clone(job),
-                        meta: Meta::of_dir(owner),
-                        dataset: Arc::clone(dataset),
-                        path,
-                    }),
-                    Some(Entry::File(name, shown)) => Ok(Node::File {
-                        job: Arc::clone(job),
-                        dataset: Arc::clone(dataset),
-                        size: shown.size,
-                        meta: Meta::of_file(&shown),
-                        name,
-                    }),
-                    None => Err(libc::ENOENT),
-                }
+                let entry = tree.entry(path, text).ok_or(libc::ENOENT)?;
+                Ok(Node::of_entry(job, dataset, entry))
             }
             Node::File { .. } => Err(libc::ENOTDIR),
         }
@@ -824,34 +819,27 @@ impl MountFs {
             .trees
             .of(&dataset, &self.runtime)
             .map_err(|e| errno(&e))?;
-        Ok(Node::Dir {
-            job: Arc::clone(job),
-            meta: Meta::of_dir(tree.owner("")),
-            dataset,
-            path: String::new(),
-        })
+        let root = Entry::Dir(String::new(), tree.owner(""));
+        Ok(Node::of_entry(job, &dataset, root))
     }
 
     /// The node as the data set's latest listing has it (a file may have
     /// changed); `None` when it is gone.
     fn refreshed(&self, node: &Node) -> Option<Node> {
-        let (dataset, full) = match node {
-            Node::Dir { dataset, path, .. } if !path.is_empty() => (dataset, path),
-            Node::File { dataset, name, .. } => (dataset, name),
+        let (job, dataset, full) = match node {
+            Node::Dir {
+                job, dataset, path, ..
+            } if !path.is_empty() => (job, dataset, path),
+            Node::File {
+                job, dataset, name, ..
+            } => (job, dataset, name),
             _ => return Some(node.clone()),
         };
         let (parent, last) = full.rsplit_once('/').unwrap_or(("", full));
         let tree = self.trees.of(dataset, &self.runtime).ok()?;
-        let mut node = node.clone();
-        match (&mut node, tree.entry(parent, last)?) {
-            (Node::Dir { meta, .. }, Entry::Dir(_, owner)) => *meta = Meta::of_dir(owner),
-            (Node::File { meta, size, .. }, Entry::File(_, shown)) => {
-                *meta = Meta::of_file(&shown);
-                *size = shown.size;
-            }
-            _ => return None,
-        }
-        Some(node)
+        let fresh = Node::of_entry(job, dataset, tree.entry(parent, last)?);
+        // A name that became a directory (or a file) is another inode.
+        (std::mem::discriminant(&fresh) == std::mem::discriminant(node)).then_some(fresh)
     }
 
     /// The entries of a directory node from the `skip`-th on, at most
@@ -914,9 +902,7 @@ impl Filesystem for MountFs {
         };
         match self.child(&parent_node, name) {
             Ok(node) => {
-                let ino = self
-                    .nodes
-                    .looked_up(parent, name.as_bytes(), || node.clone());
+                let ino = self.nodes.looked_up(parent, name.as_bytes(), node.clone());
                 self.counters.inodes.set(self.nodes.len() as i64);
                 reply.entry(&TTL, &self.attr(ino, &node), 0);
             }
@@ -1142,7 +1128,7 @@ impl Filesystem for MountFs {
     fn release(
         &mut self,
         _req: &Request<'_>,
-        _ino: u64,
+        ino: u64,
         fh: u64,
         _flags: i32,
         _lock_owner: Option<u64>,
@@ -1153,6 +1139,14 @@ impl Filesystem for MountFs {
         let closed = lock(&self.open).remove(&fh);
         if let Some(file) = closed {
             self.readers.close(file.job.id());
+            if file.backing.is_some() {
+                drop(file);
+                // The inode's last passthrough open: its backing goes.
+                let mut backings = lock(&self.backings);
+                if backings.get(&ino).is_some_and(|b| b.strong_count() == 0) {
+                    backings.remove(&ino);
+                }
+            }
         }
         reply.ok();
     }
@@ -1261,11 +1255,11 @@ mod tests {
     fn an_inode_lives_until_the_kernel_forgets_every_lookup_of_it() {
         let mut nodes = Nodes::default();
         let listed = nodes.number(ROOT, b"@a");
-        let ino = nodes.looked_up(ROOT, b"@a", || job_root("a"));
+        let ino = nodes.looked_up(ROOT, b"@a", job_root("a"));
         assert_eq!(ino, listed, "a listing and a lookup agree on the number");
         // A lookup again answers with the node as it is now (a file may
         // have changed), under the same number.
-        assert_eq!(nodes.looked_up(ROOT, b"@a", || job_root("b")), ino);
+        assert_eq!(nodes.looked_up(ROOT, b"@a", job_root("b")), ino);
         assert!(matches!(nodes.get(ino), Some(Node::JobRoot(job)) if &**job == "b"));
         nodes.forget(ino, 1);
         assert!(nodes.get(ino).is_some(), "one lookup is still held");
@@ -1273,7 +1267,7 @@ mod tests {
         assert!(nodes.get(ino).is_none());
         assert_eq!(nodes.len(), 0);
         // Looked up again: the same number, a fresh count.
-        assert_eq!(nodes.looked_up(ROOT, b"@a", || job_root("a")), ino);
+        assert_eq!(nodes.looked_up(ROOT, b"@a", job_root("a")), ino);
         nodes.forget(ino, 1);
         assert_eq!(nodes.len(), 0);
         assert!(nodes.get(ROOT).is_some(), "the root is never forgotten");
@@ -1282,7 +1276,7 @@ mod tests {
     #[test]
     fn names_whose_numbers_meet_get_different_inodes() {
         let mut nodes = Nodes::default();
-        let a = nodes.looked_up(ROOT, b"@a", || job_root("a"));
+        let a = nodes.looked_up(ROOT, b"@a", job_root("a"));
         // Another name made to take the same number first.
         nodes.known.insert(
             a + 1,
@@ -1306,7 +1300,7 @@ mod tests {
                     lookups: 1,
                 },
             );
-            nodes.looked_up(ROOT, b"@a", || job_root("a"))
+            nodes.looked_up(ROOT, b"@a", job_root("a"))
         };
         assert!(b != a && b != a + 1, "{a} {b}");
         assert!(matches!(nodes.get(b), Some(Node::JobRoot(j)) if &**j == "a"));

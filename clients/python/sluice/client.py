@@ -751,14 +751,20 @@ class Dataset:
     def _call(self, frame: bytes, expect: type) -> tuple:
         """One request that only reads (sent again on a new connection if
         the stage went away meanwhile)."""
+        return self._on_stage(lambda: self.client._call(frame, expect))
+
+    def _on_stage(self, exchange):
+        """Runs ``exchange`` (requests on this dataset) under the client's
+        lock, the dataset opened on the connection first, and again on a
+        new connection if the stage went away (or is stopping) meanwhile."""
         c = self.client
         c._check_process()
         while True:
             seen = c._connection
             try:
-                with c._lock:  # re-OPEN and the request are not split by another thread
+                with c._lock:  # re-OPEN and the exchange are not split by another thread
                     self._reopen_if_needed()
-                    return c._call(frame, expect)
+                    return exchange()
             except (ConnectionClosedError, UnavailableError) as e:
                 c._reconnect(e, seen)
 
@@ -839,21 +845,15 @@ class Dataset:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
         c = self.client
-        c._check_process()
-        while True:
-            seen = c._connection
-            try:
-                # PLAN and the new generation are one step: a prefetch thread
-                # of an older iterator must never send NEXT for this plan.
-                with c._lock:
-                    self._reopen_if_needed()
-                    planned = c._call(frame, p.Planned)
-                    c._plan_generation += 1
-                    return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
-            except (ConnectionClosedError, UnavailableError) as e:
-                # The stage went away (or is stopping) since the last
-                # request: submitted again on a new connection, as a read is.
-                c._reconnect(e, seen)
+
+        def submit() -> "PlanIterator":
+            # PLAN and the new generation are one step (under the lock): a
+            # prefetch thread of an older iterator must never send NEXT for
+            # this plan.
+            planned = c._call(frame, p.Planned)
+            c._plan_generation += 1
+            return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
+        return self._on_stage(submit)
 
     # -- random access -------------------------------------------------------
 

@@ -93,7 +93,9 @@ impl Default for S3Options {
 pub struct S3Source {
     url: String,
     bucket: String,
-    prefix: Key,
+    /// What the data set's keys begin with: `prefix/`, or nothing for a
+    /// whole bucket.
+    key_prefix: String,
     /// Sample reads: requests and retries within the sample deadline.
     store: AmazonS3,
     /// Listings: requests as long as a page takes.
@@ -190,7 +192,7 @@ impl S3Source {
         Ok(Self {
             url: url.to_owned(),
             bucket,
-            prefix,
+            key_prefix: key_prefix(&prefix),
             store,
             lister,
             runtime: Handle::current(),
@@ -222,7 +224,7 @@ impl S3Source {
         let failed =
             |e: ListError| std::io::Error::other(format!("listing {} failed: {e}", self.url));
         let mut files = Vec::new();
-        let mut prefixes = vec![self.key_prefix()];
+        let mut prefixes = vec![self.key_prefix.clone()];
         for _ in 0..LIST_DEPTH {
             if prefixes.len() >= LIST_SPLIT {
                 break;
@@ -249,15 +251,6 @@ impl S3Source {
             files.extend(listed.map_err(failed)?.0);
         }
         Ok(files)
-    }
-
-    /// The prefix keys of the dataset begin with (`prefix/`, or nothing
-    /// for a whole bucket).
-    fn key_prefix(&self) -> String {
-        match self.prefix.as_ref() {
-            "" => String::new(),
-            prefix => format!("{prefix}/"),
-        }
     }
 
     /// Every page beneath `prefix`: its entries (each page's objects made
@@ -298,7 +291,7 @@ impl S3Source {
     /// for keys that are not servable names or cannot be read back as
     /// they are.
     fn name_of(&self, raw: &str) -> Option<String> {
-        let name = raw.strip_prefix(&self.key_prefix())?;
+        let name = raw.strip_prefix(&self.key_prefix)?;
         if name.is_empty() || name.ends_with('/') {
             return None;
         }
@@ -316,12 +309,7 @@ impl S3Source {
     /// The key of checked name `name`: always beneath the prefix, since a
     /// checked name has no `.`, `..` or empty component.
     fn key(&self, name: &str) -> Result<Key, ProtocolError> {
-        let full = if self.prefix.as_ref().is_empty() {
-            name.to_owned()
-        } else {
-            format!("{}/{name}", self.prefix.as_ref())
-        };
-        Key::parse(&full).map_err(|e| {
+        Key::parse(format!("{}{name}", self.key_prefix)).map_err(|e| {
             ProtocolError::new(
                 ErrorCode::ForbiddenPath,
                 format!("`{name}` is refused: it is not a valid object key ({e})"),
@@ -570,21 +558,16 @@ async fn check(
     bucket: &str,
     endpoint: &str,
 ) -> Result<(), String> {
-    let key_prefix = match prefix.as_ref() {
-        "" => String::new(),
-        p => format!("{p}/"),
-    };
-    let first = match tokio::time::timeout(PROBE_TIMEOUT, lister.page(&key_prefix, false, None))
-        .await
-    {
-        Ok(Ok(page)) => page,
-        Ok(Err(e)) => return Err(list_failure(&e, bucket, endpoint)),
-        Err(_) => {
-            return Err(format!(
-                "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
-            ));
-        }
-    };
+    let first =
+        match tokio::time::timeout(PROBE_TIMEOUT, lister.page(&key_prefix(prefix), false, None))
+            .await
+        {
+            Ok(Ok(page)) => page,
+            Ok(Err(e)) => return Err(list_failure(&e, bucket, endpoint)),
+            Err(_) => {
+                return Err(no_answer(endpoint));
+            }
+        };
     // A server that is not an object store (a web server answering every
     // path) may pass for an empty one; it also "finds" a key that cannot
     // exist.
@@ -603,9 +586,7 @@ async fn check(
             ));
         }
         Err(_) => {
-            return Err(format!(
-                "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
-            ));
+            return Err(no_answer(endpoint));
         }
     }
     if first.objects.is_empty() && first.prefixes.is_empty() {
@@ -616,6 +597,23 @@ async fn check(
         );
     }
     Ok(())
+}
+
+/// What the keys beneath `prefix` begin with (`prefix/`, or nothing for a
+/// whole bucket).
+fn key_prefix(prefix: &Key) -> String {
+    match prefix.as_ref() {
+        "" => String::new(),
+        p => format!("{p}/"),
+    }
+}
+
+/// What to fix when the store at `endpoint` did not answer the start-up
+/// check in time.
+fn no_answer(endpoint: &str) -> String {
+    format!(
+        "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
+    )
 }
 
 /// What to fix, when the start-up listing failed with `e`.
@@ -642,9 +640,7 @@ fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
         ListError::Transport(_) => format!(
             "cannot reach the object store at {endpoint} ({e}): check --s3-endpoint and the network"
         ),
-        ListError::Timeout(_) => format!(
-            "the object store at {endpoint} did not answer within {PROBE_TIMEOUT:?}: check --s3-endpoint and the network"
-        ),
+        ListError::Timeout(_) => no_answer(endpoint),
         ListError::NotS3(_) => format!(
             "the server at {endpoint} does not answer like an S3 object store: {e}; check --s3-endpoint"
         ),
