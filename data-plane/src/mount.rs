@@ -1016,6 +1016,10 @@ impl Filesystem for MountFs {
                 Some((sample, reservation)) => match sample.data {
                     Ok(Payload::Bytes(chunk)) => Some((chunk, reservation)),
                     Ok(Payload::Shared { .. }) => None,
+                    // Larger than one buffered sample may be: delivered by
+                    // this open all the same, its bytes read as an unplanned
+                    // file's are.
+                    Err(e) if e.code == ErrorCode::TooLarge => None,
                     Err(e) => {
                         readers.close(job.id());
                         return reply.error(errno(&e));

@@ -647,7 +647,10 @@ impl Connection {
         answers.sort_by_key(|(position, ..)| *position);
         // Sample i's bytes are held by held[holder[i]], if by any.
         let (mut samples, mut held, mut holder) = (Vec::new(), Vec::new(), Vec::new());
-        for (_, sample, reservation) in answers {
+        for (position, mut sample, reservation) in answers {
+            // The name's place in the request, whatever position the plan
+            // or the direct read gave it.
+            sample.position = position as u32;
             samples.push(sample);
             holder.push(reservation.map(|r| {
                 held.push(r);

@@ -543,6 +543,12 @@ class Client:
                 # another thread, e.g. a test's or a signal handler's).
                 self._abort()
                 raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
+            except BaseException:
+                # Interrupted mid-exchange (KeyboardInterrupt, a signal
+                # handler's exception): the answer is unread, so the stream
+                # is out of step. The next request connects again.
+                self._abort()
+                raise
             if type(msg) is expect:
                 return msg
             if type(msg) is p.Error:

@@ -336,6 +336,61 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
 
 
+def test_order_files_that_are_not_plain_files_or_run_away_are_refused(tmp_path, mount_stage, dataset):
+    """A FIFO must not stop the scan of every job's orders, a link is not
+    followed (its target's lines would be echoed into the error file), and a
+    file of endless lines is cut off, not read into memory."""
+    root, files = dataset
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    names = sorted(files)
+    (orders / "fifo").mkdir(parents=True)
+    os.mkfifo(orders / "fifo" / "ds")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root-only line\n")
+    (orders / "link").mkdir()
+    os.symlink(secret, orders / "link" / "ds")
+    (orders / "long").mkdir()
+    (orders / "long" / "ds").write_bytes(b"x" * 100_000)
+    write_order(orders / "many" / "ds", names * (1100 // len(names) + 1))
+    for job, reason in [("fifo", "not a regular file"), ("link", "symbolic link"),
+                        ("long", "longer than 4096 bytes"), ("many", "more than")]:
+        error = orders / job / "ds.error"
+        wait_for(error.exists, what=f"{job}'s order refused")
+        text = error.read_text()
+        assert reason in text, text
+        assert "root-only" not in text and len(text) < 1000, text
+    # The scan goes on: a good order of another job is taken up.
+    reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "ok")  # noqa: E731
+    write_order(orders / "ok" / "ds", names[:3])
+    wait_for(lambda: reads() == 3, what="a later order file taken up")
+    with open(mnt / "@ok" / "ds" / names[0], "rb") as f:
+        assert f.read() == files[names[0]]
+
+
+def test_a_planned_file_too_large_to_buffer_opens_all_the_same(tmp_path, mount_stage):
+    """An order may list files larger than one buffered sample may be (a
+    300 MiB shard): its open delivers it, and it is read as an unplanned
+    file is, not refused."""
+    root = tmp_path / "shards"
+    root.mkdir()
+    big = root / "big.tfrecord"
+    with open(big, "wb") as f:
+        f.truncate(300 * 2**20)
+        f.seek(299 * 2**20)
+        f.write(b"the end of the shard")
+    (root / "small.tfrecord").write_bytes(b"small")
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    write_order(orders / "tf" / "ds", ["big.tfrecord", "small.tfrecord"])
+    wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf") >= 1,
+             what="the order taken up")
+    with open(mnt / "@tf" / "ds" / "big.tfrecord", "rb") as f:
+        assert f.read(4096) == bytes(4096)
+        assert os.pread(f.fileno(), 20, 299 * 2**20) == b"the end of the shard"
+    assert (mnt / "@tf" / "ds" / "small.tfrecord").read_bytes() == b"small"
+
+
 TF_READER = r"""
 import json, sys
 import tensorflow as tf

@@ -9,6 +9,7 @@ import random
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -247,3 +248,35 @@ def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage
     stage = s3_stage(stage_factory, f"http://{server.address}")
     with sluice.Client(stage.socket, job="s3") as c:
         assert c.dataset("ds").files.names() == sorted_names(files)
+
+
+def test_the_harness_stores_etags_where_the_server_reads_them(s3):
+    """``store_etags`` leaves the server an uploaded object's state: a GET
+    answers with the stored ETag instead of hashing the object (what made
+    the benchmark's server, not the loaders, the bound)."""
+    import hashlib
+    import http.client
+
+    from sluice.bench.s3 import S3Reader, store_etags
+
+    server, files = s3
+    name = next(n for n in sorted(files) if files[n])
+    keys = [f"{PREFIX}/{n}" for n in files]
+    assert store_etags(server.root, BUCKET, keys) == len(keys)
+    reader = S3Reader(f"http://{server.address}", BUCKET, PREFIX)
+
+    def etag(key: str) -> str:
+        path = f"/{BUCKET}/{key}"
+        conn = http.client.HTTPConnection(server.address, timeout=30)
+        conn.request("GET", path, headers=reader._headers(path))
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        assert response.status == 200, response.status
+        return response.getheader("ETag").strip('"')
+
+    assert etag(f"{PREFIX}/{name}") == hashlib.md5(files[name]).hexdigest()
+    # Same size, other bytes: a server hashing the object would answer with
+    # the new digest; one reading the stored ETag answers with the old.
+    Path(server.root, BUCKET, PREFIX, name).write_bytes(bytes(len(files[name])))
+    assert etag(f"{PREFIX}/{name}") == hashlib.md5(files[name]).hexdigest()

@@ -596,3 +596,94 @@ def test_plan_ends_when_its_connections_are_gone(stage_factory, dataset):
 
     from conftest import wait_for
     wait_for(resubmitted, what="the abandoned plan to be dropped")
+
+
+def _megabyte_files(root, count: int) -> list:
+    names = []
+    for i in range(count):
+        name = f"m{i:03d}.bin"
+        (root / name).write_bytes(bytes([i]) * 2**20)
+        names.append(name)
+    return names
+
+
+def test_a_read_waiting_on_a_dropped_plan_reads_the_file_itself(stage_factory, tmp_path):
+    """A map-style worker's whole-file reads wait for the plan's readers;
+    when the sampler's plan goes meanwhile (next epoch, sampler closed),
+    they must be answered, not left waiting for entries no reader fetches."""
+    root = tmp_path / "m"
+    root.mkdir()
+    _megabyte_files(root, 24)
+    stage = stage_factory({"m": root}, "--rate-limit", "4MiB/s", "--readers", "4")
+    with sluice.Client(stage.socket, job="dropped") as sampler, \
+            sluice.Client(stage.socket, job="dropped", timeout=30) as worker:
+        ds = sampler.dataset("m")
+        ds.epoch(0, seed=1, prefetch=0)
+        order = [ds.files[i][0] for i in ds.local_order(0, seed=1)]
+        got = {}
+
+        def fetch():
+            try:
+                got["samples"] = worker.dataset("m").fetch(order[:4])
+            except Exception as e:  # reported below
+                got["error"] = e
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        time.sleep(0.3)  # the readers have started the first entries, at 4 MiB/s
+        ds.epoch(1, seed=1, prefetch=0)  # epoch 0's plan loses its only connection
+        t.join(25)
+        assert not t.is_alive(), "the FETCH waited on a plan that was dropped"
+        assert "error" not in got, got.get("error")
+        assert [(n, set(bytes(d))) for n, d in got["samples"]] == \
+            [(n, {int(n[1:4])}) for n in order[:4]]
+
+
+def test_an_interrupted_request_leaves_the_client_usable(stage_factory, tmp_path):
+    """Ctrl-C while the stage answers: the answer is unread, so the client
+    must not read it as the next request's (it connects again)."""
+    import signal
+    root = tmp_path / "m"
+    root.mkdir()
+    names = _megabyte_files(root, 16)
+    stage = stage_factory({"m": root}, "--rate-limit", "8MiB/s")
+    with sluice.Client(stage.socket, job="interrupted", timeout=30) as c:
+        ds = c.dataset("m")
+        timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            ds.fetch(names[:4])  # half a second at 8 MiB/s
+        timer.join()
+        for k in range(2):
+            want = names[8 + 4 * k:12 + 4 * k]
+            assert [n for n, _ in ds.fetch(want)] == want
+        assert ds.read(names[0]) == bytes([0]) * 2**20
+
+
+def test_fetch_answers_in_request_order_when_some_names_are_planned(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    with sluice.Client(stage.socket, job="mixed") as planner, sluice.Client(stage.socket, job="mixed") as worker:
+        it = planner.dataset("d").plan_indices([5, 6, 7], epoch=0)
+        want = [names[0], names[7], names[1], names[5], names[2]]
+        got = worker.dataset("d").fetch(want)
+        assert [(n, bytes(d)) for n, d in got] == [(n, files[n]) for n in want]
+        assert [n for n, _ in it] == [names[6]]
+
+
+def test_one_job_plans_the_same_epoch_over_two_data_sets(stage_factory, dataset, tmp_path):
+    """Training and validation loaders of one job, each at epoch 0, mid-epoch
+    at once: two plans, not a conflict."""
+    root, files = dataset
+    val_root = tmp_path / "val"
+    val_root.mkdir()
+    val_files = make_dataset(val_root, seed=9)
+    stage = stage_factory({"train": root, "val": val_root})
+    with sluice.Client(stage.socket, job="resnet") as a, sluice.Client(stage.socket, job="resnet") as b:
+        train = a.dataset("train").epoch(0, seed=1, batch=4)
+        first = [next(train) for _ in range(5)]
+        val = list(b.dataset("val").epoch(0, seed=1, batch=4))
+        assert {n: bytes(d) for n, d in val} == val_files
+        rest = first + list(train)
+        assert {n: bytes(d) for n, d in rest} == files

@@ -75,8 +75,10 @@ struct StatsSample {
 #[derive(Debug)]
 struct JobState {
     plans: HashMap<u64, PlanRun>,
-    by_key: HashMap<PlanKey, u64>,
-    completed: VecDeque<(PlanKey, u64)>,
+    /// Active plans by data set and key: a job's train and validation
+    /// loaders plan the same ranks and epochs over two data sets.
+    by_key: HashMap<(String, PlanKey), u64>,
+    completed: VecDeque<((String, PlanKey), u64)>,
     next_id: u64,
     reserved: u64,
     capacity: u64,
@@ -627,8 +629,9 @@ impl JobState {
     /// Forgets a fully delivered plan and remembers that it completed.
     fn finish_plan(&mut self, id: u64) {
         if let Some(plan) = self.plans.remove(&id) {
-            self.by_key.remove(&plan.key);
-            self.completed.push_back((plan.key, plan.fingerprint));
+            let key = (plan.dataset.name.clone(), plan.key);
+            self.by_key.remove(&key);
+            self.completed.push_back((key, plan.fingerprint));
             if self.completed.len() > COMPLETED_MEMORY {
                 self.completed.pop_front();
             }

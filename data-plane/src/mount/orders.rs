@@ -13,6 +13,7 @@
 //! in `<dataset>.error`; removing the order file drops its plan.
 
 use std::collections::HashMap;
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -27,6 +28,15 @@ pub const POLL: Duration = Duration::from_millis(200);
 
 /// The plan rank of order-file plans, apart from trainers' ranks.
 const ORDER_RANK: u32 = u32::MAX;
+
+/// The longest line read: a name or mount path (the kernel's `PATH_MAX`).
+const MAX_LINE: usize = 4096;
+
+/// Lines an order file may have per file of its data set.
+const MAX_LINES_PER_FILE: usize = 4;
+
+/// How much of a refused line an error message repeats.
+const SHOWN: usize = 200;
 
 /// What the error file of an order file is called.
 const ERROR_SUFFIX: &str = ".error";
@@ -86,7 +96,9 @@ impl Orders {
     pub fn scan(&mut self) {
         let mut seen = Vec::new();
         for (job, dataset, path) in self.files() {
-            let Ok(meta) = std::fs::metadata(&path) else {
+            // Not followed: a link could name any file the stage can read
+            // (and its lines would be echoed into the error file).
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
                 continue;
             };
             let stamp = (
@@ -164,26 +176,54 @@ impl Orders {
         let listing = ds
             .listing()
             .map_err(|e| format!("data set `{dataset}` cannot be listed: {e}"))?;
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read it: {e}"))?;
+        let mut reader = std::io::BufReader::new(open_regular(path)?);
+        // Each file at most a few times over, so a runaway file cannot take
+        // the node's memory.
+        let max_lines = listing
+            .files
+            .len()
+            .saturating_mul(MAX_LINES_PER_FILE)
+            .max(1024);
         let prefixes = self.prefixes(job, dataset);
         let mut files = Vec::new();
-        for (i, line) in text.lines().enumerate() {
-            let line = line.trim();
+        let mut raw = Vec::new();
+        for i in 1.. {
+            raw.clear();
+            let n = std::io::Read::take(&mut reader, MAX_LINE as u64 + 1)
+                .read_until(b'\n', &mut raw)
+                .map_err(|e| format!("cannot read it: {e}"))?;
+            if n == 0 {
+                break;
+            }
+            if raw.len() > MAX_LINE {
+                return Err(format!(
+                    "line {i} is longer than {MAX_LINE} bytes (one name or mount path per line): `{}`",
+                    shown(&String::from_utf8_lossy(&raw))
+                ));
+            }
+            if i > max_lines {
+                return Err(format!(
+                    "it has more than {max_lines} lines, {MAX_LINES_PER_FILE} per file of data set `{dataset}`"
+                ));
+            }
+            let exact = std::str::from_utf8(&raw)
+                .map_err(|_| format!("line {i} is not UTF-8"))?
+                .trim_end_matches(['\n', '\r']);
+            let line = exact.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let name = prefixes
-                .iter()
-                .find_map(|p| line.strip_prefix(p.as_str()))
-                .unwrap_or(line)
-                .trim_start_matches("./");
-            let index = listing.position(name).ok_or_else(|| {
-                format!(
-                    "line {}: `{line}` is not a file of data set `{dataset}` (give names relative to the data set, or paths under {})",
-                    i + 1,
-                    self.mount.join(format!("@{job}")).join(dataset).display()
-                )
-            })?;
+            // A name may begin or end with spaces; trimmed is what people mean.
+            let index = [exact, line]
+                .into_iter()
+                .find_map(|l| listing.position(self.relative(&prefixes, l)))
+                .ok_or_else(|| {
+                    format!(
+                        "line {i}: `{}` is not a file of data set `{dataset}` (give names relative to the data set, or paths under {})",
+                        shown(line),
+                        self.mount.join(format!("@{job}")).join(dataset).display()
+                    )
+                })?;
             files.push(index);
         }
         if files.is_empty() {
@@ -222,6 +262,16 @@ impl Orders {
         Ok(length)
     }
 
+    /// The data set name a line gives, with the mount path it may start
+    /// with taken off.
+    fn relative<'a>(&self, prefixes: &[String], line: &'a str) -> &'a str {
+        prefixes
+            .iter()
+            .find_map(|p| line.strip_prefix(p.as_str()))
+            .unwrap_or(line)
+            .trim_start_matches("./")
+    }
+
     /// What a line may start with to name a file by its mount path.
     fn prefixes(&self, job: &str, dataset: &str) -> Vec<String> {
         let mut out = vec![format!(
@@ -232,5 +282,35 @@ impl Orders {
             out.push(format!("{}/", self.mount.join(dataset).display()));
         }
         out
+    }
+}
+
+/// Opens the order file at `path` for reading if it is a regular file:
+/// neither a link (not followed) nor a FIFO or device, whose open or read
+/// could block the scan of every job's orders or never end.
+fn open_regular(path: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => "it is a symbolic link; write the order file itself".to_owned(),
+            _ => format!("cannot read it: {e}"),
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("it is not a regular file".to_owned());
+    }
+    Ok(file)
+}
+
+/// `text` as an error message shows it: at most [`SHOWN`] characters.
+fn shown(text: &str) -> String {
+    match text.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_owned(),
     }
 }

@@ -6,18 +6,24 @@ every request and injects the failures object stores give (503 SlowDown,
 
 ``s3s-fs`` serves each subdirectory of its root as a bucket and each file
 beneath it as an object, so a data set is staged by writing files, and an
-object is deleted by deleting its file.
+object is deleted by deleting its file. A file put there directly has no
+stored ETag, and ``s3s-fs`` then hashes the whole object for every GET;
+:func:`store_etags` writes the ETags an upload would have left, so the
+server answers a GET as it would for an uploaded object.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import os
 import shutil
-from typing import Optional
+from typing import Iterable, Optional
 
 from .harness import Harness, HarnessError, find_binary, free_port
 
-__all__ = ["S3Server", "SlowHttp", "find_s3_server", "find_slowhttp_binary",
+__all__ = ["S3Server", "SlowHttp", "find_s3_server", "find_slowhttp_binary", "store_etags",
            "ACCESS_KEY", "SECRET_KEY"]
 
 # The harness server's credentials (a test server on loopback).
@@ -40,6 +46,27 @@ def find_s3_server(repo: str) -> str:
 
 def find_slowhttp_binary(bin_dir: str) -> str:
     return find_binary(bin_dir, "sluice-slowhttp")
+
+
+def store_etags(root: str, bucket: str, keys: Iterable[str]) -> int:
+    """Records the ETag (the MD5 of the bytes, as S3 gives an object uploaded
+    in one part) of each of ``keys`` in ``bucket`` under the server root
+    ``root``, in the file where ``s3s-fs`` 0.14 keeps an uploaded object's
+    ETag (``.bucket-<b64 bucket>.object-<b64 key>.internal.json`` beside the
+    buckets). Returns how many were written."""
+    def b64(text: str) -> str:
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    written = 0
+    for key in keys:
+        digest = hashlib.md5()
+        with open(os.path.join(root, bucket, key), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        with open(os.path.join(root, f".bucket-{b64(bucket)}.object-{b64(key)}.internal.json"), "w") as out:
+            json.dump({"e_tag": digest.hexdigest()}, out)
+        written += 1
+    return written
 
 
 class S3Server(Harness):

@@ -15,7 +15,8 @@ import time
 from typing import Callable, Iterator, List, Optional
 
 from .dataset import BenchDataset
-from .s3 import ACCESS_KEY, SECRET_KEY, S3Reader, S3Server, SlowHttp, find_s3_server, find_slowhttp_binary
+from .s3 import (ACCESS_KEY, SECRET_KEY, S3Reader, S3Server, SlowHttp, find_s3_server, find_slowhttp_binary,
+                 store_etags)
 from .slowfs import SlowFs, find_slowfs_binary
 
 __all__ = ["Storage", "open_storage", "LIMIT_CONCURRENCY"]
@@ -92,6 +93,7 @@ def open_storage(kind: str, latency: str, latency_ms: float, ds: BenchDataset, b
         # s3s-fs serves each directory of its root as a bucket.
         os.makedirs(os.path.join(tmp, "s3"))
         os.symlink(os.path.abspath(ds.root), os.path.join(tmp, "s3", BUCKET))
+        store_etags(os.path.join(tmp, "s3"), BUCKET, ds.names)
         server = S3Server.start(find_s3_server(repo), os.path.join(tmp, "s3"))
         with server, SlowHttp.start(find_slowhttp_binary(bin_dir), server.address, latency=latency) as proxy:
             os.environ.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})

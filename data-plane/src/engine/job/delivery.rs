@@ -169,21 +169,22 @@ impl Job {
             length,
         };
         let mut st = self.lock();
-        if let Some(&id) = st.by_key.get(&key) {
+        let full = (dataset.name.clone(), key);
+        if let Some(&id) = st.by_key.get(&full) {
             let plan = st.plans.get_mut(&id).expect("by_key points at a live plan");
-            if plan.fingerprint != fingerprint || plan.dataset.name != dataset.name {
+            if plan.fingerprint != fingerprint {
                 return Err(ProtocolError::new(
                     ErrorCode::PlanConflict,
                     format!(
-                        "job `{}` already has a different active plan for rank {} epoch {}; submit the same plan to share it, or use another epoch number",
-                        self.id, key.rank, key.epoch
+                        "job `{}` already has a different active plan over data set `{}` for rank {} epoch {}; submit the same plan to share it, or use another epoch number",
+                        self.id, dataset.name, key.rank, key.epoch
                     ),
                 ));
             }
             plan.attached += 1;
             return Ok((handle(Some(id)), PlanState::Joined));
         }
-        if let Some(i) = st.completed.iter().position(|(k, _)| *k == key) {
+        if let Some(i) = st.completed.iter().position(|(k, _)| *k == full) {
             if st.completed[i].1 == fingerprint {
                 return Ok((handle(None), PlanState::AlreadyComplete));
             }
@@ -195,7 +196,7 @@ impl Job {
         plan.attached = 1;
         let complete = plan.remaining == 0;
         st.plans.insert(id, plan);
-        st.by_key.insert(key, id);
+        st.by_key.insert(full, id);
         if complete {
             st.finish_plan(id);
         }
@@ -216,12 +217,18 @@ impl Job {
             return;
         }
         let plan = st.plans.remove(&id).expect("present");
-        st.by_key.remove(&plan.key);
+        st.by_key.remove(&(plan.dataset.name.clone(), plan.key));
         // In-flight reads release their own bytes when they find the plan gone.
         let buffered = plan.buffered_bytes();
         st.reserved -= buffered;
         self.memory.release(buffered);
         drop(st);
+        // Whole-file reads waiting for one of its entries (a map-style
+        // worker's, which do not hold the plan) find it gone and read the
+        // file themselves.
+        for waiter in plan.waiters.values() {
+            waiter.notify_one();
+        }
         self.work.notify_all();
         debug!(job = %self.id, rank = plan.key.rank, epoch = plan.key.epoch, freed = buffered, "plan abandoned");
     }
