@@ -4,8 +4,9 @@
 //! Each job has its own reader threads, byte-bounded buffer, QoS limiter and
 //! tuner. A job's plans share its buffer; all jobs share the node budget,
 //! which no reservation may exceed (the only exception: a plan with nothing
-//! buffered may always fetch one sample when the node holds nothing, so a
-//! sample larger than the budget is still served instead of hanging).
+//! buffered may always fetch one sample when the node holds nothing, or one
+//! sample larger than the whole budget, so such a sample is still served
+//! instead of hanging).
 
 mod job;
 mod plan_run;
@@ -61,11 +62,15 @@ impl Memory {
     }
 
     /// Reserves `n` bytes if the budget allows, or unconditionally when
-    /// `force` is set and nothing at all is reserved.
+    /// `force` is set (the caller's plan holds nothing) and either nothing
+    /// at all is reserved or `n` is more than the whole budget: such a
+    /// sample could wait forever for room (trainers holding shared-memory
+    /// samples keep the node from ever being empty), so it is read alone.
     fn try_reserve(&self, n: u64, force: bool) -> bool {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used + n <= self.budget || (force && used == 0)).then_some(used + n)
+                (used + n <= self.budget || (force && (used == 0 || n > self.budget)))
+                    .then_some(used + n)
             })
             .is_ok()
     }

@@ -421,7 +421,26 @@ class SluiceDataset(_data.Dataset):
         self._conn.close()
 
 
-class SluiceSampler(_data.Sampler):
+class _PlanningSampler(_data.Sampler):
+    """What the samplers that tell the stage an epoch's plan share: their
+    own connection (``_conn``) and the plan it holds (``_plan``)."""
+
+    _plan = None
+
+    def close(self) -> None:
+        """Closes the sampler's connection (the stage frees the plan's buffer)."""
+        self._plan = None
+        self._conn.close()
+
+    def __getstate__(self) -> dict:
+        # A copy (a checkpoint, a spawned process) keeps the settings and
+        # the epoch, not this process's plan: it plans again when iterated.
+        state = dict(self.__dict__)
+        state["_plan"] = None
+        return state
+
+
+class SluiceSampler(_PlanningSampler):
     """Yields this rank's indices of an epoch and tells the stage the plan.
 
     ``__iter__`` submits the epoch's ``SHUFFLE`` plan for ``(job, rank,
@@ -495,11 +514,6 @@ class SluiceSampler(_data.Sampler):
             # and reconnect on their own.
             self._plan = None
 
-    def close(self) -> None:
-        """Closes the sampler's connection (the stage frees the plan's buffer)."""
-        self._plan = None
-        self._conn.close()
-
 
 def _mount_names(paths: Sequence[str]) -> Tuple[str, str, List[str]]:
     """(job, dataset, names) of files under a stage's mount, every path
@@ -521,7 +535,7 @@ def _mount_names(paths: Sequence[str]) -> Tuple[str, str, List[str]]:
     return job, dataset, names
 
 
-class MountSampler(_data.Sampler):
+class MountSampler(_PlanningSampler):
     """Yields this rank's indices of an epoch of a file-reading dataset
     over the stage's mount, and tells the stage that order.
 
@@ -577,11 +591,6 @@ class MountSampler(_data.Sampler):
         # deliver its entries. Keeping it keeps the stage's buffer for it.
         self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
         return iter(order)
-
-    def close(self) -> None:
-        """Closes the sampler's connection (the stage frees the plan's buffer)."""
-        self._plan = None
-        self._conn.close()
 
 
 class SluiceIterableDataset(_data.IterableDataset):

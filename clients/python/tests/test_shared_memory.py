@@ -316,3 +316,30 @@ def test_samples_held_when_the_stage_ends_the_connection_keep_their_bytes(stage_
         holder.close()
     # The job's last connection gone, its slots come back.
     wait_for(lambda: lent(stage, "ended") == 0, what="the job's slots to come back")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_small_budget_never_leaves_a_request_waiting(stage_factory, tmp_path, shared):
+    """A budget of a few samples: a request asks for more than it holds at
+    once, the trainer keeps every sample, and one file is larger than the
+    whole budget. Every request is answered (fewer samples each), none waits
+    for room that never comes."""
+    root = tmp_path / "tight"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(MiB) for i in range(40)}
+    files["empty.bin"] = b""
+    files["huge.bin"] = os.urandom(12 * MiB)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root}, "--memory-budget", "8MiB", "--shared-memory", str(shared).lower())
+    with sluice.Client(stage.socket, job="tight", timeout=60) as c:
+        ds = c.dataset("d")
+        kept = list(ds.epoch(0, seed=2, batch=32))
+        assert {n: bytes(d) for n, d in kept} == files
+        assert lent(stage, "tight") <= 4 * MiB, "trainers hold at most half a small budget"
+        del kept
+        # Not kept: the loop variable alone holds a slot while the next asks.
+        got = {}
+        for name, data in ds.epoch(1, seed=2, batch=4, prefetch=0):
+            got[name] = bytes(data)
+        assert got == files

@@ -196,6 +196,15 @@ def test_datasets_pickle_without_their_connection(stage_factory, dataset):
     assert _bytes(clone[0][1]) == files[name] and clone[0][0] == name
     it = SluiceIterableDataset(stage.socket, "d", job="pickle2")
     assert pickle.loads(pickle.dumps(it))._conn._client is None
+    # A sampler mid-epoch (a checkpoint of the training state) copies its
+    # settings and epoch, not its plan, and plans again when iterated.
+    sampler = SluiceSampler(ds, seed=4)
+    sampler.set_epoch(3)
+    first = list(sampler)
+    copy = pickle.loads(pickle.dumps(sampler))
+    assert copy._plan is None and copy.epoch == 3 and copy.seed == 4
+    copy.set_epoch(5)
+    assert sorted(copy) == sorted(first)
 
 
 def test_forked_child_opens_its_own_connection(stage_factory, dataset):

@@ -389,6 +389,11 @@ impl Job {
     }
 
     /// The job's buffer capacity now (after the node budget's share).
+    /// The node's memory budget, which every job's buffer comes out of.
+    pub fn memory_budget(&self) -> u64 {
+        self.memory.budget()
+    }
+
     pub fn buffer_capacity(&self) -> u64 {
         self.lock().effective_capacity(&self.memory)
     }

@@ -3,8 +3,7 @@
 //! by slot, and their return (`RELEASE`) or hand-over to the job
 //! (`HAND_OFF`). The book of lent slots is the job's
 //! ([`crate::engine::Lending`]): any connection of the job may return any
-//! of them, and the job holds at most half its buffer (at least 64 MiB) in
-//! them; past that samples come in the frame. What this connection holds
+//! of them, and the job holds at most [`Lending::limit`] in them; past that samples come in the frame. What this connection holds
 //! goes back when the trainer ends it; when the stage ends it, the job
 //! keeps it until its last connection ends.
 
@@ -64,13 +63,17 @@ impl Shared {
         reservations: &mut [Reservation],
         holder: impl Fn(usize) -> Option<usize>,
     ) {
-        let limit = Lending::limit(self.job.buffer_capacity());
+        let limit = Lending::limit(self.job.buffer_capacity(), self.job.memory_budget());
         let mut book = self.job.lend_book();
         let mut lent = 0;
         for (i, sample) in samples.iter_mut().enumerate() {
+            // Empty files go in the frame: a slot would hold a page for nothing.
             let Ok(Payload::Bytes(chunk)) = &sample.data else {
                 continue;
             };
+            if chunk.is_empty() {
+                continue;
+            }
             let Some((slot, offset)) = chunk.shared() else {
                 continue;
             };

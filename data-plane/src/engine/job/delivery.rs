@@ -248,7 +248,11 @@ impl Job {
             let Some(plan) = st.plans.get_mut(&id) else {
                 return empty(true);
             };
-            let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET);
+            // At most a quarter of the node's budget at once (at least one
+            // entry): the answer waits for every claimed entry, and what the
+            // budget cannot hold at once would never all be fetched.
+            let positions =
+                plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(self.memory.budget() / 4));
             let waiting = plan.consumer_waiting();
             let dataset = plan.dataset.name.clone();
             (positions, self.dataset_metrics(&mut st, &dataset), waiting)

@@ -64,9 +64,12 @@ impl Drop for Returned {
 }
 
 impl Lending {
-    /// The most a job with buffer `capacity` may hold in slots.
-    pub fn limit(capacity: u64) -> u64 {
-        (capacity / 2).max(LENT_MIN)
+    /// The most a job with buffer `capacity` may hold in slots on a node
+    /// with memory `budget`: half its buffer, at least [`LENT_MIN`] but never
+    /// more than half the budget, so that what trainers hold always leaves
+    /// the readers room to fetch what they ask for next.
+    pub fn limit(capacity: u64, budget: u64) -> u64 {
+        (capacity / 2).max(LENT_MIN.min(budget / 2))
     }
 
     /// Whether `bytes` more may be lent under `limit`.
@@ -172,8 +175,10 @@ mod tests {
 
     #[test]
     fn the_limit_is_half_the_buffer_at_least_the_minimum() {
-        assert_eq!(Lending::limit(256 << 20), 128 << 20);
-        assert_eq!(Lending::limit(16 << 20), LENT_MIN);
+        assert_eq!(Lending::limit(256 << 20, 1 << 30), 128 << 20);
+        assert_eq!(Lending::limit(16 << 20, 1 << 30), LENT_MIN);
+        // A small node: never more than half its budget.
+        assert_eq!(Lending::limit(8 << 20, 32 << 20), 16 << 20);
         let lending = Lending::default();
         assert!(lending.has_room(LENT_MIN, LENT_MIN));
         assert!(!lending.has_room(LENT_MIN + 1, LENT_MIN));
