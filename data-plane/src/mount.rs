@@ -690,12 +690,20 @@ impl MountFs {
     /// it is opened). Where the data set is not a local directory, or the
     /// kernel refuses the file, it is read through windows instead; the
     /// first refusal ends passthrough for the mount (logged once).
-    fn open_passthrough(&self, ino: u64, fh: u64, file: Open, reply: ReplyOpen) {
+    fn open_passthrough(&self, opener: u32, ino: u64, fh: u64, file: Open, reply: ReplyOpen) {
         let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
         let (passthrough, backings) = (Arc::clone(&self.passthrough), Arc::clone(&self.backings));
         self.runtime.spawn_blocking(move || {
             let metrics = file.job.metrics_for(&file.dataset.name);
-            let backing = match file.job.open_passthrough(&file.dataset, &file.name, &metrics) {
+            // The kernel waits for this answer even for a killed opener (the
+            // stage cannot hear interrupts), so a throttled open ends when
+            // the opener is being killed.
+            let mut killed = false;
+            let wanted = || {
+                killed = being_killed(opener);
+                !killed
+            };
+            let backing = match file.job.open_passthrough(&file.dataset, &file.name, &metrics, wanted) {
                 Some(Ok(source)) => {
                     let mut backings = lock(&backings);
                     match backings.get(&ino).and_then(std::sync::Weak::upgrade) {
@@ -717,7 +725,7 @@ impl MountFs {
                 }
                 Some(Err(e)) => {
                     readers.close(file.job.id());
-                    return reply.error(errno(&e));
+                    return reply.error(if killed { libc::EINTR } else { errno(&e) });
                 }
                 None => Err(()),
             };
@@ -866,6 +874,26 @@ impl MountFs {
     }
 }
 
+/// Whether thread `pid` (as the stage sees it; 0 when it cannot) is gone
+/// or has a fatal signal pending: `SIGKILL`, which the kernel also posts
+/// for a signal that kills by default, such as `timeout`'s `SIGTERM`.
+fn being_killed(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return true;
+    };
+    let kill = 1u64 << (libc::SIGKILL - 1);
+    status.lines().any(|line| {
+        ["SigPnd:", "ShdPnd:"].iter().any(|field| {
+            line.strip_prefix(field)
+                .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+                .is_some_and(|mask| mask & kill != 0)
+        })
+    })
+}
+
 /// The `errno` for an error of the stage.
 fn errno(e: &ProtocolError) -> i32 {
     match e.code {
@@ -999,6 +1027,7 @@ impl Filesystem for MountFs {
         let Some(claim) = job.claim_planned(&dataset.name, &name) else {
             if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
                 return self.open_passthrough(
+                    req.pid(),
                     ino,
                     fh,
                     Open::new(job, dataset, name, size, None),

@@ -654,7 +654,11 @@ pub const MAX_JOB_BYTES: usize = 128;
 /// Whether `job` is a job id trainers may claim: 1 to [`MAX_JOB_BYTES`]
 /// letters, digits, `.`, `_` and `-`.
 pub fn valid_job_id(job: &str) -> bool {
+    // `.` and `..` would name directories, not jobs, in the mount's `@job`
+    // paths and the order files' directory.
     !job.is_empty()
+        && job != "."
+        && job != ".."
         && job.len() <= MAX_JOB_BYTES
         && job
             .bytes()

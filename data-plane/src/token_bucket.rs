@@ -148,13 +148,22 @@ impl TokenBucket {
     }
 
     /// Blocks the calling (reader) thread until `bytes` and one operation may
-    /// go, and returns how long it was throttled.
-    pub fn acquire_blocking(&self, bytes: u64) -> Duration {
+    /// go, and returns how long it was throttled; asks `wanted` between
+    /// naps and gives up, taking nothing, when it says no (`None`): a
+    /// caller that may stop wanting the bytes meanwhile.
+    pub fn acquire_blocking_while(
+        &self,
+        bytes: u64,
+        mut wanted: impl FnMut() -> bool,
+    ) -> Option<Duration> {
         let start = Instant::now();
         while let Err(wait) = self.try_acquire(bytes) {
+            if !wanted() {
+                return None;
+            }
             std::thread::sleep(wait.min(MAX_NAP));
         }
-        start.elapsed()
+        Some(start.elapsed())
     }
 }
 

@@ -391,6 +391,31 @@ def test_a_planned_file_too_large_to_buffer_opens_all_the_same(tmp_path, mount_s
     assert (mnt / "@tf" / "ds" / "small.tfrecord").read_bytes() == b"small"
 
 
+def test_a_reader_killed_while_the_limiter_holds_its_open_goes_at_once(tmp_path, mount_stage):
+    """The kernel waits for the stage's answer to an open even when the
+    opener is killed: an open the job's limiter holds (here behind a large
+    file's whole-file charge) must end when its opener is killed, not when
+    the limiter lets it through."""
+    root = tmp_path / "big"
+    root.mkdir()
+    for name in ("a.bin", "b.bin"):
+        with open(root / name, "wb") as f:
+            f.truncate(256 * 2**20)
+    stage, mnt = mount_stage(root, "--rate-limit", "16MiB/s")
+    with open(mnt / "@slow" / "ds" / "a.bin", "rb") as f:  # charges 16 s of the limiter
+        f.read(10)
+    reader = subprocess.Popen([sys.executable, "-c", f"open({str(mnt / '@slow' / 'ds' / 'b.bin')!r}, 'rb')"])
+    time.sleep(1)
+    assert reader.poll() is None, "the second open waits for the limiter"
+    start = time.monotonic()
+    reader.kill()
+    reader.wait(timeout=10)
+    assert time.monotonic() - start < 3, "a killed reader was held until the limiter let its open through"
+    # The stage goes on serving.
+    with open(mnt / "ds" / "a.bin", "rb") as f:
+        assert f.read(4) == bytes(4)
+
+
 TF_READER = r"""
 import json, sys
 import tensorflow as tf

@@ -314,7 +314,8 @@ def test_hello_rules(stage_factory, dataset):
     raw.close()
     # Impossible fields are refused without closing.
     for frame in (p.encode_hello("bad job!"), p.encode_hello("j", rank=2, world_size=2),
-                  p.encode_hello("j", world_size=0), p.encode_hello("x" * 129)):
+                  p.encode_hello("j", world_size=0), p.encode_hello("x" * 129), p.encode_hello(".."),
+                  p.encode_hello(".")):
         raw = Raw(stage.socket)
         msg = raw.call(frame)
         assert isinstance(msg, p.Error) and msg.code == p.ErrorCode.INVALID_ARGUMENT and not msg.fatal, msg

@@ -516,12 +516,15 @@ impl Job {
     /// serves from it directly (the mount's passthrough of large files):
     /// the whole file is charged to the job's limiter and counted as one
     /// storage read and one delivery, as the reader is about to read it.
-    /// `None` when the data set is not a local directory. Blocking.
+    /// `None` when the data set is not a local directory. Blocking; while
+    /// the limiter holds it, gives up (`UNAVAILABLE`, nothing charged) once
+    /// `wanted` says the opener no longer waits.
     pub fn open_passthrough(
         &self,
         dataset: &Dataset,
         name: &str,
         m: &DatasetMetrics,
+        wanted: impl FnMut() -> bool,
     ) -> Option<Result<std::fs::File, ProtocolError>> {
         let Source::Dir(dir) = dataset.source() else {
             return None;
@@ -530,7 +533,12 @@ impl Job {
         let opened = dir.resolve(name).and_then(|path| {
             let file = std::fs::File::open(&path).map_err(|e| io_error(name, &e))?;
             let size = file.metadata().map_err(|e| io_error(name, &e))?.len();
-            self.throttle(size);
+            if !self.throttle_while(size, wanted) {
+                return Err(ProtocolError::new(
+                    ErrorCode::Unavailable,
+                    format!("the open of `{name}` was given up while the job's limiter held it"),
+                ));
+            }
             Ok((file, size))
         });
         self.count_storage_read(m, start.elapsed(), opened.as_ref().map(|(_, size)| *size));

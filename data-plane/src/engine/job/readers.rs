@@ -295,19 +295,28 @@ impl Job {
     /// Waits for the job's first settings (a new job under a controller),
     /// then for the limiter to allow a read of `bytes`, counting that wait.
     pub(super) fn throttle(&self, bytes: u64) {
+        self.throttle_while(bytes, || true);
+    }
+
+    /// [`Job::throttle`] for a caller that may stop wanting the bytes
+    /// meanwhile (`wanted` says no): then returns false, having taken nothing.
+    pub(super) fn throttle_while(&self, bytes: u64, wanted: impl FnMut() -> bool) -> bool {
         if self.gate.wait() {
             self.metrics
                 .job_starts
                 .with_label_values(&["timeout"])
                 .inc();
         }
-        let waited = self.limiter.acquire_blocking(bytes);
+        let Some(waited) = self.limiter.acquire_blocking_while(bytes, wanted) else {
+            return false;
+        };
         if !waited.is_zero() {
             self.stats
                 .throttled_ns
                 .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
             self.throttled_metric.inc_by(waited.as_secs_f64());
         }
+        true
     }
 }
 
