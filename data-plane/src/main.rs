@@ -12,7 +12,10 @@ use tracing_subscriber::EnvFilter;
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+            EnvFilter::try_from_env("SLUICE_LOG")
+                // object_store logs every retry at info: thousands of lines
+                // a second while a store throttles (the metrics count them).
+                .unwrap_or_else(|_| EnvFilter::new("info,object_store=warn")),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -190,6 +190,23 @@ def test_a_store_restarting_within_the_deadline_loses_no_sample(s3, stage_factor
     assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="connection") > 0
 
 
+def test_a_request_that_hangs_is_tried_again_within_the_deadline(s3, stage_factory):
+    """A GET that is never answered (a stalled store, a half-open
+    connection) must not use the sample's whole deadline: it is given up
+    after a third of it and sent again."""
+    server, files = s3
+    names = [n for n in sorted_names(files) if len(files[n]) < 2**20][:20]
+    with proxy(server, hang_every=5) as slow:
+        stage = s3_stage(stage_factory, slow.endpoint, "--s3-deadline", "6s")
+        with sluice.Client(stage.socket, job="s3", timeout=60) as c:
+            got = dict(c.dataset("ds").plan_names(names, epoch=0, on_error="yield"))
+    assert {n: bytes(d) if not isinstance(d, Exception) else d for n, d in got.items()} == \
+        {n: files[n] for n in names}
+    # Every fifth of about 25 GETs hung: each was given up, counted and retried.
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="connection") >= 3
+    assert metric_sum(stage, "sluice_stage_source_retries_total") >= 3
+
+
 def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):
     server, files = s3
     names = sorted_names(files)[:3]

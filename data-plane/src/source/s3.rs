@@ -139,10 +139,14 @@ impl S3Source {
         let (bucket, prefix) = parse_url(url).map_err(|e| format!("dataset `{dataset}`: {e}"))?;
         let source_metrics = metrics.source(dataset);
         let retry = RetryConfig {
+            // object_store draws each wait between `init_backoff` and `base`
+            // times the last: 4 doubles it on average (with 2 the waits
+            // drift around their start and a throttling store is asked
+            // again every few tens of milliseconds).
             backoff: BackoffConfig {
-                init_backoff: Duration::from_millis(20),
+                init_backoff: Duration::from_millis(50),
                 max_backoff: Duration::from_secs(2),
-                base: 2.0,
+                base: 4.0,
             },
             // Retried until the sample's deadline, however many tries
             // that takes: a store refusing connections for a few seconds
@@ -161,6 +165,10 @@ impl S3Source {
         // should fail the start, not stall it.
         let probe = builder
             .clone()
+            .with_http_connector(Connector {
+                metrics: source_metrics.clone(),
+                answer_within: Some(PROBE_TIMEOUT),
+            })
             .with_client_options(client_options(PROBE_TIMEOUT))
             .with_retry(RetryConfig {
                 max_retries: 3,
@@ -169,15 +177,21 @@ impl S3Source {
             })
             .build()
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        // A request that hangs (a half-open connection, a stalled store)
+        // is given up and tried again on a new connection within the
+        // sample's deadline, instead of using all of it.
         let store = builder
-            .with_client_options(client_options(options.deadline))
+            .with_client_options(client_options(attempt_timeout(options.deadline)))
             .with_retry(retry)
             .build()
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         // Listing requests are not bound by the sample deadline.
         let lister = Lister {
             http: object_store::client::HttpConnector::connect(
-                &Connector(source_metrics.clone()),
+                &Connector {
+                    metrics: source_metrics.clone(),
+                    answer_within: None,
+                },
                 &ClientOptions::new(),
             )
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?,
@@ -455,11 +469,13 @@ impl S3Source {
         let started = tokio::time::Instant::now();
         let failed = match tokio::time::timeout(self.deadline, work).await {
             Ok(Ok(value)) => return Ok(value),
-            // object_store's own clock (its request timeout or the end of
-            // its retries, both set to the deadline) ran out first.
+            // object_store's own clock (the end of its retries, set to the
+            // deadline) or the last try's answer timeout ran out first.
             Ok(Err(e))
                 if started.elapsed() >= self.deadline.mul_f64(0.9)
-                    && (e.to_string().contains("timed out") || e.to_string().contains("retr")) =>
+                    && ["timed out", "retr", "elapsed"]
+                        .iter()
+                        .any(|t| e.to_string().contains(t)) =>
             {
                 past_deadline(&format!(": {e}"))
             }
@@ -539,6 +555,13 @@ async fn into_chunk(
         len += piece.len();
     }
     Ok(Chunk::pooled(buf, 0, len))
+}
+
+/// How long one request of a sample may take: a third of the sample's
+/// deadline, so that a hung request leaves time for two more tries (at
+/// least a second, unless the deadline is shorter).
+fn attempt_timeout(deadline: Duration) -> Duration {
+    (deadline / 3).max(Duration::from_secs(1)).min(deadline)
 }
 
 fn client_options(request_timeout: Duration) -> ClientOptions {
@@ -660,7 +683,10 @@ fn builder(
     let mut b = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(!options.path_style)
-        .with_http_connector(Connector(metrics.clone()));
+        .with_http_connector(Connector {
+            metrics: metrics.clone(),
+            answer_within: Some(attempt_timeout(options.deadline)),
+        });
     let profile = Profile::load();
     let endpoint = options
         .endpoint
@@ -786,7 +812,12 @@ fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
 
 /// Makes the [`Http`] client object_store sends its requests through.
 #[derive(Debug)]
-struct Connector(SourceMetrics);
+struct Connector {
+    metrics: SourceMetrics,
+    /// How long a request may wait for its answer's head (object_store's
+    /// own request timeout is not applied to a client of one's own).
+    answer_within: Option<Duration>,
+}
 
 impl object_store::client::HttpConnector for Connector {
     fn connect(&self, _: &ClientOptions) -> object_store::Result<HttpClient> {
@@ -816,7 +847,8 @@ impl object_store::client::HttpConnector for Connector {
             .build(connector);
         Ok(HttpClient::new(Http {
             client,
-            metrics: self.0.clone(),
+            metrics: self.metrics.clone(),
+            answer_within: self.answer_within,
         }))
     }
 }
@@ -825,6 +857,7 @@ impl object_store::client::HttpConnector for Connector {
 struct Http {
     client: Client<hyper_rustls::HttpsConnector<HttpConnector>, HttpRequestBody>,
     metrics: SourceMetrics,
+    answer_within: Option<Duration>,
 }
 
 impl fmt::Debug for Http {
@@ -837,7 +870,21 @@ impl fmt::Debug for Http {
 impl HttpService for Http {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         let start = Instant::now();
-        let answer = self.client.request(req).await;
+        let request = self.client.request(req);
+        let answer = match self.answer_within {
+            Some(limit) => match tokio::time::timeout(limit, request).await {
+                Ok(answer) => answer,
+                Err(elapsed) => {
+                    // Dropping the request closes its connection; the
+                    // retry goes out on another.
+                    let outcome = Outcome::Connection;
+                    self.metrics
+                        .request(outcome.name(), outcome.retried(), start.elapsed());
+                    return Err(HttpError::new(HttpErrorKind::Timeout, elapsed));
+                }
+            },
+            None => request.await,
+        };
         let outcome = match &answer {
             Ok(response) => Outcome::of_status(response.status().as_u16()),
             Err(_) => Outcome::Connection,

@@ -3,7 +3,9 @@
 //! `--latency` before it is forwarded; on request it answers some requests
 //! itself with the failures object stores give: `503 SlowDown` (every
 //! `--throttle-every`-th request), `403 AccessDenied` (paths containing
-//! `--deny`), or a dropped connection (every `--reset-every`-th request).
+//! `--deny`), a dropped connection (every `--reset-every`-th request), or
+//! no answer at all, the connection held open (every `--hang-every`-th GET
+//! of an object: a stalled store or a half-open connection).
 //! The stage signs requests for the proxy's address, which the proxy keeps
 //! in the `Host` header, so the server behind it checks the signatures.
 //!
@@ -14,7 +16,8 @@
 //!
 //! ```text
 //! sluice-slowhttp --upstream 127.0.0.1:9000 [--listen 127.0.0.1:0] [--latency 5ms]
-//!                 [--throttle-every N] [--reset-every N] [--deny SUBSTRING]
+//!                 [--throttle-every N] [--reset-every N] [--hang-every N]
+//!                 [--deny SUBSTRING]
 //! ```
 //!
 //! Prints `{"listen": "ADDR", ...}` on stdout once it accepts connections,
@@ -59,6 +62,10 @@ struct Args {
     /// Drop the connection of every N-th request without an answer (0: never).
     #[arg(long, default_value_t = 0)]
     reset_every: u64,
+    /// Never answer every N-th GET of an object (listings and HEADs are
+    /// not counted), holding its connection (0: never).
+    #[arg(long, default_value_t = 0)]
+    hang_every: u64,
     /// Answer `403 AccessDenied` to requests whose path contains this.
     #[arg(long)]
     deny: Option<String>,
@@ -67,6 +74,8 @@ struct Args {
 struct Proxy {
     args: Args,
     requests: AtomicU64,
+    /// GETs of objects, for `--hang-every`.
+    gets: AtomicU64,
     client: Client<Upstream, Incoming>,
 }
 
@@ -100,6 +109,7 @@ async fn run(args: Args) -> Result<(), String> {
     let proxy = Arc::new(Proxy {
         args,
         requests: AtomicU64::new(0),
+        gets: AtomicU64::new(0),
         client,
     });
     use tokio::signal::unix::{SignalKind, signal};
@@ -157,6 +167,13 @@ impl Proxy {
         }
         if self.args.reset_every > 0 && n.is_multiple_of(self.args.reset_every) {
             return Err(Dropped);
+        }
+        if self.args.hang_every > 0 && is_object_get(&req) {
+            let n = self.gets.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_multiple_of(self.args.hang_every) {
+                // Until the client gives up and closes the connection.
+                std::future::pending::<()>().await;
+            }
         }
         let (mut parts, body) = req.into_parts();
         let path = parts
@@ -283,4 +300,13 @@ impl hyper::rt::Write for QuickAck {
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
     }
+}
+
+/// Whether `req` reads an object (not a listing, not a HEAD).
+fn is_object_get(req: &Request<Incoming>) -> bool {
+    req.method() == hyper::Method::GET
+        && !req
+            .uri()
+            .query()
+            .is_some_and(|q| q.split('&').any(|p| p.starts_with("list-type")))
 }

@@ -99,9 +99,11 @@ class SlowHttp(Harness):
 
     @classmethod
     def start(cls, binary: str, upstream: str, latency: str = "0ms", throttle_every: int = 0,
-              reset_every: int = 0, deny: Optional[str] = None, timeout: float = 20.0) -> "SlowHttp":
+              reset_every: int = 0, deny: Optional[str] = None, timeout: float = 20.0,
+              hang_every: int = 0) -> "SlowHttp":
         args = [binary, "--upstream", upstream, "--latency", latency,
-                "--throttle-every", str(throttle_every), "--reset-every", str(reset_every)]
+                "--throttle-every", str(throttle_every), "--reset-every", str(reset_every),
+                "--hang-every", str(hang_every)]
         if deny:
             args += ["--deny", deny]
         proc, ready = Harness.launch(args, "sluice-slowhttp", timeout)
