@@ -245,7 +245,7 @@ pub struct StageFile {
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     /// Datasets by name: `imagenet: /data/imagenet`.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub datasets: BTreeMap<String, PathBuf>,
     /// Reader-thread settings per job.
     #[serde(default)]
@@ -450,6 +450,12 @@ impl StageConfig {
             .stage_id
             .or(file.stage_id)
             .unwrap_or_else(|| default_stage_id(&hostname(), &socket));
+        if stage_id.trim().is_empty() {
+            return Err(ConfigError(
+                "the stage id is empty: give --stage-id (or `stage_id:`) a name, or leave it out for the default"
+                    .into(),
+            ));
+        }
         for (i, rule) in file.trainers.iter().enumerate() {
             rule.validate(i).map_err(ConfigError)?;
         }
@@ -509,6 +515,37 @@ impl StageConfig {
 /// The job of reads through the mount that name none.
 pub const DEFAULT_MOUNT_JOB: &str = "mount";
 
+/// A map in which a key given twice is an error (YAML keeps the last).
+fn unique_keys<'de, D, V>(deserializer: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Unique<V>(std::marker::PhantomData<V>);
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Unique<V> {
+        type Value = BTreeMap<String, V>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of names")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((key, value)) = map.next_entry::<String, V>()? {
+                if out.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!(
+                        "`{key}` is given twice: give each name once"
+                    )));
+                }
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+    deserializer.deserialize_map(Unique(std::marker::PhantomData))
+}
+
 /// Returns the file's datasets with the `--dataset` flags laid over them (a
 /// flag replaces the file's dataset of the same name), refusing none at all
 /// and names that cannot be a dataset's.
@@ -517,7 +554,12 @@ fn merge_datasets(
     flags: &[(String, PathBuf)],
 ) -> Result<Vec<(String, PathBuf)>, ConfigError> {
     let mut datasets: Vec<(String, PathBuf)> = file.clone().into_iter().collect();
-    for (name, dir) in flags {
+    for (i, (name, dir)) in flags.iter().enumerate() {
+        if flags[..i].iter().any(|(n, _)| n == name) {
+            return Err(ConfigError(format!(
+                "dataset `{name}` is given twice in --dataset (or SLUICE_DATASETS): give each name once"
+            )));
+        }
         datasets.retain(|(n, _)| n != name);
         datasets.push((name.clone(), dir.clone()));
     }
@@ -1045,6 +1087,18 @@ mod tests {
         }
         let file = BTreeMap::from([(String::new(), PathBuf::from("/tmp"))]);
         assert!(merge_datasets(&file, &[]).is_err());
+        // A name given twice is refused, not the last one taken.
+        let twice = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--dataset", "d=/var"]));
+        assert!(twice.unwrap_err().to_string().contains("given twice"));
+        let yaml: Result<StageFile, _> = serde_yaml_ng::from_str("datasets: {d: /tmp, d: /var}");
+        assert!(yaml.unwrap_err().to_string().contains("given twice"));
+        let empty_id = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--stage-id", ""]));
+        assert!(
+            empty_id
+                .unwrap_err()
+                .to_string()
+                .contains("stage id is empty")
+        );
         for name in ["a", "a.b", "..a", "a@b", "_"] {
             let flag = format!("{name}=/tmp");
             assert!(

@@ -316,9 +316,16 @@ impl Engine {
         let settings = Arc::new(settings);
         *lock(&self.pushed) = Some(Arc::clone(&settings));
         let rounds = self.steer_cache(&settings);
+        let now = Instant::now();
         for job in self.jobs() {
-            job.apply_config(self.resolve(&settings, job.id()));
-            if settings.names(job.id()) {
+            let named = settings.names(job.id());
+            // The controller names the jobs with trainers: an idle job it
+            // leaves out keeps what it had, so that a capped job's next
+            // trainer does not read unlimited until a push names it again.
+            if named || job.idle_since(now).is_none() {
+                job.apply_config(self.resolve(&settings, job.id()));
+            }
+            if named {
                 job.start_reading("settings");
             }
         }

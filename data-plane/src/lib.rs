@@ -459,7 +459,14 @@ async fn accept_failed(e: &std::io::Error) {
 /// Binds the trainer socket with owner/group-only permissions, replacing a
 /// stale socket file but never a live stage's.
 fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            bail!(
+                "{} exists and is not a socket: --socket names the socket the stage creates (a stale one is replaced, any other file is left alone)",
+                path.display()
+            );
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!(
                 "another process is already serving on {}: stop it or choose another --socket",

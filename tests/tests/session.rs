@@ -189,7 +189,7 @@ async fn settings_flow_fail_static_and_reconnect() {
     assert_eq!(hello.datasets, ["train"]);
     assert_eq!(hello.memory_budget_bytes, 64 << 20);
 
-    let _trainer = tokio::task::spawn_blocking({
+    let first_trainer = tokio::task::spawn_blocking({
         let socket = socket.clone();
         move || trainer(&socket, "e2e")
     })
@@ -281,6 +281,30 @@ async fn settings_flow_fail_static_and_reconnect() {
     .await;
     assert!(reason.contains("older than version 1"), "{reason}");
 
+    // The job's trainer leaves; the controller's next push names only jobs
+    // with trainers. The idle job keeps its limit, so its next trainer
+    // does not read unlimited until a push names it again.
+    drop(first_trainer);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    push(
+        &controller,
+        Settings {
+            version: 3,
+            defaults: None,
+            jobs: vec![],
+            unmanaged: vec![],
+            cache: vec![],
+        },
+    )
+    .await;
+    let acked = next(&mut seen, |k| match k {
+        stage_message::Kind::Ack(a) if a.version == 3 => Some(a.version),
+        stage_message::Kind::Nack(n) => panic!("valid settings refused: {}", n.reason),
+        _ => None,
+    })
+    .await;
+    assert_eq!(acked, 3);
+
     // The controller goes away: the stage keeps its settings and serves.
     server.kill(&controller).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -313,12 +337,12 @@ async fn settings_flow_fail_static_and_reconnect() {
         _ => None,
     })
     .await;
-    assert_eq!(hello.settings_version, 1);
+    assert_eq!(hello.settings_version, 3);
     let metrics_text = tokio::task::spawn_blocking(move || http(&metrics, "GET", "/metrics", ""))
         .await
         .unwrap();
     assert!(
-        metrics_text.contains("sluice_stage_settings_version 1"),
+        metrics_text.contains("sluice_stage_settings_version 3"),
         "{metrics_text}"
     );
     assert!(

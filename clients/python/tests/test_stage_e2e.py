@@ -688,3 +688,17 @@ def test_one_job_plans_the_same_epoch_over_two_data_sets(stage_factory, dataset,
         assert {n: bytes(d) for n, d in val} == val_files
         rest = first + list(train)
         assert {n: bytes(d) for n, d in rest} == files
+
+
+def test_a_socket_path_naming_another_file_is_refused_and_the_file_kept(tmp_path, dataset):
+    import subprocess
+
+    from conftest import stage_binary
+    root, _ = dataset
+    victim = tmp_path / "notes.txt"
+    victim.write_text("keep me")
+    proc = subprocess.run([str(stage_binary()), "--socket", str(victim), "--metrics-addr", "127.0.0.1:0",
+                           "--dataset", f"d={root}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "is not a socket" in proc.stderr, proc.stderr
+    assert victim.read_text() == "keep me"
