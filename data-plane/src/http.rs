@@ -2,6 +2,8 @@
 //! `/healthz`, `/readyz`, `/api/v1/jobs` (the telemetry snapshot as JSON)
 //! and `/api/v1/cache` (the node cache's capacity and use by data set).
 
+mod guarded;
+
 use std::sync::Arc;
 
 use axum::Router;
@@ -11,6 +13,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::engine::Engine;
+
+pub use guarded::Guarded;
 
 pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()

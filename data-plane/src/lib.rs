@@ -236,7 +236,7 @@ impl Stage {
         critical.spawn(
             "metrics server",
             async move {
-                axum::serve(http, app)
+                axum::serve(http::Guarded::new(http), app)
                     .with_graceful_shutdown(http_cancel.cancelled_owned())
                     .await
                     .context("serving /metrics")

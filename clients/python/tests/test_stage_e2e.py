@@ -702,3 +702,27 @@ def test_a_socket_path_naming_another_file_is_refused_and_the_file_kept(tmp_path
     assert proc.returncode != 0
     assert "is not a socket" in proc.stderr, proc.stderr
     assert victim.read_text() == "keep me"
+
+
+def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dataset):
+    """Connections to the metrics port that send nothing are bounded and
+    do not keep trainers out."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    host, port = stage.metrics.rsplit(":", 1)
+    held = []
+    for _ in range(300):
+        s = socket.socket()
+        s.connect((host, int(port)))
+        held.append(s)
+    try:
+        time.sleep(0.5)
+        fds = os.listdir(f"/proc/{stage.proc.pid}/fd")
+        assert len(fds) < 250, f"the stage holds {len(fds)} descriptors for 300 idle HTTP clients"
+        name = sorted_names(files)[0]
+        with sluice.Client(stage.socket, job="beside") as c:
+            assert c.dataset("d").read(name) == files[name]
+    finally:
+        for s in held:
+            s.close()
+    assert http_get(stage.metrics, "/healthz") == "ok\n", "served again once they left"
