@@ -98,6 +98,25 @@ def test_every_object_arrives_exactly_in_plan_order(s3, stage_factory):
     assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok") >= len(files)
 
 
+def test_reads_outside_a_plan_ask_the_store_no_more_than_they_need(s3, stage_factory):
+    """The listing knows every size: a range read costs the store a HEAD
+    (to clamp the range) and a GET, a whole-file FETCH one GET."""
+    server, files = s3
+    stage = s3_stage(stage_factory, f"http://{server.address}")
+    requests = lambda: metric_sum(stage, "sluice_stage_source_requests_total")  # noqa: E731
+    names = [n for n in sorted_names(files) if 2000 < len(files[n]) < 2**20]
+    # The start-up check's HEAD of a key that does not exist is not counted.
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="not_found") == 0
+    with sluice.Client(stage.socket, job="s3", shared_memory=False) as c:
+        ds = c.dataset("ds")
+        before = requests()
+        assert ds.read(names[0], 1000, 10) == files[names[0]][1000:1010]
+        assert requests() - before == 2
+        before = requests()
+        assert [(n, bytes(d)) for n, d in ds.fetch(names[1:4])] == [(n, files[n]) for n in names[1:4]]
+        assert requests() - before == 3
+
+
 def test_keys_outside_the_prefix_are_not_served(s3, stage_factory):
     server, _files = s3
     stage = s3_stage(stage_factory, f"http://{server.address}")

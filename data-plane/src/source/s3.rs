@@ -165,8 +165,10 @@ impl S3Source {
         // should fail the start, not stall it.
         let probe = builder
             .clone()
+            // Not counted: its HEAD of a key that does not exist would show
+            // as a `not_found` request on every healthy stage.
             .with_http_connector(Connector {
-                metrics: source_metrics.clone(),
+                metrics: None,
                 answer_within: Some(PROBE_TIMEOUT),
             })
             .with_client_options(client_options(PROBE_TIMEOUT))
@@ -189,7 +191,7 @@ impl S3Source {
         let lister = Lister {
             http: object_store::client::HttpConnector::connect(
                 &Connector {
-                    metrics: source_metrics.clone(),
+                    metrics: Some(source_metrics.clone()),
                     answer_within: None,
                 },
                 &ClientOptions::new(),
@@ -684,7 +686,7 @@ fn builder(
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(!options.path_style)
         .with_http_connector(Connector {
-            metrics: metrics.clone(),
+            metrics: Some(metrics.clone()),
             answer_within: Some(attempt_timeout(options.deadline)),
         });
     let profile = Profile::load();
@@ -813,7 +815,8 @@ fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
 /// Makes the [`Http`] client object_store sends its requests through.
 #[derive(Debug)]
 struct Connector {
-    metrics: SourceMetrics,
+    /// Where its requests are counted (none: the start-up probe's).
+    metrics: Option<SourceMetrics>,
     /// How long a request may wait for its answer's head (object_store's
     /// own request timeout is not applied to a client of one's own).
     answer_within: Option<Duration>,
@@ -856,8 +859,16 @@ impl object_store::client::HttpConnector for Connector {
 /// object_store's HTTP client: hyper over rustls, counting every request.
 struct Http {
     client: Client<hyper_rustls::HttpsConnector<HttpConnector>, HttpRequestBody>,
-    metrics: SourceMetrics,
+    metrics: Option<SourceMetrics>,
     answer_within: Option<Duration>,
+}
+
+impl Http {
+    fn count(&self, outcome: Outcome, start: Instant) {
+        if let Some(metrics) = &self.metrics {
+            metrics.request(outcome.name(), outcome.retried(), start.elapsed());
+        }
+    }
 }
 
 impl fmt::Debug for Http {
@@ -877,9 +888,7 @@ impl HttpService for Http {
                 Err(elapsed) => {
                     // Dropping the request closes its connection; the
                     // retry goes out on another.
-                    let outcome = Outcome::Connection;
-                    self.metrics
-                        .request(outcome.name(), outcome.retried(), start.elapsed());
+                    self.count(Outcome::Connection, start);
                     return Err(HttpError::new(HttpErrorKind::Timeout, elapsed));
                 }
             },
@@ -889,8 +898,7 @@ impl HttpService for Http {
             Ok(response) => Outcome::of_status(response.status().as_u16()),
             Err(_) => Outcome::Connection,
         };
-        self.metrics
-            .request(outcome.name(), outcome.retried(), start.elapsed());
+        self.count(outcome, start);
         match answer {
             Ok(response) => {
                 let (parts, body) = response.into_parts();

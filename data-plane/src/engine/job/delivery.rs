@@ -435,7 +435,7 @@ impl Job {
         m: &DatasetMetrics,
     ) -> (Result<Chunk, ProtocolError>, u64) {
         let source = dataset.source();
-        match source.stat(name) {
+        match charged_size(dataset, name) {
             Ok(size) => self.throttle(size),
             Err(e) => return (Err(e), 0),
         }
@@ -502,7 +502,9 @@ impl Job {
             ));
         }
         let source = dataset.source();
-        let size = source.stat(name)?.saturating_sub(offset).min(length);
+        let size = charged_size(dataset, name)?
+            .saturating_sub(offset)
+            .min(length);
         self.throttle(size);
         let start = Instant::now();
         let data = source.read_range(name, offset, length);
@@ -570,5 +572,19 @@ impl Drop for PlanHandle {
         if let Some(id) = self.id {
             self.job.detach(id);
         }
+    }
+}
+
+/// The size of file `name` that a read of it is charged by: the listing's
+/// when it lists the name (an object store is not asked again: a HEAD
+/// costs a round trip), else the source's answer, which also says whether
+/// the file exists.
+fn charged_size(dataset: &Dataset, name: &str) -> Result<u64, ProtocolError> {
+    let listed = dataset
+        .listed()
+        .and_then(|l| l.position(name).map(|i| l.files[i as usize].size));
+    match listed {
+        Some(size) => Ok(size),
+        None => dataset.source().stat(name),
     }
 }
