@@ -654,6 +654,22 @@ fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
         )
     };
     match e {
+        // AWS names the bucket's region when it is signed for another one
+        // (301 PermanentRedirect, 400 AuthorizationHeaderMalformed).
+        ListError::Status(_, body)
+            if body.contains("PermanentRedirect")
+                || body.contains("AuthorizationHeaderMalformed")
+                || body.contains("IncorrectEndpoint") =>
+        {
+            match xml_field(body, "Region") {
+                Some(region) => format!(
+                    "bucket `{bucket}` is in region {region}, not the one the stage signs for: set --s3-region {region} (or AWS_REGION)"
+                ),
+                None => format!(
+                    "bucket `{bucket}` is in another region than the one the stage signs for ({e}): set --s3-region (or AWS_REGION) to the bucket's"
+                ),
+            }
+        }
         ListError::Status(_, body) if body.contains("NoSuchBucket") => no_bucket(),
         ListError::Status(status, _) if *status == http::StatusCode::NOT_FOUND => no_bucket(),
         ListError::Status(status, _)
@@ -671,6 +687,13 @@ fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
         ),
         ListError::Status(..) => format!("listing bucket `{bucket}` at {endpoint} failed: {e}"),
     }
+}
+
+/// The text of the first `<name>` element of an S3 error body.
+fn xml_field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
+    let start = body.find(&format!("<{name}>"))? + name.len() + 2;
+    let len = body[start..].find(&format!("</{name}>"))?;
+    Some(body[start..start + len].trim()).filter(|v| !v.is_empty())
 }
 
 /// The builder for `bucket` with the endpoint, region, addressing and
@@ -1000,6 +1023,26 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_bucket_in_another_region_is_named_with_the_fix() {
+        let wrong = super::ListError::Status(
+            http::StatusCode::BAD_REQUEST,
+            "<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region 'us-east-1' is wrong; expecting 'eu-west-1'</Message><Region>eu-west-1</Region></Error>".into(),
+        );
+        let said = super::list_failure(&wrong, "b", "AWS S3");
+        assert!(said.contains("set --s3-region eu-west-1"), "{said}");
+        let moved = super::ListError::Status(
+            http::StatusCode::MOVED_PERMANENTLY,
+            "<Error><Code>PermanentRedirect</Code><Message>use the endpoint</Message></Error>"
+                .into(),
+        );
+        let said = super::list_failure(&moved, "b", "AWS S3");
+        assert!(
+            said.contains("another region") && said.contains("--s3-region"),
+            "{said}"
+        );
+    }
+
     use super::*;
 
     #[test]
