@@ -242,7 +242,7 @@ pub struct StageFile {
     /// The node name.
     pub node: Option<String>,
     /// Labels for the controller.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub labels: BTreeMap<String, String>,
     /// Datasets by name: `imagenet: /data/imagenet`.
     #[serde(default, deserialize_with = "unique_keys")]
@@ -428,6 +428,22 @@ impl StageConfig {
         });
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
+        if file.labels.keys().any(String::is_empty) {
+            return Err(ConfigError(
+                "a label in `labels:` has an empty key: write `key: value`, e.g. `zone: eu-1`"
+                    .into(),
+            ));
+        }
+        if let Some((_, (key, _))) = args
+            .labels
+            .iter()
+            .enumerate()
+            .find(|(i, (k, _))| args.labels[..*i].iter().any(|(seen, _)| seen == k))
+        {
+            return Err(ConfigError(format!(
+                "label `{key}` is given twice in --label (or SLUICE_LABELS): give each key once"
+            )));
+        }
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
@@ -1091,6 +1107,22 @@ mod tests {
         let twice = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--dataset", "d=/var"]));
         assert!(twice.unwrap_err().to_string().contains("given twice"));
         let yaml: Result<StageFile, _> = serde_yaml_ng::from_str("datasets: {d: /tmp, d: /var}");
+        assert!(yaml.unwrap_err().to_string().contains("given twice"));
+        let labels = StageConfig::from_args(args(&[
+            "--dataset",
+            "d=/tmp",
+            "--label",
+            "a=b",
+            "--label",
+            "a=c",
+        ]));
+        assert!(
+            labels
+                .unwrap_err()
+                .to_string()
+                .contains("label `a` is given twice")
+        );
+        let yaml: Result<StageFile, _> = serde_yaml_ng::from_str("labels: {a: b, a: c}");
         assert!(yaml.unwrap_err().to_string().contains("given twice"));
         let empty_id = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--stage-id", ""]));
         assert!(
