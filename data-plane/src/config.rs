@@ -434,16 +434,6 @@ impl StageConfig {
                     .into(),
             ));
         }
-        if let Some((_, (key, _))) = args
-            .labels
-            .iter()
-            .enumerate()
-            .find(|(i, (k, _))| args.labels[..*i].iter().any(|(seen, _)| seen == k))
-        {
-            return Err(ConfigError(format!(
-                "label `{key}` is given twice in --label (or SLUICE_LABELS): give each key once"
-            )));
-        }
         let mut labels = file.labels;
         labels.extend(args.labels);
         let controller = args.controller.or(file.controller);
@@ -1108,6 +1098,8 @@ mod tests {
         assert!(twice.unwrap_err().to_string().contains("given twice"));
         let yaml: Result<StageFile, _> = serde_yaml_ng::from_str("datasets: {d: /tmp, d: /var}");
         assert!(yaml.unwrap_err().to_string().contains("given twice"));
+        // A repeated --label key: the last one wins (the chart gives the
+        // stage's labels, then a sidecar job's).
         let labels = StageConfig::from_args(args(&[
             "--dataset",
             "d=/tmp",
@@ -1116,11 +1108,9 @@ mod tests {
             "--label",
             "a=c",
         ]));
-        assert!(
-            labels
-                .unwrap_err()
-                .to_string()
-                .contains("label `a` is given twice")
+        assert_eq!(
+            labels.unwrap().labels.get("a").map(String::as_str),
+            Some("c")
         );
         let yaml: Result<StageFile, _> = serde_yaml_ng::from_str("labels: {a: b, a: c}");
         assert!(yaml.unwrap_err().to_string().contains("given twice"));
