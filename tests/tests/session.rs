@@ -104,7 +104,15 @@ async fn next<T>(
     .expect("the stage answered in time")
 }
 
-async fn push(controller: &Scripted, settings: Settings) {
+/// Pushes settings `version` naming `jobs` (no defaults, no cache).
+async fn push(controller: &Scripted, version: u64, jobs: Vec<JobSettingsEntry>) {
+    let settings = Settings {
+        version,
+        defaults: None,
+        jobs,
+        unmanaged: vec![],
+        cache: vec![],
+    };
     let tx = controller
         .push
         .lock()
@@ -200,17 +208,7 @@ async fn settings_flow_fail_static_and_reconnect() {
         ops_per_second: Some(500),
         ..Default::default()
     };
-    push(
-        &controller,
-        Settings {
-            version: 1,
-            defaults: None,
-            jobs: vec![job_settings("e2e", limited)],
-            unmanaged: vec![],
-            cache: vec![],
-        },
-    )
-    .await;
+    push(&controller, 1, vec![job_settings("e2e", limited)]).await;
     let acked = next(&mut seen, |k| match k {
         stage_message::Kind::Ack(a) => Some(a.version),
         stage_message::Kind::Nack(n) => panic!("valid settings refused: {}", n.reason),
@@ -239,17 +237,7 @@ async fn settings_flow_fail_static_and_reconnect() {
         max_readers: 2,
         ..Default::default()
     };
-    push(
-        &controller,
-        Settings {
-            version: 2,
-            defaults: None,
-            jobs: vec![job_settings("e2e", impossible)],
-            unmanaged: vec![],
-            cache: vec![],
-        },
-    )
-    .await;
+    push(&controller, 2, vec![job_settings("e2e", impossible)]).await;
     let (version, reason) = next(&mut seen, |k| match k {
         stage_message::Kind::Nack(n) => Some((n.version, n.reason)),
         stage_message::Kind::Ack(a) => panic!("impossible settings acknowledged: {}", a.version),
@@ -262,17 +250,7 @@ async fn settings_flow_fail_static_and_reconnect() {
         "{reason}"
     );
     // A push older than the version in force (a deposed controller) too.
-    push(
-        &controller,
-        Settings {
-            version: 0,
-            defaults: None,
-            jobs: vec![],
-            unmanaged: vec![],
-            cache: vec![],
-        },
-    )
-    .await;
+    push(&controller, 0, vec![]).await;
     let reason = next(&mut seen, |k| match k {
         stage_message::Kind::Nack(n) if n.version == 0 => Some(n.reason),
         stage_message::Kind::Ack(a) => panic!("a stale push acknowledged: {}", a.version),
@@ -286,17 +264,7 @@ async fn settings_flow_fail_static_and_reconnect() {
     // does not read unlimited until a push names it again.
     drop(first_trainer);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    push(
-        &controller,
-        Settings {
-            version: 3,
-            defaults: None,
-            jobs: vec![],
-            unmanaged: vec![],
-            cache: vec![],
-        },
-    )
-    .await;
+    push(&controller, 3, vec![]).await;
     let acked = next(&mut seen, |k| match k {
         stage_message::Kind::Ack(a) if a.version == 3 => Some(a.version),
         stage_message::Kind::Nack(n) => panic!("valid settings refused: {}", n.reason),

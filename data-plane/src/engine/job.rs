@@ -18,7 +18,7 @@ use serde::Serialize;
 use tracing::{debug, info};
 
 use super::Memory;
-use super::plan_run::{PlanKey, PlanRun};
+use super::plan_run::{PlanIdentity, PlanRun};
 use crate::cache::Cache;
 use crate::chunk::{Buffer, Chunk};
 use crate::job_config::JobConfig;
@@ -75,10 +75,8 @@ struct StatsSample {
 #[derive(Debug)]
 struct JobState {
     plans: HashMap<u64, PlanRun>,
-    /// Active plans by data set and key: a job's train and validation
-    /// loaders plan the same ranks and epochs over two data sets.
-    by_key: HashMap<(String, PlanKey), u64>,
-    completed: VecDeque<((String, PlanKey), u64)>,
+    by_key: HashMap<PlanIdentity, u64>,
+    completed: VecDeque<(PlanIdentity, u64)>,
     next_id: u64,
     reserved: u64,
     capacity: u64,
@@ -388,12 +386,12 @@ impl Job {
         result
     }
 
-    /// The job's buffer capacity now (after the node budget's share).
     /// The node's memory budget, which every job's buffer comes out of.
     pub fn memory_budget(&self) -> u64 {
         self.memory.budget()
     }
 
+    /// The job's buffer capacity now (after the node budget's share).
     pub fn buffer_capacity(&self) -> u64 {
         self.lock().effective_capacity(&self.memory)
     }
@@ -634,9 +632,9 @@ impl JobState {
     /// Forgets a fully delivered plan and remembers that it completed.
     fn finish_plan(&mut self, id: u64) {
         if let Some(plan) = self.plans.remove(&id) {
-            let key = (plan.dataset.name.clone(), plan.key);
-            self.by_key.remove(&key);
-            self.completed.push_back((key, plan.fingerprint));
+            let identity = plan.identity();
+            self.by_key.remove(&identity);
+            self.completed.push_back((identity, plan.fingerprint));
             if self.completed.len() > COMPLETED_MEMORY {
                 self.completed.pop_front();
             }

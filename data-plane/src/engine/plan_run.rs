@@ -17,6 +17,10 @@ pub struct PlanKey {
     pub epoch: u64,
 }
 
+/// Identifies a plan within a job across data sets: a job's training and
+/// validation loaders plan the same ranks and epochs over two of them.
+pub type PlanIdentity = (String, PlanKey);
+
 /// What happened to an entry so far.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Entry {
@@ -65,6 +69,11 @@ pub(crate) struct PlanRun {
 }
 
 impl PlanRun {
+    /// This plan's [`PlanIdentity`].
+    pub fn identity(&self) -> PlanIdentity {
+        (self.dataset.name.clone(), self.key)
+    }
+
     pub fn new(
         id: u64,
         key: PlanKey,

@@ -3,9 +3,10 @@
 //! by slot, and their return (`RELEASE`) or hand-over to the job
 //! (`HAND_OFF`). The book of lent slots is the job's
 //! ([`crate::engine::Lending`]): any connection of the job may return any
-//! of them, and the job holds at most [`Lending::limit`] in them; past that samples come in the frame. What this connection holds
-//! goes back when the trainer ends it; when the stage ends it, the job
-//! keeps it until its last connection ends.
+//! of them, and the job holds at most [`Lending::limit`] in them; past
+//! that samples come in the frame. What this connection holds goes back
+//! when the trainer ends it; when the stage ends it, the job keeps it
+//! until its last connection ends.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};

@@ -171,7 +171,6 @@ impl S3Source {
                 metrics: None,
                 answer_within: Some(PROBE_TIMEOUT),
             })
-            .with_client_options(client_options(PROBE_TIMEOUT))
             .with_retry(RetryConfig {
                 max_retries: 3,
                 retry_timeout: PROBE_TIMEOUT,
@@ -179,11 +178,10 @@ impl S3Source {
             })
             .build()
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
-        // A request that hangs (a half-open connection, a stalled store)
-        // is given up and tried again on a new connection within the
-        // sample's deadline, instead of using all of it.
+        // Its requests' timeout is the connector's (`builder`): a request
+        // that hangs (a half-open connection, a stalled store) is given up
+        // and tried again on a new connection within the sample's deadline.
         let store = builder
-            .with_client_options(client_options(attempt_timeout(options.deadline)))
             .with_retry(retry)
             .build()
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
@@ -566,12 +564,6 @@ fn attempt_timeout(deadline: Duration) -> Duration {
     (deadline / 3).max(Duration::from_secs(1)).min(deadline)
 }
 
-fn client_options(request_timeout: Duration) -> ClientOptions {
-    ClientOptions::new()
-        .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_timeout(request_timeout)
-}
-
 /// Lists one page beneath the prefix and asks for a key that does not
 /// exist, turning each way that can fail into a sentence that says what
 /// to fix. A prefix with no objects is only warned about (the data may
@@ -840,8 +832,9 @@ fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
 struct Connector {
     /// Where its requests are counted (none: the start-up probe's).
     metrics: Option<SourceMetrics>,
-    /// How long a request may wait for its answer's head (object_store's
-    /// own request timeout is not applied to a client of one's own).
+    /// How long a request may wait for its answer's head. The only request
+    /// timeout: object_store applies `ClientOptions` timeouts to a client it
+    /// builds, not to one of one's own.
     answer_within: Option<Duration>,
 }
 

@@ -12,7 +12,7 @@ use super::{Job, PlanState};
 use crate::cache::SampleKey;
 use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
-use crate::engine::plan_run::{PlanKey, PlanRun};
+use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
 use crate::source::Source;
@@ -169,7 +169,7 @@ impl Job {
             length,
         };
         let mut st = self.lock();
-        let full = (dataset.name.clone(), key);
+        let full: PlanIdentity = (dataset.name.clone(), key);
         if let Some(&id) = st.by_key.get(&full) {
             let plan = st.plans.get_mut(&id).expect("by_key points at a live plan");
             if plan.fingerprint != fingerprint {
@@ -217,7 +217,7 @@ impl Job {
             return;
         }
         let plan = st.plans.remove(&id).expect("present");
-        st.by_key.remove(&(plan.dataset.name.clone(), plan.key));
+        st.by_key.remove(&plan.identity());
         // In-flight reads release their own bytes when they find the plan gone.
         let buffered = plan.buffered_bytes();
         st.reserved -= buffered;
