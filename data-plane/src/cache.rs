@@ -188,7 +188,8 @@ struct Share {
     /// The weight of the stage's configuration (`cache.weights`).
     configured_weight: u32,
     terms: Terms,
-    last_lookup: Instant,
+    /// None until the data set is first looked up.
+    last_lookup: Option<Instant>,
 }
 
 /// How a data set shares the cache: its tenant's weight among the tenants
@@ -221,6 +222,12 @@ impl Terms {
 struct Disk {
     dir: PathBuf,
     tier: Tier<DiskFile>,
+    /// The directory's marker, locked while this stage uses it.
+    _claimed: std::fs::File,
+    /// Writes that failed since the last warning, and when that was (a
+    /// full or failing disk warns once a minute, not once a sample).
+    failed_writes: u64,
+    warned: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -235,7 +242,8 @@ struct State {
 /// Where a looked-up sample is.
 enum Found {
     Memory(Arc<[u8]>),
-    Disk(PathBuf),
+    /// On disk at the path; the label of the data set's share.
+    Disk(PathBuf, String),
     Nowhere,
 }
 
@@ -313,7 +321,13 @@ impl Cache {
             tick: 0,
         };
         for (source, name) in datasets {
-            state.shares.insert(Arc::clone(source), Share::new(name));
+            // Data sets served from one source share its entries; the
+            // share is named for all of them (`a+b`).
+            state
+                .shares
+                .entry(Arc::clone(source))
+                .and_modify(|share| share.label = format!("{}+{name}", share.label))
+                .or_insert_with(|| Share::new(name));
         }
         let mut to_disk = None;
         let mut writer = None;
@@ -429,14 +443,14 @@ impl Cache {
     /// The sample's bytes from memory or disk (a disk file that fails its
     /// check is removed), counting the hit.
     fn find(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
-        let path = match self.locate(dataset, key) {
+        let (path, label) = match self.locate(dataset, key) {
             Found::Memory(bytes) => return Some(bytes),
-            Found::Disk(path) => path,
+            Found::Disk(path, label) => (path, label),
             Found::Nowhere => return None,
         };
         match disk::read(&path, key) {
             Ok(bytes) => {
-                self.metrics.hit(dataset, DISK, bytes.len() as u64);
+                self.metrics.hit(&label, DISK, bytes.len() as u64);
                 Some(Arc::from(bytes))
             }
             Err(e) => {
@@ -446,7 +460,7 @@ impl Cache {
                     && let Some((file, len)) = disk.tier.remove(key)
                 {
                     let _ = std::fs::remove_file(&file.path);
-                    self.metrics.evicted(dataset, DISK, len);
+                    self.metrics.evicted(&label, DISK, len);
                 }
                 None
             }
@@ -463,7 +477,7 @@ impl Cache {
             .shares
             .entry(Arc::clone(&key.source))
             .or_insert_with(|| Share::new(dataset));
-        share.last_lookup = Instant::now();
+        share.last_lookup = Some(Instant::now());
         if let Some(bytes) = st.memory.get(key).cloned() {
             if self.policy == CachePolicy::Lru {
                 st.memory.touch(key, tick);
@@ -471,16 +485,45 @@ impl Cache {
             self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
             return Found::Memory(bytes);
         }
-        if let Some(disk) = st.disk.as_mut()
-            && let Some(file) = disk.tier.get(key)
+        // Not in memory: what memory holds of an older version of the
+        // sample will never be asked for again.
+        let stale = st.memory.remove_other_versions(key);
+        for (_, _, len) in &stale {
+            self.metrics.evicted(&share.label, MEMORY, *len);
+        }
+        if !stale.is_empty() {
+            self.metrics
+                .used
+                .with_label_values(&[MEMORY])
+                .set(st.memory.used as i64);
+        }
+        let Some(disk) = st.disk.as_mut() else {
+            return Found::Nowhere;
+        };
+        if let Some(file) = disk.tier.get(key)
             && file.ready
         {
             let path = file.path.clone();
             if self.policy == CachePolicy::Lru {
                 disk.tier.touch(key, tick);
             }
-            return Found::Disk(path);
+            return Found::Disk(path, share.label.clone());
         }
+        let stale = disk.tier.remove_other_versions(key);
+        if stale.is_empty() {
+            return Found::Nowhere;
+        }
+        for (_, file, len) in &stale {
+            self.metrics.evicted(&share.label, DISK, *len);
+            // Unlinked under the lock: a writer of the same path (the
+            // same name and version cannot be both stale and current)
+            // is not racing this.
+            let _ = std::fs::remove_file(&file.path);
+        }
+        self.metrics
+            .used
+            .with_label_values(&[DISK])
+            .set(disk.tier.used as i64);
         Found::Nowhere
     }
 
@@ -507,31 +550,64 @@ impl Cache {
         share.terms = terms.unwrap_or_else(|| Terms::configured(share.configured_weight));
     }
 
-    /// Whether a sample of `source` read now could still be kept: a tier
-    /// has free room, or the data set holds less than its share of one.
-    /// Staging stops when it cannot.
-    pub fn has_room_for(&self, source: &Arc<str>) -> bool {
-        let st = lock(&self.state);
-        let room = |used: u64, capacity: u64, held: Option<&tier::Held>, share: u64| {
-            used < capacity || held.map_or(0, |h| h.bytes) < share
-        };
-        let memory = shares_now(&st.shares, st.memory.capacity);
-        let in_memory = room(
-            st.memory.used,
+    /// Which of `samples` (an index and a key each, in order) a staging
+    /// round should read: those neither tier holds, as far as the room the
+    /// data set has in the tiers goes (free room, or what it holds below
+    /// its share, which the stable policy takes from others). Returns them,
+    /// how many were held already, and whether some were left out for want
+    /// of room. Counts the data set as read from now (its share).
+    pub fn to_stage(
+        &self,
+        source: &Arc<str>,
+        dataset: &str,
+        samples: impl Iterator<Item = (u32, SampleKey)>,
+    ) -> (Vec<u32>, u32, bool) {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        st.shares
+            .entry(Arc::clone(source))
+            .or_insert_with(|| Share::new(dataset))
+            .last_lookup = Some(Instant::now());
+        let room =
+            |capacity: u64, used: u64, held: Option<&tier::Held>, share: u64| match self.policy {
+                CachePolicy::Lru => capacity,
+                CachePolicy::Stable => capacity
+                    .saturating_sub(used)
+                    .max(share.saturating_sub(held.map_or(0, |h| h.bytes))),
+            };
+        let shares = shares_now(&st.shares, st.memory.capacity);
+        let share = |shares: &HashMap<Arc<str>, u64>| shares.get(source).copied().unwrap_or(0);
+        let mut memory = room(
             st.memory.capacity,
+            st.memory.used,
             st.memory.held.get(source),
-            memory.get(source).copied().unwrap_or(0),
+            share(&shares),
         );
-        in_memory
-            || st.disk.as_ref().is_some_and(|d| {
-                let shares = shares_now(&st.shares, d.tier.capacity);
-                room(
-                    d.tier.used,
-                    d.tier.capacity,
-                    d.tier.held.get(source),
-                    shares.get(source).copied().unwrap_or(0),
-                )
-            })
+        let mut disk = st.disk.as_ref().map_or(0, |d| {
+            let shares = shares_now(&st.shares, d.tier.capacity);
+            room(
+                d.tier.capacity,
+                d.tier.used,
+                d.tier.held.get(source),
+                share(&shares),
+            )
+        });
+        let (mut chosen, mut held) = (Vec::new(), 0);
+        for (i, key) in samples {
+            let on_disk = st.disk.as_ref().is_some_and(|d| d.tier.get(&key).is_some());
+            if on_disk || st.memory.get(&key).is_some() {
+                held += 1;
+            } else if key.size <= memory {
+                memory -= key.size;
+                chosen.push(i);
+            } else if st.disk.is_some() && disk::footprint(&key, key.size) <= disk {
+                disk -= disk::footprint(&key, key.size);
+                chosen.push(i);
+            } else {
+                return (chosen, held, true);
+            }
+        }
+        (chosen, held, false)
     }
 
     /// Admits `bytes` under `key` if the policy lets it (in memory, else
@@ -594,19 +670,22 @@ impl Cache {
         }
     }
 
-    /// Writes one sample to the disk tier, if the policy admits it there.
-    fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) {
-        let size = bytes.len() as u64;
-        let (path, evicted, label) = {
+    /// Writes one sample to the disk tier, if the policy admits it there;
+    /// returns whether the tier holds it (written now or before). Blocking.
+    fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) -> bool {
+        let (path, size, evicted, label) = {
             let mut st = lock(&self.state);
             let st = &mut *st;
-            let Some(disk) = st.disk.as_mut() else { return };
+            let Some(disk) = st.disk.as_mut() else {
+                return false;
+            };
             if disk.tier.get(&key).is_some() {
-                return;
+                return true;
             }
+            let size = disk::footprint(&key, bytes.len() as u64);
             let shares = shares_now(&st.shares, disk.tier.capacity);
             let Some(evicted) = disk.tier.make_room(self.policy, &shares, &key.source, size) else {
-                return;
+                return false;
             };
             let path = disk::path_of(&disk.dir, &key);
             st.tick += 1;
@@ -624,7 +703,7 @@ impl Cache {
                 .into_iter()
                 .map(|(k, f, len)| (label(&k), f, len))
                 .collect();
-            (path, evicted, label(&key))
+            (path, size, evicted, label(&key))
         };
         for (label, file, len) in evicted {
             let _ = std::fs::remove_file(&file.path);
@@ -632,26 +711,66 @@ impl Cache {
         }
         let written = disk::write(&path, &key, bytes);
         let mut st = lock(&self.state);
-        let Some(disk) = st.disk.as_mut() else { return };
-        match written {
-            Ok(()) => {
-                if let Some(file) = disk.tier.get_mut(&key) {
+        let Some(disk) = st.disk.as_mut() else {
+            return false;
+        };
+        let kept = match written {
+            Ok(()) => match disk.tier.get_mut(&key) {
+                Some(file) => {
                     file.ready = true;
                     self.metrics.admitted(&label, DISK, size);
+                    true
                 }
-            }
+                // Dropped meanwhile (a newer version was looked up).
+                None => {
+                    let _ = std::fs::remove_file(&path);
+                    false
+                }
+            },
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot write a disk cache file");
+                disk.failed_writes += 1;
+                if disk.warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                    tracing::warn!(
+                        path = %path.display(),
+                        error = %e,
+                        failed = disk.failed_writes,
+                        "cannot write to the disk cache (samples it cannot keep are read from their source; this warning repeats at most once a minute)"
+                    );
+                    disk.failed_writes = 0;
+                    disk.warned = Some(Instant::now());
+                }
                 disk.tier.remove(&key);
                 let _ = std::fs::remove_file(&path);
+                false
             }
-        }
+        };
         self.metrics
             .used
             .with_label_values(&[DISK])
             .set(disk.tier.used as i64);
+        kept
+    }
+
+    /// Makes sure a sample staging read is kept: in memory if it is there,
+    /// else written to the disk tier now rather than queued (staging waits
+    /// for the disk; a trainer's reads do not). Returns whether either
+    /// tier holds it. Blocking.
+    pub fn keep(&self, key: &SampleKey, bytes: &[u8]) -> bool {
+        {
+            let st = lock(&self.state);
+            if st.memory.get(key).is_some() {
+                return true;
+            }
+            if st.disk.is_none() {
+                return false;
+            }
+        }
+        self.write_to_disk(key.clone(), bytes)
     }
 }
+
+/// How often a failing disk tier may warn.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// Metrics label values of the tiers.
 const MEMORY: &str = "memory";
@@ -663,13 +782,14 @@ impl Share {
             label: label.to_owned(),
             configured_weight: 1,
             terms: Terms::configured(1),
-            last_lookup: Instant::now(),
+            last_lookup: None,
         }
     }
 }
 
-/// Opens the disk tier in `dir` (created if missing), indexing the files a
-/// previous stage left for the data sets in `st.shares`.
+/// Opens the disk tier in `dir` (created if missing; see [`disk::claim`]
+/// for which directories it takes), indexing the files a previous stage
+/// left for the data sets in `st.shares`.
 fn open_disk(
     dir: &Path,
     capacity: u64,
@@ -677,6 +797,7 @@ fn open_disk(
     metrics: &CacheMetrics,
 ) -> std::io::Result<Disk> {
     std::fs::create_dir_all(dir)?;
+    let claimed = disk::claim(dir)?;
     let sources: Vec<Arc<str>> = st.shares.keys().cloned().collect();
     let mut tier = Tier::new(capacity);
     for (key, path, len) in disk::scan(dir, &sources)? {
@@ -703,6 +824,9 @@ fn open_disk(
     Ok(Disk {
         dir: dir.to_owned(),
         tier,
+        _claimed: claimed,
+        failed_writes: 0,
+        warned: None,
     })
 }
 
@@ -713,7 +837,10 @@ fn open_disk(
 /// A data set neither pinned nor read lately has no share.
 fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<str>, u64> {
     let now = Instant::now();
-    let active = |sh: &Share| now.duration_since(sh.last_lookup) < ACTIVE;
+    let active = |sh: &Share| {
+        sh.last_lookup
+            .is_some_and(|at| now.duration_since(at) < ACTIVE)
+    };
     let pins: u128 = shares
         .values()
         .map(|sh| u128::from(sh.terms.pin.min(capacity)))

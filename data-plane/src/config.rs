@@ -643,7 +643,12 @@ fn cache_options(
     ) {
         (Some(dir), Some(size)) if size.bytes() > 0 => Some((dir, size.bytes())),
         (None, None) => None,
-        (Some(_), _) => {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError(
+                "--cache-disk is 0 with --cache-dir: give how much of the directory the cache may fill, e.g. `100GiB` (or leave both out for no disk tier)".into(),
+            ));
+        }
+        (Some(_), None) => {
             return Err(ConfigError(
                 "--cache-dir needs --cache-disk: how much of the directory the cache may fill, e.g. `100GiB`".into(),
             ));
@@ -654,6 +659,11 @@ fn cache_options(
             ));
         }
     };
+    if memory == 0 && disk.is_none() && (args.cache_policy.is_some() || file.policy.is_some()) {
+        return Err(ConfigError(
+            "a cache policy is given but there is no cache: add --cache-memory or --cache-dir and --cache-disk, or leave the policy out".into(),
+        ));
+    }
     Ok(CacheOptions {
         memory,
         policy,
@@ -1206,6 +1216,11 @@ mod tests {
             (
                 "cache: {memory: 1GiB}",
                 "leaves the prefetch buffers less than 16MiB",
+            ),
+            ("cache: {policy: lru}", "there is no cache"),
+            (
+                "cache: {dir: /tmp/c, disk: 0B}",
+                "--cache-disk is 0 with --cache-dir",
             ),
         ] {
             let file = dir.path().join("stage.yaml");

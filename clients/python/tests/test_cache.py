@@ -176,11 +176,14 @@ def test_the_disk_tier_keeps_samples_across_a_restart(tmp_path, stage_factory):
     def report():
         return json.loads(http_get(stage.metrics, "/api/v1/cache"))
 
-    wait_for(lambda: report()["disk_used_bytes"] == 300_000, what="30 samples on disk")
+    # A file takes whole 4 KiB blocks on disk, its header (the source and
+    # the name) included: three for each 10,000-byte sample.
+    on_disk = 30 * 3 * 4096
+    wait_for(lambda: report()["disk_used_bytes"] == on_disk, what="30 samples on disk")
     assert report()["datasets"][0]["entries"] == 10
     stage.stop()
     stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(100_000, *disk))
-    assert report()["disk_used_bytes"] == 300_000, "the new stage indexed the old files"
+    assert report()["disk_used_bytes"] == on_disk, "the new stage indexed the old files"
     assert read_epoch(stage, "a", 1) == files
     assert source_reads(stage) == 10, "only what was in the old stage's memory is read again"
     assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds", tier="disk") == 30

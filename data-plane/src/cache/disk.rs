@@ -8,6 +8,7 @@
 
 use std::fs;
 use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,6 +18,78 @@ const MAGIC: &[u8; 8] = b"SLUICE1\n";
 /// A header longer than this is not one of ours.
 const MAX_HEADER: usize = 64 << 10;
 const TMP_SUFFIX: &str = ".tmp";
+/// The file that marks a directory as a disk tier's (and is locked by the
+/// stage using it).
+pub(super) const MARKER: &str = "SLUICE-CACHE";
+const MARKER_TEXT: &[u8] = b"A sluice-stage node cache (--cache-dir): its files are the stage's \
+and are removed by it. Do not keep anything else here.\n";
+/// The unit a file takes on disk, for the tier's accounting.
+const BLOCK: u64 = 4096;
+
+/// Takes `dir` (which exists) for the disk tier: it must be one a stage
+/// made or be empty (a file system's `lost+found` aside), take writes, and
+/// not be in use by another stage. The returned file holds the lock: keep
+/// it open while the tier is used.
+pub(super) fn claim(dir: &Path) -> io::Result<fs::File> {
+    let refuse = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
+    let marker = dir.join(MARKER);
+    if fs::symlink_metadata(&marker).is_err()
+        && let Some(name) = fs::read_dir(dir)?
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .find(|n| n != "lost+found")
+    {
+        return Err(refuse(format!(
+            "--cache-dir {} holds `{}`, which is not the node cache's: give it an empty \
+             directory (or one a stage made), since the disk tier removes files it cannot use",
+            dir.display(),
+            name.to_string_lossy()
+        )));
+    }
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&marker)
+        .map_err(|e| {
+            refuse(format!(
+                "cannot write in --cache-dir {}: {e}",
+                dir.display()
+            ))
+        })?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => {
+            return Err(refuse(format!(
+                "--cache-dir {} is in use by another sluice-stage: give each stage its own directory",
+                dir.display()
+            )));
+        }
+        Err(fs::TryLockError::Error(e)) => return Err(e),
+    }
+    // Written at every start: proves the directory takes writes now.
+    file.set_len(0)
+        .and_then(|()| file.write_all(MARKER_TEXT))
+        .map_err(|e| {
+            refuse(format!(
+                "cannot write in --cache-dir {}: {e}",
+                dir.display()
+            ))
+        })?;
+    Ok(file)
+}
+
+/// The bytes a header for `key` takes.
+fn header_len(key: &SampleKey) -> u64 {
+    (MAGIC.len() + 4 + key.source.len() + 4 + key.name.len() + 32) as u64
+}
+
+/// What the file of `key` holding `len` bytes takes on disk.
+pub(super) fn footprint(key: &SampleKey, len: u64) -> u64 {
+    (header_len(key) + len).div_ceil(BLOCK) * BLOCK
+}
 
 /// Where a cached sample is on disk.
 #[derive(Debug)]
@@ -134,6 +207,11 @@ pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Vec<u8>> {
     if header.key != *key {
         return Err(bad("the file holds another sample"));
     }
+    // The length is checked against the file before anything is
+    // allocated for it: a damaged header must not ask for a terabyte.
+    if header_len(key) + header.len != f.get_ref().metadata()?.len() {
+        return Err(bad("the file's length does not match its header"));
+    }
     let mut bytes = Vec::with_capacity(header.len as usize);
     f.read_to_end(&mut bytes)?;
     if bytes.len() as u64 != header.len || checksum(&bytes) != header.sum {
@@ -143,29 +221,35 @@ pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Vec<u8>> {
 }
 
 /// The files a previous stage left in `dir` whose source is one of
-/// `sources`: (key, path, length). Anything else there (files of other
-/// sources, unreadable or torn files, temporary files) is removed.
+/// `sources`: (key, path, footprint). The tier's files it cannot use
+/// (of other sources, unreadable, torn or temporary) are removed; anything
+/// not named as the tier names its files is left alone.
 pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKey, PathBuf, u64)>> {
     let mut found = Vec::new();
     for sub in fs::read_dir(dir)? {
         let sub = sub?;
-        if !sub.file_type()?.is_dir() {
+        if !sub.file_type()?.is_dir() || !is_hex(&sub.file_name(), 2) {
             continue;
         }
         for file in fs::read_dir(sub.path())? {
-            let path = file?.path();
-            let known = fs::File::open(&path)
-                .map(io::BufReader::new)
-                .and_then(|mut f| read_header(&mut f))
-                .ok()
-                .and_then(|h| {
-                    let source = sources.iter().find(|s| ***s == *h.key.source)?;
-                    let key = SampleKey {
-                        source: Arc::clone(source),
-                        ..h.key
-                    };
-                    (path_of(dir, &key) == path).then_some((key, h.len))
-                });
+            let file = file?;
+            let name = file.file_name();
+            let tmp = name
+                .to_string_lossy()
+                .strip_suffix(TMP_SUFFIX)
+                .map(str::to_owned);
+            let ours = match &tmp {
+                Some(stem) => is_hex(std::ffi::OsStr::new(stem), 32),
+                None => is_hex(&name, 32),
+            };
+            if !ours || !file.file_type()?.is_file() {
+                continue;
+            }
+            let path = file.path();
+            let known = tmp
+                .is_none()
+                .then(|| indexed(dir, &path, sources))
+                .flatten();
             match known {
                 Some((key, len)) => found.push((key, path, len)),
                 None => {
@@ -175,4 +259,27 @@ pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKe
         }
     }
     Ok(found)
+}
+
+/// The key and footprint of the complete file at `path`, when it holds a
+/// sample of one of `sources` under its own name.
+fn indexed(dir: &Path, path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, u64)> {
+    let file = fs::File::open(path).ok()?;
+    let on_disk = file.metadata().ok()?.len();
+    let h = read_header(&mut io::BufReader::new(file)).ok()?;
+    let source = sources.iter().find(|s| ***s == *h.key.source)?;
+    let key = SampleKey {
+        source: Arc::clone(source),
+        ..h.key
+    };
+    (path_of(dir, &key) == path && header_len(&key) + h.len == on_disk).then(|| {
+        let len = footprint(&key, h.len);
+        (key, len)
+    })
+}
+
+/// Whether `name` is `digits` lowercase hexadecimal digits.
+fn is_hex(name: &std::ffi::OsStr, digits: usize) -> bool {
+    let name = name.as_encoded_bytes();
+    name.len() == digits && name.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }

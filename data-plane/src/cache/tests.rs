@@ -150,6 +150,14 @@ fn tenants_split_the_cache_first_then_their_data_sets() {
     c.steer(&a, "a", terms("vision", 2, 1, 0));
     c.steer(&b, "b", terms("vision", 2, 3, 0));
     c.steer(&x, "x", terms("text", 1, 1, 0));
+    // Nobody has read them yet: the room is anyone's.
+    assert_eq!(
+        shares(&c),
+        [("a".into(), 0), ("b".into(), 0), ("x".into(), 0)]
+    );
+    for (s, n) in [(&a, "a"), (&b, "b"), (&x, "x")] {
+        drop(c.lookup(n, &key(s, "f", 1)));
+    }
     // vision gets 2/3 (800), split 1:3 between a and b; text gets 400.
     assert_eq!(
         shares(&c),
@@ -258,6 +266,16 @@ fn a_failed_read_fails_its_waiters_and_leaves_nothing_pending() {
 /// A cache of `memory` bytes with a disk tier of `disk` bytes in `dir`,
 /// serving source `/data` (dataset `d`).
 fn tiered(dir: &std::path::Path, memory: u64, disk: u64) -> Arc<Cache> {
+    open_tiered(dir, memory, disk, ("/data", "d")).unwrap()
+}
+
+/// A stable cache with a disk tier in `dir`, serving `(source, dataset)`.
+fn open_tiered(
+    dir: &std::path::Path,
+    memory: u64,
+    disk: u64,
+    (source, dataset): (&str, &str),
+) -> std::io::Result<Arc<Cache>> {
     let tiers = Tiers {
         memory,
         policy: CachePolicy::Stable,
@@ -265,11 +283,13 @@ fn tiered(dir: &std::path::Path, memory: u64, disk: u64) -> Arc<Cache> {
     };
     Cache::new(
         &tiers,
-        &[("/data".into(), "d".into())],
+        &[(source.into(), dataset.into())],
         Metrics::new().cache.clone(),
     )
-    .unwrap()
 }
+
+/// What one small sample's file takes on the disk tier.
+const FILE: u64 = 4096;
 
 /// Waits until the disk tier holds `entries` samples.
 fn on_disk(c: &Cache, entries: u64) {
@@ -290,7 +310,7 @@ fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
     {
-        let c = tiered(dir.path(), 30, 1000);
+        let c = tiered(dir.path(), 30, 10 * FILE);
         for i in 0..10 {
             assert!(!read(&c, "d", &key(&src, &format!("f{i}"), 10), i as u8));
         }
@@ -298,7 +318,7 @@ fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
         let report = c.report();
         assert_eq!(
             (report.used_bytes, report.disk_used_bytes),
-            (30, 70),
+            (30, 7 * FILE),
             "{report:?}"
         );
         let Lookup::Hit(bytes) = c.lookup("d", &key(&src, "f9", 10)) else {
@@ -306,12 +326,17 @@ fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
         };
         assert_eq!(&bytes[..], &[9; 10]);
     }
-    // A new stage finds what the last one left, and only that.
+    // A new stage finds what the last one left, and only that; it removes
+    // files named as its own that it cannot use, and nothing else.
+    let torn = dir.path().join("ab").join(format!("ab{}", "0".repeat(30)));
+    std::fs::create_dir_all(torn.parent().unwrap()).unwrap();
+    std::fs::write(&torn, b"SLUICE1\ntorn").unwrap();
     std::fs::create_dir_all(dir.path().join("zz")).unwrap();
-    std::fs::write(dir.path().join("zz").join("stray"), b"not ours").unwrap();
-    let c = tiered(dir.path(), 30, 1000);
-    assert_eq!(c.report().disk_used_bytes, 70);
-    assert!(!dir.path().join("zz").join("stray").exists());
+    std::fs::write(dir.path().join("zz").join("notes"), b"not ours").unwrap();
+    let c = tiered(dir.path(), 30, 10 * FILE);
+    assert_eq!(c.report().disk_used_bytes, 7 * FILE);
+    assert!(!torn.exists());
+    assert!(dir.path().join("zz").join("notes").exists());
     for i in 3..10 {
         assert!(read(&c, "d", &key(&src, &format!("f{i}"), 10), 0), "f{i}");
     }
@@ -321,16 +346,29 @@ fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
 fn a_damaged_disk_file_is_a_miss_and_is_removed() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
-    let c = tiered(dir.path(), 0, 1000);
+    let c = tiered(dir.path(), 0, 10 * FILE);
     let k = key(&src, "a", 100);
     assert!(!read(&c, "d", &k, 1));
-    on_disk(&c, 1);
+    // A flipped bit of the bytes; a flipped bit of the length in the
+    // header (the third of the four words that end it), which must not
+    // be allocated for (a terabyte here).
+    let damages: [fn(&mut Vec<u8>); 2] = [
+        |b| *b.last_mut().unwrap() ^= 0xff,
+        |b| {
+            let at = b.len() - 100 - 16;
+            b[at + 5] ^= 0x01;
+        },
+    ];
     let path = disk::path_of(dir.path(), &k);
-    let mut bytes = std::fs::read(&path).unwrap();
-    *bytes.last_mut().unwrap() ^= 0xff;
-    std::fs::write(&path, bytes).unwrap();
-    assert!(!read(&c, "d", &k, 2), "a flipped bit is not served");
-    assert!(!path.exists() || std::fs::read(&path).unwrap().ends_with(&[2; 100]));
+    for damage in damages {
+        on_disk(&c, 1);
+        let mut bytes = std::fs::read(&path).unwrap();
+        damage(&mut bytes);
+        std::fs::write(&path, bytes).unwrap();
+        assert!(!read(&c, "d", &k, 2), "a damaged file is not served");
+    }
+    on_disk(&c, 1);
+    assert!(read(&c, "d", &k, 0), "written again whole");
     // A file of another version of the sample is not served for this one.
     let other = SampleKey {
         version: 9,
@@ -343,7 +381,7 @@ fn a_damaged_disk_file_is_a_miss_and_is_removed() {
 fn the_disk_tier_keeps_a_stable_subset_too() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
-    let c = tiered(dir.path(), 20, 30);
+    let c = tiered(dir.path(), 20, 3 * FILE);
     for i in 0..10 {
         read(&c, "d", &key(&src, &format!("f{i}"), 10), 0);
     }
@@ -354,4 +392,139 @@ fn the_disk_tier_keeps_a_stable_subset_too() {
             .count();
         assert_eq!(hits, 5, "2 in memory and 3 on disk, every epoch");
     }
+}
+
+#[test]
+fn a_directory_holding_other_files_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("cats")).unwrap();
+    std::fs::write(dir.path().join("cats").join("1.jpg"), b"a cat").unwrap();
+    std::fs::write(dir.path().join("notes.txt"), b"keep").unwrap();
+    let err = open_tiered(dir.path(), 0, 10 * FILE, ("/data", "d")).unwrap_err();
+    assert!(err.to_string().contains("not the node cache's"), "{err}");
+    assert_eq!(
+        std::fs::read(dir.path().join("cats").join("1.jpg")).unwrap(),
+        b"a cat"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("notes.txt")).unwrap(),
+        b"keep"
+    );
+    assert!(!dir.path().join(disk::MARKER).exists());
+    // A file system's lost+found does not count.
+    let fresh = tempfile::tempdir().unwrap();
+    std::fs::create_dir(fresh.path().join("lost+found")).unwrap();
+    drop(tiered(fresh.path(), 0, FILE));
+    assert!(fresh.path().join(disk::MARKER).exists());
+}
+
+#[test]
+fn a_second_cache_on_one_directory_is_refused_while_the_first_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let first = tiered(dir.path(), 0, 10 * FILE);
+    assert!(!read(&first, "d", &key(&src, "a", 10), 1));
+    on_disk(&first, 1);
+    let err = open_tiered(dir.path(), 0, 10 * FILE, ("/other", "o")).unwrap_err();
+    assert!(
+        err.to_string().contains("in use by another sluice-stage"),
+        "{err}"
+    );
+    assert!(
+        read(&first, "d", &key(&src, "a", 10), 0),
+        "the first one's file is still there"
+    );
+    drop(first);
+    // Once it stopped, the directory is free for the next stage.
+    let next = tiered(dir.path(), 0, 10 * FILE);
+    assert_eq!(next.report().disk_used_bytes, FILE);
+}
+
+/// Version `version` of the 10-byte sample `f{i}` of `source`.
+fn versioned(source: &Arc<str>, i: u32, version: u64) -> SampleKey {
+    SampleKey {
+        version,
+        ..key(source, &format!("f{i}"), 10)
+    }
+}
+
+#[test]
+fn an_older_version_of_a_sample_gives_its_room_to_the_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let versioned = |i: u32, version: u64| versioned(&"/data".into(), i, version);
+    // Memory holds 10 samples and disk 5: the data set fits in memory.
+    let c = tiered(dir.path(), 100, 5 * FILE);
+    for i in 0..10 {
+        assert!(!read(&c, "d", &versioned(i, 1), 0));
+    }
+    // The data set is written again (every file a new version): the first
+    // epoch reads it, and from then on it is all cached again.
+    for i in 0..10 {
+        assert!(!read(&c, "d", &versioned(i, 2), 0));
+    }
+    let hits = (0..10)
+        .filter(|&i| read(&c, "d", &versioned(i, 2), 0))
+        .count();
+    assert_eq!(hits, 10, "{:?}", c.report());
+    assert_eq!(c.report().used_bytes, 100);
+}
+
+#[test]
+fn an_older_version_left_on_disk_by_a_previous_stage_is_dropped_when_the_new_one_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let versioned = |i: u32, version: u64| versioned(&"/data".into(), i, version);
+    {
+        let c = tiered(dir.path(), 0, 4 * FILE);
+        for i in 0..4 {
+            assert!(!read(&c, "d", &versioned(i, 1), 0));
+        }
+        on_disk(&c, 4);
+    }
+    let c = tiered(dir.path(), 0, 4 * FILE);
+    assert_eq!(c.report().disk_used_bytes, 4 * FILE);
+    for i in 0..4 {
+        assert!(!read(&c, "d", &versioned(i, 2), 0));
+    }
+    on_disk(&c, 4);
+    let hits = (0..4)
+        .filter(|&i| read(&c, "d", &versioned(i, 2), 0))
+        .count();
+    assert_eq!(hits, 4, "{:?}", c.report());
+    let files = walk_files(dir.path());
+    assert_eq!(files, 4 + 1, "four samples and the marker: {files}");
+}
+
+/// Files beneath `dir`, recursively.
+fn walk_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                walk_files(&e.path())
+            } else {
+                1
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn staging_keeps_what_memory_does_not_on_disk_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let c = tiered(dir.path(), 20, 3 * FILE);
+    let keys: Vec<_> = (0..6).map(|i| key(&src, &format!("f{i}"), 10)).collect();
+    let kept: Vec<bool> = keys
+        .iter()
+        .map(|k| {
+            read(&c, "d", k, 0);
+            c.keep(k, &[0; 10])
+        })
+        .collect();
+    assert_eq!(
+        kept,
+        [true, true, true, true, true, false],
+        "2 in memory, 3 on disk"
+    );
 }

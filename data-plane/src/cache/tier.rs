@@ -23,13 +23,26 @@ struct Entry<V> {
 }
 
 /// A tier holding values of type `V` (the bytes, or where they are on
-/// disk), at most `capacity` bytes of samples.
+/// disk), at most `capacity` bytes.
 #[derive(Debug)]
 pub(super) struct Tier<V> {
     pub capacity: u64,
     pub used: u64,
     entries: HashMap<SampleKey, Entry<V>>,
+    /// The keys held under each (source, name), by its hash: a sample
+    /// rewritten on its storage is a new key, and the old one, which no
+    /// listing will name again, is found here and dropped.
+    versions: HashMap<u64, Vec<SampleKey>>,
     pub held: HashMap<Arc<str>, Held>,
+}
+
+/// The hash of a key's source and name (not its version).
+fn name_hash(key: &SampleKey) -> u64 {
+    let mut h = crate::entry::Fnv64::new();
+    h.write(key.source.as_bytes());
+    h.write(&[0]);
+    h.write(key.name.as_bytes());
+    h.0
 }
 
 impl<V> Tier<V> {
@@ -38,6 +51,7 @@ impl<V> Tier<V> {
             capacity,
             used: 0,
             entries: HashMap::new(),
+            versions: HashMap::new(),
             held: HashMap::new(),
         }
     }
@@ -76,6 +90,10 @@ impl<V> Tier<V> {
         held.bytes += len;
         held.order.insert(tick, key.clone());
         self.used += len;
+        self.versions
+            .entry(name_hash(&key))
+            .or_default()
+            .push(key.clone());
         self.entries.insert(key, Entry { value, len, tick });
         replaced
     }
@@ -86,7 +104,34 @@ impl<V> Tier<V> {
         held.order.remove(&entry.tick);
         held.bytes -= entry.len;
         self.used -= entry.len;
+        let hash = name_hash(key);
+        if let Some(keys) = self.versions.get_mut(&hash) {
+            keys.retain(|k| k != key);
+            if keys.is_empty() {
+                self.versions.remove(&hash);
+            }
+        }
         Some((entry.value, entry.len))
+    }
+
+    /// Removes the entries of `key`'s sample under another version or size
+    /// (the sample changed on its storage since they were kept).
+    pub fn remove_other_versions(&mut self, key: &SampleKey) -> Vec<(SampleKey, V, u64)> {
+        let stale: Vec<SampleKey> = self
+            .versions
+            .get(&name_hash(key))
+            .into_iter()
+            .flatten()
+            .filter(|k| k.source == key.source && k.name == key.name && *k != key)
+            .cloned()
+            .collect();
+        stale
+            .into_iter()
+            .filter_map(|k| {
+                let (value, len) = self.remove(&k)?;
+                Some((k, value, len))
+            })
+            .collect()
     }
 
     /// Evicts what the policy says to make room for `size` more bytes of

@@ -9,10 +9,14 @@
 //! telemetry like any job's, and the controller allocates them from the
 //! staging pool. Until the controller's settings for the job arrive its
 //! rate is capped at the policy's staging rate (and never goes above it).
-//! Samples already cached cost nothing; the round stops when every sample
-//! was looked at (`done`) or when the cache would keep no more of the data
-//! set (`full`: the rest stays on the source, which is the point of a
-//! stable subset).
+//! A round reads only the samples the cache lacks, in listing order, as
+//! far as the data set's room in the cache goes; it ends `done` when that
+//! was all of them and `full` when the cache keeps no more of the data set
+//! (the rest stays on the source, which is the point of a stable subset),
+//! or at the first sample read that the cache would not keep after all
+//! (other jobs took the room meanwhile). A sample memory does not keep is written to the disk tier
+//! before the round goes on (a trainer's reads only queue it, and the
+//! queue drops what it has no room for).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -21,9 +25,10 @@ use sluice_policy::{STAGING_LABEL, staging_job};
 use tracing::{info, warn};
 
 use super::{JobHandle, PlanKey};
-use crate::cache::Cache;
-use crate::dataset::Dataset;
+use crate::cache::{Cache, SampleKey};
+use crate::dataset::{Dataset, Listing};
 use crate::metrics::CacheMetrics;
+use crate::protocol::{Payload, Sample};
 use crate::sync::lock;
 
 /// Samples a staging round asks for at a time.
@@ -200,11 +205,39 @@ async fn run(
     done_gauge.set(0);
     let bytes_counter = metrics.staging_bytes.with_label_values(&[&name]);
     let job = Arc::clone(handle.job());
-    let files: Vec<u32> = (0..total).collect();
     let key = PlanKey {
         rank: 0,
         epoch: number,
     };
+    // Only what the cache lacks and has room for is read: a data set
+    // larger than its room is read as far as the room goes, not whole.
+    let (files, held, short) = {
+        let (cache, listing, dataset) = (
+            Arc::clone(&cache),
+            Arc::clone(&listing),
+            Arc::clone(&dataset),
+        );
+        tokio::task::spawn_blocking(move || {
+            let keys = listing.files.iter().enumerate().map(|(i, f)| {
+                let key = SampleKey {
+                    source: Arc::clone(&dataset.identity),
+                    name: f.name.as_str().into(),
+                    version: f.version,
+                    size: f.size,
+                };
+                (i as u32, key)
+            });
+            cache.to_stage(&dataset.identity, &dataset.name, keys)
+        })
+        .await
+        .map_err(|e| format!("staging data set `{name}` failed: {e}"))?
+    };
+    let ended = if short { State::Full } else { State::Done };
+    update(&mut |p| p.samples_done = u64::from(held));
+    done_gauge.set(i64::from(held));
+    if files.is_empty() {
+        return Ok(ended);
+    }
     // Before the plan exists: its readers start at once.
     let read_before = job.snapshot().storage_read_bytes;
     let (plan, _) = job
@@ -212,16 +245,28 @@ async fn run(
             key,
             listing.digest ^ number,
             Arc::clone(&dataset),
-            listing,
+            Arc::clone(&listing),
             files,
         )
         .map_err(|e| e.message)?;
     let mut counted = 0;
     loop {
-        let batch = job.next(&plan, BATCH).await;
+        let mut batch = job.next(&plan, BATCH).await;
         let errors = batch.samples.iter().filter(|s| s.data.is_err()).count() as u64;
         let looked = batch.samples.len() as u64;
-        drop(batch.samples);
+        let samples = std::mem::take(&mut batch.samples);
+        let kept = {
+            let (cache, listing, dataset) = (
+                Arc::clone(&cache),
+                Arc::clone(&listing),
+                Arc::clone(&dataset),
+            );
+            tokio::task::spawn_blocking(move || keep_all(&cache, &dataset, &listing, samples))
+                .await
+                .map_err(|e| format!("staging data set `{name}` failed: {e}"))?
+        };
+        let end = batch.end;
+        drop(batch);
         let read = job.snapshot().storage_read_bytes - read_before;
         bytes_counter.inc_by(read - counted);
         counted = read;
@@ -234,11 +279,35 @@ async fn run(
         if !current {
             return Ok(State::Running);
         }
-        if batch.end {
-            return Ok(State::Done);
-        }
-        if !cache.has_room_for(&dataset.identity) {
+        if !kept {
             return Ok(State::Full);
         }
+        if end {
+            return Ok(ended);
+        }
     }
+}
+
+/// Makes sure the cache keeps each sample read (see [`Cache::keep`]);
+/// returns false at the first it would not keep. Blocking.
+fn keep_all(cache: &Cache, dataset: &Dataset, listing: &Listing, samples: Vec<Sample>) -> bool {
+    samples.into_iter().all(|sample| {
+        let Ok(Payload::Bytes(bytes)) = &sample.data else {
+            // A failed read is counted as an error, not as room.
+            return true;
+        };
+        let Some(entry) = listing
+            .position(&sample.name)
+            .map(|i| &listing.files[i as usize])
+        else {
+            return true;
+        };
+        let key = SampleKey {
+            source: Arc::clone(&dataset.identity),
+            name: sample.name.as_str().into(),
+            version: entry.version,
+            size: entry.size,
+        };
+        cache.keep(&key, bytes)
+    })
 }
