@@ -226,6 +226,23 @@ def test_a_request_that_hangs_is_tried_again_within_the_deadline(s3, stage_facto
     assert metric_sum(stage, "sluice_stage_source_retries_total") >= 3
 
 
+def test_a_transfer_that_stalls_halfway_is_resumed_within_the_deadline(s3, stage_factory):
+    """An answer whose bytes stop coming (a connection that died after
+    the head) is given up after a third of the deadline without bytes, and
+    the rest is asked for again."""
+    server, files = s3
+    names = [n for n in sorted_names(files) if 2 <= len(files[n]) < 2**20][:12]
+    with proxy(server, stall_body_every=4) as slow:
+        stage = s3_stage(stage_factory, slow.endpoint, "--s3-deadline", "6s")
+        with sluice.Client(stage.socket, job="s3", timeout=60) as c:
+            t0 = time.monotonic()
+            got = dict(c.dataset("ds").plan_names(names, epoch=0, on_error="yield"))
+            took = time.monotonic() - t0
+    assert {n: bytes(d) if not isinstance(d, Exception) else d for n, d in got.items()} == \
+        {n: files[n] for n in names}
+    assert took < 20, f"{took:.1f} s"
+
+
 def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):
     server, files = s3
     names = sorted_names(files)[:3]

@@ -17,7 +17,10 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future as _;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -919,10 +922,13 @@ impl HttpService for Http {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
                 let body = body.map_err(|e| HttpError::new(HttpErrorKind::Interrupted, e));
-                Ok(HttpResponse::from_parts(
-                    parts,
-                    HttpResponseBody::new(SyncBody(std::sync::Mutex::new(body))),
-                ))
+                let body = AnswerBody(std::sync::Mutex::new(Stalling {
+                    body,
+                    idle: self
+                        .answer_within
+                        .map(|limit| (limit, Box::pin(tokio::time::sleep(limit)))),
+                }));
+                Ok(HttpResponse::from_parts(parts, HttpResponseBody::new(body)))
             }
             Err(e) => {
                 let kind = if e.is_connect() {
@@ -984,33 +990,70 @@ impl Outcome {
 }
 
 /// A response body made `Sync` (object_store's body type asks for it;
-/// hyper's is `Send` only). Polled from one task at a time, so the lock is
-/// never contended.
-struct SyncBody<B>(std::sync::Mutex<B>);
+/// hyper's is `Send` only; polled from one task at a time, so the lock is
+/// never contended) that fails when no bytes come for as long as a request
+/// may wait for its answer: a transfer that stalled after the head (a
+/// connection that died quietly) is then resumed by object_store, which
+/// asks for the rest with a ranged GET on another connection.
+struct AnswerBody<B>(std::sync::Mutex<Stalling<B>>);
 
-impl<B> http_body::Body for SyncBody<B>
+struct Stalling<B> {
+    body: B,
+    /// How long the body may send nothing, and the time it runs out.
+    idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl<B> http_body::Body for AnswerBody<B>
 where
-    B: http_body::Body + Unpin,
+    B: http_body::Body<Error = HttpError> + Unpin,
 {
     type Data = B::Data;
-    type Error = B::Error;
+    type Error = HttpError;
 
     fn poll_frame(
-        self: std::pin::Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        let body = self
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self
             .get_mut()
             .0
             .get_mut()
             .unwrap_or_else(|p| p.into_inner());
-        std::pin::Pin::new(body).poll_frame(cx)
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                if let Some((limit, sleep)) = &mut this.idle {
+                    sleep.as_mut().reset(tokio::time::Instant::now() + *limit);
+                }
+                Poll::Ready(frame)
+            }
+            Poll::Pending => {
+                let Some((limit, sleep)) = &mut this.idle else {
+                    return Poll::Pending;
+                };
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let stalled = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no bytes of the answer for {limit:?}"),
+                );
+                this.idle = None;
+                Poll::Ready(Some(Err(HttpError::new(HttpErrorKind::Timeout, stalled))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.lock().map_or_else(
+            |p| p.into_inner().body.is_end_stream(),
+            |b| b.body.is_end_stream(),
+        )
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.0
             .lock()
-            .map_or_else(|p| p.into_inner().size_hint(), |b| b.size_hint())
+            .map_or_else(|p| p.into_inner().body.size_hint(), |b| b.body.size_hint())
     }
 }
 

@@ -5,7 +5,9 @@
 //! `--throttle-every`-th request), `403 AccessDenied` (paths containing
 //! `--deny`), a dropped connection (every `--reset-every`-th request), or
 //! no answer at all, the connection held open (every `--hang-every`-th GET
-//! of an object: a stalled store or a half-open connection).
+//! of an object: a stalled store or a half-open connection), or an answer
+//! that stops halfway, its connection held open (every
+//! `--stall-body-every`-th GET of an object: a transfer that stalls).
 //! The stage signs requests for the proxy's address, which the proxy keeps
 //! in the `Host` header, so the server behind it checks the signatures.
 //!
@@ -17,7 +19,7 @@
 //! ```text
 //! sluice-slowhttp --upstream 127.0.0.1:9000 [--listen 127.0.0.1:0] [--latency 5ms]
 //!                 [--throttle-every N] [--reset-every N] [--hang-every N]
-//!                 [--deny SUBSTRING]
+//!                 [--stall-body-every N] [--deny SUBSTRING]
 //! ```
 //!
 //! Prints `{"listen": "ADDR", ...}` on stdout once it accepts connections,
@@ -66,6 +68,10 @@ struct Args {
     /// not counted), holding its connection (0: never).
     #[arg(long, default_value_t = 0)]
     hang_every: u64,
+    /// Send the head and half the body of every N-th GET of an object,
+    /// then nothing more, holding its connection (0: never).
+    #[arg(long, default_value_t = 0)]
+    stall_body_every: u64,
     /// Answer `403 AccessDenied` to requests whose path contains this.
     #[arg(long)]
     deny: Option<String>,
@@ -168,12 +174,15 @@ impl Proxy {
         if self.args.reset_every > 0 && n.is_multiple_of(self.args.reset_every) {
             return Err(Dropped);
         }
-        if self.args.hang_every > 0 && is_object_get(&req) {
+        let mut stall = false;
+        if is_object_get(&req) {
             let n = self.gets.fetch_add(1, Ordering::Relaxed) + 1;
-            if n.is_multiple_of(self.args.hang_every) {
+            let every = |k: u64| k > 0 && n.is_multiple_of(k);
+            if every(self.args.hang_every) {
                 // Until the client gives up and closes the connection.
                 std::future::pending::<()>().await;
             }
+            stall = every(self.args.stall_body_every);
         }
         let (mut parts, body) = req.into_parts();
         let path = parts
@@ -186,12 +195,40 @@ impl Proxy {
             Err(_) => return Ok(s3_error(StatusCode::BAD_REQUEST, "InvalidURI", "bad path")),
         };
         match self.client.request(Request::from_parts(parts, body)).await {
+            Ok(response) if stall => {
+                let (parts, body) = response.into_parts();
+                let Ok(whole) = body.collect().await.map(|b| b.to_bytes()) else {
+                    return Err(Dropped);
+                };
+                let half = whole.slice(..whole.len() / 2);
+                Ok(Response::from_parts(parts, Stalled(Some(half)).boxed()))
+            }
             Ok(response) => Ok(response.map(|b| b.boxed())),
             Err(e) => Ok(s3_error(
                 StatusCode::BAD_GATEWAY,
                 "BadGateway",
                 &format!("upstream {}: {e}", self.args.upstream),
             )),
+        }
+    }
+}
+
+/// A body that gives its bytes and then never ends (its head promised
+/// more).
+struct Stalled(Option<Bytes>);
+
+impl hyper::body::Body for Stalled {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        match self.0.take() {
+            Some(bytes) => std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(bytes)))),
+            // Until the client gives up and closes the connection.
+            None => std::task::Poll::Pending,
         }
     }
 }

@@ -100,10 +100,10 @@ class SlowHttp(Harness):
     @classmethod
     def start(cls, binary: str, upstream: str, latency: str = "0ms", throttle_every: int = 0,
               reset_every: int = 0, deny: Optional[str] = None, timeout: float = 20.0,
-              hang_every: int = 0) -> "SlowHttp":
+              hang_every: int = 0, stall_body_every: int = 0) -> "SlowHttp":
         args = [binary, "--upstream", upstream, "--latency", latency,
                 "--throttle-every", str(throttle_every), "--reset-every", str(reset_every),
-                "--hang-every", str(hang_every)]
+                "--hang-every", str(hang_every), "--stall-body-every", str(stall_body_every)]
         if deny:
             args += ["--deny", deny]
         proc, ready = Harness.launch(args, "sluice-slowhttp", timeout)
