@@ -209,7 +209,10 @@ pub struct ApplyArgs {
     pub dry_run: bool,
 }
 
-/// What `sluicectl delete` deletes.
+/// What `sluicectl delete` deletes: a policy by name whatever its kind,
+/// or one of a kind (the words `apply` prints: `pool/shared-nfs`,
+/// `jobpolicy/vision`, `datasetcache/imagenet`), for a name that several
+/// kinds share.
 #[derive(Debug, Subcommand)]
 pub enum DeleteTarget {
     /// Delete a policy of any kind by name
@@ -220,6 +223,16 @@ pub enum DeleteTarget {
     /// Delete a StoragePool policy
     Pool {
         /// The pool's metadata.name
+        name: String,
+    },
+    /// Delete a JobPolicy
+    Jobpolicy {
+        /// The policy's metadata.name
+        name: String,
+    },
+    /// Delete a DatasetCache policy
+    Datasetcache {
+        /// The policy's metadata.name
         name: String,
     },
 }
@@ -304,7 +317,8 @@ cannot starve running jobs. Progress is printed every second until every
 stage has finished (--no-wait: return at once).
 
 Exit codes: 0 staged, 1 refused (no DatasetCache with spec.staging, no
-stage serving the data set), a stage failed, or --timeout passed.";
+stage serving the data set, none of those with a node cache), a stage
+failed, or --timeout passed.";
 
 /// Arguments of `sluicectl stage`.
 #[derive(Debug, Args)]

@@ -301,7 +301,7 @@ fn describe_shows_one_object_in_detail() {
 }
 
 #[test]
-fn delete_names_the_kind_only_for_pools() {
+fn delete_sends_the_kind_its_subcommand_names() {
     let fake = FakeController::start();
     let run = sluicectl(&fake.url, &["delete", "policy", "vision"]);
     assert_eq!(run.code, 0, "{}", run.stderr);
@@ -310,13 +310,20 @@ fn delete_names_the_kind_only_for_pools() {
     let run = sluicectl(&fake.url, &["delete", "pool", "shared-nfs"]);
     assert_eq!(run.stdout, "pool/shared-nfs deleted (revision 2)\n");
 
+    let run = sluicectl(&fake.url, &["delete", "jobpolicy", "vision"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(run.stdout, "jobpolicy/vision deleted (revision 2)\n");
+
+    let run = sluicectl(&fake.url, &["delete", "datasetcache", "vision"]);
+    assert_eq!(run.stdout, "datasetcache/vision deleted (revision 2)\n");
+
     let run = sluicectl(&fake.url, &["delete", "policy", "nope"]);
     assert_eq!(run.code, 1);
     assert_eq!(run.stderr, "sluicectl: no policy named `nope`\n");
 
     let seen = fake.seen();
     let kinds: Vec<&str> = seen.deletes.iter().map(|d| d.kind.as_str()).collect();
-    assert_eq!(kinds, ["", "StoragePool", ""]);
+    assert_eq!(kinds, ["", "StoragePool", "JobPolicy", "DatasetCache", ""]);
 }
 
 #[test]

@@ -96,6 +96,40 @@ pub fn dataset(shared: &Shared, name: &str) -> Result<DatasetView, ApiError> {
     })
 }
 
+/// Returns the connected stages serving `name` whose last report shows a
+/// node cache, or why there is none.
+fn stages_with_cache(shared: &Shared, name: &str) -> Result<Vec<String>, ApiError> {
+    let live = lock(&shared.live);
+    let serving: Vec<_> = live
+        .iter()
+        .filter(|(_, l)| !l.lost && l.session.is_some())
+        .filter(|(_, l)| l.hello.datasets.iter().any(|d| d == name))
+        .collect();
+    if serving.is_empty() {
+        return Err(ApiError::Conflict(format!(
+            "no connected stage serves data set `{name}`: start one with `--dataset {name}=...`"
+        )));
+    }
+    let cached: Vec<String> = serving
+        .iter()
+        .filter(|(_, l)| l.latest().is_some_and(|t| t.cache.is_some()))
+        .map(|(id, _)| (*id).clone())
+        .collect();
+    if !cached.is_empty() {
+        return Ok(cached);
+    }
+    if serving.iter().any(|(_, l)| l.latest().is_none()) {
+        // A stage reports at once after its hello: this is a moment.
+        return Err(ApiError::Conflict(format!(
+            "no stage serving `{name}` has reported whether it has a node cache yet: try again \
+             in a second"
+        )));
+    }
+    Err(ApiError::Conflict(format!(
+        "no stage serving `{name}` has a node cache (start it with --cache-memory or --cache-dir)"
+    )))
+}
+
 fn use_view(d: &v1::DatasetCacheTelemetry) -> CacheUseView {
     CacheUseView {
         memory_bytes: d.memory_bytes,
@@ -118,10 +152,12 @@ fn use_view(d: &v1::DatasetCacheTelemetry) -> CacheUseView {
     }
 }
 
-/// Starts a staging round of `name` on every connected stage serving it;
-/// returns the round and those stages. Refused when no DatasetCache with
-/// `spec.staging` names the data set (nothing would say which pool pays)
-/// or no connected stage serves it.
+/// Starts a staging round of `name` on every connected stage serving it
+/// with a node cache; returns the round and those stages. Refused when no
+/// DatasetCache with `spec.staging` names the data set (nothing would say
+/// which pool pays), no connected stage serves it, or none of those has a
+/// cache (its last report carries none): a stage without one never starts
+/// the round, and `sluicectl stage` would wait for it forever.
 pub async fn stage(shared: &Shared, name: &str) -> Result<(u64, Vec<String>), ApiError> {
     {
         let policies = shared.read_policies();
@@ -140,17 +176,7 @@ pub async fn stage(shared: &Shared, name: &str) -> Result<(u64, Vec<String>), Ap
             Some(_) => {}
         }
     }
-    let stages: Vec<String> = lock(&shared.live)
-        .iter()
-        .filter(|(_, l)| !l.lost && l.session.is_some())
-        .filter(|(_, l)| l.hello.datasets.iter().any(|d| d == name))
-        .map(|(id, _)| id.clone())
-        .collect();
-    if stages.is_empty() {
-        return Err(ApiError::Conflict(format!(
-            "no connected stage serves data set `{name}`: start one with `--dataset {name}=...`"
-        )));
-    }
+    let stages = stages_with_cache(shared, name)?;
     let round = {
         let mut rounds = lock(&shared.staging_rounds);
         let now = u64::try_from(now_ms()).unwrap_or(0);

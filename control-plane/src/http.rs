@@ -1,6 +1,9 @@
 //! The HTTP surface: a read-only REST view (`GET /api/v1/{stages,jobs,
 //! pools,policies}`), `POST /api/v1/policies` (a YAML body), `/metrics`
-//! (Prometheus text), `/healthz` and `/readyz`.
+//! (Prometheus text), `/healthz` and `/readyz`. Every `/api/` endpoint
+//! refuses query parameters it does not take (see [`query`]).
+
+mod query;
 
 use std::sync::Arc;
 
@@ -16,6 +19,7 @@ use crate::leader;
 use crate::policies::{self, Source};
 use crate::state::Shared;
 use crate::views;
+use query::Query;
 
 /// The largest policy body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -49,6 +53,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// What an `/api/` handler answers: a refused query is a 400.
+type ApiResponse = Result<Response, ApiError>;
+
 fn json<T: Serialize>(result: Result<T, ApiError>) -> Response {
     match result {
         Ok(v) => axum::Json(v).into_response(),
@@ -75,50 +82,49 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     }
 }
 
-async fn stages(State(shared): State<Arc<Shared>>) -> Response {
-    json(views::stages(&shared).await)
+async fn stages(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
+    Query::parse(q.as_deref(), &[])?;
+    Ok(json(views::stages(&shared).await))
 }
 
-async fn jobs(State(shared): State<Arc<Shared>>) -> Response {
-    json(views::jobs(&shared).await)
+async fn jobs(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
+    Query::parse(q.as_deref(), &[])?;
+    Ok(json(views::jobs(&shared).await))
 }
 
-async fn pools(State(shared): State<Arc<Shared>>) -> Response {
-    json(views::pools(&shared).await)
+async fn pools(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
+    Query::parse(q.as_deref(), &[])?;
+    Ok(json(views::pools(&shared).await))
 }
 
-async fn dataset(State(shared): State<Arc<Shared>>, Path(name): Path<String>) -> Response {
-    json(crate::datasets::dataset(&shared, &name))
-}
-
-/// Returns the value of `key` in a query string (no percent-decoding:
-/// the values used here are plain words).
-fn param<'a>(query: &'a Option<String>, key: &str) -> Option<&'a str> {
-    query
-        .as_deref()?
-        .split('&')
-        .filter_map(|pair| pair.split_once('=').or(Some((pair, "true"))))
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| v)
+async fn dataset(
+    State(shared): State<Arc<Shared>>,
+    Path(name): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResponse {
+    Query::parse(q.as_deref(), &[])?;
+    Ok(json(crate::datasets::dataset(&shared, &name)))
 }
 
 /// `GET /api/v1/policies[?history=true]`.
-async fn list_policies(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> Response {
-    let history = param(&q, "history") == Some("true");
-    json(views::policies(&shared, history).await)
+async fn list_policies(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
+    let history = Query::parse(q.as_deref(), &["history"])?.flag("history")?;
+    Ok(json(views::policies(&shared, history).await))
 }
 
 /// `POST /api/v1/policies[?dry_run=true][&source=NAME]` with a YAML body;
-/// errors are named after `source` (default `body`).
+/// errors are named after `source` (default `body`). A bad query changes
+/// nothing.
 async fn apply_policies(
     State(shared): State<Arc<Shared>>,
     RawQuery(q): RawQuery,
     body: String,
-) -> Response {
+) -> ApiResponse {
+    let query = Query::parse(q.as_deref(), &["dry_run", "source"])?;
     let source = Source {
-        name: param(&q, "source").unwrap_or("body").to_owned(),
+        name: query.text("source")?.unwrap_or("body").to_owned(),
         yaml: body,
     };
-    let dry_run = param(&q, "dry_run") == Some("true");
-    json(policies::apply(&shared, vec![source], dry_run).await)
+    let dry_run = query.flag("dry_run")?;
+    Ok(json(policies::apply(&shared, vec![source], dry_run).await))
 }

@@ -56,7 +56,7 @@ pub async fn take_office(shared: &Shared, policies: Option<Vec<Source>>) -> anyh
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading the stored policies")?;
     if let Some(sources) = policies {
-        policies::apply(shared, sources, false)
+        policies::apply_at_start(shared, sources)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))
             .context("applying --policies")?;

@@ -52,6 +52,16 @@ pub use config::{Args, ControllerConfig};
 use state::Shared;
 use store::{Leadership, Store};
 
+/// Returns the store error behind a start-up failure when the operator's
+/// configuration is at fault (`--database-url` names no usable store, or
+/// another controller uses it): the binary exits 64 for it, as for an
+/// invalid flag.
+pub fn configuration_error(e: &anyhow::Error) -> Option<&store::StoreError> {
+    e.chain()
+        .find_map(|cause| cause.downcast_ref::<store::StoreError>())
+        .filter(|store| store.is_configuration())
+}
+
 /// How long a shutdown waits for requests in flight.
 pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 

@@ -33,11 +33,32 @@ fn main() -> ExitCode {
         .expect("building the tokio runtime");
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("sluice-controller: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => match sluice_controller::configuration_error(&e) {
+            Some(store) => {
+                eprintln!("sluice-controller: --database-url: {}", with_causes(store));
+                ExitCode::from(64)
+            }
+            None => {
+                eprintln!("sluice-controller: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
+}
+
+/// Returns `error: cause: cause...` on one line.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        // Some errors print their source in their own text already.
+        let c_text = c.to_string();
+        if !text.ends_with(&c_text) {
+            text.push_str(&format!(": {c_text}"));
+        }
+        cause = c.source();
+    }
+    text
 }
 
 async fn run(config: ControllerConfig) -> anyhow::Result<()> {

@@ -57,24 +57,79 @@ pub async fn load(shared: &Shared) -> Result<(), String> {
 }
 
 /// Validates `sources` against the current set and, unless `dry_run`,
-/// stores them and makes them current. All or nothing.
+/// stores them and makes them current. All or nothing. Sources that hold
+/// no document at all (empty, comments, `---`) are refused: an apply of
+/// nothing is a mistake upstream, such as a generator that failed.
 pub async fn apply(
     shared: &Shared,
     sources: Vec<Source>,
     dry_run: bool,
 ) -> Result<Vec<ChangeView>, ApiError> {
-    let _serial = shared.policy_changes.lock().await;
+    let docs = parse(&sources)?;
+    if docs.is_empty() {
+        return Err(ApiError::Invalid(no_policies(&sources)));
+    }
+    apply_documents(shared, docs, dry_run).await
+}
+
+/// Applies `--policies` at start, like [`apply`], except that a file or
+/// directory holding no document is no error: it changes nothing.
+pub async fn apply_at_start(
+    shared: &Shared,
+    sources: Vec<Source>,
+) -> Result<Vec<ChangeView>, ApiError> {
+    let docs = parse(&sources)?;
+    apply_documents(shared, docs, false).await
+}
+
+/// Parses every source; returns each document with its source's name, or
+/// every error.
+fn parse(sources: &[Source]) -> Result<Vec<(String, Policy)>, ApiError> {
     let mut docs: Vec<(String, Policy)> = Vec::new();
     let mut errors = PolicyErrors::default();
-    for s in &sources {
+    for s in sources {
         match parse_documents(&s.name, &s.yaml) {
             Ok(d) => docs.extend(d.into_iter().map(|p| (s.name.clone(), p))),
             Err(e) => errors.0.extend(e),
         }
     }
-    if !errors.0.is_empty() {
-        return Err(ApiError::Invalid(errors.to_string()));
+    if errors.0.is_empty() {
+        Ok(docs)
+    } else {
+        Err(ApiError::Invalid(errors.to_string()))
     }
+}
+
+/// Returns "no policies in a.yaml, standard input: ..." for sources that
+/// hold no document.
+fn no_policies(sources: &[Source]) -> String {
+    let names: Vec<&str> = sources
+        .iter()
+        .map(|s| match s.name.as_str() {
+            // How `PolicySource.name` spells standard input.
+            "-" => "standard input",
+            name => name,
+        })
+        .collect();
+    let names = if names.is_empty() {
+        "the request".to_owned()
+    } else {
+        names.join(", ")
+    };
+    format!(
+        "no policies in {names}: give at least one document with apiVersion, kind, metadata \
+         and spec (the input is empty, or holds only comments and `---`)"
+    )
+}
+
+/// Validates parsed documents against the current set and, unless
+/// `dry_run`, stores them and makes them current. All or nothing.
+async fn apply_documents(
+    shared: &Shared,
+    docs: Vec<(String, Policy)>,
+    dry_run: bool,
+) -> Result<Vec<ChangeView>, ApiError> {
+    let _serial = shared.policy_changes.lock().await;
     let policies: Vec<Policy> = docs.iter().map(|(_, p)| p.clone()).collect();
     let (next, _) = shared
         .read_policies()
@@ -193,8 +248,9 @@ fn resolve_kind(set: &PolicySet, kind: &str, name: &str) -> Result<Kind, ApiErro
         kinds => {
             let kinds: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
             Err(ApiError::Invalid(format!(
-                "a {} are named `{name}`: say which kind",
-                kinds.join(" and a ")
+                "a {} are named `{name}`: give the kind of the one to delete ({})",
+                kinds.join(" and a "),
+                kinds.join(" or ")
             )))
         }
     }

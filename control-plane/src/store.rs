@@ -24,6 +24,7 @@
 #[macro_use]
 mod common;
 mod error;
+mod file_lock;
 pub mod leadership;
 mod model;
 mod postgres;
@@ -65,7 +66,9 @@ macro_rules! dispatch {
 impl Store {
     /// Opens the store at `url` (`sqlite://sluice.db`, `sqlite::memory:`,
     /// `postgres://user@host:port/db`), creating a SQLite file if absent,
-    /// and brings its schema up to date.
+    /// and brings its schema up to date. A SQLite file is locked for as
+    /// long as the store is open: a second open fails with
+    /// [`StoreError::InUse`].
     pub async fn open(url: &str) -> Result<Self, StoreError> {
         let backend = if url.starts_with("sqlite:") {
             Backend::Sqlite(sqlite::SqliteStore::open(url).await?)
@@ -85,10 +88,14 @@ impl Store {
         }
     }
 
-    /// Closes every connection, waiting for operations in flight. Later
-    /// calls on this store (or its clones) fail.
+    /// Closes every connection, waiting for operations in flight, and
+    /// gives up a SQLite file's lock (so another controller may open it).
+    /// Later calls on this store (or its clones) fail.
     pub async fn close(&self) {
-        dispatch!(self.close())
+        match &self.backend {
+            Backend::Sqlite(s) => s.close_and_unlock().await,
+            Backend::Postgres(s) => s.close().await,
+        }
     }
 
     /// Applies one policy document; see [`Store::apply_policies`].

@@ -474,6 +474,122 @@ async fn http_view_applies_lists_and_refuses() {
     c.task.await.unwrap().unwrap();
 }
 
+/// An apply that holds no document (empty, comments only, `---` only) is a
+/// mistake upstream and is refused over gRPC and REST alike, changing
+/// nothing; `--policies` naming such a file still starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apply_of_no_documents_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.yaml");
+    std::fs::write(&empty, "# nothing yet\n").unwrap();
+    let mut config = ControllerConfig::for_tests(sqlite_url(dir.path()));
+    config.policies = Some(empty);
+    let controller = Controller::bind(config).await.unwrap();
+    let addrs = controller.addresses().unwrap();
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(controller.run(cancel.clone()));
+    let mut admin = AdminServiceClient::connect(format!("http://{}", addrs.grpc))
+        .await
+        .unwrap();
+    for yaml in ["", "\n  \n", "# a comment\n", "---\n", "---\n# x\n---\n"] {
+        let refused = admin
+            .apply_policies(apply_request(yaml, false))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{yaml:?}");
+        assert!(
+            refused.message().starts_with("no policies in p.yaml: "),
+            "{yaml:?}: {}",
+            refused.message()
+        );
+    }
+    let stdin = ApplyPoliciesRequest {
+        sources: vec![PolicySource {
+            name: "-".into(),
+            yaml: String::new(),
+        }],
+        dry_run: true,
+    };
+    let refused = admin.apply_policies(stdin).await.unwrap_err();
+    assert!(
+        refused
+            .message()
+            .starts_with("no policies in standard input: "),
+        "{}",
+        refused.message()
+    );
+    let http_addr = addrs.http.to_string();
+    let refused = http(&http_addr, "POST", "/api/v1/policies", "").await;
+    assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+    assert!(
+        refused.contains("\r\n\r\nno policies in body: "),
+        "{refused}"
+    );
+    let listed = admin
+        .list_policies(ListPoliciesRequest {
+            include_history: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.policies.is_empty(), "{listed:?}");
+    cancel.cancel();
+    task.await.unwrap().unwrap();
+}
+
+/// `dry_run` is read strictly over REST: `1` is a dry run, a value that is
+/// not a boolean or a misspelled parameter is refused with 400, and none of
+/// them stores anything. Query values are percent-decoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_apply_reads_its_query_strictly_and_a_bad_query_stores_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let dry = http(&c.http, "POST", "/api/v1/policies?dry_run=1", POLICY).await;
+    assert!(dry.starts_with("HTTP/1.1 200"), "{dry}");
+    assert!(dry.contains(r#""outcome":"created""#), "{dry}");
+    for (query, says) in [
+        (
+            "dry_run=yes",
+            "query parameter dry_run=yes is not a boolean",
+        ),
+        (
+            "dry_run=TRUE",
+            "query parameter dry_run=TRUE is not a boolean",
+        ),
+        (
+            "dryrun=true",
+            "unknown query parameter `dryrun` (did you mean `dry_run`?)",
+        ),
+        ("dry_run=true&force=1", "unknown query parameter `force`"),
+    ] {
+        let path = format!("/api/v1/policies?{query}");
+        let refused = http(&c.http, "POST", &path, POLICY).await;
+        assert!(refused.starts_with("HTTP/1.1 400"), "{query}: {refused}");
+        assert!(refused.contains(says), "{query}: {refused}");
+    }
+    let listed = http(&c.http, "GET", "/api/v1/policies", "").await;
+    assert!(
+        listed.ends_with("[]"),
+        "a refused or dry apply stored: {listed}"
+    );
+    for path in ["/api/v1/stages?state=lost", "/api/v1/policies?histroy=true"] {
+        let refused = http(&c.http, "GET", path, "").await;
+        assert!(refused.starts_with("HTTP/1.1 400"), "{path}: {refused}");
+    }
+
+    let bad = POLICY.replace("100MB/s", "100 parsecs");
+    let named = http(
+        &c.http,
+        "POST",
+        "/api/v1/policies?source=team%2Fa+b.yaml",
+        &bad,
+    )
+    .await;
+    assert!(named.contains("\r\n\r\nteam/a b.yaml:"), "{named}");
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_controller_on_one_postgres_stands_by_until_the_lease_is_free() {
     let Some(database) = TestDatabase::create("second_controller").await else {
@@ -612,6 +728,90 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
             }
         }
     }
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+/// `StageDataset` asks only stages that have a node cache: a stage that
+/// serves the data set without one would never start the round, so with no
+/// cached stage the round is refused, and once the stage reports a cache it
+/// is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_is_refused_when_no_stage_serving_the_data_set_has_a_cache() {
+    const CACHE: &str = "
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: p}
+spec: {capacity: {bandwidth: 100MiB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: DatasetCache
+metadata: {name: demo}
+spec: {dataset: demo, staging: {pool: p}}
+";
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    admin
+        .apply_policies(apply_request(CACHE, false))
+        .await
+        .unwrap();
+    let mut client = StageServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let (up, rx) = mpsc::channel(8);
+    let hello = pb::Hello {
+        stage_id: "nc".into(),
+        node: "node-1".into(),
+        datasets: vec!["demo".into()],
+        memory_budget_bytes: 1 << 30,
+        ..Default::default()
+    };
+    up.send(message(stage_message::Kind::Hello(hello)))
+        .await
+        .unwrap();
+    let _down = client.session(ReceiverStream::new(rx)).await.unwrap();
+    let report = |cache: Option<pb::CacheTelemetry>| {
+        message(stage_message::Kind::Telemetry(pb::Telemetry {
+            unix_millis: 1,
+            cache,
+            ..Default::default()
+        }))
+    };
+    up.send(report(None)).await.unwrap();
+    let ask = || {
+        let mut admin = admin.clone();
+        async move {
+            let request = pb::StageDatasetRequest {
+                name: "demo".into(),
+            };
+            admin.stage_dataset(request).await.map(|r| r.into_inner())
+        }
+    };
+    let refused = eventually("the report without a cache", WAIT, || async {
+        ask()
+            .await
+            .err()
+            .filter(|e| e.message().contains("has a node cache ("))
+    })
+    .await;
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        refused.message(),
+        "no stage serving `demo` has a node cache (start it with --cache-memory or --cache-dir)"
+    );
+    let cache = pb::CacheTelemetry {
+        memory_capacity_bytes: 1 << 20,
+        ..Default::default()
+    };
+    up.send(report(Some(cache))).await.unwrap();
+    let asked = eventually("the report with a cache", WAIT, || async {
+        ask().await.ok()
+    })
+    .await;
+    assert_eq!(asked.stages, ["nc"]);
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }

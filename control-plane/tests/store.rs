@@ -165,6 +165,44 @@ async fn sqlite_file_is_created_in_wal_mode() {
 }
 
 #[tokio::test]
+async fn sqlite_urls_without_a_file_are_refused() {
+    for url in ["sqlite://", "sqlite:", "sqlite://?mode=rwc"] {
+        let err = Store::open(url).await.unwrap_err();
+        assert!(matches!(err, StoreError::NoPath { .. }), "{url}: {err:?}");
+        assert!(err.is_configuration());
+        assert!(
+            err.to_string()
+                .contains("names no database file: write sqlite://PATH"),
+            "{err}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_read_only_sqlite_store_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ro.db");
+    let store = Store::open(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    store.apply_policy(JOB, "p", "t").await.unwrap();
+    store.close().await;
+    for params in ["mode=ro", "immutable=1"] {
+        let url = format!("sqlite://{}?{params}", path.display());
+        let err = Store::open(&url).await.unwrap_err();
+        assert!(matches!(err, StoreError::ReadOnly { .. }), "{url}: {err:?}");
+        assert!(err.is_configuration());
+        assert!(err.to_string().contains("is read-only"), "{err}");
+    }
+    // Refusing changed nothing: the store opens read-write as before.
+    let store = Store::open(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    assert_eq!(store.current_policies().await.unwrap().len(), 1);
+    store.close().await;
+}
+
+#[tokio::test]
 async fn sqlite_in_memory_keeps_its_data() {
     let store = Store::open("sqlite::memory:").await.unwrap();
     store.apply_policy(JOB, "p", "t").await.unwrap();

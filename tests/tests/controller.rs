@@ -512,6 +512,143 @@ async fn invalid_flags_exit_64_and_sigterm_shuts_down_cleanly() {
     );
 }
 
+/// A JobPolicy and a StoragePool may share a name: `delete policy NAME`
+/// then says which commands delete each, and `delete jobpolicy NAME`
+/// deletes the policy and leaves the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluicectl_deletes_one_of_two_policies_sharing_a_name_by_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    let file = dir.path().join("dup.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: dup}
+spec: {capacity: {bandwidth: 1GiB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: dup}
+spec:
+  selector: {matchLabels: {x: dup}}
+  pool: dup
+",
+    )
+    .unwrap();
+    let (code, _, err) = sluicectl(&c.grpc, &["apply", "-f", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+
+    let (code, out, err) = sluicectl(&c.grpc, &["delete", "policy", "dup"]);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert_eq!(
+        err,
+        "sluicectl: a JobPolicy and a StoragePool are named `dup`: say which with \
+         `sluicectl delete jobpolicy dup` or `sluicectl delete pool dup`\n"
+    );
+    let (code, out, err) = sluicectl(&c.grpc, &["delete", "jobpolicy", "dup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "jobpolicy/dup deleted (revision 2)\n");
+    let (_, json, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
+    let policies: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    let left: Vec<(&str, &str)> = policies
+        .iter()
+        .map(|p| (p["kind"].as_str().unwrap(), p["name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(left, [("StoragePool", "dup")]);
+}
+
+/// `sluicectl apply -f -` with nothing on standard input (a generator that
+/// failed upstream in a pipe) is refused like any invalid apply: exit 1
+/// and one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluicectl_apply_of_empty_input_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    for input in ["", "# only a comment\n", "---\n"] {
+        let mut child = Command::new(sluice_tests::binary("sluicectl"))
+            .arg(format!("--server=http://{}", c.grpc))
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{input:?}: {err}");
+        assert!(out.stdout.is_empty(), "{input:?}");
+        assert!(
+            err.starts_with("no policies in standard input: ") && err.lines().count() == 1,
+            "{input:?}: {err}"
+        );
+    }
+}
+
+/// Runs the controller with `--database-url URL` until it exits (or 10 s
+/// pass); returns its exit code and standard error.
+fn controller_exit(url: &str) -> (Option<i32>, String) {
+    let out = Command::new("timeout")
+        .arg("10")
+        .arg(sluice_tests::binary("sluice-controller"))
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .args(["--database-url", url])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// SQLite means one replica: a second controller on the same file is
+/// refused at start (exit 64, one line naming the holder) while the first
+/// keeps leading; once the first is gone the file opens again. A URL that
+/// names no file, or a read-only store, is refused the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_store_serves_one_controller_and_must_be_a_writable_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let first = controller(&db, "127.0.0.1:0");
+    let pid = first._process.0.id();
+    let url = format!("sqlite://{}", db.display());
+    let (code, err) = controller_exit(&url);
+    assert_eq!(code, Some(64), "{err}");
+    let expected = format!(
+        "sluice-controller: --database-url: the store {} is in use by another controller \
+         (pid {pid}): ",
+        db.display()
+    );
+    assert!(err.lines().any(|l| l.starts_with(&expected)), "{err}");
+    assert!(
+        http(&first.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200"),
+        "the first controller leads on"
+    );
+    drop(first);
+    let again = controller(&db, "127.0.0.1:0");
+    assert!(http(&again.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200"));
+    drop(again);
+
+    let (code, err) = controller_exit("sqlite://");
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("--database-url: `sqlite://` names no database file: write sqlite://PATH"),
+        "{err}"
+    );
+    assert!(!err.contains("no such table"), "{err}");
+
+    let (code, err) = controller_exit(&format!("{url}?mode=ro"));
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("is read-only"), "{err}");
+}
+
 /// Every file in `policies/examples/` is a complete configuration that a
 /// controller accepts through `sluicectl apply` (each on its own: they are
 /// alternatives), and applying it twice creates no revision.

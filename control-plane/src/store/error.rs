@@ -25,6 +25,52 @@ pub enum StoreError {
         #[source]
         source: sqlx::Error,
     },
+    /// A SQLite URL that names no database file (`sqlite://`): each
+    /// connection would open a private, empty temporary database.
+    #[error(
+        "`{url}` names no database file: write sqlite://PATH (for example \
+         sqlite://sluice.db), or sqlite::memory: for a store that ends with the process"
+    )]
+    NoPath {
+        /// The URL as given.
+        url: String,
+    },
+    /// Another controller (or another store in this process) holds the
+    /// SQLite store's lock file: SQLite has no leader lease, so one store
+    /// serves one controller.
+    #[error(
+        "the store {} is in use by another controller{}: a SQLite store serves one \
+         controller, so stop that one or give this one another --database-url \
+         (several replicas need postgres://)",
+        database.display(),
+        pid.map_or(String::new(), |pid| format!(" (pid {pid})"))
+    )]
+    InUse {
+        /// The database file.
+        database: std::path::PathBuf,
+        /// The holder's pid, when it has written it.
+        pid: Option<u32>,
+    },
+    /// The SQLite store's lock file could not be created or locked.
+    #[error("cannot lock the store with {}", path.display())]
+    Lock {
+        /// `<database>.lock`.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The database opened, but refuses writes (`mode=ro`, `immutable=1`,
+    /// or a file the controller may not write).
+    #[error(
+        "the store at `{url}` is read-only: the controller records every change in it, so \
+         remove mode=ro or immutable from the URL, or let the controller write the file \
+         and its directory"
+    )]
+    ReadOnly {
+        /// The URL, password removed.
+        url: String,
+    },
     /// The schema could not be brought up to date.
     #[error("cannot migrate the {backend} store schema")]
     Migrate {
@@ -85,6 +131,25 @@ pub enum StoreError {
         #[source]
         source: sqlx::Error,
     },
+}
+
+impl StoreError {
+    /// Returns whether the error lies in the store's URL or in who else
+    /// uses the store, not in the database's health: the operator must
+    /// change the configuration (the controller exits 64).
+    pub fn is_configuration(&self) -> bool {
+        matches!(
+            self,
+            Self::UnsupportedUrl { .. }
+                | Self::NoPath { .. }
+                | Self::InUse { .. }
+                | Self::ReadOnly { .. }
+                | Self::Open {
+                    source: sqlx::Error::Configuration(_),
+                    ..
+                }
+        )
+    }
 }
 
 /// Returns a `map_err` adapter that names the operation that failed.

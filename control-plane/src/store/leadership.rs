@@ -2,7 +2,9 @@
 //!
 //! # HA plan
 //!
-//! With SQLite there is one controller replica and it is always the leader.
+//! With SQLite there is one controller replica and it is always the leader:
+//! the store's lock file (`file_lock.rs`) refuses a second controller on
+//! the same database when it opens the store, so no lease is needed.
 //!
 //! With Postgres, every replica opens the same database; the leader is the
 //! one holding a session-level advisory lock ([`LOCK_KEY`], taken with

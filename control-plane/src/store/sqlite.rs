@@ -3,8 +3,14 @@
 //! with `BEGIN IMMEDIATE`, taking the write lock before their first read, so
 //! two writers queue on the busy timeout instead of one failing with
 //! `SQLITE_BUSY` when it upgrades from reader to writer.
+//!
+//! A store on a file holds that file's [`FileLock`] while it is open, so a
+//! second controller on the same file is refused at start instead of
+//! leading beside the first. Opening also checks that the database takes
+//! writes: a read-only store would fail every change later.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::migrate::{Migration, MigrationType, Migrator};
@@ -13,6 +19,7 @@ use sqlx::{SqlSafeStr, SqlitePool, SqliteTransaction};
 
 use super::StoreError;
 use super::error::{db, found, redact, stage_version};
+use super::file_lock::FileLock;
 use super::model::{
     Applied, Event, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord,
     StageState, check_name,
@@ -22,6 +29,10 @@ use super::rows::{self, EventRow, JobRow, PolicyRow, StageRow};
 
 /// How long a writer waits for another writer's transaction to finish.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// SQLite's primary result code for a write to a read-only database (the
+/// low byte of every extended `SQLITE_READONLY_*` code).
+const SQLITE_READONLY: i32 = 8;
 
 /// Every stage `SELECT` lists these columns, in [`StageRow`] order.
 macro_rules! stage_columns {
@@ -57,6 +68,8 @@ macro_rules! labels_param {
 #[derive(Clone, Debug)]
 pub(super) struct SqliteStore {
     pool: SqlitePool,
+    /// The file's lock; `None` for an in-memory database.
+    lock: Option<Arc<FileLock>>,
 }
 
 fn migrator() -> Migrator {
@@ -86,6 +99,15 @@ impl SqliteStore {
         // An in-memory database lives as long as its last connection and
         // cannot use WAL: keep exactly one connection, forever.
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let lock = if in_memory {
+            None
+        } else {
+            let file = options.get_filename();
+            if file.as_os_str().is_empty() {
+                return Err(StoreError::NoPath { url: redact(url) });
+            }
+            Some(Arc::new(FileLock::acquire(file)?))
+        };
         let pool = if in_memory {
             SqlitePoolOptions::new()
                 .min_connections(1)
@@ -104,6 +126,7 @@ impl SqliteStore {
                 .await
         }
         .map_err(open_err)?;
+        check_writable(&pool, url).await?;
         migrator()
             .run(&pool)
             .await
@@ -111,7 +134,15 @@ impl SqliteStore {
                 backend: "sqlite",
                 source,
             })?;
-        Ok(Self { pool })
+        Ok(Self { pool, lock })
+    }
+
+    /// Closes every connection, then gives the file's lock up.
+    pub(super) async fn close_and_unlock(&self) {
+        self.close().await;
+        if let Some(lock) = &self.lock {
+            lock.release();
+        }
     }
 
     async fn begin_write(
@@ -194,6 +225,28 @@ impl SqliteStore {
         .await
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
+    }
+}
+
+/// Fails with [`StoreError::ReadOnly`] when the database refuses writes
+/// (`mode=ro`, `immutable=1`, a file or directory the process may not
+/// write): creates a table and rolls it back.
+async fn check_writable(pool: &SqlitePool, url: &str) -> Result<(), StoreError> {
+    const OP: &str = "checking that the store takes writes";
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(db(OP))?;
+    let written = sqlx::query("CREATE TABLE sluice_write_check (x)")
+        .execute(&mut *tx)
+        .await;
+    match written {
+        Ok(_) => tx.rollback().await.map_err(db(OP)),
+        Err(sqlx::Error::Database(e))
+            if e.code()
+                .and_then(|c| c.parse::<i32>().ok())
+                .is_some_and(|c| c & 0xff == SQLITE_READONLY) =>
+        {
+            Err(StoreError::ReadOnly { url: redact(url) })
+        }
+        Err(e) => Err(db(OP)(e)),
     }
 }
 

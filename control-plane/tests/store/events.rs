@@ -2,6 +2,8 @@
 
 use std::time::{Duration, Instant};
 
+use sluice_controller::store::{Store, StoreError};
+
 use super::{Fixture, event};
 
 pub(crate) async fn events_are_ordered_and_paged(f: &Fixture) {
@@ -89,12 +91,19 @@ pub(crate) async fn leadership_is_exclusive(f: &Fixture) {
         .unwrap()
         .expect("the first leader");
     leader.check(Duration::from_secs(5)).await.unwrap();
-    let other = f.open().await;
     if store.backend_name() == "sqlite" {
-        // One replica: always the leader.
+        // One replica: a second store on the file is refused while the
+        // first is open, and may open it once the first is closed.
+        let err = Store::open(&f.url).await.unwrap_err();
+        assert!(matches!(err, StoreError::InUse { .. }), "{err:?}");
+        assert!(err.is_configuration(), "{err:?}");
+        store.close().await;
+        let other = f.open().await;
         assert!(other.try_acquire_leadership().await.unwrap().is_some());
+        other.close().await;
         return;
     }
+    let other = f.open().await;
     assert!(
         other.try_acquire_leadership().await.unwrap().is_none(),
         "two leaders"

@@ -1,0 +1,116 @@
+//! [`FileLock`]: the SQLite store's claim to its database file.
+//!
+//! SQLite has no leader lease: two controllers on one file would both
+//! lead, push conflicting settings and interleave their writes. So the
+//! store takes an exclusive `flock` on `<database>.lock` beside the file
+//! before it opens the database, and holds it until the store is closed or
+//! dropped (the kernel frees it when the process dies, even by SIGKILL).
+//! The holder writes its pid into the file so that the refused controller
+//! can say who holds it. The lock file is left behind on exit: removing it
+//! would let a starting controller lock a file the next one no longer
+//! sees.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::StoreError;
+
+/// An exclusive lock on a SQLite database's lock file, held until
+/// [`FileLock::release`] or drop.
+#[derive(Debug)]
+pub(super) struct FileLock {
+    file: Mutex<Option<File>>,
+}
+
+impl FileLock {
+    /// Locks `<database>.lock`, creating it if absent. Fails with
+    /// [`StoreError::InUse`] when another store (in this process or
+    /// another) holds it.
+    pub(super) fn acquire(database: &Path) -> Result<Self, StoreError> {
+        let path = lock_path(database);
+        let lock_err = |source| StoreError::Lock {
+            path: path.clone(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(lock_err)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(StoreError::InUse {
+                    database: database.to_owned(),
+                    pid: holder(&path),
+                });
+            }
+            Err(TryLockError::Error(e)) => return Err(lock_err(e)),
+        }
+        // Best effort: the pid only improves the refusal's message.
+        let _ = file
+            .set_len(0)
+            .and_then(|()| writeln!(file, "{}", std::process::id()));
+        Ok(Self {
+            file: Mutex::new(Some(file)),
+        })
+    }
+
+    /// Gives the lock up now (closing the file releases it).
+    pub(super) fn release(&self) {
+        let mut file = self
+            .file
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        file.take();
+    }
+}
+
+/// Returns `<database>.lock`.
+fn lock_path(database: &Path) -> PathBuf {
+    let mut name = database.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Returns the pid the holder wrote, if it did already.
+fn holder(path: &Path) -> Option<u32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_is_refused_with_the_holders_pid_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let first = FileLock::acquire(&db).unwrap();
+        assert!(dir.path().join("s.db.lock").exists());
+
+        let err = FileLock::acquire(&db).unwrap_err();
+        let StoreError::InUse { database, pid } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(database, &db);
+        assert_eq!(*pid, Some(std::process::id()));
+        assert!(
+            err.to_string().starts_with(&format!(
+                "the store {} is in use by another controller (pid {}): ",
+                db.display(),
+                std::process::id()
+            )),
+            "{err}"
+        );
+
+        first.release();
+        let again = FileLock::acquire(&db).unwrap();
+        drop(again);
+        FileLock::acquire(&db).unwrap();
+    }
+}
