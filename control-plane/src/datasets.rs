@@ -3,6 +3,8 @@
 //! the control loop puts in the settings of every stage serving the data
 //! set (see `sluice_policy::coordination::cache_assignment`).
 
+use std::time::Duration;
+
 use serde::Serialize;
 use sluice_proto::v1;
 
@@ -97,8 +99,9 @@ pub fn dataset(shared: &Shared, name: &str) -> Result<DatasetView, ApiError> {
 }
 
 /// Returns the connected stages serving `name` whose last report shows a
-/// node cache, or why there is none.
-fn stages_with_cache(shared: &Shared, name: &str) -> Result<Vec<String>, ApiError> {
+/// node cache, or why there is none; `None` while none has one but some
+/// have not reported yet.
+fn stages_with_cache(shared: &Shared, name: &str) -> Result<Option<Vec<String>>, ApiError> {
     let live = lock(&shared.live);
     let serving: Vec<_> = live
         .iter()
@@ -116,14 +119,10 @@ fn stages_with_cache(shared: &Shared, name: &str) -> Result<Vec<String>, ApiErro
         .map(|(id, _)| (*id).clone())
         .collect();
     if !cached.is_empty() {
-        return Ok(cached);
+        return Ok(Some(cached));
     }
     if serving.iter().any(|(_, l)| l.latest().is_none()) {
-        // A stage reports at once after its hello: this is a moment.
-        return Err(ApiError::Conflict(format!(
-            "no stage serving `{name}` has reported whether it has a node cache yet: try again \
-             in a second"
-        )));
+        return Ok(None);
     }
     Err(ApiError::Conflict(format!(
         "no stage serving `{name}` has a node cache (start it with --cache-memory or --cache-dir)"
@@ -152,6 +151,9 @@ fn use_view(d: &v1::DatasetCacheTelemetry) -> CacheUseView {
     }
 }
 
+/// How long staging waits for a serving stage's first report.
+const FIRST_REPORT: Duration = Duration::from_secs(5);
+
 /// Starts a staging round of `name` on every connected stage serving it
 /// with a node cache; returns the round and those stages. Refused when no
 /// DatasetCache with `spec.staging` names the data set (nothing would say
@@ -176,7 +178,23 @@ pub async fn stage(shared: &Shared, name: &str) -> Result<(u64, Vec<String>), Ap
             Some(_) => {}
         }
     }
-    let stages = stages_with_cache(shared, name)?;
+    // A stage reports right after its hello: one that has not yet is
+    // waited for a moment rather than refused.
+    let started = tokio::time::Instant::now();
+    let stages = loop {
+        match stages_with_cache(shared, name)? {
+            Some(stages) => break stages,
+            None if started.elapsed() < FIRST_REPORT => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            None => {
+                return Err(ApiError::Conflict(format!(
+                    "no stage serving `{name}` has reported whether it has a node cache within \
+                     {FIRST_REPORT:?} of connecting: try again once they have"
+                )));
+            }
+        }
+    };
     let round = {
         let mut rounds = lock(&shared.staging_rounds);
         let now = u64::try_from(now_ms()).unwrap_or(0);
