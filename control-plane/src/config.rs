@@ -50,6 +50,11 @@ pub struct Args {
     /// certificate (stages and sluicectl).
     #[arg(long, env = "SLUICE_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
+    /// Admit a stage only under a stage id its client certificate names (a
+    /// DNS subject alternative name equal to the id): with one certificate
+    /// per stage, a stage cannot take another's id. Needs the --tls-* flags.
+    #[arg(long, env = "SLUICE_BIND_STAGE_IDS")]
+    pub bind_stage_ids: bool,
     /// Bearer tokens of the admin API (gRPC AdminService and /api/): one
     /// `ROLE TOKEN` line each, ROLE `admin` (may apply and delete) or `read`
     /// (may list, get and watch); `#` starts a comment line. Read again
@@ -80,6 +85,8 @@ pub struct ControllerConfig {
     pub policies: Option<PathBuf>,
     /// Mutual TLS for the gRPC server (`None`: plain text).
     pub tls: Option<ServerTlsConfig>,
+    /// Whether a stage's id must be named by its client certificate.
+    pub bind_stage_ids: bool,
     /// Who may use the admin API.
     pub admin: AdminAccess,
 }
@@ -99,6 +106,19 @@ impl ControllerConfig {
     pub fn from_args(args: Args) -> Result<Self, ConfigError> {
         let grpc_addr = addr("--grpc-addr", &args.grpc_addr)?;
         let http_addr = addr("--http-addr", &args.http_addr)?;
+        let tls = server_tls(
+            args.tls_cert.as_deref(),
+            args.tls_key.as_deref(),
+            args.tls_ca.as_deref(),
+        )?;
+        if args.bind_stage_ids && tls.is_none() {
+            return Err(ConfigError {
+                flag: "--bind-stage-ids",
+                reason: "a stage id is bound to the stage's client certificate, which needs \
+                         mutual TLS: give --tls-cert, --tls-key and --tls-ca too"
+                    .into(),
+            });
+        }
         Ok(Self {
             admin: admin_access(&args, grpc_addr, http_addr)?,
             grpc_addr,
@@ -107,11 +127,8 @@ impl ControllerConfig {
             tick: duration("--tick", &args.tick)?,
             stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
             policies: args.policies,
-            tls: server_tls(
-                args.tls_cert.as_deref(),
-                args.tls_key.as_deref(),
-                args.tls_ca.as_deref(),
-            )?,
+            tls,
+            bind_stage_ids: args.bind_stage_ids,
         })
     }
 
@@ -126,6 +143,7 @@ impl ControllerConfig {
             stage_timeout: Duration::from_secs(3),
             policies: None,
             tls: None,
+            bind_stage_ids: false,
             admin: AdminAccess::Open,
         }
     }

@@ -193,7 +193,7 @@ impl Controller {
         // Tokens are checked before the leader gate: a caller without one
         // learns nothing, not even that this replica stands by.
         let routes = Routes::new(StageServiceServer::with_interceptor(
-            sessions::Sessions::new(shared.clone()),
+            sessions::Sessions::new(shared.clone(), self.config.bind_stage_ids),
             gate.clone(),
         ))
         .add_service(AdminServiceServer::with_interceptor(

@@ -9,11 +9,18 @@
 //! the holder keeps its session and settings, and the refused stage
 //! retries until the holder goes away. A holder silent past the timeout
 //! (a dead connection) is replaced.
+//!
+//! With `--bind-stage-ids` a hello is admitted only for an id the stage's
+//! client certificate names (a DNS subject alternative name), so that
+//! holding a certificate of the cluster's CA does not let a stage take
+//! another's id; a refusal is `PERMISSION_DENIED` with the name to put in
+//! the certificate.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rustls_pki_types::{CertificateDer, ServerName};
 use sluice_policy::coordination::demand::{JobCounters, Window};
 use sluice_policy::coordination::{JobAssignment, StageAssignment};
 use sluice_proto::StageService;
@@ -51,12 +58,14 @@ const TAKEOVER_GRACE: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct Sessions {
     shared: Arc<Shared>,
+    /// Whether a stage id must be named by the stage's certificate.
+    bind_ids: bool,
 }
 
 impl Sessions {
     /// Returns the service over the shared state.
-    pub fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+    pub fn new(shared: Arc<Shared>, bind_ids: bool) -> Self {
+        Self { shared, bind_ids }
     }
 }
 
@@ -69,6 +78,7 @@ impl StageService for Sessions {
         request: Request<Streaming<StageMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         let peer = request.remote_addr();
+        let certs = request.peer_certs();
         let mut inbound = request.into_inner();
         let hello = match inbound.message().await? {
             Some(StageMessage {
@@ -80,6 +90,9 @@ impl StageService for Sessions {
             return Err(Status::invalid_argument(
                 "hello.stage_id is empty: set --stage-id",
             ));
+        }
+        if self.bind_ids {
+            named_by_certificate(certs.as_deref().map(Vec::as_slice), &hello.stage_id)?;
         }
         let (tx, rx) = mpsc::channel(DOWNSTREAM_DEPTH);
         let session = SessionHandle {
@@ -477,6 +490,34 @@ pub fn job_to_proto(s: &JobAssignment) -> v1::JobSettings {
         pool: s.pool.clone(),
         reason: s.reason.clone(),
     }
+}
+
+/// Checks that the stage's client certificate (the first of `certs`)
+/// names stage id `id`: a DNS subject alternative name equal to it (or an
+/// IP address one, for an id that is an address).
+fn named_by_certificate(certs: Option<&[CertificateDer<'_>]>, id: &str) -> Result<(), Status> {
+    let Some(leaf) = certs.and_then(<[_]>::first) else {
+        return Err(Status::permission_denied(format!(
+            "stage id `{id}` must be named by the stage's client certificate \
+             (--bind-stage-ids), but the stage presented none"
+        )));
+    };
+    let unnamed = || {
+        Status::permission_denied(format!(
+            "stage id `{id}` is not named by the stage's client certificate (--bind-stage-ids): \
+             give the stage a certificate with the subject alternative name DNS:{id}, or run \
+             it with the --stage-id its certificate names"
+        ))
+    };
+    let name = ServerName::try_from(id).map_err(|_| {
+        Status::permission_denied(format!(
+            "stage id `{id}` is not a DNS name, so no certificate can name it \
+             (--bind-stage-ids): give the stage an id of letters, digits, `-` and `.`"
+        ))
+    })?;
+    let cert = webpki::EndEntityCert::try_from(leaf).map_err(|_| unnamed())?;
+    cert.verify_is_valid_for_subject_name(&name)
+        .map_err(|_| unnamed())
 }
 
 #[cfg(test)]

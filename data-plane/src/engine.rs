@@ -198,8 +198,14 @@ impl Engine {
         self.attach_with(id, Some(labels), true)
     }
 
+    /// The labels job `id` runs under, if it exists.
+    pub fn labels_of(&self, id: &str) -> Option<BTreeMap<String, String>> {
+        lock(&self.jobs).get(id).map(|job| job.labels())
+    }
+
     /// [`Engine::attach`] for a reader that declares no labels (a read
-    /// through the mount): a job that exists keeps its labels.
+    /// through the mount, a trainer whose `HELLO` names none): a job that
+    /// exists keeps its labels.
     pub fn attach_keeping_labels(&self, id: &str) -> job::JobHandle {
         self.attach_with(id, None, true)
     }

@@ -783,7 +783,10 @@ impl MountFs {
             uid: req.uid(),
             gid: req.gid(),
         };
-        match self.access.check(&peer, job, &Default::default()) {
+        // As a trainer joining without labels: checked against the labels
+        // the job runs under.
+        let runs_under = self.engine.labels_of(job).unwrap_or_default();
+        match self.access.check(&peer, job, &runs_under) {
             Ok(()) => true,
             Err(why) => {
                 warn!(%why, "a read through the mount was refused");

@@ -376,12 +376,23 @@ impl Connection {
                 "rank {rank} of world size {world_size} is impossible: world size is at least 1 and rank is below it"
             )));
         }
-        if let Err(why) = self.access.check(&self.peer, job, &labels) {
+        // A HELLO without labels joins the job as it runs (its labels are
+        // kept: another connection of the job must not clear them), so
+        // the claim checked is the labels it will run under.
+        let claimed = (!labels.is_empty()).then_some(labels);
+        let runs_under = match &claimed {
+            Some(labels) => labels.clone(),
+            None => self.engine.labels_of(job).unwrap_or_default(),
+        };
+        if let Err(why) = self.access.check(&self.peer, job, &runs_under) {
             return Err(ProtocolError::new(ErrorCode::ClaimRefused, why));
         }
         self.rank = rank;
         self.world_size = world_size;
-        let handle = self.engine.attach(job, labels);
+        let handle = match claimed {
+            Some(labels) => self.engine.attach(job, labels),
+            None => self.engine.attach_keeping_labels(job),
+        };
         #[cfg(debug_assertions)]
         crate::fault::panic_job_if_asked(handle.job());
         self.job = Some(handle);

@@ -4,7 +4,10 @@
 //! A trainer names its job and labels in `HELLO`, and operators' policies
 //! select on them, so a trainer that may claim anything may take another
 //! team's allocation. With rules configured, a claim is allowed only when a
-//! rule that covers the trainer allows the job and every label it claims.
+//! rule that covers the trainer allows the job and every label it claims,
+//! and the labels carry every key the rule requires. The labels checked
+//! are those the job will run under: a trainer that claims none joins the
+//! job with the labels it has.
 //! A UNIX-socket trainer is known by the kernel's account of its process
 //! (`SO_PEERCRED`: uid and primary gid at `connect`), which it cannot forge;
 //! a TCP trainer only by being on TCP. Without rules every claim is allowed
@@ -59,6 +62,11 @@ pub struct TrainerRule {
     /// A key not listed may not be claimed.
     #[serde(default)]
     pub labels: BTreeMap<String, Vec<String>>,
+    /// Label keys the job must run under (each listed in `labels`), so
+    /// that a trainer cannot escape the policies that select on them by
+    /// claiming none.
+    #[serde(default)]
+    pub require: Vec<String>,
 }
 
 impl TrainerRule {
@@ -91,6 +99,14 @@ impl TrainerRule {
             .map(|(k, v)| (k.as_str(), v.as_str()))
     }
 
+    /// The first label the rule requires that `labels` lacks.
+    fn missing_label(&self, labels: &BTreeMap<String, String>) -> Option<&str> {
+        self.require
+            .iter()
+            .find(|k| !labels.contains_key(k.as_str()))
+            .map(String::as_str)
+    }
+
     /// Checks that the rule says something.
     pub fn validate(&self, index: usize) -> Result<(), String> {
         if !self.any && !self.tcp && self.uids.is_empty() && self.gids.is_empty() {
@@ -101,6 +117,11 @@ impl TrainerRule {
         if self.jobs.is_empty() {
             return Err(format!(
                 "trainers[{index}] allows no job: give it `jobs` (`\"*\"` for any)"
+            ));
+        }
+        if let Some(k) = self.require.iter().find(|k| !self.labels.contains_key(*k)) {
+            return Err(format!(
+                "trainers[{index}] requires label `{k}` but allows no value of it: list it under `labels`"
             ));
         }
         Ok(())
@@ -155,16 +176,22 @@ impl TrainerAccess {
                 allowed.join(", ")
             ));
         }
-        let mut refused = None;
+        let (mut refused, mut missing) = (None, None);
         for rule in for_job {
-            match rule.refused_label(labels) {
-                None => return Ok(()),
-                Some(label) => refused = refused.or(Some(label)),
+            match (rule.refused_label(labels), rule.missing_label(labels)) {
+                (None, None) => return Ok(()),
+                (Some(label), _) => refused = refused.or(Some(label)),
+                (None, Some(key)) => missing = missing.or(Some(key)),
             }
         }
-        let (k, v) = refused.expect("at least one rule was tried");
+        if let Some((k, v)) = refused {
+            return Err(format!(
+                "{peer} may not claim label `{k}={v}` for job `{job}`: no rule of the stage's `trainers:` list that allows the job allows it"
+            ));
+        }
+        let k = missing.expect("at least one rule was tried");
         Err(format!(
-            "{peer} may not claim label `{k}={v}` for job `{job}`: no rule of the stage's `trainers:` list that allows the job allows it"
+            "{peer} must claim label `{k}` for job `{job}`: the stage's `trainers:` rule for it requires the label"
         ))
     }
 }
@@ -283,6 +310,38 @@ mod tests {
             access
                 .check(&Peer::Unknown, "public", &labels(&[]))
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn required_labels_must_be_claimed() {
+        let access = rules(
+            r#"
+- uids: [1000]
+  jobs: ["team-a-*"]
+  labels: {team: [a], priority: [low, normal]}
+  require: [team]
+"#,
+        );
+        let alice = Peer::Unix {
+            uid: 1000,
+            gid: 1000,
+        };
+        assert!(
+            access
+                .check(&alice, "team-a-x", &labels(&[("team", "a")]))
+                .is_ok()
+        );
+        for claim in [labels(&[]), labels(&[("priority", "low")])] {
+            let e = access.check(&alice, "team-a-x", &claim).unwrap_err();
+            assert!(e.contains("must claim label `team`"), "{e}");
+        }
+        let r: Vec<TrainerRule> =
+            serde_yaml_ng::from_str("- any: true\n  jobs: [x]\n  require: [team]").unwrap();
+        assert!(
+            r[0].validate(0)
+                .unwrap_err()
+                .contains("requires label `team`")
         );
     }
 

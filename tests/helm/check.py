@@ -60,6 +60,7 @@ MUST_FAIL = {
     "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
     "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
     "tls without a secret": ({"tls": {"enabled": True}}, "tls.controllerSecret"),
+    "bound stage ids without tls": ({"tls": {"bindStageIds": True}}, "tls.bindStageIds needs tls.enabled"),
     "dataset without a path": ({"stage": {"datasets": [{"name": "x"}]}}, "needs hostPath, volume or s3"),
     "policy file name": ({"policies": {"files": {"pools.txt": "x: 1"}}}, "must end in .yaml"),
     "misspelled value (values.schema.json)": ({"store": {"typ": "postgres"}}, "additional properties 'typ' not allowed"),
@@ -361,6 +362,22 @@ def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | Non
     record(f"{scenario}: node cache wiring", not problems, "; ".join(problems))
 
 
+def tls_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None) -> None:
+    """With tls.enabled the controller gets the --tls-* flags, and
+    --bind-stage-ids exactly when tls.bindStageIds."""
+    tls = (values or {}).get("tls", {})
+    if not tls.get("enabled"):
+        return
+    args = [a for obj, pod in pod_specs(objs) if obj["kind"] == "Deployment"
+            for c in pod["containers"] if c["name"] == "controller" for a in c.get("args", [])]
+    problems = [f"controller lacks {flag}" for flag in ("--tls-cert", "--tls-key", "--tls-ca")
+                if not any(a.startswith(flag) for a in args)]
+    if ("--bind-stage-ids" in args) != bool(tls.get("bindStageIds")):
+        problems.append(f"--bind-stage-ids in the controller's args: {'--bind-stage-ids' in args}, "
+                        f"tls.bindStageIds: {tls.get('bindStageIds')}")
+    record(f"{scenario}: tls wiring", not problems, "; ".join(problems))
+
+
 def mount_values(values: dict | None) -> dict:
     """stage.mount of `values` over the chart's defaults."""
     default = yaml.safe_load((CHART / "values.yaml").read_text())["stage"]["mount"]
@@ -588,6 +605,7 @@ def main() -> int:
             auth_wiring(scenario, objs, values)
             cache_wiring(scenario, objs, values)
             mount_wiring(scenario, objs, values)
+            tls_wiring(scenario, objs, values)
     for scenario, values in AUTH_VARIANTS.items():
         auth_wiring(scenario, objects(render(values)), values)
     for scenario, values in MOUNT_VARIANTS.items():

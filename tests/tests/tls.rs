@@ -4,7 +4,8 @@
 //! from another CA, and one speaking plain text, are refused while the
 //! controller keeps serving the good one; sluicectl gets through with a
 //! certificate too; half-given flags and bad PEM files stop the start with
-//! a sentence naming the flag and the file.
+//! a sentence naming the flag and the file. With `--bind-stage-ids` a stage
+//! holding the CA's certificate for one id cannot take another's.
 
 mod support;
 
@@ -102,29 +103,82 @@ async fn log_shows(log: &Path, needle: &str) -> String {
     .await
 }
 
+/// A controller with a certificate of `ca` (and `extra` flags) and one
+/// stage `id` with a certificate of `ca` naming it, running settings for a
+/// trainer.
+struct Cluster {
+    _controller: support::KillOnDrop,
+    _stage: support::KillOnDrop,
+    _trainer: std::os::unix::net::UnixStream,
+    grpc: String,
+    url: String,
+    server: Party,
+    stage: Party,
+    admin: AdminServiceClient<Channel>,
+    /// The settings version the stage acknowledged first.
+    first: u64,
+}
+
+async fn cluster(dir: &Path, ca: &Authority, id: &str, extra: &[&str]) -> Cluster {
+    let server = ca.issue("controller", &["localhost", "127.0.0.1"]);
+    let stage = ca.issue(id, &[id]);
+    let db = format!("sqlite://{}", dir.join("c.db").display());
+    let mut c = controller_command(&db);
+    c.args(server.args()).args(extra);
+    let (controller, ready) = support::start(c, &dir.join("controller.log"));
+    let grpc = ready["grpc"].as_str().unwrap().to_owned();
+    let url = format!("https://{grpc}");
+    let (mut command, socket) = stage_command(dir, id, &url);
+    command.args(stage.args());
+    let (stage_process, _) = support::start(command, &dir.join(format!("{id}.log")));
+    let trainer = trainer(&socket, "resnet");
+    let mut admin = admin(&grpc, &stage).await;
+    apply(&mut admin, "policy.yaml", &policy("100MB/s"))
+        .await
+        .unwrap();
+    let first = acked_above(&admin, id, 0).await;
+    Cluster {
+        _controller: controller,
+        _stage: stage_process,
+        _trainer: trainer,
+        grpc,
+        url,
+        server,
+        stage,
+        admin,
+        first,
+    }
+}
+
+/// The ids of the stages the controller has.
+async fn stage_ids(admin: &mut AdminServiceClient<Channel>) -> Vec<String> {
+    admin
+        .list_stages(ListStagesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .stages
+        .into_iter()
+        .map(|s| s.id)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Authority::new(dir.path(), "cluster");
-    let server = ca.issue("controller", &["localhost", "127.0.0.1"]);
-    let client = ca.issue("stage", &["stage-good"]);
     let rogue = Authority::new(dir.path(), "rogue").issue("stage", &["stage-rogue"]);
-    let db = format!("sqlite://{}", dir.path().join("c.db").display());
-    let mut c = controller_command(&db);
-    c.args(server.args());
-    let (_controller, ready) = support::start(c, &dir.path().join("controller.log"));
-    let grpc = ready["grpc"].as_str().unwrap();
-    let url = format!("https://{grpc}");
-
-    let (mut good, socket) = stage_command(dir.path(), "stage-good", &url);
-    good.args(client.args());
-    let _good = support::start(good, &dir.path().join("good.log"));
-    let _trainer = trainer(&socket, "resnet");
-    let mut admin = admin(grpc, &client).await;
-    apply(&mut admin, "policy.yaml", &policy("100MB/s"))
-        .await
-        .unwrap();
-    let first = acked_above(&admin, "stage-good", 0).await;
+    // Kept whole: its processes run while it lives.
+    let good = cluster(dir.path(), &ca, "stage-good", &[]).await;
+    let mut admin = good.admin.clone();
+    let (grpc, url, server, client, first) = (
+        good.grpc.clone(),
+        good.url.clone(),
+        &good.server,
+        &good.stage,
+        good.first,
+    );
+    let grpc = grpc.as_str();
 
     // A certificate from another CA: the handshake fails, the stage keeps
     // retrying and never shows up.
@@ -153,16 +207,7 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
         .await
         .unwrap();
     acked_above(&admin, "stage-good", first).await;
-    let ids: Vec<String> = admin
-        .list_stages(ListStagesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .stages
-        .into_iter()
-        .map(|s| s.id)
-        .collect();
-    assert_eq!(ids, ["stage-good"]);
+    assert_eq!(stage_ids(&mut admin).await, ["stage-good"]);
 
     // sluicectl presents the same kind of certificate, named by its
     // --tls-* flags or the daemons' variables; without them an https://
@@ -262,4 +307,30 @@ fn half_given_flags_and_bad_files_stop_the_start() {
         stderr.contains("--tls-cert, --tls-key and --tls-ca"),
         "{stderr}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_bound_ids_a_stage_takes_only_the_id_its_certificate_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Authority::new(dir.path(), "cluster");
+    let mut bound = cluster(dir.path(), &ca, "stage-a", &["--bind-stage-ids"]).await;
+
+    // The same certificate under another id: refused, saying what to fix.
+    let (mut impostor, _) = stage_command(dir.path(), "stage-b", &bound.url);
+    impostor.args(bound.stage.args());
+    let log = dir.path().join("b.log");
+    let _impostor = support::start(impostor, &log);
+    let text = log_shows(&log, "is not named by the stage's client certificate").await;
+    assert!(text.contains("DNS:stage-b"), "{text}");
+    assert_eq!(stage_ids(&mut bound.admin).await, ["stage-a"]);
+
+    // Binding ids needs certificates.
+    let mut plain = controller_command(&format!(
+        "sqlite://{}",
+        dir.path().join("plain.db").display()
+    ));
+    plain.arg("--bind-stage-ids");
+    let (code, stderr) = refused(plain);
+    assert_eq!(code, 64, "{stderr}");
+    assert!(stderr.contains("needs mutual TLS"), "{stderr}");
 }

@@ -285,21 +285,28 @@ def test_a_panic_in_one_connection_leaves_every_other_job_served(stage_factory, 
     assert "injected fault" in stage.stderr_tail(100_000)
 
 
+def team_a_rules(tmp_path, *more: str) -> str:
+    """Writes a stage config whose `trainers:` rule lets this process's uid
+    claim jobs team-a-* with team=a and priority low or normal, followed by
+    the YAML lines ``more``; returns its path."""
+    config = tmp_path / "stage.yaml"
+    config.write_text("\n".join([
+        "trainers:",
+        f"  - uids: [{os.getuid()}]",
+        '    jobs: ["team-a-*"]',
+        "    labels:",
+        "      team: [a]",
+        "      priority: [low, normal]",
+        *more,
+    ]) + "\n")
+    return str(config)
+
+
 def test_claims_outside_the_trainer_rules_are_refused(stage_factory, dataset, tmp_path):
     root, files = dataset
-    uid, gid = os.getuid(), os.getgid()
-    config = tmp_path / "stage.yaml"
-    config.write_text(f"""
-trainers:
-  - uids: [{uid}]
-    jobs: ["team-a-*"]
-    labels:
-      team: [a]
-      priority: [low, normal]
-  - gids: [{gid + 1}]
-    jobs: ["*"]
-""")
-    stage = stage_factory({"ds": root}, "--config", str(config))
+    uid = os.getuid()
+    config = team_a_rules(tmp_path, f"  - gids: [{os.getgid() + 1}]\n    jobs: [\"*\"]")
+    stage = stage_factory({"ds": root}, "--config", config)
     with sluice.Client(stage.socket, job="team-a-resnet", labels={"team": "a"}) as ok:
         name = sorted(files)[3]
         assert ok.dataset("ds").read(name) == files[name]
@@ -313,6 +320,44 @@ trainers:
     metrics = sluice_metrics(stage)
     assert 'job="team-b-x"' not in metrics
     assert stage.alive()
+
+
+def job_labels(stage, job: str) -> dict:
+    import json
+
+    from conftest import http_get
+
+    jobs = json.loads(http_get(stage.metrics, "/api/v1/jobs"))
+    return next(j["labels"] for j in jobs if j["job"] == job)
+
+
+def test_a_trainer_claiming_no_labels_joins_the_job_as_it_runs(stage_factory, dataset, tmp_path):
+    """Another connection of a job that names no labels neither clears
+    the job's labels nor escapes the rules: it is checked against the labels
+    the job runs under, and a rule may require a label."""
+    root, files = dataset
+    stage = stage_factory({"ds": root}, "--config", team_a_rules(tmp_path, "    require: [team]"))
+    name = sorted(files)[3]
+    with sluice.Client(stage.socket, job="team-a-x", labels={"team": "a", "priority": "low"}) as first:
+        with sluice.Client(stage.socket, job="team-a-x") as joined:
+            assert joined.dataset("ds").read(name) == files[name]
+            assert job_labels(stage, "team-a-x") == {"team": "a", "priority": "low"}
+        assert first.dataset("ds").read(name) == files[name]
+    with pytest.raises(sluice.ClaimRefusedError, match=r"must claim label `team` for job `team-a-y`"):
+        sluice.Client(stage.socket, job="team-a-y")
+    with pytest.raises(sluice.ClaimRefusedError, match=r"must claim label `team`"):
+        sluice.Client(stage.socket, job="team-a-y", labels={"priority": "low"})
+
+
+def test_a_connection_without_labels_keeps_the_jobs_labels(stage_factory, dataset):
+    root, files = dataset
+    stage = stage_factory({"ds": root})
+    with sluice.Client(stage.socket, job="tagged", labels={"team": "vision"}):
+        with sluice.Client(stage.socket, job="tagged") as other:
+            other.dataset("ds").read(sorted(files)[0])
+            assert job_labels(stage, "tagged") == {"team": "vision"}
+        with sluice.Client(stage.socket, job="tagged", labels={"team": "nlp"}):
+            assert job_labels(stage, "tagged") == {"team": "nlp"}, "labels named in HELLO set them"
 
 
 def sluice_metrics(stage) -> str:

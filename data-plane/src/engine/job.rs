@@ -324,6 +324,11 @@ impl Job {
         *lock(&self.labels) = labels;
     }
 
+    /// The labels the job runs under.
+    pub fn labels(&self) -> BTreeMap<String, String> {
+        lock(&self.labels).clone()
+    }
+
     /// Panics while holding this job's lock (a test's injected fault: see
     /// `crate::fault`).
     #[cfg(debug_assertions)]
