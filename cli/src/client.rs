@@ -138,6 +138,13 @@ impl CallError {
                     status.message()
                 ))
             }
+            // The connection failed under the call (the controller did not
+            // answer it): say what to check, not just "transport error".
+            Code::Unknown | Code::Cancelled | Code::Internal
+                if status.source().is_some() || status.message().contains("canceled") =>
+            {
+                unreachable(transport_failure(server, &status))
+            }
             _ => Self::Refused(status),
         }
     }
@@ -301,6 +308,38 @@ pub fn report(error: &CallError) -> Exit {
 
 /// The innermost cause of an error, as a person reads it: "Connection
 /// refused" rather than "transport error", without " (os error 111)".
+/// Why a call's connection failed, with what to check: a TLS alert from
+/// the controller means it refused sluicectl's certificate; an HTTP/2
+/// error from an `http://` server, that the port may want TLS.
+fn transport_failure(server: &str, status: &Status) -> String {
+    let mut reasons = vec![status.message().to_owned()];
+    let mut source = status.source();
+    while let Some(e) = source {
+        reasons.push(e.to_string());
+        source = e.source();
+    }
+    let reason = reasons
+        .iter()
+        .rev()
+        .find(|r| !r.is_empty())
+        .cloned()
+        .unwrap_or_default();
+    let all = reasons.join(": ");
+    let hint = if all.contains("alert") || all.contains("certificate") {
+        "the controller refused sluicectl's client certificate: --tls-cert must be signed by the \
+         CA the controller trusts (its --tls-ca) and be valid now"
+    } else if server.starts_with("http://") && (all.contains("h2") || all.contains("http2")) {
+        "if the controller's gRPC port has TLS, use an https:// --server with --tls-cert, \
+         --tls-key and --tls-ca"
+    } else if server.starts_with("https://") {
+        "the connection ended without an answer; check that the controller accepts \
+         sluicectl's client certificate (--tls-cert: signed by its --tls-ca, valid now)"
+    } else {
+        "the connection ended without an answer"
+    };
+    format!("{reason} ({hint})")
+}
+
 fn deepest_reason(error: &(dyn std::error::Error + 'static)) -> String {
     let mut deepest = error;
     while let Some(source) = deepest.source() {

@@ -183,6 +183,7 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     // A certificate from another CA: the handshake fails, the stage keeps
     // retrying and never shows up.
     // It trusts the real controller: only its own certificate is wrong.
+    let (rogue_cert, rogue_key) = (rogue.cert.clone(), rogue.key.clone());
     let rogue = Party {
         ca: server.ca.clone(),
         ..rogue
@@ -239,6 +240,26 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
         assert!(out.status.success(), "{out:?}");
         assert!(stdout.contains("stage-good"), "{stdout}");
     }
+    // A certificate the controller does not trust, and plain text against
+    // its TLS port: one line that says what to check.
+    let mut untrusted = sluicectl();
+    untrusted.arg("--tls-cert").arg(&rogue_cert);
+    untrusted.arg("--tls-key").arg(&rogue_key);
+    untrusted.arg("--tls-ca").arg(&client.ca);
+    let (code, stderr) = refused(untrusted);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("refused sluicectl's client certificate"),
+        "{stderr}"
+    );
+    let mut plain = Command::new(sluice_tests::binary("sluicectl"));
+    plain
+        .args(["--server", &format!("http://{grpc}"), "get", "stages"])
+        .env_remove("SLUICE_SERVER");
+    let (code, stderr) = refused(plain);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("use an https:// --server"), "{stderr}");
+
     let mut without = sluicectl();
     for name in ["SLUICE_TLS_CERT", "SLUICE_TLS_KEY", "SLUICE_TLS_CA"] {
         without.env_remove(name);
