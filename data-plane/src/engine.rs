@@ -380,9 +380,10 @@ impl Engine {
         rounds
     }
 
-    /// Says whether a controller session is up. While it is, a new job
-    /// holds its reads until the controller's settings name it (at most
-    /// [`SETTINGS_WAIT`]); when it goes down, nobody waits for it.
+    /// Says whether a controller session is up (or, at start-up, about to
+    /// be). While it is, a new job holds its reads until the controller's
+    /// settings name it (at most [`SETTINGS_WAIT`]); when it goes down,
+    /// nobody waits for it.
     pub fn set_controller_live(&self, live: bool) {
         self.controller_live.store(live, Ordering::Release);
         if !live {

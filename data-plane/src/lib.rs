@@ -162,6 +162,12 @@ impl Stage {
             info!("trainers may claim only the jobs and labels the `trainers:` rules allow");
         }
         let access = Arc::new(config.trainer_access);
+        if config.controller.is_some() {
+            // Until the first session attempt fails, a controller is
+            // expected: a job that starts before the session is up holds
+            // for its settings too (no unlimited first burst at start-up).
+            engine.set_controller_live(true);
+        }
         let controller = config.controller.map(|url| {
             let identity = session::Identity {
                 stage_id: config.stage_id.clone(),

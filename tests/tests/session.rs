@@ -32,6 +32,9 @@ type Push = mpsc::Sender<Result<ControllerMessage, Status>>;
 struct Scripted {
     seen: Arc<Mutex<Option<mpsc::UnboundedSender<StageMessage>>>>,
     push: Arc<Mutex<Option<Push>>>,
+    /// How long it takes to answer a session (a controller slow to take a
+    /// stage that just started).
+    answer_after: Duration,
 }
 
 #[tonic::async_trait]
@@ -42,6 +45,7 @@ impl StageService for Scripted {
         &self,
         request: Request<Streaming<StageMessage>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        tokio::time::sleep(self.answer_after).await;
         let mut inbound = request.into_inner();
         let seen = self.seen.lock().unwrap().clone().expect("test listens");
         tokio::spawn(async move {
@@ -133,19 +137,15 @@ fn job_settings(job: &str, settings: JobSettings) -> JobSettingsEntry {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn settings_flow_fail_static_and_reconnect() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = listener.local_addr().unwrap();
-    let controller = Scripted::default();
-    let (seen_tx, mut seen) = mpsc::unbounded_channel();
-    *controller.seen.lock().unwrap() = Some(seen_tx);
-    let server = serve(controller.clone(), listener).await;
-
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(dir.path().join("data")).unwrap();
-    std::fs::write(dir.path().join("data/a.bin"), b"abc").unwrap();
-    let socket = dir.path().join("stage.sock");
+/// Starts `sluice-stage` (id `stage-e2e`, one small data set) with the
+/// controller at `addr`; returns it, its socket and its metrics address.
+fn start_stage(
+    dir: &std::path::Path,
+    addr: SocketAddr,
+) -> (KillOnDrop, std::path::PathBuf, String) {
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    std::fs::write(dir.join("data/a.bin"), b"abc").unwrap();
+    let socket = dir.join("stage.sock");
     let mut child = Command::new(sluice_tests::binary("sluice-stage"))
         .args([
             "--socket",
@@ -163,10 +163,7 @@ async fn settings_flow_fail_static_and_reconnect() {
             "--memory-budget",
             "64MiB",
         ])
-        .arg(format!(
-            "--dataset=train={}",
-            dir.path().join("data").display()
-        ))
+        .arg(format!("--dataset=train={}", dir.join("data").display()))
         .arg(format!("--controller=http://{addr}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -176,9 +173,22 @@ async fn settings_flow_fail_static_and_reconnect() {
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let _stage = KillOnDrop(child);
     let ready: serde_json::Value = serde_json::from_str(&line).unwrap();
     let metrics = ready["metrics"].as_str().unwrap().to_owned();
+    (KillOnDrop(child), socket, metrics)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_flow_fail_static_and_reconnect() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let controller = Scripted::default();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    *controller.seen.lock().unwrap() = Some(seen_tx);
+    let server = serve(controller.clone(), listener).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (_stage, socket, metrics) = start_stage(dir.path(), addr);
 
     let hello = next(&mut seen, |k| match k {
         stage_message::Kind::Hello(h) => Some(h),
@@ -318,4 +328,49 @@ async fn settings_flow_fail_static_and_reconnect() {
         "{metrics_text}"
     );
     server.kill(&controller).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_starts_before_the_session_is_up_waits_for_its_settings() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr: SocketAddr = listener.local_addr().unwrap();
+    let controller = Scripted {
+        answer_after: Duration::from_millis(300),
+        ..Scripted::default()
+    };
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    *controller.seen.lock().unwrap() = Some(seen_tx);
+    let _server = serve(controller.clone(), listener).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_stage, socket, metrics) = start_stage(dir.path(), addr);
+    // At once, while the controller is still taking the session.
+    let _trainer = tokio::task::spawn_blocking(move || trainer(&socket, "early"))
+        .await
+        .unwrap();
+    next(&mut seen, |k| match k {
+        stage_message::Kind::Telemetry(t) if t.jobs.iter().any(|j| j.job == "early") => Some(()),
+        _ => None,
+    })
+    .await;
+    let limited = JobSettings {
+        bytes_per_second: Some(1 << 20),
+        ..Default::default()
+    };
+    push(&controller, 1, vec![job_settings("early", limited)]).await;
+    next(&mut seen, |k| match k {
+        stage_message::Kind::Ack(a) => Some(a.version),
+        _ => None,
+    })
+    .await;
+    let text = tokio::task::spawn_blocking(move || http(&metrics, "GET", "/metrics", ""))
+        .await
+        .unwrap();
+    assert!(
+        text.contains("sluice_stage_job_starts_total{how=\"settings\"} 1"),
+        "the job read before its settings came: {}",
+        text.lines()
+            .filter(|l| l.starts_with("sluice_stage_job_starts_total"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
 }
