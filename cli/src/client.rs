@@ -309,8 +309,8 @@ pub fn report(error: &CallError) -> Exit {
 /// The innermost cause of an error, as a person reads it: "Connection
 /// refused" rather than "transport error", without " (os error 111)".
 /// Why a call's connection failed, with what to check: a TLS alert from
-/// the controller means it refused sluicectl's certificate; an HTTP/2
-/// error from an `http://` server, that the port may want TLS.
+/// the controller means it refused sluicectl's certificate; a failure
+/// against an `http://` server, that the port may want TLS.
 fn transport_failure(server: &str, status: &Status) -> String {
     let mut reasons = vec![status.message().to_owned()];
     let mut source = status.source();
@@ -328,9 +328,11 @@ fn transport_failure(server: &str, status: &Status) -> String {
     let hint = if all.contains("alert") || all.contains("certificate") {
         "the controller refused sluicectl's client certificate: --tls-cert must be signed by the \
          CA the controller trusts (its --tls-ca) and be valid now"
-    } else if server.starts_with("http://") && (all.contains("h2") || all.contains("http2")) {
-        "if the controller's gRPC port has TLS, use an https:// --server with --tls-cert, \
-         --tls-key and --tls-ca"
+    } else if server.starts_with("http://") {
+        // Plain text against a TLS port fails in several ways (an HTTP/2
+        // error, a broken pipe, a reset), all without an answer.
+        "the connection ended without an answer; if the controller's gRPC port has TLS, use \
+         an https:// --server with --tls-cert, --tls-key and --tls-ca"
     } else if server.starts_with("https://") {
         "the connection ended without an answer; check that the controller accepts \
          sluicectl's client certificate (--tls-cert: signed by its --tls-ca, valid now)"

@@ -111,6 +111,7 @@ impl ControllerConfig {
             args.tls_key.as_deref(),
             args.tls_ca.as_deref(),
         )?;
+        let (tick, stage_timeout) = periods(&args)?;
         if args.bind_stage_ids && tls.is_none() {
             return Err(ConfigError {
                 flag: "--bind-stage-ids",
@@ -124,8 +125,8 @@ impl ControllerConfig {
             grpc_addr,
             http_addr,
             database_url: args.database_url,
-            tick: duration("--tick", &args.tick)?,
-            stage_timeout: duration("--stage-timeout", &args.stage_timeout)?,
+            tick,
+            stage_timeout,
             policies: args.policies,
             tls,
             bind_stage_ids: args.bind_stage_ids,
@@ -207,6 +208,50 @@ fn addr(flag: &'static str, value: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
+/// Returns `--tick` and `--stage-timeout`: the control loop runs at least
+/// once a minute and more often than stages are given up on, and a stage
+/// (which reports every second) is given up on after two silent reports
+/// at the earliest.
+fn periods(args: &Args) -> Result<(Duration, Duration), ConfigError> {
+    let tick = duration("--tick", &args.tick)?;
+    let stage_timeout = duration("--stage-timeout", &args.stage_timeout)?;
+    if tick > MAX_TICK {
+        return Err(ConfigError {
+            flag: "--tick",
+            reason: format!(
+                "`{}` is too long: the control loop must run at least once a minute",
+                args.tick
+            ),
+        });
+    }
+    if stage_timeout < MIN_STAGE_TIMEOUT {
+        return Err(ConfigError {
+            flag: "--stage-timeout",
+            reason: format!(
+                "`{}` is shorter than two of a stage's telemetry reports (one a second): give at \
+                 least 2s",
+                args.stage_timeout
+            ),
+        });
+    }
+    if tick >= stage_timeout {
+        return Err(ConfigError {
+            flag: "--tick",
+            reason: format!(
+                "`{}` is not shorter than --stage-timeout ({}): the control loop would notice a \
+                 lost stage a tick late; make the tick shorter",
+                args.tick, args.stage_timeout
+            ),
+        });
+    }
+    Ok((tick, stage_timeout))
+}
+
+/// The longest control loop period.
+const MAX_TICK: Duration = Duration::from_secs(60);
+/// The shortest time a silent stage is kept.
+const MIN_STAGE_TIMEOUT: Duration = Duration::from_secs(2);
+
 fn duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
     let millis = Millis::parse(value).map_err(|e| ConfigError {
         flag,
@@ -249,6 +294,27 @@ mod tests {
         let e = parse(&["--grpc-addr", "localhost"]).unwrap_err();
         assert_eq!(e.flag, "--grpc-addr");
         assert_eq!(parse(&["--tick", "250ms"]).unwrap().tick.as_millis(), 250);
+        for (args, flag, says) in [
+            (
+                &["--tick", "1000000000s"][..],
+                "--tick",
+                "at least once a minute",
+            ),
+            (
+                &["--stage-timeout", "500ms"][..],
+                "--stage-timeout",
+                "at least 2s",
+            ),
+            (
+                &["--tick", "10s", "--stage-timeout", "5s"][..],
+                "--tick",
+                "not shorter than --stage-timeout",
+            ),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}");
+            assert!(e.reason.contains(says), "{args:?}: {e}");
+        }
     }
 
     #[test]

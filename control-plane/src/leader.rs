@@ -83,7 +83,16 @@ pub async fn lead(
             Some(lease) => lease,
             None => {
                 info!("another controller holds the leader lease: standing by");
-                let Some(lease) = Leadership::wait(&shared.store, tick, &cancel).await else {
+                // While the store cannot be reached, a standby says so
+                // rather than that another controller leads.
+                let reached = |error: Option<&crate::store::StoreError>| {
+                    *lock(&shared.outage) = error.map(|e| {
+                        format!("standby: cannot reach the store to try the leader lease ({e})")
+                    });
+                    shared.metrics.store_up.set(i64::from(error.is_none()));
+                };
+                let Some(lease) = Leadership::wait(&shared.store, tick, &cancel, reached).await
+                else {
                     return Ok(());
                 };
                 info!("took the leader lease: taking over");

@@ -248,8 +248,10 @@ async fn stages_with_the_cas_certificate_run_settings_and_others_are_refused() {
     untrusted.arg("--tls-ca").arg(&client.ca);
     let (code, stderr) = refused(untrusted);
     assert_eq!(code, 1, "{stderr}");
+    // Whether the controller's alert or only a closed stream reaches
+    // sluicectl depends on timing; either way it names the certificate.
     assert!(
-        stderr.contains("refused sluicectl's client certificate"),
+        stderr.contains("sluicectl's client certificate"),
         "{stderr}"
     );
     let mut plain = Command::new(sluice_tests::binary("sluicectl"));

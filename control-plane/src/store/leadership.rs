@@ -102,7 +102,14 @@ impl Leadership {
     /// Tries the lease on `store` every `every` until it is taken, and
     /// returns it; `None` when `cancel` fires first. A store that cannot be
     /// reached is reported and tried again: a standby keeps waiting.
-    pub async fn wait(store: &Store, every: Duration, cancel: &CancellationToken) -> Option<Self> {
+    /// `reached` hears after every try whether the store answered (`None`)
+    /// or why not.
+    pub async fn wait(
+        store: &Store,
+        every: Duration,
+        cancel: &CancellationToken,
+        reached: impl Fn(Option<&StoreError>),
+    ) -> Option<Self> {
         let mut interval = tokio::time::interval(every);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -110,7 +117,9 @@ impl Leadership {
                 () = cancel.cancelled() => return None,
                 _ = interval.tick() => {}
             }
-            match store.try_acquire_leadership().await {
+            let tried = store.try_acquire_leadership().await;
+            reached(tried.as_ref().err());
+            match tried {
                 Ok(Some(leadership)) => return Some(leadership),
                 Ok(None) => debug!("another controller still holds the leader lease"),
                 Err(e) => warn!(error = %e, "cannot try the leader lease; trying again"),
