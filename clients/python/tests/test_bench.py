@@ -303,9 +303,13 @@ def test_train_wiring_on_a_tiny_set(tmp_path):
     assert doc["dataset"]["files"] == 40 and doc["device"] == "cpu" and doc["ceiling_samples_per_s"] > 0
     assert doc["storage"] == {"kind": "dir", "latency_ms": 1.0}
     assert "ceiling (no loading)" in out
-    written = os.path.getmtime(tmp_path / "t" / "data" / "train" / "c000" / "0000000.jpg")
+    first = tmp_path / "t" / "data-40-48-4" / "train" / "c000" / "0000000.jpg"
+    written = os.path.getmtime(first)
     _bench(tmp_path, *args[:-4], "--loaders", "socket", "--dir", str(tmp_path / "t"))
-    assert os.path.getmtime(tmp_path / "t" / "data" / "train" / "c000" / "0000000.jpg") == written
+    assert os.path.getmtime(first) == written
+    # Another shape in the same --dir is a tree of its own.
+    _bench(tmp_path, *args[:2], "30", *args[3:-4], "--loaders", "socket", "--dir", str(tmp_path / "t"))
+    assert (tmp_path / "t" / "data-30-48-4").is_dir() and os.path.getmtime(first) == written
 
 
 def test_median_of_rounds_keeps_each_loaders_median_run():

@@ -63,3 +63,5 @@ def test_a_short_soak_loses_nothing_across_faults(tmp_path):
     # 45 s is too short for a memory verdict: none is claimed
     assert all(m["flat"] is None for m in result["memory"].values() if m["first_mib"] is None)
     assert "epochs" in done.stdout and "trainer errors" in done.stdout
+    assert done.returncode == 0, "nothing went wrong, and memory was not judged"
+

@@ -60,11 +60,19 @@ def main(argv=None) -> int:
         from .cache import main as run
     else:
         from .receive import main as run
+    from .harness import HarnessError
+    from .stage import StageStartError
+
     try:
         return run(argv[1:])
-    except TimeoutError as e:
+    except (TimeoutError, StageStartError, HarnessError) as e:
+        # A process the benchmark needs did not come up: its own words,
+        # on one line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

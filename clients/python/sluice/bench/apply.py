@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.applies < 1 or args.stages < 1:
+        raise SystemExit("error: --applies and --stages must be >= 1")
     binary = find_binaries(args.bin_dir, ("sluice-controller", "sluice-stage", "sluicectl"))
     daemons: List[Daemon] = []
     clients: List[Client] = []

@@ -33,12 +33,12 @@ import time
 from typing import List, Optional
 
 from ..client import Client
-from .common import add_dataset_args, add_stage_args, fetch_metrics, log, metric_value
-from .dataset import evict, prepare
+from .common import add_dataset_args, add_stage_args, fetch_metrics, load_dataset, log, metric_value
+from .dataset import evict
 from .harness import HarnessError
 from .stage import StageProcess, StageStartError, find_stage_binary
 from .storage import Storage, open_storage
-from .units import format_bytes, parse_bytes, parse_duration_ms
+from .units import format_bytes, parse_duration_ms
 
 DATASET = "bench"
 
@@ -52,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--epochs", type=int, default=4, help="epochs per run (default 4)")
     ap.add_argument("--store", choices=("dir", "s3"), default="dir", help="dir or s3 (default dir)")
     ap.add_argument("--latency", default="0ms", help="added to every storage operation (default 0ms)")
-    add_stage_args(ap)
+    # The stage's memory is the cache plus what prefetching needs, and the
+    # client reads in next(): neither is an option here.
+    add_stage_args(ap, memory=False, prefetch=False)
     return ap
 
 
@@ -173,11 +175,10 @@ def main(argv: Optional[list] = None) -> int:
         raise SystemExit("error: --epochs must be at least 2 (the first epoch fills the cache)")
     try:
         latency_ms = parse_duration_ms(args.latency)
-        size = parse_bytes(args.size)
         binary = find_stage_binary(args.bin_dir)
     except (ValueError, StageStartError) as e:
         raise SystemExit(f"error: {e}") from None
-    ds = prepare(args.dir or os.path.join("bench-out", f"{args.files}x{args.size}"), args.files, size, log=log)
+    ds = load_dataset(args)
     total = ds.total_bytes
     cache_bytes = int(total * args.fraction)
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
@@ -208,7 +209,7 @@ def main(argv: Optional[list] = None) -> int:
     except (HarnessError, StageStartError) as e:
         raise SystemExit(f"error: {e}") from None
     s, l = result["stable"], result["lru"]
-    log(f"hit ratio from epoch 2 on: stable {s['hit_ratio']:.1%}, LRU {l['hit_ratio']:.1%}, "
+    print(f"hit ratio from epoch 2 on: stable {s['hit_ratio']:.1%}, LRU {l['hit_ratio']:.1%}, "
         f"optimum {result['optimum_hit_ratio']:.1%}; samples/s stable {s['samples_per_s']:.0f}, "
         f"LRU {l['samples_per_s']:.0f}")
     if args.json:

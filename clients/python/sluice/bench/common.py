@@ -54,16 +54,19 @@ def add_dataset_args(ap, files: int = 5000) -> None:
     ap.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
 
 
-def add_stage_args(ap) -> None:
-    """Where the stage binary is and how it runs."""
+def add_stage_args(ap, memory: bool = True, prefetch: bool = True) -> None:
+    """Where the stage binary is and how it runs: ``--stage-memory`` and
+    the client's ``--prefetch`` only for benchmarks that use them."""
     ap.add_argument("--bin-dir", default="target/release",
                     help="directory holding sluice-stage (default target/release)")
-    ap.add_argument("--stage-memory", default="1GiB", help="the stage's --memory-budget (default 1GiB)")
+    if memory:
+        ap.add_argument("--stage-memory", default="1GiB", help="the stage's --memory-budget (default 1GiB)")
     ap.add_argument("--stage-arg", action="append", default=[],
                     help="extra argument for sluice-stage (repeatable), e.g. --stage-arg=--burst-ms=50")
-    ap.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
-                    help=f"batches the sluice client receives ahead on its thread; 0: in next() "
-                         f"(default {DEFAULT_PREFETCH})")
+    if prefetch:
+        ap.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
+                        help=f"batches the sluice client receives ahead on its thread; 0: in next() "
+                             f"(default {DEFAULT_PREFETCH})")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
 
 
@@ -72,9 +75,13 @@ def load_dataset(args) -> BenchDataset:
     try:
         size = parse_bytes(args.size)
         stdev = parse_bytes(args.size_stdev)
-        parse_bytes(args.stage_memory)
+        parse_bytes(getattr(args, "stage_memory", "0"))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if args.files < 1 or size < 1:
+        raise SystemExit("error: --files and --size must be at least 1")
+    if not 0 <= args.seed < 2**64:
+        raise SystemExit("error: --seed must be between 0 and 2^64 - 1")
     if args.batch < 1:
         raise SystemExit("error: --batch must be >= 1")
     if getattr(args, "prefetch", 0) < 0:
@@ -377,7 +384,16 @@ class Daemon(NamedTuple):
         except ValueError:
             proc.kill()
             proc.wait(timeout=10)
-            raise SystemExit(f"error: {argv[0]} did not start (status {proc.returncode}); see {log_path}") from None
+            # The log may live in a directory removed on the way out: quote
+            # its last lines, which hold the daemon's own reason.
+            try:
+                with open(log_path) as f:
+                    said = [l.strip() for l in f.read().splitlines() if l.strip()][-3:]
+            except OSError:
+                said = []
+            why = f": {' / '.join(said)}" if said else f"; see {log_path}"
+            raise SystemExit(f"error: {os.path.basename(argv[0])} did not start (status {proc.returncode}){why}") \
+                from None
 
     def stop(self, timeout: float = 15.0) -> int:
         """Sends SIGTERM and returns the exit status (killing it after ``timeout``)."""

@@ -310,6 +310,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"error: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     if args.repeat < 1 or args.hot_epochs < 1:
         raise SystemExit("error: --repeat and --hot-epochs must be >= 1")
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --workers must list worker counts >= 0, not {args.workers!r}") from None
+    try:
+        hot_sizes = [parse_bytes(x) for x in args.hot_sizes.split(",")]
+        hot_bytes = parse_bytes(args.hot_bytes)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not workers or min(workers) < 0:
+        raise SystemExit("error: --workers must list worker counts >= 0")
+    if min(hot_sizes) < 1 or hot_bytes < 1:
+        raise SystemExit("error: --hot-sizes and --hot-bytes must be at least 1 byte")
+    if "decode" in parts and (args.jpeg_files < 1 or args.jpeg_side < 8):
+        raise SystemExit("error: --jpeg-files must be >= 1 and --jpeg-side >= 8")
     binary = stage_binary_or_exit(args.bin_dir)
     ds = load_dataset(args)
     hot, torch_rows = [], []

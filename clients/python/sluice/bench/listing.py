@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=None, help="where the data set lives (default bench-out/<entries>x1B)")
     ap.add_argument("--store", choices=("dir", "s3"), default="dir", help="dir or s3 (default dir)")
     ap.add_argument("--latency", default="0ms", help="added to every storage operation (default 0ms)")
-    add_stage_args(ap)
+    add_stage_args(ap, prefetch=False)
     return ap
 
 
@@ -67,7 +67,7 @@ def main(argv: Optional[list] = None) -> int:
             result["storage"] = storage.describe()
     except HarnessError as e:
         raise SystemExit(f"error: the {args.store} harness: {e}") from None
-    log(f"{args.entries} entries ({args.store}, +{latency_ms:g} ms): listed in {result['list_s']:.2f} s "
+    print(f"{args.entries} entries ({args.store}, +{latency_ms:g} ms): listed in {result['list_s']:.2f} s "
         f"(stage CPU {result['stage_list_cpu_s']:.2f} s), "
         f"{result['bytes_per_entry']:.0f} bytes of stage memory per entry "
         f"(RSS {format_bytes(result['rss_before_bytes'])} -> {format_bytes(result['rss_after_bytes'])}), "

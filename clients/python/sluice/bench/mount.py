@@ -174,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with open_storage("dir", args.latency, latency_ms, ds, args.bin_dir, repo) as storage:
             log(f"cold: {ds.files} files of {format_bytes(ds.size)}, +{latency_ms:g} ms per operation ...")
-            results = run_cold(args, binary, ds, storage.view, storage.stage_args, loaders, workers)
+            results = run_cold(args, binary, ds, storage.view, [*storage.stage_args, *args.stage_arg],
+                               loaders, workers)
     except HarnessError as e:
         raise SystemExit(f"error: the slowfs harness: {e}") from None
     hot = None

@@ -238,8 +238,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not auto:
         try:
             compute_ms = float(args.compute_ms)
+            if not 0 <= compute_ms < 3_600_000:
+                raise ValueError(compute_ms)
         except ValueError:
-            raise SystemExit(f"error: --compute-ms must be a number of milliseconds or 'auto', got {args.compute_ms!r}") from None
+            raise SystemExit(f"error: --compute-ms must be a number of milliseconds from 0 to an hour, or 'auto', got {args.compute_ms!r}") from None
 
     binary, binary_error = None, None
     if "sluice" in selected or auto:

@@ -161,15 +161,27 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--prime", default="yes,no",
                     help="with and/or without the client's malloc priming (default yes,no)")
     args = ap.parse_args(argv)
-    primes = [x.strip() == "yes" for x in args.prime.split(",")]
+    choices = {"yes": True, "no": False}
+    primes = [choices.get(x.strip()) for x in args.prime.split(",")]
     strategies = [x.strip() for x in args.strategies.split(",")]
+    if None in primes:
+        raise SystemExit("error: --prime takes yes, no or yes,no")
+    if not strategies or set(strategies) - set(STRATEGIES):
+        raise SystemExit(f"error: --strategies: choose from {', '.join(STRATEGIES)}")
+    try:
+        sizes = [parse_bytes(x) for x in args.size.split(",")]
+        buffers = [parse_bytes(x) for x in args.buffering.split(",")]
+        total = parse_bytes(args.total)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if min(sizes + buffers) < 1 or args.per_frame < 1 or total < 1:
+        raise SystemExit("error: --size, --buffering, --total and --per-frame must be at least 1")
     print(f"{'strategy':11} {'prime':5} {'buffer':>8} {'sample':>8} {'samples/s':>11} {'MiB/s':>8} "
           f"{'CPU us/sample':>14}")
-    for size in (parse_bytes(s) for s in args.size.split(",")):
-        frames = max(20, parse_bytes(args.total) // (size * args.per_frame))
-        frames = min(frames, 200_000 // args.per_frame)
-        runs = [(b, pr, st) for b in (parse_bytes(x) for x in args.buffering.split(","))
-                for pr in primes for st in strategies]
+    for size in sizes:
+        frames = max(20, total // (size * args.per_frame))
+        frames = max(1, min(frames, 200_000 // args.per_frame))
+        runs = [(b, pr, st) for b in buffers for pr in primes for st in strategies]
         for buffering, prime, strategy in runs:
             r = _measure_in_subprocess(strategy, size, args.per_frame, frames, buffering, prime)
             print(f"{strategy:11} {'yes' if prime else 'no':5} {format_bytes(buffering):>8} "

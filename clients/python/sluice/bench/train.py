@@ -39,6 +39,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Dict, List, Optional
@@ -98,13 +99,15 @@ def _write_images(args) -> None:
 
 def prepare_images(dir: str, files: int, side: int, classes: int) -> BenchDataset:
     """Writes (once, in parallel) ``files`` JPEG images in ``classes`` class
-    folders under ``dir``/data/train; returns the data set."""
+    folders under ``dir``/data-FILES-SIDE-CLASSES/train (one tree per shape,
+    so another shape never mixes with it); returns the data set."""
     import multiprocessing
 
-    root = os.path.join(dir, "data")
+    root = os.path.join(dir, f"data-{files}-{side}-{classes}")
     marker = os.path.join(dir, f"complete-{files}-{side}-{classes}")
     if not os.path.exists(marker):
         log(f"writing {files} JPEG images ({side}x{side}, {classes} classes) into {root} ...")
+        shutil.rmtree(root, ignore_errors=True)
         for c in range(classes):
             os.makedirs(os.path.join(root, "train", f"c{c:03d}"), exist_ok=True)
         chunk = 250
@@ -113,7 +116,7 @@ def prepare_images(dir: str, files: int, side: int, classes: int) -> BenchDatase
             pool.map(_write_images, jobs)
         open(marker, "w").close()
     names = sorted((os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
-                    for d, _, fs in os.walk(root) for f in fs), key=str.encode)
+                    for d, _, fs in os.walk(os.path.join(root, "train")) for f in fs), key=str.encode)
     if len(names) != files:
         raise SystemExit(f"error: {root} holds {len(names)} files, not {files}: remove {dir} and run again")
     sizes = [os.path.getsize(os.path.join(root, n)) for n in names]
@@ -334,6 +337,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("error: --repeat, --files, --batch and --classes must be >= 1")
     if not 0 < args.crop <= args.side:
         raise SystemExit("error: --crop must be between 1 and --side")
+    if args.classes > args.files:
+        raise SystemExit(f"error: --classes {args.classes} is more than --files {args.files}: "
+                         "every class folder needs an image")
     try:
         import torch
         import torchvision  # noqa: F401
@@ -341,6 +347,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError as e:
         raise SystemExit(f"error: the train benchmark needs torch, torchvision and Pillow: {e}") from None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise SystemExit(f"error: --device {args.device}: torch cannot use it here ({str(e).splitlines()[0]})") \
+            from None
     binary = stage_binary_or_exit(args.bin_dir)
     ds = prepare_images(args.dir or os.path.join("bench-out", f"train-{args.files}x{args.side}"),
                         args.files, args.side, args.classes)
@@ -353,7 +364,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with open_storage("dir", args.latency, latency_ms, ds, args.bin_dir, repo) as storage:
             log(f"{ds.files} images of {format_bytes(ds.size)} on average, +{latency_ms:g} ms per operation ...")
-            results = run(args, binary, ds, storage.view, storage.stage_args, loaders, workers, trainer, augment)
+            results = run(args, binary, ds, storage.view, [*storage.stage_args, *args.stage_arg], loaders,
+                          workers, trainer, augment)
     except HarnessError as e:
         raise SystemExit(f"error: the slowfs harness: {e}") from None
     print(f"{args.model} on {name}, batch {args.batch}, {ds.files} JPEG images of {format_bytes(ds.size)} "
