@@ -953,6 +953,20 @@ impl Filesystem for MountFs {
         self.counters.inodes.set(self.nodes.len() as i64);
     }
 
+    /// What `df` shows: the listed data sets' bytes and files, none free
+    /// (a read-only file system; a data set not listed yet counts nothing).
+    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: fuser::ReplyStatfs) {
+        let (mut bytes, mut files) = (0u64, 0u64);
+        for name in self.engine.dataset_names() {
+            if let Some(listing) = self.engine.dataset(&name).and_then(|d| d.listed()) {
+                bytes += listing.total_bytes;
+                files += u64::from(listing.len());
+            }
+        }
+        let block = u64::from(BLOCK_SIZE);
+        reply.statfs(bytes.div_ceil(block), 0, 0, files, 0, BLOCK_SIZE, 255, BLOCK_SIZE);
+    }
+
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         self.counters.getattr.inc();
         let Some(node) = self.nodes.get(ino).and_then(|n| self.refreshed(n)) else {

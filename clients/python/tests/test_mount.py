@@ -192,6 +192,16 @@ def test_writes_of_every_kind_are_refused(mounted):
         open(mnt / "@bad job" / "ds" / name)
 
 
+def test_df_shows_the_data_sets_size_and_nothing_free(mounted):
+    stage, mnt, files = mounted
+    walk(mnt / "ds")  # listed
+    st = os.statvfs(mnt)
+    assert st.f_blocks * st.f_frsize >= sum(len(d) for d in files.values())
+    assert st.f_files >= len(files)
+    assert (st.f_bfree, st.f_bavail, st.f_ffree) == (0, 0, 0)
+    assert st.f_namemax == 255
+
+
 def test_a_path_names_the_job_its_reads_belong_to(mounted):
     stage, mnt, files = mounted
     with sluice.Client(stage.socket, job="tagged", labels={"team": "vision"}) as c:

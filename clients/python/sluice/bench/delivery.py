@@ -306,8 +306,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise SystemExit(f"error: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    if unknown or not parts:
+        raise SystemExit(f"error: unknown part(s) {', '.join(sorted(unknown)) or '(none given)'}; "
+                         f"choose from {', '.join(PARTS)}")
     if args.repeat < 1 or args.hot_epochs < 1:
         raise SystemExit("error: --repeat and --hot-epochs must be >= 1")
     try:

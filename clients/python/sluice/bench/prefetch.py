@@ -228,8 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     selected = [x.strip() for x in args.loaders.split(",") if x.strip()]
     unknown = set(selected) - set(ALL_LOADERS)
-    if unknown:
-        raise SystemExit(f"error: unknown loader(s) {', '.join(sorted(unknown))}; choose from {', '.join(ALL_LOADERS)}")
+    if unknown or not selected:
+        raise SystemExit(f"error: unknown loader(s) {', '.join(sorted(unknown)) or '(none given)'}; "
+                         f"choose from {', '.join(ALL_LOADERS)}")
     if args.epochs < 1:
         raise SystemExit("error: --epochs must be >= 1")
     if args.repeat < 1:
