@@ -169,6 +169,11 @@ fn unexpected_text(unexp: &Unexpected<'_>) -> String {
         Unexpected::Bool(b) => format!("`{b}`"),
         Unexpected::Unsigned(n) => format!("the number {n}"),
         Unexpected::Signed(n) => format!("the number {n}"),
+        // Past 2^53 a float no longer holds the number written (YAML reads
+        // a huge whole number as one): do not quote a different number.
+        Unexpected::Float(n) if n.abs() >= 9_007_199_254_740_992.0 => {
+            "a number too large to read exactly".to_owned()
+        }
         Unexpected::Float(n) => format!("the number {n}"),
         Unexpected::Str(s) => format!("the string `{s}`"),
         Unexpected::Unit => "nothing (an empty value)".to_owned(),
@@ -464,6 +469,10 @@ mod tests {
         assert_eq!(
             parse("inner: {weight: 1}\nlist: [1, x]\n").unwrap_err(),
             "f.yaml:2:11: spec.list[1] must be a whole number, found the string `x`"
+        );
+        assert_eq!(
+            parse("inner: {weight: 18446744073709551615}\n").unwrap_err(),
+            "f.yaml:1:17: spec.inner.weight must be a whole number, found a number too large to read exactly"
         );
         assert_eq!(
             parse("inner: {weight: 1}\nlabels: {a: }\n").unwrap_err(),
