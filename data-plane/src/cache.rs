@@ -183,8 +183,11 @@ fn abandoned(key: &SampleKey) -> ProtocolError {
 /// A data set's standing in the cache.
 #[derive(Debug)]
 struct Share {
-    /// The stage's name of the data set (the metrics label).
+    /// The stage's name of the data set (the metrics label); `a+b` for
+    /// data sets served from one source.
     label: String,
+    /// The stage's names of the data sets served from this source.
+    names: Vec<String>,
     /// The weight of the stage's configuration (`cache.weights`).
     configured_weight: u32,
     terms: Terms,
@@ -270,6 +273,9 @@ pub struct Tiers {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ShareUse {
     pub dataset: String,
+    /// The data sets it serves (one, or several served from one source).
+    #[serde(skip)]
+    pub names: Vec<String>,
     pub tenant: String,
     pub tenant_weight: u32,
     pub weight: u32,
@@ -326,7 +332,10 @@ impl Cache {
             state
                 .shares
                 .entry(Arc::clone(source))
-                .and_modify(|share| share.label = format!("{}+{name}", share.label))
+                .and_modify(|share| {
+                    share.label = format!("{}+{name}", share.label);
+                    share.names.push(name.clone());
+                })
                 .or_insert_with(|| Share::new(name));
         }
         let mut to_disk = None;
@@ -378,6 +387,7 @@ impl Cache {
                 let counts = self.metrics.counts(&share.label, tiers);
                 ShareUse {
                     dataset: share.label.clone(),
+                    names: share.names.clone(),
                     tenant: share.terms.tenant.clone(),
                     tenant_weight: share.terms.tenant_weight,
                     weight: share.terms.weight,
@@ -562,12 +572,31 @@ impl Cache {
         dataset: &str,
         samples: impl Iterator<Item = (u32, SampleKey)>,
     ) -> (Vec<u32>, u32, bool) {
+        let samples: Vec<(u32, SampleKey)> = samples.collect();
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        st.shares
+        let share = st
+            .shares
             .entry(Arc::clone(source))
-            .or_insert_with(|| Share::new(dataset))
-            .last_lookup = Some(Instant::now());
+            .or_insert_with(|| Share::new(dataset));
+        share.last_lookup = Some(Instant::now());
+        // What the tiers hold of older versions of these samples will
+        // never be read again: it is not room the data set has used.
+        let mut dead = Vec::new();
+        for (_, key) in &samples {
+            for (_, _, len) in st.memory.remove_other_versions(key) {
+                self.metrics.evicted(&share.label, MEMORY, len);
+            }
+            if let Some(disk) = st.disk.as_mut() {
+                for (_, file, len) in disk.tier.remove_other_versions(key) {
+                    self.metrics.evicted(&share.label, DISK, len);
+                    dead.push(file.path);
+                }
+            }
+        }
+        for path in dead {
+            let _ = std::fs::remove_file(path);
+        }
         let room =
             |capacity: u64, used: u64, held: Option<&tier::Held>, share: u64| match self.policy {
                 CachePolicy::Lru => capacity,
@@ -780,6 +809,7 @@ impl Share {
     fn new(label: &str) -> Self {
         Self {
             label: label.to_owned(),
+            names: vec![label.to_owned()],
             configured_weight: 1,
             terms: Terms::configured(1),
             last_lookup: None,
@@ -796,6 +826,12 @@ fn open_disk(
     st: &mut State,
     metrics: &CacheMetrics,
 ) -> std::io::Result<Disk> {
+    if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("--cache-dir {} is not a directory", dir.display()),
+        ));
+    }
     std::fs::create_dir_all(dir)?;
     let claimed = disk::claim(dir)?;
     let sources: Vec<Arc<str>> = st.shares.keys().cloned().collect();

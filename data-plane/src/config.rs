@@ -641,7 +641,10 @@ fn cache_options(
         args.cache_dir.clone().or_else(|| file.dir.clone()),
         args.cache_disk.or(file.disk),
     ) {
-        (Some(dir), Some(size)) if size.bytes() > 0 => Some((dir, size.bytes())),
+        (Some(dir), Some(size)) if size.bytes() > 0 => {
+            apart_from_datasets(&dir, datasets)?;
+            Some((dir, size.bytes()))
+        }
         (None, None) => None,
         (Some(_), Some(_)) => {
             return Err(ConfigError(
@@ -670,6 +673,55 @@ fn cache_options(
         weights: file.weights.clone(),
         disk,
     })
+}
+
+/// Refuses a cache directory at or inside a local data set's root (its
+/// files would be listed as samples) or holding one.
+fn apart_from_datasets(dir: &Path, datasets: &[(String, PathBuf)]) -> Result<(), ConfigError> {
+    let cache = resolved(dir);
+    for (name, root) in datasets {
+        let Ok(root) = std::fs::canonicalize(root) else {
+            // An object store's URL, or a root that is missing (refused
+            // when the stage opens it).
+            continue;
+        };
+        if cache.starts_with(&root) {
+            return Err(ConfigError(format!(
+                "--cache-dir {} is inside data set `{name}` ({}): its files would be read as \
+                 samples; give a directory outside every data set",
+                dir.display(),
+                root.display()
+            )));
+        }
+        if root.starts_with(&cache) {
+            return Err(ConfigError(format!(
+                "data set `{name}` ({}) is inside --cache-dir {}: give the cache a directory of \
+                 its own",
+                root.display(),
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `path` with symlinks resolved as far as it exists (the rest appended).
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(existing) {
+            return rest.iter().rev().fold(real, |p: PathBuf, c| p.join(c));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
 }
 
 /// Returns how `s3://` datasets are reached: the `--s3-*` flags laid over
@@ -1179,6 +1231,34 @@ mod tests {
             e.contains("bad.yaml:3:1") && e.contains("memory_budgett"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_cache_directory_and_a_data_set_may_not_hold_each_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let data_set = format!("d={}", data.display());
+        let with_cache = |cache: &Path| {
+            StageConfig::from_args(args(&[
+                "--dataset",
+                &data_set,
+                "--cache-dir",
+                cache.to_str().unwrap(),
+                "--cache-disk",
+                "1GiB",
+            ]))
+        };
+        let e = with_cache(&data.join("cache")).unwrap_err().to_string();
+        assert!(e.contains("is inside data set `d`"), "{e}");
+        let e = with_cache(&data).unwrap_err().to_string();
+        assert!(e.contains("is inside data set `d`"), "{e}");
+        let e = with_cache(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("data set `d`") && e.contains("is inside --cache-dir"),
+            "{e}"
+        );
+        assert!(with_cache(&dir.path().join("cache")).is_ok());
     }
 
     #[test]

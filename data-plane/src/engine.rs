@@ -203,6 +203,14 @@ impl Engine {
         lock(&self.jobs).get(id).map(|job| job.labels())
     }
 
+    /// The labels job `id` runs under while something is attached to it.
+    pub fn running_labels(&self, id: &str) -> Option<BTreeMap<String, String>> {
+        lock(&self.jobs)
+            .get(id)
+            .filter(|job| job.connected())
+            .map(|job| job.labels())
+    }
+
     /// [`Engine::attach`] for a reader that declares no labels (a read
     /// through the mount, a trainer whose `HELLO` names none): a job that
     /// exists keeps its labels.

@@ -964,7 +964,16 @@ impl Filesystem for MountFs {
             }
         }
         let block = u64::from(BLOCK_SIZE);
-        reply.statfs(bytes.div_ceil(block), 0, 0, files, 0, BLOCK_SIZE, 255, BLOCK_SIZE);
+        reply.statfs(
+            bytes.div_ceil(block),
+            0,
+            0,
+            files,
+            0,
+            BLOCK_SIZE,
+            255,
+            BLOCK_SIZE,
+        );
     }
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {

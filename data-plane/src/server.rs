@@ -387,6 +387,22 @@ impl Connection {
         if let Err(why) = self.access.check(&self.peer, job, &runs_under) {
             return Err(ProtocolError::new(ErrorCode::ClaimRefused, why));
         }
+        // Under `trainers:` rules, labels change only while nobody runs
+        // under them: a peer's new labels would otherwise apply to
+        // connections whose peers were never checked against them.
+        if self.access.restricts()
+            && let Some(labels) = &claimed
+            && let Some(running) = self.engine.running_labels(job)
+            && *labels != running
+        {
+            return Err(ProtocolError::new(
+                ErrorCode::ClaimRefused,
+                format!(
+                    "job `{job}` runs under other labels ({}): a trainer joining it claims the same labels, or none",
+                    crate::trust::show_labels(&running)
+                ),
+            ));
+        }
         self.rank = rank;
         self.world_size = world_size;
         let handle = match claimed {

@@ -101,9 +101,10 @@ impl TrainerRule {
 
     /// The first label the rule requires that `labels` lacks.
     fn missing_label(&self, labels: &BTreeMap<String, String>) -> Option<&str> {
+        // An empty value names nothing: it does not carry the label.
         self.require
             .iter()
-            .find(|k| !labels.contains_key(k.as_str()))
+            .find(|k| labels.get(k.as_str()).is_none_or(String::is_empty))
             .map(String::as_str)
     }
 
@@ -194,6 +195,12 @@ impl TrainerAccess {
             "{peer} must claim label `{k}` for job `{job}`: the stage's `trainers:` rule for it requires the label"
         ))
     }
+}
+
+/// `{a=1, b=2}`, for messages (`{}` for none).
+pub fn show_labels(labels: &BTreeMap<String, String>) -> String {
+    let pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("{{{}}}", pairs.join(", "))
 }
 
 /// Matches `text` against `pattern`, where `*` stands for any run of
@@ -319,7 +326,7 @@ mod tests {
             r#"
 - uids: [1000]
   jobs: ["team-a-*"]
-  labels: {team: [a], priority: [low, normal]}
+  labels: {team: [a, ""], priority: [low, normal]}
   require: [team]
 "#,
         );
@@ -332,7 +339,11 @@ mod tests {
                 .check(&alice, "team-a-x", &labels(&[("team", "a")]))
                 .is_ok()
         );
-        for claim in [labels(&[]), labels(&[("priority", "low")])] {
+        for claim in [
+            labels(&[]),
+            labels(&[("priority", "low")]),
+            labels(&[("team", "")]),
+        ] {
             let e = access.check(&alice, "team-a-x", &claim).unwrap_err();
             assert!(e.contains("must claim label `team`"), "{e}");
         }

@@ -349,6 +349,23 @@ def test_a_trainer_claiming_no_labels_joins_the_job_as_it_runs(stage_factory, da
         sluice.Client(stage.socket, job="team-a-y", labels={"priority": "low"})
 
 
+def test_under_trainer_rules_a_running_jobs_labels_do_not_change(stage_factory, dataset, tmp_path):
+    """A peer's labels would apply to connections whose peers were never
+    checked against them: while a job runs, a HELLO claims its labels or
+    none."""
+    root, files = dataset
+    config = tmp_path / "stage.yaml"
+    config.write_text(f"trainers:\n  - uids: [{os.getuid()}]\n    jobs: [\"*\"]\n    labels: {{team: [a, b]}}\n")
+    stage = stage_factory({"ds": root}, "--config", str(config))
+    with sluice.Client(stage.socket, job="j", labels={"team": "a"}):
+        with pytest.raises(sluice.ClaimRefusedError, match=r"runs under other labels \(\{team=a\}\)"):
+            sluice.Client(stage.socket, job="j", labels={"team": "b"})
+        with sluice.Client(stage.socket, job="j", labels={"team": "a"}), sluice.Client(stage.socket, job="j"):
+            assert job_labels(stage, "j") == {"team": "a"}
+    with sluice.Client(stage.socket, job="j", labels={"team": "b"}):
+        assert job_labels(stage, "j") == {"team": "b"}, "once nobody runs under them, a claim sets them"
+
+
 def test_a_connection_without_labels_keeps_the_jobs_labels(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"ds": root})

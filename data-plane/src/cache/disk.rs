@@ -8,7 +8,7 @@
 
 use std::fs;
 use std::io::{self, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -59,6 +59,19 @@ pub(super) fn claim(dir: &Path) -> io::Result<fs::File> {
                 dir.display()
             ))
         })?;
+    // A marker with another name elsewhere (a hard link) would have that
+    // file overwritten below.
+    if file
+        .metadata()
+        .map_err(|e| refuse(format!("cannot read {}: {e}", marker.display())))?
+        .nlink()
+        > 1
+    {
+        return Err(refuse(format!(
+            "{} has other names (hard links): remove it, and give --cache-dir a directory of its own",
+            marker.display()
+        )));
+    }
     match file.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => {

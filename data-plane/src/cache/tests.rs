@@ -528,3 +528,30 @@ fn staging_keeps_what_memory_does_not_on_disk_at_once() {
         "2 in memory, 3 on disk"
     );
 }
+
+#[test]
+fn staging_counts_older_versions_as_room() {
+    let c = cache(100, CachePolicy::Stable);
+    let src: Arc<str> = "/data".into();
+    for i in 0..10 {
+        assert!(!read(&c, "d", &versioned(&src, i, 1), 0));
+    }
+    // Every file written again: the old versions are not the data set's
+    // room, so a round stages all of the new ones.
+    let (chosen, held, short) = c.to_stage(&src, "d", (0..10).map(|i| (i, versioned(&src, i, 2))));
+    assert_eq!((chosen.len(), held, short), (10, 0, false));
+    assert_eq!(c.report().used_bytes, 0);
+}
+
+#[test]
+fn a_marker_with_other_names_is_refused_and_not_written_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir(&cache).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    std::fs::hard_link(&victim, cache.join(disk::MARKER)).unwrap();
+    let err = open_tiered(&cache, 0, FILE, ("/data", "d")).unwrap_err();
+    assert!(err.to_string().contains("hard links"), "{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+}

@@ -329,6 +329,11 @@ impl Job {
         lock(&self.labels).clone()
     }
 
+    /// Whether a trainer (or mount reader) is attached now.
+    pub fn connected(&self) -> bool {
+        self.lock().connections > 0
+    }
+
     /// Panics while holding this job's lock (a test's injected fault: see
     /// `crate::fault`).
     #[cfg(debug_assertions)]

@@ -24,11 +24,19 @@ pub fn telemetry(engine: &Engine) -> v1::Telemetry {
 
 fn cache_telemetry(cache: &Cache, staging: &Staging) -> v1::CacheTelemetry {
     let report = cache.report();
+    // One entry per data set name: data sets served from one source share
+    // the numbers, each with its own staging round.
     let datasets = report
         .datasets
         .into_iter()
-        .map(|d| {
-            let staging = staging.progress(&d.dataset).map(|p| v1::StagingProgress {
+        .flat_map(|d| {
+            d.names
+                .clone()
+                .into_iter()
+                .map(move |name| (name, d.clone()))
+        })
+        .map(|(name, d)| {
+            let staging = staging.progress(&name).map(|p| v1::StagingProgress {
                 round: p.round,
                 state: p.state.as_str().to_owned(),
                 samples_done: p.samples_done,
@@ -38,7 +46,7 @@ fn cache_telemetry(cache: &Cache, staging: &Staging) -> v1::CacheTelemetry {
                 error: p.error,
             });
             v1::DatasetCacheTelemetry {
-                dataset: d.dataset,
+                dataset: name,
                 memory_bytes: d.bytes,
                 disk_bytes: d.disk_bytes,
                 entries: d.entries + d.disk_entries,
