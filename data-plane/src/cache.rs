@@ -239,6 +239,10 @@ struct State {
     disk: Option<Disk>,
     shares: HashMap<Arc<str>, Share>,
     pending: HashMap<SampleKey, Arc<Flight>>,
+    /// Samples on their way to the disk tier (the writer's queue holds the
+    /// same bytes): found here until written, so that another job's lookup
+    /// meanwhile does not read them from the source again.
+    queued: HashMap<SampleKey, Arc<[u8]>>,
     tick: u64,
 }
 
@@ -324,6 +328,7 @@ impl Cache {
             disk: None,
             shares: HashMap::new(),
             pending: HashMap::new(),
+            queued: HashMap::new(),
             tick: 0,
         };
         for (source, name) in datasets {
@@ -359,7 +364,8 @@ impl Cache {
                 .spawn(move || {
                     for (key, bytes) in rx {
                         let Some(cache) = weak.upgrade() else { break };
-                        cache.write_to_disk(key, &bytes);
+                        cache.write_to_disk(key.clone(), &bytes);
+                        lock(&cache.state).queued.remove(&key);
                     }
                 })?;
         }
@@ -427,7 +433,7 @@ impl Cache {
         let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
         // Another reader's fill may have landed since `find` let go of the
         // lock: it must not be read a second time.
-        if let Some(bytes) = st.memory.get(key) {
+        if let Some(bytes) = st.memory.get(key).or_else(|| st.queued.get(key)) {
             self.metrics.hit(label, MEMORY, bytes.len() as u64);
             return Lookup::Hit(Arc::clone(bytes));
         }
@@ -492,6 +498,10 @@ impl Cache {
             if self.policy == CachePolicy::Lru {
                 st.memory.touch(key, tick);
             }
+            self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
+            return Found::Memory(bytes);
+        }
+        if let Some(bytes) = st.queued.get(key).cloned() {
             self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
             return Found::Memory(bytes);
         }
@@ -695,7 +705,13 @@ impl Cache {
     /// keeps up (a sample the queue has no room for is not kept).
     fn offer_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
         if let Some(tx) = &self.to_disk {
-            let _ = tx.try_send((key.clone(), Arc::clone(bytes)));
+            // Findable before the writer can take it off the queue.
+            lock(&self.state)
+                .queued
+                .insert(key.clone(), Arc::clone(bytes));
+            if tx.try_send((key.clone(), Arc::clone(bytes))).is_err() {
+                lock(&self.state).queued.remove(key);
+            }
         }
     }
 
