@@ -655,9 +655,6 @@ impl Cache {
     fn admit(&self, key: &SampleKey, bytes: &[u8], flight: &Arc<Flight>) -> Option<Arc<[u8]>> {
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        st.pending.remove(key);
-        // With the flight out of `pending`, nobody new can join it.
-        let wanted = Arc::strong_count(flight) > 1;
         let label = st
             .shares
             .get(&key.source)
@@ -665,12 +662,28 @@ impl Cache {
         let size = bytes.len() as u64;
         let shares = shares_now(&st.shares, st.memory.capacity);
         let Some(evicted) = st.memory.make_room(self.policy, &shares, &key.source, size) else {
-            drop(guard);
             self.metrics.rejected(&label);
+            if self.to_disk.is_none() {
+                st.pending.remove(key);
+                // With the flight out of `pending`, nobody new can join it.
+                let wanted = Arc::strong_count(flight) > 1;
+                drop(guard);
+                return wanted.then(|| Arc::from(bytes));
+            }
+            // On its way to the disk tier: the flight stays joinable until
+            // the bytes are queued (where lookups find them), so no lookup
+            // in between reads the sample again; whoever joined gets them.
+            drop(guard);
             let shared: Arc<[u8]> = Arc::from(bytes);
-            self.offer_to_disk(key, &shared);
-            return wanted.then_some(shared);
+            {
+                let mut st = lock(&self.state);
+                st.queued.insert(key.clone(), Arc::clone(&shared));
+                st.pending.remove(key);
+            }
+            self.send_to_disk(key, &shared);
+            return Some(shared);
         };
+        st.pending.remove(key);
         let shared: Arc<[u8]> = Arc::from(bytes);
         st.tick += 1;
         if let Some((_, len)) = st
@@ -704,14 +717,21 @@ impl Cache {
     /// Queues a sample for the disk tier, if there is one and its writer
     /// keeps up (a sample the queue has no room for is not kept).
     fn offer_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
-        if let Some(tx) = &self.to_disk {
+        if self.to_disk.is_some() {
             // Findable before the writer can take it off the queue.
             lock(&self.state)
                 .queued
                 .insert(key.clone(), Arc::clone(bytes));
-            if tx.try_send((key.clone(), Arc::clone(bytes))).is_err() {
-                lock(&self.state).queued.remove(key);
-            }
+            self.send_to_disk(key, bytes);
+        }
+    }
+
+    /// Puts a sample already in `queued` on the writer's queue, or takes
+    /// it out of `queued` when the queue is full.
+    fn send_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
+        let Some(tx) = &self.to_disk else { return };
+        if tx.try_send((key.clone(), Arc::clone(bytes))).is_err() {
+            lock(&self.state).queued.remove(key);
         }
     }
 
