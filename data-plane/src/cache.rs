@@ -507,16 +507,7 @@ impl Cache {
         }
         // Not in memory: what memory holds of an older version of the
         // sample will never be asked for again.
-        let stale = st.memory.remove_other_versions(key);
-        for (_, _, len) in &stale {
-            self.metrics.evicted(&share.label, MEMORY, *len);
-        }
-        if !stale.is_empty() {
-            self.metrics
-                .used
-                .with_label_values(&[MEMORY])
-                .set(st.memory.used as i64);
-        }
+        self.drop_other_versions(&mut st.memory, MEMORY, key, &share.label);
         let Some(disk) = st.disk.as_mut() else {
             return Found::Nowhere;
         };
@@ -529,22 +520,37 @@ impl Cache {
             }
             return Found::Disk(path, share.label.clone());
         }
-        let stale = disk.tier.remove_other_versions(key);
-        if stale.is_empty() {
-            return Found::Nowhere;
-        }
-        for (_, file, len) in &stale {
-            self.metrics.evicted(&share.label, DISK, *len);
+        for file in self.drop_other_versions(&mut disk.tier, DISK, key, &share.label) {
             // Unlinked under the lock: a writer of the same path (the
             // same name and version cannot be both stale and current)
             // is not racing this.
             let _ = std::fs::remove_file(&file.path);
         }
+        Found::Nowhere
+    }
+
+    /// Drops what `tier` (named `which`) holds of other versions of
+    /// `key`'s sample, which will never be read again, counting them as
+    /// evictions of `label`; returns the dropped values.
+    fn drop_other_versions<V>(
+        &self,
+        tier: &mut Tier<V>,
+        which: &str,
+        key: &SampleKey,
+        label: &str,
+    ) -> Vec<V> {
+        let stale = tier.remove_other_versions(key);
+        if stale.is_empty() {
+            return Vec::new();
+        }
+        for (_, _, len) in &stale {
+            self.metrics.evicted(label, which, *len);
+        }
         self.metrics
             .used
-            .with_label_values(&[DISK])
-            .set(disk.tier.used as i64);
-        Found::Nowhere
+            .with_label_values(&[which])
+            .set(tier.used as i64);
+        stale.into_iter().map(|(_, value, _)| value).collect()
     }
 
     /// Sets a data set's weight in the split of the capacity, as the
@@ -592,20 +598,13 @@ impl Cache {
         share.last_lookup = Some(Instant::now());
         // What the tiers hold of older versions of these samples will
         // never be read again: it is not room the data set has used.
-        let mut dead = Vec::new();
         for (_, key) in &samples {
-            for (_, _, len) in st.memory.remove_other_versions(key) {
-                self.metrics.evicted(&share.label, MEMORY, len);
-            }
+            self.drop_other_versions(&mut st.memory, MEMORY, key, &share.label);
             if let Some(disk) = st.disk.as_mut() {
-                for (_, file, len) in disk.tier.remove_other_versions(key) {
-                    self.metrics.evicted(&share.label, DISK, len);
-                    dead.push(file.path);
+                for file in self.drop_other_versions(&mut disk.tier, DISK, key, &share.label) {
+                    let _ = std::fs::remove_file(&file.path);
                 }
             }
-        }
-        for path in dead {
-            let _ = std::fs::remove_file(path);
         }
         let room =
             |capacity: u64, used: u64, held: Option<&tier::Held>, share: u64| match self.policy {

@@ -198,17 +198,12 @@ impl Engine {
         self.attach_with(id, Some(labels), true)
     }
 
-    /// The labels job `id` runs under, if it exists.
-    pub fn labels_of(&self, id: &str) -> Option<BTreeMap<String, String>> {
-        lock(&self.jobs).get(id).map(|job| job.labels())
-    }
-
-    /// The labels job `id` runs under while something is attached to it.
-    pub fn running_labels(&self, id: &str) -> Option<BTreeMap<String, String>> {
+    /// The labels job `id` runs under and whether anything is attached to
+    /// it now, if the job exists.
+    pub fn labels_of(&self, id: &str) -> Option<(BTreeMap<String, String>, bool)> {
         lock(&self.jobs)
             .get(id)
-            .filter(|job| job.connected())
-            .map(|job| job.labels())
+            .map(|job| (job.labels(), job.connected()))
     }
 
     /// [`Engine::attach`] for a reader that declares no labels (a read

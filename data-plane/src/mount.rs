@@ -785,7 +785,11 @@ impl MountFs {
         };
         // As a trainer joining without labels: checked against the labels
         // the job runs under.
-        let runs_under = self.engine.labels_of(job).unwrap_or_default();
+        let runs_under = self
+            .engine
+            .labels_of(job)
+            .map(|(labels, _)| labels)
+            .unwrap_or_default();
         match self.access.check(&peer, job, &runs_under) {
             Ok(()) => true,
             Err(why) => {

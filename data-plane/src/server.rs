@@ -380,9 +380,11 @@ impl Connection {
         // kept: another connection of the job must not clear them), so
         // the claim checked is the labels it will run under.
         let claimed = (!labels.is_empty()).then_some(labels);
-        let runs_under = match &claimed {
-            Some(labels) => labels.clone(),
-            None => self.engine.labels_of(job).unwrap_or_default(),
+        let current = self.engine.labels_of(job);
+        let runs_under = match (&claimed, &current) {
+            (Some(labels), _) => labels.clone(),
+            (None, Some((labels, _))) => labels.clone(),
+            (None, None) => BTreeMap::new(),
         };
         if let Err(why) = self.access.check(&self.peer, job, &runs_under) {
             return Err(ProtocolError::new(ErrorCode::ClaimRefused, why));
@@ -392,14 +394,14 @@ impl Connection {
         // connections whose peers were never checked against them.
         if self.access.restricts()
             && let Some(labels) = &claimed
-            && let Some(running) = self.engine.running_labels(job)
-            && *labels != running
+            && let Some((running, true)) = &current
+            && labels != running
         {
             return Err(ProtocolError::new(
                 ErrorCode::ClaimRefused,
                 format!(
                     "job `{job}` runs under other labels ({}): a trainer joining it claims the same labels, or none",
-                    crate::trust::show_labels(&running)
+                    crate::trust::show_labels(running)
                 ),
             ));
         }

@@ -27,6 +27,7 @@ use tracing::{info, warn};
 use super::{JobHandle, PlanKey};
 use crate::cache::{Cache, SampleKey};
 use crate::dataset::{Dataset, Listing};
+use crate::entry::FileEntry;
 use crate::metrics::CacheMetrics;
 use crate::protocol::{Payload, Sample};
 use crate::sync::lock;
@@ -218,15 +219,8 @@ async fn run(
             Arc::clone(&dataset),
         );
         tokio::task::spawn_blocking(move || {
-            let keys = listing.files.iter().enumerate().map(|(i, f)| {
-                let key = SampleKey {
-                    source: Arc::clone(&dataset.identity),
-                    name: f.name.as_str().into(),
-                    version: f.version,
-                    size: f.size,
-                };
-                (i as u32, key)
-            });
+            let keys =
+                (listing.files.iter().enumerate()).map(|(i, f)| (i as u32, key_of(&dataset, f)));
             cache.to_stage(&dataset.identity, &dataset.name, keys)
         })
         .await
@@ -302,12 +296,16 @@ fn keep_all(cache: &Cache, dataset: &Dataset, listing: &Listing, samples: Vec<Sa
         else {
             return true;
         };
-        let key = SampleKey {
-            source: Arc::clone(&dataset.identity),
-            name: sample.name.as_str().into(),
-            version: entry.version,
-            size: entry.size,
-        };
-        cache.keep(&key, bytes)
+        cache.keep(&key_of(dataset, entry), bytes)
     })
+}
+
+/// The cache key of a listed file of `dataset`.
+fn key_of(dataset: &Dataset, file: &FileEntry) -> SampleKey {
+    SampleKey {
+        source: Arc::clone(&dataset.identity),
+        name: file.name.as_str().into(),
+        version: file.version,
+        size: file.size,
+    }
 }
