@@ -80,6 +80,12 @@ impl SourceMetrics {
         }
     }
 
+    /// A transfer whose body stopped coming after an `ok` head: given up
+    /// and asked for again, so counted among the retries.
+    pub fn stalled(&self) {
+        self.retried.inc();
+    }
+
     /// The counter of samples that failed for `kind`.
     pub fn sample_errors(&self, kind: &str) -> IntCounter {
         self.sample_errors.with_label_values(&[&self.dataset, kind])
@@ -246,7 +252,8 @@ impl Metrics {
                 retried: r.counter(
                     "sluice_stage_source_retries_total",
                     "Requests to remote sources that failed in a way the stage retries \
-                     (throttled, server_error, connection), within each sample's deadline.",
+                     (throttled, server_error, connection, or a transfer that stalled after \
+                     its head), within each sample's deadline.",
                     &["dataset"],
                 ),
                 sample_errors: r.counter(

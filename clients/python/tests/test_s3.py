@@ -241,6 +241,8 @@ def test_a_transfer_that_stalls_halfway_is_resumed_within_the_deadline(s3, stage
     assert {n: bytes(d) if not isinstance(d, Exception) else d for n, d in got.items()} == \
         {n: files[n] for n in names}
     assert took < 20, f"{took:.1f} s"
+    # Each stalled transfer was a retry (its head had counted ok).
+    assert metric_sum(stage, "sluice_stage_source_retries_total") >= 2
 
 
 def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):

@@ -924,6 +924,7 @@ impl HttpService for Http {
                 let body = body.map_err(|e| HttpError::new(HttpErrorKind::Interrupted, e));
                 let body = AnswerBody(std::sync::Mutex::new(Stalling {
                     body,
+                    metrics: self.metrics.clone(),
                     idle: self
                         .answer_within
                         .map(|limit| (limit, Box::pin(tokio::time::sleep(limit)))),
@@ -999,6 +1000,8 @@ struct AnswerBody<B>(std::sync::Mutex<Stalling<B>>);
 
 struct Stalling<B> {
     body: B,
+    /// Counts a stalled transfer as a retry (object_store asks again).
+    metrics: Option<SourceMetrics>,
     /// How long the body may send nothing, and the time it runs out.
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
 }
@@ -1038,6 +1041,9 @@ where
                     format!("no bytes of the answer for {limit:?}"),
                 );
                 this.idle = None;
+                if let Some(metrics) = &this.metrics {
+                    metrics.stalled();
+                }
                 Poll::Ready(Some(Err(HttpError::new(HttpErrorKind::Timeout, stalled))))
             }
         }
