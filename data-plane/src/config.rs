@@ -584,6 +584,28 @@ fn merge_datasets(
             "dataset name `{name}` is invalid: at most 128 bytes, no `/`, not `.` or `..`, not starting with `@` (the mount's job directories), e.g. `imagenet`"
         )));
     }
+    // A URL of another kind (or a mistyped `s3://`) would be read as a
+    // relative directory that does not exist.
+    for (name, location) in &datasets {
+        let text = location.to_string_lossy();
+        let Some((scheme, _)) = text.split_once(':') else {
+            continue;
+        };
+        let url_like = !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+        if url_like && !text.starts_with("s3://") && !location.exists() {
+            let hint = if scheme.eq_ignore_ascii_case("s3") {
+                "an object store is `s3://BUCKET/PREFIX`"
+            } else {
+                "sources are local directories and `s3://BUCKET/PREFIX` (S3 and its compatibles)"
+            };
+            return Err(ConfigError(format!(
+                "dataset `{name}`: `{text}` is neither a directory nor a URL the stage reads: {hint}"
+            )));
+        }
+    }
     Ok(datasets)
 }
 
@@ -728,6 +750,10 @@ fn resolved(path: &Path) -> PathBuf {
 /// the file's `s3:`.
 fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
     let endpoint = args.s3_endpoint.clone().or_else(|| file.endpoint.clone());
+    // An endpoint from the environment is a server of one's own too: it
+    // takes path-style addressing unless told otherwise.
+    let any_endpoint =
+        endpoint.is_some() || std::env::var_os("AWS_ENDPOINT_URL").is_some_and(|e| !e.is_empty());
     let deadline = args
         .s3_deadline
         .or(file.deadline)
@@ -741,7 +767,7 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
         path_style: args
             .s3_path_style
             .or(file.path_style)
-            .unwrap_or(endpoint.is_some()),
+            .unwrap_or(any_endpoint),
         endpoint,
         region: args.s3_region.clone().or_else(|| file.region.clone()),
         anonymous: args.s3_anonymous.or(file.anonymous).unwrap_or(false),
@@ -1155,6 +1181,20 @@ mod tests {
         }
         let file = BTreeMap::from([(String::new(), PathBuf::from("/tmp"))]);
         assert!(merge_datasets(&file, &[]).is_err());
+        // A mistyped or unknown URL is not taken for a relative directory.
+        for (url, hint) in [
+            ("s3:/bucket/x", "`s3://BUCKET/PREFIX`"),
+            ("gs://bucket/x", "local directories and `s3://"),
+        ] {
+            let e = merge_datasets(&BTreeMap::new(), &[("d".into(), url.into())]).unwrap_err();
+            let e = e.to_string();
+            assert!(
+                e.contains("neither a directory nor a URL") && e.contains(hint),
+                "{e}"
+            );
+        }
+        let plain = [("d".into(), PathBuf::from("s3://bucket/x"))];
+        assert!(merge_datasets(&BTreeMap::new(), &plain).is_ok());
         // A name given twice is refused, not the last one taken.
         let twice = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--dataset", "d=/var"]));
         assert!(twice.unwrap_err().to_string().contains("given twice"));

@@ -2,6 +2,7 @@
 //! listing (reused for a few seconds).
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,9 @@ use crate::sync::lock;
 
 /// How long a listing is reused before `OPEN` walks the root again.
 const LISTING_TTL: Duration = Duration::from_secs(5);
+
+/// How old a listing may be and still be served when listing again fails.
+const STALE_LISTING: Duration = Duration::from_secs(300);
 
 /// A dataset's files sorted by name, as `LIST` pages them. A name is found
 /// by binary search, so a listing costs its entries and nothing more (a
@@ -121,7 +125,42 @@ pub struct Dataset {
     /// every cache key of its samples.
     pub identity: Arc<str>,
     source: Source,
-    cached: Mutex<Option<(Instant, Arc<Listing>)>>,
+    cached: Mutex<Cached>,
+    /// Listings tried since the start; read before waiting for `cached`,
+    /// so a caller that waited through a failed listing shares its error.
+    tried: AtomicU64,
+}
+
+/// The last listing and the last failure to list again.
+#[derive(Debug, Default)]
+struct Cached {
+    listed: Option<(Instant, Arc<Listing>)>,
+    failed: Option<Failed>,
+}
+
+/// A failure to list, kept for [`LISTING_TTL`] and for the callers that
+/// waited while it was tried.
+#[derive(Debug)]
+struct Failed {
+    /// The `tried` count it ended.
+    tried: u64,
+    at: Instant,
+    kind: io::ErrorKind,
+    message: String,
+}
+
+impl Cached {
+    /// The last listing while it may stand in for one that failed.
+    fn stale(&self) -> Option<&Arc<Listing>> {
+        self.listed
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < STALE_LISTING)
+            .map(|(_, listing)| listing)
+    }
+
+    fn stale_or(&self, e: io::Error) -> io::Result<Arc<Listing>> {
+        self.stale().map(Arc::clone).ok_or(e)
+    }
 }
 
 impl Dataset {
@@ -130,7 +169,8 @@ impl Dataset {
             name: name.to_owned(),
             identity: source.describe().into(),
             source,
-            cached: Mutex::new(None),
+            cached: Mutex::new(Cached::default()),
+            tried: AtomicU64::new(0),
         }
     }
 
@@ -140,22 +180,58 @@ impl Dataset {
 
     /// The listing as last listed, without listing again.
     pub fn listed(&self) -> Option<Arc<Listing>> {
-        lock(&self.cached).as_ref().map(|(_, l)| Arc::clone(l))
+        lock(&self.cached)
+            .listed
+            .as_ref()
+            .map(|(_, l)| Arc::clone(l))
     }
 
     /// Returns the listing, listing the source again when the cached one is
     /// older than a few seconds. Blocking: call off the async runtime.
+    ///
+    /// A listing again that fails while the last one is younger than
+    /// [`STALE_LISTING`] gives the last one (a store that restarts does not
+    /// fail the trainers who open the data set meanwhile; their reads ride
+    /// the outage out within the sample deadline). A failure is kept for
+    /// [`LISTING_TTL`] and given to the callers that waited while it was
+    /// tried, rather than each trying again in turn (a store that hangs
+    /// would hold the last of N trainers N times as long).
     pub fn listing(&self) -> io::Result<Arc<Listing>> {
+        let seen = self.tried.load(Ordering::Acquire);
         let mut cached = lock(&self.cached);
-        if let Some((at, listing)) = cached.as_ref()
+        if let Some((at, listing)) = cached.listed.as_ref()
             && at.elapsed() < LISTING_TTL
         {
             return Ok(Arc::clone(listing));
         }
-        let listing = Arc::new(Listing::of(self.source.list()?));
-        crate::heap::give_back_freed_memory();
-        *cached = Some((Instant::now(), Arc::clone(&listing)));
-        Ok(listing)
+        if let Some(failed) = &cached.failed
+            && (failed.tried > seen || failed.at.elapsed() < LISTING_TTL)
+        {
+            let e = io::Error::new(failed.kind, failed.message.clone());
+            return cached.stale_or(e);
+        }
+        let tried = self.tried.fetch_add(1, Ordering::AcqRel) + 1;
+        match self.source.list() {
+            Ok(walked) => {
+                let listing = Arc::new(Listing::of(walked));
+                crate::heap::give_back_freed_memory();
+                cached.listed = Some((Instant::now(), Arc::clone(&listing)));
+                cached.failed = None;
+                Ok(listing)
+            }
+            Err(e) => {
+                cached.failed = Some(Failed {
+                    tried,
+                    at: Instant::now(),
+                    kind: e.kind(),
+                    message: e.to_string(),
+                });
+                if cached.stale().is_some() {
+                    tracing::warn!(dataset = %self.name, error = %e, "listing the data set again failed: serving its last listing");
+                }
+                cached.stale_or(e)
+            }
+        }
     }
 
     /// Reads the whole sample `name` of the listing (`listed` bytes) for
@@ -262,6 +338,57 @@ mod tests {
         assert_eq!(
             a.digest,
             Listing::new(vec![FileEntry::new("a".into(), 1, 7)]).digest
+        );
+    }
+
+    /// Makes the cached listing and failure `by` older.
+    fn age(ds: &Dataset, by: Duration) {
+        let mut cached = lock(&ds.cached);
+        if let Some((at, _)) = cached.listed.as_mut() {
+            *at -= by;
+        }
+        if let Some(failed) = cached.failed.as_mut() {
+            failed.at -= by;
+        }
+    }
+
+    #[test]
+    fn a_listing_again_that_fails_serves_the_last_one_while_it_is_recent() {
+        let (dir, ds) = fixture();
+        let first = ds.listing().unwrap();
+        let root = dir.path().join("root");
+        let away = dir.path().join("away");
+        std::fs::rename(&root, &away).unwrap();
+        age(&ds, LISTING_TTL);
+        assert!(
+            Arc::ptr_eq(&ds.listing().unwrap(), &first),
+            "the store is away: the last listing"
+        );
+        age(&ds, STALE_LISTING);
+        assert!(ds.listing().is_err(), "too old to stand in");
+        // The failure stands for a few seconds: nobody lists again meanwhile.
+        std::fs::rename(&away, &root).unwrap();
+        assert!(ds.listing().is_err());
+        age(&ds, LISTING_TTL);
+        assert_eq!(ds.listing().unwrap().digest, first.digest);
+    }
+
+    #[test]
+    fn callers_that_waited_while_a_listing_failed_share_its_error() {
+        let (dir, ds) = fixture();
+        std::fs::remove_dir_all(dir.path().join("root")).unwrap();
+        // A caller that read the count before another's try ended.
+        let seen = ds.tried.load(Ordering::Acquire);
+        assert!(ds.listing().is_err());
+        let failed = lock(&ds.cached).failed.as_ref().map(|f| f.tried);
+        assert!(failed > Some(seen), "{failed:?}");
+        age(&ds, LISTING_TTL);
+        let tried = ds.tried.load(Ordering::Acquire);
+        assert!(ds.listing().is_err());
+        assert_eq!(
+            ds.tried.load(Ordering::Acquire),
+            tried + 1,
+            "an old failure is tried again"
         );
     }
 }

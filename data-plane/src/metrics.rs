@@ -235,7 +235,8 @@ impl Metrics {
                     "sluice_stage_source_requests_total",
                     "Requests to remote sources, by how they ended: ok, throttled (503 SlowDown, 429), \
                      server_error (other 5xx), denied (401, 403), not_found, client_error (other 4xx), \
-                     connection (refused, reset, timed out).",
+                     connection (refused, reset, timed out), abandoned (given up unanswered: \
+                     its sample's deadline ran out, or the sample was no longer wanted).",
                     &["dataset", "outcome"],
                 ),
                 request_latency: r.add(
@@ -253,7 +254,8 @@ impl Metrics {
                     "sluice_stage_source_retries_total",
                     "Requests to remote sources that failed in a way the stage retries \
                      (throttled, server_error, connection, or a transfer that stalled after \
-                     its head), within each sample's deadline.",
+                     its head): each is tried again while its sample's deadline lasts, so one \
+                     that failed just before the deadline counts too.",
                     &["dataset"],
                 ),
                 sample_errors: r.counter(

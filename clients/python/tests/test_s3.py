@@ -132,17 +132,22 @@ def test_missing_and_denied_objects_are_their_samples_errors(s3, stage_factory):
     server, files = s3
     names = sorted_names(files)
     deleted, denied = names[3], next(n for n in names if n.startswith("d1/"))
+    grown = names[5]
     with proxy(server, deny=f"/{PREFIX}/{denied}") as slow:
         stage = s3_stage(stage_factory, slow.endpoint)
         with sluice.Client(stage.socket, job="s3") as c:
             ds = c.dataset("ds")
             ds.files.names()
             os.remove(os.path.join(server.root, BUCKET, PREFIX, deleted))
+            # Grown past what one response frame carries since it was
+            # listed: its own error, not a frame that ends the connection.
+            os.truncate(os.path.join(server.root, BUCKET, PREFIX, grown), 260 << 20)
             got = dict(ds.epoch(0, seed=1, batch=8, on_error="yield"))
     assert set(got) == set(names), "no silent gap"
     assert got[deleted].code == sluice.ErrorCode.NOT_FOUND and deleted in got[deleted].message
     assert got[denied].code == sluice.ErrorCode.IO_ERROR and "denied" in got[denied].message
-    for name in set(names) - {deleted, denied}:
+    assert got[grown].code == sluice.ErrorCode.TOO_LARGE and grown in got[grown].message
+    for name in set(names) - {deleted, denied, grown}:
         assert bytes(got[name]) == files[name]
     assert metric_sum(stage, "sluice_stage_source_errors_total", kind="not_found") >= 1
     assert metric_sum(stage, "sluice_stage_source_errors_total", kind="denied") >= 1
@@ -289,6 +294,26 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
     assert "no S3 credentials" in err and "AWS_ACCESS_KEY_ID" in err, err
     err = start_fails(tmp_path, "--dataset", "ds=s3://", "--s3-endpoint", endpoint)
     assert "names no bucket" in err, err
+    no_secret = {k: v for k, v in os.environ.items() if k != "AWS_SECRET_ACCESS_KEY"}
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint, env=no_secret)
+    assert "AWS_SECRET_ACCESS_KEY is not" in err, err
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      "--s3-anonymous", "true")
+    assert "refused unsigned requests" in err and "drop --s3-anonymous" in err, err
+    # Virtual-hosted addressing asks the endpoint itself for the keys.
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      "--s3-path-style", "false")
+    assert "--s3-path-style true" in err, err
+    err = start_fails(tmp_path, "--dataset", f"ds=s3:/{BUCKET}/{PREFIX}")
+    assert "neither a directory nor a URL" in err and "s3://BUCKET/PREFIX" in err, err
+
+
+def test_an_endpoint_from_the_environment_is_addressed_path_style(s3, monkeypatch, stage_factory):
+    server, files = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{server.address}")
+    stage = stage_factory({"ds": f"s3://{BUCKET}/{PREFIX}"})
+    with sluice.Client(stage.socket, job="s3") as c:
+        assert c.dataset("ds").files.names() == sorted_names(files)
 
 
 def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage_factory):

@@ -159,11 +159,13 @@ impl S3Source {
         };
         let (builder, addressing) = builder(&bucket, options, &source_metrics)
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
-        let endpoint = options
-            .endpoint
-            .clone()
-            .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
-            .unwrap_or_else(|| "AWS S3".into());
+        let endpoint = options.endpoint.clone().or_else(|| {
+            std::env::var("AWS_ENDPOINT_URL")
+                .ok()
+                .filter(|e| !e.is_empty())
+        });
+        let endpoint_set = endpoint.is_some();
+        let endpoint = endpoint.unwrap_or_else(|| "AWS S3".into());
         // The start-up check gives up after a few tries: a wrong endpoint
         // should fail the start, not stall it.
         let probe = builder
@@ -203,7 +205,13 @@ impl S3Source {
             credentials: (!options.anonymous).then(|| store.credentials().clone()),
             timeout: PROBE_TIMEOUT.max(options.deadline),
         };
-        check(&lister, &probe, &prefix, &bucket, &endpoint)
+        let probed = Probed {
+            bucket: &bucket,
+            endpoint: &endpoint,
+            virtual_hosted_compatible: endpoint_set && !options.path_style,
+            anonymous: options.anonymous,
+        };
+        check(&lister, &probe, &prefix, &probed)
             .await
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         Ok(Self {
@@ -352,7 +360,10 @@ impl S3Source {
                 into_chunk(result, buf).await
             }
         };
-        self.within_deadline(name, read).await
+        match self.within_deadline(name, read).await? {
+            Ok(chunk) => Ok(chunk),
+            Err(Grown(size)) => Err(too_large(name, size)),
+        }
     }
 
     /// Reads object `name` whole (a name a trainer gave, not from a plan).
@@ -368,7 +379,8 @@ impl S3Source {
             if size > MAX_FILE_BYTES {
                 return Ok(Err(too_large(name, size)));
             }
-            into_chunk(result, alloc(size as usize)).await.map(Ok)
+            let chunk = into_chunk(result, alloc(size as usize)).await?;
+            Ok(chunk.map_err(|Grown(size)| too_large(name, size)))
         };
         self.within_deadline(name, read).await?
     }
@@ -412,7 +424,7 @@ impl S3Source {
         key: &Key,
         size: u64,
         mut buf: Buffer,
-    ) -> object_store::Result<Chunk> {
+    ) -> object_store::Result<Result<Chunk, Grown>> {
         let parts = (0..size).step_by(PART_BYTES as usize).map(|start| {
             let options = GetOptions {
                 range: Some((start..(start + PART_BYTES).min(size)).into()),
@@ -437,9 +449,8 @@ impl S3Source {
                 .any(|(meta, _)| meta.size != size || &meta.e_tag != etag)
         });
         let Some(parts) = parts.filter(|_| !replaced) else {
-            buf.recycle();
             let whole = self.store.get_opts(key, GetOptions::default()).await?;
-            return Ok(Chunk::from_vec(whole.bytes().await?.to_vec()));
+            return into_chunk(whole, buf).await;
         };
         let bytes = buf.as_mut_slice();
         let mut len = 0;
@@ -447,7 +458,7 @@ impl S3Source {
             bytes[len..len + piece.len()].copy_from_slice(&piece);
             len += piece.len();
         }
-        Ok(Chunk::pooled(buf, 0, len))
+        Ok(Ok(Chunk::pooled(buf, 0, len)))
     }
 
     /// Runs one sample's requests within the deadline, counting and
@@ -532,16 +543,24 @@ fn too_large(name: &str, bytes: u64) -> ProtocolError {
     )
 }
 
+/// An object that grew since it was listed past what one response frame
+/// carries: its size now.
+struct Grown(u64);
+
 /// Streams a GET's body into `buf`, or into the heap when it does not fit
-/// (the object grew since it was listed).
+/// (the object grew since it was listed), unless it grew past what one
+/// response frame carries.
 async fn into_chunk(
     result: object_store::GetResult,
     mut buf: Buffer,
-) -> object_store::Result<Chunk> {
+) -> object_store::Result<Result<Chunk, Grown>> {
     let size = result.meta.size;
     if size as usize > buf.as_mut_slice().len() {
         buf.recycle();
-        return Ok(Chunk::from_vec(result.bytes().await?.to_vec()));
+        if size > MAX_FILE_BYTES {
+            return Ok(Err(Grown(size)));
+        }
+        return Ok(Ok(Chunk::from_vec(result.bytes().await?.to_vec())));
     }
     let mut stream = result.into_stream();
     let mut len = 0;
@@ -557,7 +576,7 @@ async fn into_chunk(
         bytes[len..len + piece.len()].copy_from_slice(&piece);
         len += piece.len();
     }
-    Ok(Chunk::pooled(buf, 0, len))
+    Ok(Ok(Chunk::pooled(buf, 0, len)))
 }
 
 /// How long one request of a sample may take: a third of the sample's
@@ -575,15 +594,15 @@ async fn check(
     lister: &Lister,
     store: &AmazonS3,
     prefix: &Key,
-    bucket: &str,
-    endpoint: &str,
+    at: &Probed<'_>,
 ) -> Result<(), String> {
+    let (bucket, endpoint, not_s3) = (at.bucket, at.endpoint, at.not_s3());
     let first =
         match tokio::time::timeout(PROBE_TIMEOUT, lister.page(&key_prefix(prefix), false, None))
             .await
         {
             Ok(Ok(page)) => page,
-            Ok(Err(e)) => return Err(list_failure(&e, bucket, endpoint)),
+            Ok(Err(e)) => return Err(list_failure(&e, at)),
             Err(_) => {
                 return Err(no_answer(endpoint));
             }
@@ -597,12 +616,12 @@ async fn check(
         Ok(Err(E::NotFound { .. } | E::PermissionDenied { .. } | E::Unauthenticated { .. })) => {}
         Ok(Ok(_)) => {
             return Err(format!(
-                "the server at {endpoint} does not answer like an S3 object store (it found an object that cannot exist): check --s3-endpoint"
+                "the server at {endpoint} does not answer like an S3 object store (it found an object that cannot exist): {not_s3}"
             ));
         }
         Ok(Err(e)) => {
             return Err(format!(
-                "the server at {endpoint} does not answer like an S3 object store ({e}): check --s3-endpoint"
+                "the server at {endpoint} does not answer like an S3 object store ({e}): {not_s3}"
             ));
         }
         Err(_) => {
@@ -636,12 +655,40 @@ fn no_answer(endpoint: &str) -> String {
     )
 }
 
+/// The store the start-up check asked, as its messages name it.
+struct Probed<'a> {
+    bucket: &'a str,
+    /// The endpoint's URL, or `AWS S3`.
+    endpoint: &'a str,
+    /// Virtual-hosted addressing (`BUCKET.HOST`) on a server of one's own.
+    virtual_hosted_compatible: bool,
+    anonymous: bool,
+}
+
+impl Probed<'_> {
+    /// What to fix when the server does not answer as an object store.
+    fn not_s3(&self) -> &'static str {
+        if self.virtual_hosted_compatible {
+            "check --s3-endpoint: with --s3-path-style false it must name the bucket (https://BUCKET.HOST); most S3-compatible servers want --s3-path-style true and their own URL"
+        } else {
+            "check --s3-endpoint"
+        }
+    }
+}
+
 /// What to fix, when the start-up listing failed with `e`.
-fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
+fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
+    let (bucket, endpoint) = (at.bucket, at.endpoint);
     let refused = || {
-        format!(
-            "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({e}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
-        )
+        if at.anonymous {
+            format!(
+                "the object store at {endpoint} refused unsigned requests for bucket `{bucket}` ({e}): the bucket is not public; drop --s3-anonymous and give credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+            )
+        } else {
+            format!(
+                "the object store at {endpoint} refused the credentials for bucket `{bucket}` ({e}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's policy"
+            )
+        }
     };
     let no_bucket = || {
         format!(
@@ -678,7 +725,8 @@ fn list_failure(e: &ListError, bucket: &str, endpoint: &str) -> String {
         ),
         ListError::Timeout(_) => no_answer(endpoint),
         ListError::NotS3(_) => format!(
-            "the server at {endpoint} does not answer like an S3 object store: {e}; check --s3-endpoint"
+            "the server at {endpoint} does not answer like an S3 object store: {e}; {}",
+            at.not_s3()
         ),
         ListError::Status(..) => format!("listing bucket `{bucket}` at {endpoint} failed: {e}"),
     }
@@ -708,10 +756,11 @@ fn builder(
             answer_within: Some(attempt_timeout(options.deadline)),
         });
     let profile = Profile::load();
-    let endpoint = options
-        .endpoint
-        .clone()
-        .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
+    let endpoint = options.endpoint.clone().or_else(|| {
+        std::env::var("AWS_ENDPOINT_URL")
+            .ok()
+            .filter(|e| !e.is_empty())
+    });
     if let Some(endpoint) = &endpoint {
         if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
             return Err(format!(
@@ -746,6 +795,12 @@ fn builder(
         || std::env::var_os("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").is_some()
         || std::env::var_os("AWS_CONTAINER_CREDENTIALS_FULL_URI").is_some();
     if from_env {
+        let set = |name| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+        if set("AWS_ACCESS_KEY_ID") && !set("AWS_SECRET_ACCESS_KEY") {
+            return Err(
+                "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not: set both, or neither to use a profile (AWS_PROFILE, ~/.aws/credentials)".into(),
+            );
+        }
         return Ok((b, addressing));
     }
     match (
@@ -900,11 +955,15 @@ impl fmt::Debug for Http {
 impl HttpService for Http {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         let start = Instant::now();
+        // Dropped before its answer: the sample's deadline ran out, or
+        // the sample is no longer wanted.
+        let mut pending = Abandoned(Some((self, start)));
         let request = self.client.request(req);
         let answer = match self.answer_within {
             Some(limit) => match tokio::time::timeout(limit, request).await {
                 Ok(answer) => answer,
                 Err(elapsed) => {
+                    pending.0 = None;
                     // Dropping the request closes its connection; the
                     // retry goes out on another.
                     self.count(Outcome::Connection, start);
@@ -913,6 +972,7 @@ impl HttpService for Http {
             },
             None => request.await,
         };
+        pending.0 = None;
         let outcome = match &answer {
             Ok(response) => Outcome::of_status(response.status().as_u16()),
             Err(_) => Outcome::Connection,
@@ -943,6 +1003,17 @@ impl HttpService for Http {
     }
 }
 
+/// Counts a request dropped before its answer as `abandoned`.
+struct Abandoned<'a>(Option<(&'a Http, Instant)>);
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some((http, start)) = self.0.take() {
+            http.count(Outcome::Abandoned, start);
+        }
+    }
+}
+
 /// How one request ended, as `sluice_stage_source_requests_total` counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -958,6 +1029,9 @@ pub enum Outcome {
     ClientError,
     /// No answer: refused, reset or timed out; retried.
     Connection,
+    /// Given up unanswered: its sample's deadline ran out, or the sample
+    /// was no longer wanted.
+    Abandoned,
 }
 
 impl Outcome {
@@ -981,6 +1055,7 @@ impl Outcome {
             Self::NotFound => "not_found",
             Self::ClientError => "client_error",
             Self::Connection => "connection",
+            Self::Abandoned => "abandoned",
         }
     }
 
@@ -1071,14 +1146,20 @@ mod tests {
             http::StatusCode::BAD_REQUEST,
             "<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region 'us-east-1' is wrong; expecting 'eu-west-1'</Message><Region>eu-west-1</Region></Error>".into(),
         );
-        let said = super::list_failure(&wrong, "b", "AWS S3");
+        let aws = super::Probed {
+            bucket: "b",
+            endpoint: "AWS S3",
+            virtual_hosted_compatible: false,
+            anonymous: false,
+        };
+        let said = super::list_failure(&wrong, &aws);
         assert!(said.contains("set --s3-region eu-west-1"), "{said}");
         let moved = super::ListError::Status(
             http::StatusCode::MOVED_PERMANENTLY,
             "<Error><Code>PermanentRedirect</Code><Message>use the endpoint</Message></Error>"
                 .into(),
         );
-        let said = super::list_failure(&moved, "b", "AWS S3");
+        let said = super::list_failure(&moved, &aws);
         assert!(
             said.contains("another region") && said.contains("--s3-region"),
             "{said}"
