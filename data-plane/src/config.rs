@@ -478,7 +478,10 @@ impl StageConfig {
         let orders = args.mount_orders.or(file.mount_orders);
         let mount = match args.mount.or(file.mount) {
             Some(dir) => Some(MountOptions {
-                dir,
+                dir: {
+                    apart_from_datasets("--mount", &dir, &datasets)?;
+                    dir
+                },
                 job: mount_job,
                 orders,
                 passthrough: args
@@ -664,7 +667,7 @@ fn cache_options(
         args.cache_disk.or(file.disk),
     ) {
         (Some(dir), Some(size)) if size.bytes() > 0 => {
-            apart_from_datasets(&dir, datasets)?;
+            apart_from_datasets("--cache-dir", &dir, datasets)?;
             Some((dir, size.bytes()))
         }
         (None, None) => None,
@@ -697,27 +700,38 @@ fn cache_options(
     })
 }
 
-/// Refuses a cache directory at or inside a local data set's root (its
-/// files would be listed as samples) or holding one.
-fn apart_from_datasets(dir: &Path, datasets: &[(String, PathBuf)]) -> Result<(), ConfigError> {
-    let cache = resolved(dir);
+/// Refuses a directory of the stage's own (`flag`: `--cache-dir`, whose
+/// files would be listed as samples; `--mount`, where the stage would
+/// read its data set through itself) at or inside a local data set's
+/// root, or holding one.
+fn apart_from_datasets(
+    flag: &str,
+    dir: &Path,
+    datasets: &[(String, PathBuf)],
+) -> Result<(), ConfigError> {
+    let own = resolved(dir);
+    let why = if flag == "--mount" {
+        "the stage would read the data set through its own mount"
+    } else {
+        "its files would be read as samples"
+    };
     for (name, root) in datasets {
         let Ok(root) = std::fs::canonicalize(root) else {
             // An object store's URL, or a root that is missing (refused
             // when the stage opens it).
             continue;
         };
-        if cache.starts_with(&root) {
+        if own.starts_with(&root) {
             return Err(ConfigError(format!(
-                "--cache-dir {} is inside data set `{name}` ({}): its files would be read as \
-                 samples; give a directory outside every data set",
+                "{flag} {} is inside data set `{name}` ({}): {why}; give a directory outside \
+                 every data set",
                 dir.display(),
                 root.display()
             )));
         }
-        if root.starts_with(&cache) {
+        if root.starts_with(&own) {
             return Err(ConfigError(format!(
-                "data set `{name}` ({}) is inside --cache-dir {}: give the cache a directory of \
+                "data set `{name}` ({}) is inside {flag} {}: {why}; give {flag} a directory of \
                  its own",
                 root.display(),
                 dir.display()
@@ -1299,6 +1313,23 @@ mod tests {
             "{e}"
         );
         assert!(with_cache(&dir.path().join("cache")).is_ok());
+        // A mount there would read the data set through itself.
+        let with_mount = |mount: &Path| {
+            StageConfig::from_args(args(&[
+                "--dataset",
+                &data_set,
+                "--mount",
+                mount.to_str().unwrap(),
+            ]))
+        };
+        let e = with_mount(&data.join("mnt")).unwrap_err().to_string();
+        assert!(
+            e.contains("--mount") && e.contains("is inside data set `d`"),
+            "{e}"
+        );
+        let e = with_mount(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("is inside --mount"), "{e}");
+        assert!(with_mount(&dir.path().join("mnt")).is_ok());
     }
 
     #[test]

@@ -139,7 +139,7 @@ pub fn mount(
             Some(Orders::new(
                 Arc::clone(&engine),
                 orders.clone(),
-                dir.to_owned(),
+                dir,
                 default_job.to_owned(),
             ))
         }
@@ -160,8 +160,8 @@ pub fn mount(
         readers,
         runtime: runtime.clone(),
         default_job: Arc::from(default_job),
-        nodes: Nodes::default(),
-        trees: Trees::default(),
+        nodes: Arc::default(),
+        trees: Arc::default(),
         open: Arc::new(Mutex::new(HashMap::new())),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
@@ -622,8 +622,8 @@ struct MountFs {
     readers: Arc<Readers>,
     runtime: Handle,
     default_job: Arc<str>,
-    nodes: Nodes,
-    trees: Trees,
+    nodes: Arc<Mutex<Nodes>>,
+    trees: Arc<Trees>,
     open: Arc<Mutex<HashMap<u64, Open>>>,
     next_fh: AtomicU64,
     started: SystemTime,
@@ -745,31 +745,7 @@ impl MountFs {
     }
 
     fn attr(&self, ino: u64, node: &Node) -> FileAttr {
-        let (kind, perm, size, nlink, meta) = match node {
-            Node::File { size, meta, .. } => (FileType::RegularFile, 0o444, *size, 1, *meta),
-            Node::Dir { meta, .. } => (FileType::Directory, 0o555, 0, 2, *meta),
-            _ => (FileType::Directory, 0o555, 0, 2, None),
-        };
-        let (perm, uid, gid, mtime) =
-            meta.map_or((perm, 0, 0, None), |m| (m.perm, m.uid, m.gid, m.mtime));
-        let mtime = mtime.unwrap_or(self.started);
-        FileAttr {
-            ino,
-            size,
-            blocks: size.div_ceil(512),
-            atime: mtime,
-            mtime,
-            ctime: mtime,
-            crtime: mtime,
-            kind,
-            perm,
-            nlink,
-            uid,
-            gid,
-            rdev: 0,
-            blksize: BLOCK_SIZE,
-            flags: 0,
-        }
+        attr(self.started, ino, node)
     }
 
     /// Whether the reader of `req` may read as `job` (the `trainers:`
@@ -830,12 +806,23 @@ impl MountFs {
 
     fn dataset_root(&self, job: &Arc<str>, name: &str) -> Result<Node, i32> {
         let dataset = self.engine.dataset(name).ok_or(libc::ENOENT)?;
-        let tree = self
-            .trees
-            .of(&dataset, &self.runtime)
-            .map_err(|e| errno(&e))?;
-        let root = Entry::Dir(String::new(), tree.owner(""));
-        Ok(Node::of_entry(job, &dataset, root))
+        dataset_root(&self.trees, &self.runtime, job, &dataset)
+    }
+
+    /// The job and data set that the lookup of `name` in `parent` opens,
+    /// when that data set has never been listed.
+    fn unlisted(&self, parent: &Node, name: &OsStr) -> Option<(Arc<str>, Arc<Dataset>)> {
+        let job = match parent {
+            Node::Root => Arc::clone(&self.default_job),
+            Node::JobRoot(job) => Arc::clone(job),
+            _ => return None,
+        };
+        let dataset = self.engine.dataset(name.to_str()?)?;
+        dataset.listed().is_none().then_some((job, dataset))
+    }
+
+    fn node(&self, ino: u64) -> Option<Node> {
+        lock(&self.nodes).get(ino).cloned()
     }
 
     /// The node as the data set's latest listing has it (a file may have
@@ -878,6 +865,47 @@ impl MountFs {
             }
             Node::File { .. } => Err(libc::ENOTDIR),
         }
+    }
+}
+
+/// The root directory node of `dataset` read as `job`.
+fn dataset_root(
+    trees: &Trees,
+    runtime: &Handle,
+    job: &Arc<str>,
+    dataset: &Arc<Dataset>,
+) -> Result<Node, i32> {
+    let tree = trees.of(dataset, runtime).map_err(|e| errno(&e))?;
+    let root = Entry::Dir(String::new(), tree.owner(""));
+    Ok(Node::of_entry(job, dataset, root))
+}
+
+/// A node's attributes (`started`: the time of nodes without one).
+fn attr(started: SystemTime, ino: u64, node: &Node) -> FileAttr {
+    let (kind, perm, size, nlink, meta) = match node {
+        Node::File { size, meta, .. } => (FileType::RegularFile, 0o444, *size, 1, *meta),
+        Node::Dir { meta, .. } => (FileType::Directory, 0o555, 0, 2, *meta),
+        _ => (FileType::Directory, 0o555, 0, 2, None),
+    };
+    let (perm, uid, gid, mtime) =
+        meta.map_or((perm, 0, 0, None), |m| (m.perm, m.uid, m.gid, m.mtime));
+    let mtime = mtime.unwrap_or(started);
+    FileAttr {
+        ino,
+        size,
+        blocks: size.div_ceil(512),
+        atime: mtime,
+        mtime,
+        ctime: mtime,
+        crtime: mtime,
+        kind,
+        perm,
+        nlink,
+        uid,
+        gid,
+        rdev: 0,
+        blksize: BLOCK_SIZE,
+        flags: 0,
     }
 }
 
@@ -932,13 +960,43 @@ impl Filesystem for MountFs {
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         self.counters.lookup.inc();
-        let Some(parent_node) = self.nodes.get(parent).cloned() else {
+        let Some(parent_node) = self.node(parent) else {
             return reply.error(libc::ENOENT);
         };
+        if let Some((job, dataset)) = self.unlisted(&parent_node, name) {
+            // A data set's first lookup lists it, off this thread: a source
+            // that does not answer holds its own readers, not the mount.
+            let (nodes, trees, runtime) = (
+                Arc::clone(&self.nodes),
+                Arc::clone(&self.trees),
+                self.runtime.clone(),
+            );
+            let (name, inodes, started) =
+                (name.to_owned(), self.counters.inodes.clone(), self.started);
+            self.runtime.spawn_blocking(move || {
+                let listed = dataset.listing().map_err(|e| {
+                    warn!(dataset = %dataset.name, error = %e, "cannot list the data set for the mount");
+                    libc::EIO
+                });
+                match listed.and_then(|_| dataset_root(&trees, &runtime, &job, &dataset)) {
+                    Ok(node) => {
+                        let mut nodes = lock(&nodes);
+                        let ino = nodes.looked_up(parent, name.as_bytes(), node.clone());
+                        inodes.set(nodes.len() as i64);
+                        drop(nodes);
+                        reply.entry(&TTL, &attr(started, ino, &node), 0);
+                    }
+                    Err(e) => reply.error(e),
+                }
+            });
+            return;
+        }
         match self.child(&parent_node, name) {
             Ok(node) => {
-                let ino = self.nodes.looked_up(parent, name.as_bytes(), node.clone());
-                self.counters.inodes.set(self.nodes.len() as i64);
+                let mut nodes = lock(&self.nodes);
+                let ino = nodes.looked_up(parent, name.as_bytes(), node.clone());
+                self.counters.inodes.set(nodes.len() as i64);
+                drop(nodes);
                 reply.entry(&TTL, &self.attr(ino, &node), 0);
             }
             Err(e) => reply.error(e),
@@ -946,15 +1004,17 @@ impl Filesystem for MountFs {
     }
 
     fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
-        self.nodes.forget(ino, nlookup);
-        self.counters.inodes.set(self.nodes.len() as i64);
+        let mut nodes = lock(&self.nodes);
+        nodes.forget(ino, nlookup);
+        self.counters.inodes.set(nodes.len() as i64);
     }
 
     fn batch_forget(&mut self, _req: &Request<'_>, nodes: &[fuser::fuse_forget_one]) {
+        let mut known = lock(&self.nodes);
         for node in nodes {
-            self.nodes.forget(node.nodeid, node.nlookup);
+            known.forget(node.nodeid, node.nlookup);
         }
-        self.counters.inodes.set(self.nodes.len() as i64);
+        self.counters.inodes.set(known.len() as i64);
     }
 
     /// What `df` shows: the listed data sets' bytes and files, none free
@@ -982,11 +1042,11 @@ impl Filesystem for MountFs {
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         self.counters.getattr.inc();
-        let Some(node) = self.nodes.get(ino).and_then(|n| self.refreshed(n)) else {
+        let Some(node) = self.node(ino).and_then(|n| self.refreshed(&n)) else {
             return reply.error(libc::ENOENT);
         };
         let attr = self.attr(ino, &node);
-        self.nodes.set(ino, node);
+        lock(&self.nodes).set(ino, node);
         reply.attr(&TTL, &attr);
     }
 
@@ -999,7 +1059,7 @@ impl Filesystem for MountFs {
         mut reply: ReplyDirectory,
     ) {
         self.counters.readdir.inc();
-        let Some(node) = self.nodes.get(ino).cloned() else {
+        let Some(node) = self.node(ino) else {
             return reply.error(libc::ENOENT);
         };
         // Offsets 1 and 2 are "." and ".."; entry i of the directory is i + 3.
@@ -1014,11 +1074,13 @@ impl Filesystem for MountFs {
             Ok(page) => page,
             Err(e) => return reply.error(e),
         };
+        // The names of data sets need no checking (nor a listing of each).
+        let checked = matches!(node, Node::Root | Node::JobRoot(_));
         for (i, (name, is_dir)) in page.iter().enumerate() {
-            if self.child(&node, OsStr::new(name)).is_err() {
+            if !checked && self.child(&node, OsStr::new(name)).is_err() {
                 continue;
             }
-            let child_ino = self.nodes.number(ino, name.as_bytes());
+            let child_ino = lock(&self.nodes).number(ino, name.as_bytes());
             let kind = if *is_dir {
                 FileType::Directory
             } else {
@@ -1042,7 +1104,7 @@ impl Filesystem for MountFs {
             name,
             size,
             ..
-        }) = self.nodes.get(ino).cloned()
+        }) = self.node(ino)
         else {
             return reply.error(libc::EISDIR);
         };
@@ -1215,7 +1277,7 @@ impl Filesystem for MountFs {
     }
 
     fn opendir(&mut self, req: &Request<'_>, ino: u64, _flags: i32, reply: ReplyOpen) {
-        match self.nodes.get(ino) {
+        match self.node(ino) {
             Some(Node::File { .. }) => reply.error(libc::ENOTDIR),
             Some(node) if node.job().is_some_and(|job| !self.may_read_as(req, job)) => {
                 reply.error(libc::EACCES)

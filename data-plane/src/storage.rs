@@ -77,10 +77,22 @@ pub fn clamp_range(size: u64, offset: u64, length: u64) -> (u64, u64) {
     (start, want)
 }
 
+/// Opens the regular file at `path` for reading and returns it with its
+/// size. Opened non-blocking, so that a FIFO or device put in a file's
+/// place fails here instead of holding the thread until a writer comes
+/// (on a regular file `O_NONBLOCK` changes nothing). Blocking.
+pub fn open_regular(path: &Path) -> io::Result<(File, u64)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let size = check_regular(&file)?;
+    Ok((file, size))
+}
+
 /// Reads a byte range of a regular file through the page cache. Blocking.
 pub fn read_range(path: &Path, offset: u64, length: u64) -> io::Result<Chunk> {
-    let mut file = File::open(path)?;
-    let size = check_regular(&file)?;
+    let (mut file, size) = open_regular(path)?;
     let (start, want) = clamp_range(size, offset, length);
     if want > MAX_FILE_BYTES {
         return Err(too_large(want));
@@ -225,5 +237,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let err = read_range(dir.path(), 0, TO_END).unwrap_err();
         assert!(err.to_string().contains("not a regular file"));
+    }
+
+    #[test]
+    fn a_fifo_in_a_files_place_fails_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("f");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success());
+        // Without a writer, a blocking open would wait for one for ever.
+        let err = read_range(&fifo, 0, TO_END).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        assert!(open_regular(&fifo).is_err());
+        let file = dir.path().join("g");
+        std::fs::write(&file, b"abc").unwrap();
+        let (mut f, size) = open_regular(&file).unwrap();
+        let mut read = String::new();
+        f.read_to_string(&mut read).unwrap();
+        assert_eq!((size, read.as_str()), (3, "abc"));
     }
 }

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import select
 import socket
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -515,14 +516,42 @@ class SluiceSampler(_PlanningSampler):
             self._plan = None
 
 
+def _sluice_mounts() -> List[str]:
+    """The mount points of sluice stages this process sees (FUSE mounts
+    of source ``sluice`` in ``/proc/self/mountinfo``), longest first."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split(" ")
+        kind = rest.split(" ")
+        if len(parts) > 4 and len(kind) > 1 and kind[0] in ("fuse", "fuse.sluice") and kind[1] == "sluice":
+            # Spaces, tabs, newlines and backslashes are written as octal escapes.
+            found.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4]))
+    return sorted(found, key=len, reverse=True)
+
+
 def _mount_names(paths: Sequence[str]) -> Tuple[str, str, List[str]]:
     """(job, dataset, names) of files under a stage's mount, every path
-    being ``.../@<job>/<dataset>/<name>``."""
+    being ``MOUNT/@<job>/<dataset>/<name>``. The ``@<job>`` directory is the
+    one right under a sluice mount point, or else the first component
+    starting with ``@`` (a data set's own directories may start with one)."""
+    mounts = _sluice_mounts()
     found = set()
     names = []
     for path in paths:
-        parts = os.path.normpath(os.fspath(path)).split(os.sep)
-        at = next((i for i in range(len(parts) - 2, -1, -1) if parts[i].startswith("@")), None)
+        full = os.path.abspath(os.fspath(path))
+        parts = full.split(os.sep)
+        under = next((m for m in mounts if full.startswith(m.rstrip(os.sep) + os.sep)), None)
+        if under is not None:
+            at = len(under.rstrip(os.sep).split(os.sep))
+            at = at if parts[at].startswith("@") else None
+        else:
+            at = next((i for i in range(len(parts)) if parts[i].startswith("@")), None)
         if at is None or at + 2 >= len(parts):
             raise ValueError(f"{path} is not under a stage's mount as MOUNT/@<job>/<dataset>/<file>: "
                              "open the data set through its @<job> directory so its reads are the job's")

@@ -214,6 +214,18 @@ def test_a_path_names_the_job_its_reads_belong_to(mounted):
         del c
 
 
+def test_files_read_with_no_order_fill_the_node_cache_for_later_readers(mount_stage, dataset):
+    root, files = dataset
+    stage, mnt = mount_stage(root, "--cache-memory", "64MiB", "--mount-passthrough", "false")
+    reads = lambda job: job_metric(stage, "sluice_stage_storage_reads_total", job)  # noqa: E731
+    assert walk(mnt / "@first" / "ds") == files
+    assert reads("first") == sum(1 for data in files.values() if data), "an empty file is not read"
+    # Another job's paths are other inodes: its reads reach the stage,
+    # which has every file in memory.
+    assert walk(mnt / "@second" / "ds") == files
+    assert reads("second") == 0
+
+
 def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     stage, mnt, files = mounted
     names = sorted(files)
@@ -344,6 +356,20 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     write_order(orders / "tf" / "other", names[:1])
     wait_for((orders / "tf" / "other.error").exists, what="an unknown data set refused")
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
+
+
+def test_order_lines_may_name_files_by_the_mount_path_given_or_the_resolved_one(tmp_path, stage_factory, dataset):
+    root, files = dataset
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "mnt")
+    orders = tmp_path / "orders"
+    stage = stage_factory({"ds": root}, "--mount", str(tmp_path / "via"), "--mount-orders", str(orders))
+    names = sorted(files)[:2]
+    write_order(orders / "tf" / "ds", [str(tmp_path / "via" / "@tf" / "ds" / names[0]),
+                                       str(tmp_path / "mnt" / "@tf" / "ds" / names[1])])
+    reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "tf")  # noqa: E731
+    wait_for(lambda: reads() == 2 or (orders / "tf" / "ds.error").exists(), what="the order taken")
+    assert not (orders / "tf" / "ds.error").exists(), (orders / "tf" / "ds.error").read_text()
 
 
 def test_order_files_that_are_not_plain_files_or_run_away_are_refused(tmp_path, mount_stage, dataset):
@@ -548,6 +574,25 @@ def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
         st.MountSampler([str(tmp_path / "ds" / "a.bin")], "/nowhere.sock")
     with pytest.raises(ValueError, match="one data set of one job"):
         st.MountSampler(["/m/@a/ds/x", "/m/@b/ds/y"], "/nowhere.sock")
+
+
+def test_a_mount_sampler_takes_the_job_directory_under_the_mount_point(tmp_path, stage_factory):
+    """A data set's own directories may start with `@`, and so may the
+    mount point's path."""
+    pytest.importorskip("torch")
+    import sluice.torch as st
+    root = tmp_path / "data"
+    (root / "@2024" / "cls").mkdir(parents=True)
+    (root / "@2024" / "cls" / "x.jpg").write_bytes(b"x")
+    (root / "@home").mkdir()
+    (root / "@home" / "y").write_bytes(b"y")
+    mnt = tmp_path / "@mnt"
+    mnt.mkdir()
+    stage_factory({"ds": root}, "--mount", str(mnt))
+    paths = [str(mnt / "@j" / "ds" / "@2024" / "cls" / "x.jpg"), str(mnt / "@j" / "ds" / "@home" / "y")]
+    assert st._mount_names(paths) == ("j", "ds", ["@2024/cls/x.jpg", "@home/y"])
+    # With no mount to go by: the first component that starts with `@`.
+    assert st._mount_names(["/m/@j/ds/@2024/x"]) == ("j", "ds", ["@2024/x"])
 
 
 def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_stage):

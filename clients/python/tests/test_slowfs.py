@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -54,3 +56,39 @@ def test_a_stage_reads_a_slow_mount_exactly(slow_mount, stage_factory):
         ds = c.dataset("ds")
         got = {name: bytes(data) for name, data in ds.epoch(0, seed=1, batch=8)}
     assert got == files
+
+
+def test_a_data_set_whose_filer_stops_answering_holds_only_its_own_readers_in_the_mount(
+        slow_mount, stage_factory, tmp_path):
+    """The first look into a data set lists it; a filer that stopped
+    answering holds that look, not the mount's other data sets."""
+    fs, _files = slow_mount
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "a.txt").write_bytes(b"ok")
+    mnt = tmp_path / "stage-mnt"
+    mnt.mkdir()
+    stage_factory({"good": str(good), "hung": fs.mountpoint}, "--mount", str(mnt))
+    results = {}
+
+    def look(key, fn):
+        try:
+            results[key] = fn()
+        except OSError as e:
+            results[key] = e
+
+    os.kill(fs.proc.pid, signal.SIGSTOP)  # the filer stops answering
+    try:
+        hung = threading.Thread(target=look, args=("hung", lambda: os.listdir(mnt / "hung")), daemon=True)
+        hung.start()
+        time.sleep(0.5)
+        good_read = threading.Thread(target=look, args=("good", lambda: (mnt / "good" / "a.txt").read_bytes()),
+                                     daemon=True)
+        good_read.start()
+        good_read.join(timeout=10)
+        assert results.get("good") == b"ok", results
+        assert "hung" not in results, "the hung filer's data set cannot have been listed"
+    finally:
+        os.kill(fs.proc.pid, signal.SIGCONT)
+    hung.join(timeout=30)
+    assert sorted(results["hung"]) == sorted(os.listdir(fs.mountpoint)), results

@@ -214,7 +214,8 @@ fn read_header(f: &mut impl Read) -> io::Result<Header> {
 /// Reads `key`'s bytes from `path`, verifying that the file holds that key
 /// whole and intact.
 pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Vec<u8>> {
-    let mut f = io::BufReader::with_capacity(8 << 10, fs::File::open(path)?);
+    let (file, _) = crate::storage::open_regular(path)?;
+    let mut f = io::BufReader::with_capacity(8 << 10, file);
     let header = read_header(&mut f)?;
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     if header.key != *key {
@@ -277,8 +278,7 @@ pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKe
 /// The key and footprint of the complete file at `path`, when it holds a
 /// sample of one of `sources` under its own name.
 fn indexed(dir: &Path, path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, u64)> {
-    let file = fs::File::open(path).ok()?;
-    let on_disk = file.metadata().ok()?.len();
+    let (file, on_disk) = crate::storage::open_regular(path).ok()?;
     let h = read_header(&mut io::BufReader::new(file)).ok()?;
     let source = sources.iter().find(|s| ***s == *h.key.source)?;
     let key = SampleKey {

@@ -55,7 +55,9 @@ struct Current {
 pub struct Orders {
     engine: Arc<Engine>,
     dir: PathBuf,
-    mount: PathBuf,
+    /// The mount directory as given and as resolved (a line may name a
+    /// file under either): the first is the one errors show.
+    mounts: Vec<PathBuf>,
     default_job: String,
     current: HashMap<(String, String), Current>,
     /// The epoch of the last plan made, of any job or data set: every
@@ -65,11 +67,18 @@ pub struct Orders {
 }
 
 impl Orders {
-    pub fn new(engine: Arc<Engine>, dir: PathBuf, mount: PathBuf, default_job: String) -> Self {
+    pub fn new(engine: Arc<Engine>, dir: PathBuf, mount: &Path, default_job: String) -> Self {
+        let given = std::path::absolute(mount).unwrap_or_else(|_| mount.to_owned());
+        let mut mounts = vec![given];
+        if let Ok(real) = mount.canonicalize()
+            && real != mounts[0]
+        {
+            mounts.push(real);
+        }
         Self {
             engine,
             dir,
-            mount,
+            mounts,
             default_job,
             current: HashMap::new(),
             epoch: 0,
@@ -221,7 +230,7 @@ impl Orders {
                     format!(
                         "line {i}: `{}` is not a file of data set `{dataset}` (give names relative to the data set, or paths under {})",
                         shown(line),
-                        self.mount.join(format!("@{job}")).join(dataset).display()
+                        self.mounts[0].join(format!("@{job}")).join(dataset).display()
                     )
                 })?;
             files.push(index);
@@ -274,12 +283,15 @@ impl Orders {
 
     /// What a line may start with to name a file by its mount path.
     fn prefixes(&self, job: &str, dataset: &str) -> Vec<String> {
-        let mut out = vec![format!(
-            "{}/",
-            self.mount.join(format!("@{job}")).join(dataset).display()
-        )];
-        if job == self.default_job {
-            out.push(format!("{}/", self.mount.join(dataset).display()));
+        let mut out = Vec::new();
+        for mount in &self.mounts {
+            out.push(format!(
+                "{}/",
+                mount.join(format!("@{job}")).join(dataset).display()
+            ));
+            if job == self.default_job {
+                out.push(format!("{}/", mount.join(dataset).display()));
+            }
         }
         out
     }

@@ -9,14 +9,14 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Job, PlanState};
-use crate::cache::SampleKey;
+use crate::cache::{Lookup, SampleKey};
 use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
 use crate::source::Source;
-use crate::storage::{clamp_range, io_error};
+use crate::storage::{MAX_FILE_BYTES, clamp_range, io_error, open_regular};
 
 /// The plan of reservations that belong to none: whole files read for a
 /// trainer outside the readers.
@@ -486,7 +486,10 @@ impl Job {
 
     /// Reads straight from storage (random access outside any plan), under
     /// the job's limiter and counted like any storage read; a range of a
-    /// listed sample the node cache holds comes from the cache. Blocking.
+    /// listed sample the node cache holds comes from the cache. A read of
+    /// a whole listed sample (a file the mount reads in one window, a
+    /// `READ` of all of it) is offered to the cache, and one that another
+    /// reader has under way waits for its bytes. Blocking.
     pub fn read_now(
         &self,
         dataset: &Dataset,
@@ -495,11 +498,16 @@ impl Job {
         length: u64,
         m: &DatasetMetrics,
     ) -> Result<Chunk, ProtocolError> {
-        if let Some(bytes) = self.cached(dataset, name) {
+        let range = |bytes: &[u8]| {
             let (start, len) = clamp_range(bytes.len() as u64, offset, length);
-            return Ok(Chunk::from_vec(
-                bytes[start as usize..(start + len) as usize].to_vec(),
-            ));
+            Chunk::from_vec(bytes[start as usize..(start + len) as usize].to_vec())
+        };
+        let mut fill = None;
+        match self.cache_lookup(dataset, name, offset, length) {
+            Some(Lookup::Hit(bytes)) => return Ok(range(&bytes)),
+            Some(Lookup::Wait(flight)) => return flight.wait_blocking().map(|b| range(&b)),
+            Some(Lookup::Miss(miss)) => fill = Some(miss),
+            None => {}
         }
         let source = dataset.source();
         let size = charged_size(dataset, name)?
@@ -509,7 +517,40 @@ impl Job {
         let start = Instant::now();
         let data = source.read_range(name, offset, length);
         self.count_read(m, start.elapsed(), &data);
+        match (fill, &data) {
+            // A file that changed size since it was listed is not the
+            // listed sample (dropping the fill fails whoever waits).
+            (Some(fill), Ok(chunk)) if chunk.len() as u64 == size => fill.complete(chunk),
+            (Some(fill), Err(e)) => fill.fail(e),
+            _ => {}
+        }
         data
+    }
+
+    /// The node cache's answer for listed sample `name`: a lookup (which
+    /// may make this reader the one to read it) when the read of `length`
+    /// bytes from `offset` is the whole sample, else only whether it holds
+    /// the bytes. `None` without a cache or a listing of `name`.
+    fn cache_lookup(
+        &self,
+        dataset: &Dataset,
+        name: &str,
+        offset: u64,
+        length: u64,
+    ) -> Option<Lookup> {
+        let cache = self.cache.as_ref()?;
+        let listing = dataset.listed()?;
+        let entry = &listing.files[listing.position(name)? as usize];
+        let key = SampleKey {
+            source: Arc::clone(&dataset.identity),
+            name: name.into(),
+            version: entry.version,
+            size: entry.size,
+        };
+        if offset == 0 && length >= entry.size && entry.size <= MAX_FILE_BYTES {
+            return Some(cache.lookup(&dataset.name, &key));
+        }
+        cache.peek(&dataset.name, &key).map(Lookup::Hit)
     }
 }
 
@@ -533,8 +574,7 @@ impl Job {
         };
         let start = Instant::now();
         let opened = dir.resolve(name).and_then(|path| {
-            let file = std::fs::File::open(&path).map_err(|e| io_error(name, &e))?;
-            let size = file.metadata().map_err(|e| io_error(name, &e))?.len();
+            let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
             if !self.throttle_while(size, wanted) {
                 return Err(ProtocolError::new(
                     ErrorCode::Unavailable,
@@ -548,22 +588,6 @@ impl Job {
             self.count_delivered_bytes(m, size, 1);
             file
         }))
-    }
-
-    /// The node cache's bytes of listed sample `name`, if it holds them.
-    fn cached(&self, dataset: &Dataset, name: &str) -> Option<Arc<[u8]>> {
-        let cache = self.cache.as_ref()?;
-        let listing = dataset.listed()?;
-        let entry = &listing.files[listing.position(name)? as usize];
-        cache.peek(
-            &dataset.name,
-            &SampleKey {
-                source: Arc::clone(&dataset.identity),
-                name: name.into(),
-                version: entry.version,
-                size: entry.size,
-            },
-        )
     }
 }
 
