@@ -41,6 +41,8 @@ pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Memory {
     budget: u64,
     used: AtomicU64,
+    /// The part of `used` that trainers hold in shared memory, every job's.
+    lent: AtomicU64,
     jobs: AtomicUsize,
 }
 
@@ -49,6 +51,7 @@ impl Memory {
         Self {
             budget,
             used: AtomicU64::new(0),
+            lent: AtomicU64::new(0),
             jobs: AtomicUsize::new(0),
         }
     }
@@ -87,6 +90,23 @@ impl Memory {
         } else {
             self.release(from - to);
         }
+    }
+
+    /// Counts `n` reserved bytes as held by a trainer, if every job's
+    /// trainers together hold at most half the budget then: the other
+    /// half always leaves the readers room, however many jobs keep their
+    /// samples.
+    fn try_lend(&self, n: u64) -> bool {
+        self.lent
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |lent| {
+                (lent + n <= self.budget / 2).then_some(lent + n)
+            })
+            .is_ok()
+    }
+
+    /// Bytes a trainer held came back (and leave the budget with `release`).
+    fn unlend(&self, n: u64) {
+        self.lent.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// The share of the budget one job may use while `jobs` jobs are active.

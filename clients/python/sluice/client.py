@@ -226,9 +226,9 @@ class Client:
         shared_memory: Optional[bool] = None,
         reconnect: float = 60.0,
     ) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         self.job = job
         self.labels = dict(labels or {})
@@ -902,6 +902,9 @@ class Dataset:
         """
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
+        if isinstance(names, (str, bytes)):
+            raise TypeError(f"names must be a sequence of file names, got the single name {names!r}: "
+                            f"give [{names!r}], or read it with read()")
         if self.client.protocol_version < 2:
             out = []
             for name in names:

@@ -38,6 +38,7 @@ import ctypes
 import mmap
 import os
 import socket
+import sys
 import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -187,7 +188,12 @@ class Region:
         if self._waiting >= FLUSH_BYTES and self._flush is not None:
             self._waiting = 0
             self._wake.set()
-        if self._flusher is None and self._flush is not None and os.getpid() == self._pid:
+        # Not while the interpreter exits: a sample collected then (one a
+        # script kept to its end) would start a thread that never runs,
+        # and exit would wait for it for ever. The connection's end
+        # returns every slot anyway.
+        if (self._flusher is None and self._flush is not None and os.getpid() == self._pid
+                and not sys.is_finalizing()):
             self._start_flusher()
 
     def _start_flusher(self) -> None:

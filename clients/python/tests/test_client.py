@@ -197,6 +197,19 @@ def test_threads_take_turns_and_forks_are_refused(fake):
 def test_job_name_is_validated_before_connecting(fake):
     with pytest.raises(ValueError, match="65535"):
         sluice.Client(fake.path, job="x" * 70000)
+    # A bool is not a rank (True would pass for 1).
+    with pytest.raises(ValueError, match="rank must be"):
+        sluice.Client(fake.path, job="j", rank=True, world_size=2)
+
+
+def test_fetch_of_one_name_as_a_string_says_so(fake, data):
+    root, files = data
+    with sluice.Client(fake.path, job="j") as c:
+        ds = c.dataset("d")
+        name = sorted(files)[0]
+        with pytest.raises(TypeError, match="sequence of file names"):
+            ds.fetch(name)
+        assert ds.fetch([name]) == [(name, files[name])]
 
 
 def test_big_read_falls_back_to_ranges(tmp_path):

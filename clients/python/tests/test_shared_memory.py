@@ -188,6 +188,43 @@ def test_a_trainer_that_keeps_its_samples_gets_the_rest_through_the_socket(stage
         assert kinds == {memoryview}
 
 
+def test_jobs_that_all_keep_their_samples_leave_the_readers_room(stage_factory, tmp_path):
+    """Each job may hold half the budget in slots; held together they may
+    not take all of it, or no job's readers could fetch anything more."""
+    root = tmp_path / "small"
+    root.mkdir()
+    files = {f"{i:04d}.bin": os.urandom(8192) for i in range(1500)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root}, "--memory-budget", "8MiB")
+    kept = {}
+    clients = [sluice.Client(stage.socket, job=job, timeout=30) for job in ("a", "b", "c")]
+    try:
+        for c in clients:
+            kept[c.job] = list(c.dataset("d").epoch(0, prefetch=0))
+            assert {n: bytes(d) for n, d in kept[c.job]} == files, c.job
+        assert sum(lent(stage, job) for job in kept) <= 4 * MiB
+    finally:
+        kept.clear()
+        for c in clients:
+            c.close()
+
+
+def test_a_script_that_keeps_its_samples_to_the_end_exits(stage_factory, dataset):
+    """Samples collected as the interpreter exits go back with the
+    connection, without a thread that could never start."""
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    script = ("import sluice\n"
+              f"c = sluice.Client({str(stage.socket)!r}, job='kept')\n"
+              "held = list(c.dataset('d').epoch(0))\n"
+              "assert any(isinstance(d, memoryview) for _, d in held)\n"
+              "print('done', flush=True)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0 and run.stdout == "done\n", run.stderr
+
+
 def test_a_sample_handed_to_another_connection_is_returned_there(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})

@@ -86,7 +86,9 @@ impl Shared {
                 continue;
             };
             let len = chunk.len() as u64;
-            let budget = held.lend(footprint);
+            let Some(budget) = held.lend(footprint) else {
+                continue;
+            };
             let Ok(Payload::Bytes(chunk)) =
                 std::mem::replace(&mut sample.data, Ok(Payload::Shared { offset, len }))
             else {

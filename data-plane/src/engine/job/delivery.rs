@@ -76,14 +76,20 @@ impl Reservation {
     /// shared memory: they leave the plan's buffer when the reservation
     /// goes, and the node budget when the trainer releases the slot (or
     /// its connection ends).
-    pub fn lend(&mut self, bytes: u64) -> Lent {
+    /// `None` when trainers already hold as much as the node allows
+    /// (half the node budget, every job's together): the sample then
+    /// travels in the frame.
+    pub fn lend(&mut self, bytes: u64) -> Option<Lent> {
         let bytes = bytes.min(self.bytes);
+        if !self.job.memory.try_lend(bytes) {
+            return None;
+        }
         self.bytes -= bytes;
         self.lent += bytes;
-        Lent {
+        Some(Lent {
             job: Arc::clone(&self.job),
             bytes,
-        }
+        })
     }
 }
 
@@ -149,6 +155,7 @@ impl Job {
     fn return_lent(&self, bytes: u64) {
         let mut st = self.lock();
         st.reserved -= bytes;
+        self.memory.unlend(bytes);
         self.memory.release(bytes);
         self.wake_reader(st);
     }

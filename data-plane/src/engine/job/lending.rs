@@ -7,9 +7,10 @@
 //! read by one process is often finished with in another. A connection's
 //! own slots come back when it ends, however it ends; slots handed to the
 //! job come back when the job's last connection ends. The job holds at most
-//! [`Lending::limit`] bytes of lent slots; past that its samples travel in
-//! the frame, so trainers that keep samples cannot take the job's buffer or
-//! the node's budget.
+//! [`Lending::limit`] bytes of lent slots, and every job's together at most
+//! half the node's budget; past that samples travel in the frame, so
+//! trainers that keep samples cannot take the job's buffer or the node's
+//! budget.
 //!
 //! A slot taken back without its trainer returning it (its connection
 //! ended) may still be mapped by a trainer that holds the sample: the
@@ -66,8 +67,9 @@ impl Drop for Returned {
 impl Lending {
     /// The most a job with buffer `capacity` may hold in slots on a node
     /// with memory `budget`: half its buffer, at least [`LENT_MIN`] but never
-    /// more than half the budget, so that what trainers hold always leaves
-    /// the readers room to fetch what they ask for next.
+    /// more than half the budget. Every job's slots together hold at most
+    /// half the budget too (`Memory::try_lend`), so that what trainers hold
+    /// always leaves the readers room to fetch what they ask for next.
     pub fn limit(capacity: u64, budget: u64) -> u64 {
         (capacity / 2).max(LENT_MIN.min(budget / 2))
     }
