@@ -68,7 +68,7 @@ pub async fn run(
             _ = interval.tick() => {}
             () = shared.recompute.notified() => {}
         }
-        if let Err(e) = leadership.check(tick * 3 / 4).await {
+        if let Err(e) = leadership.check(tick).await {
             match ride_out(&shared, tick, &e, &cancel).await {
                 Some(Ok(lease)) => leadership = lease,
                 Some(Err(ended)) => return ended,

@@ -106,3 +106,46 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
         .unwrap();
     acked_above(&leader, "stage-1", resumed).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
+    let Some(database) = TestDatabase::create("frozen_leader").await else {
+        return;
+    };
+    let url = database.url();
+    let dir = tempfile::tempdir().unwrap();
+    let a = replica(url, &dir.path().join("a.log"));
+    let b = replica(url, &dir.path().join("b.log"));
+    assert_eq!(a.ready_line["role"], "leader");
+    let signal = |name: &str| {
+        let pid = a.process.0.id().to_string();
+        let sent = std::process::Command::new("kill")
+            .args([name, pid.as_str()])
+            .status();
+        assert!(sent.unwrap().success());
+    };
+    // Paused, its connections stay open (its kernel answers for them): the
+    // server ends the lease session once it has sat idle too long.
+    signal("-STOP");
+    eventually(
+        "the standby to take the lease",
+        Duration::from_secs(30),
+        || {
+            let ready = http(&b.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
+            async move { ready.then_some(()) }
+        },
+    )
+    .await;
+    signal("-CONT");
+    eventually(
+        "the old leader to stand by",
+        Duration::from_secs(30),
+        || {
+            let standing_by =
+                http(&a.http, "GET", "/metrics", "").contains("sluice_controller_leader 0");
+            async move { standing_by.then_some(()) }
+        },
+    )
+    .await;
+    assert!(http(&b.http, "GET", "/metrics", "").contains("sluice_controller_leader 1"));
+}

@@ -23,7 +23,11 @@
 //!   stages move to the leader) if another replica holds it.
 //! - When a leader dies or is partitioned from Postgres, the server ends its
 //!   session (on TCP reset at once, otherwise after the server's keepalive
-//!   or `tcp_user_timeout`), which frees the lock for a standby.
+//!   or `tcp_user_timeout`), which frees the lock for a standby. A leader
+//!   that stops without its connection closing (a paused or frozen
+//!   process, whose kernel still answers for the socket) stops its checks:
+//!   the lease session carries an `idle_session_timeout` of three ticks
+//!   (at least [`IDLE_LEASE_MIN`]), so the server ends it then.
 //! - A new leader reloads desired settings from the store and re-pushes;
 //!   stages reconnect to it through the Service once it turns ready.
 //!   Settings versions come from the database counter, so they keep
@@ -49,6 +53,10 @@ use super::{Store, StoreError};
 /// ASCII, then 1.
 pub const LOCK_KEY: i64 = 0x736c_7569_6365_0001;
 
+/// The least time a lease session may sit without a check before the
+/// server ends it (see the module's notes).
+pub const IDLE_LEASE_MIN: Duration = Duration::from_secs(10);
+
 /// Proof of leadership while held. Dropping it gives the lease up (for
 /// Postgres, by closing its session); [`Leadership::release`] does so
 /// promptly and waits for it.
@@ -59,15 +67,16 @@ pub struct Leadership {
 enum Inner {
     /// SQLite: a single replica, leader for as long as it runs.
     Embedded,
-    /// Postgres: the session holding the advisory lock.
-    Postgres(PgConnection),
+    /// Postgres: the session holding the advisory lock, and whether it
+    /// has its idle limit yet.
+    Postgres(PgConnection, bool),
 }
 
 impl std::fmt::Debug for Leadership {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self.inner {
             Inner::Embedded => "embedded",
-            Inner::Postgres(_) => "postgres advisory lock",
+            Inner::Postgres(..) => "postgres advisory lock",
         };
         f.debug_struct("Leadership").field("lease", &kind).finish()
     }
@@ -90,7 +99,7 @@ impl Leadership {
             .map_err(db("trying the leader lease"))?;
         if acquired {
             Ok(Some(Self {
-                inner: Inner::Postgres(conn),
+                inner: Inner::Postgres(conn, false),
             }))
         } else {
             // Closing is best effort: the session held nothing.
@@ -128,12 +137,30 @@ impl Leadership {
     }
 
     /// Checks that the lease is still held: the session holding it answers
-    /// within `timeout`. Fails with [`StoreError::LeadershipLost`] otherwise;
-    /// the caller must then stop acting as leader.
-    pub async fn check(&mut self, timeout: Duration) -> Result<(), StoreError> {
-        let Inner::Postgres(conn) = &mut self.inner else {
+    /// within three quarters of `tick` (the leader checks once a tick).
+    /// Fails with [`StoreError::LeadershipLost`] otherwise; the caller must
+    /// then stop acting as leader. The first check gives the session its
+    /// idle limit.
+    pub async fn check(&mut self, tick: Duration) -> Result<(), StoreError> {
+        let Inner::Postgres(conn, bounded) = &mut self.inner else {
             return Ok(());
         };
+        let timeout = tick * 3 / 4;
+        if !*bounded {
+            *bounded = true;
+            let limit = (tick * 3).max(IDLE_LEASE_MIN).as_millis();
+            let set = sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+                .bind(limit.to_string());
+            match tokio::time::timeout(timeout, set.execute(&mut *conn)).await {
+                Ok(Ok(_)) => {}
+                // Before PostgreSQL 14: a frozen leader keeps the lease
+                // until its connection closes.
+                Ok(Err(e)) => {
+                    warn!(error = %e, "the store cannot end a frozen leader's lease session (idle_session_timeout)");
+                }
+                Err(_elapsed) => return Err(StoreError::LeadershipLost { source: None }),
+            }
+        }
         match tokio::time::timeout(timeout, conn.ping()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(StoreError::LeadershipLost { source: Some(e) }),
@@ -144,7 +171,7 @@ impl Leadership {
     /// Gives the lease up now, so a standby can take over without waiting
     /// for this session to end.
     pub async fn release(self) -> Result<(), StoreError> {
-        let Inner::Postgres(mut conn) = self.inner else {
+        let Inner::Postgres(mut conn, _) = self.inner else {
             return Ok(());
         };
         sqlx::query("SELECT pg_advisory_unlock($1)")
