@@ -10,6 +10,7 @@
 mod cache;
 mod chunk;
 mod config;
+mod cpu;
 mod dataset;
 mod engine;
 mod entry;

@@ -19,6 +19,10 @@
 //!   buffer toward a quarter second of consumption.
 //! - **Throttled**: the limiter, not the readers, sets the pace; readers are
 //!   trimmed to what the allowed rate needs.
+//! - **CPU-bound reads** (nearly none of the reads sampled blocked: they
+//!   were served from the page cache, not waiting for a device): readers
+//!   beyond the node's cores only take turns on them, so the readers are
+//!   held to the cores, whatever the other states ask.
 //!
 //! The tuner never switches itself off: any of these states can follow any
 //! other, for as long as the job runs.
@@ -48,6 +52,9 @@ const LINEAR_GAIN: f64 = 1.4;
 const PROBE_GAIN: f64 = 1.05;
 /// Consumption the buffer should hold when shrinking, in seconds.
 const LEAD_SECONDS: f64 = 0.25;
+/// Share of the reads that blocked below which they are CPU-bound (a read
+/// from the page cache does not block; one from a disk or a filer does).
+const CPU_BOUND: f64 = 0.1;
 
 /// Limits the tuner stays within (settings may change them at any time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +87,9 @@ pub struct Observation {
     pub reads: u64,
     /// Sum of storage read latencies.
     pub read_time: Duration,
+    /// The share of the local reads sampled in the window that blocked
+    /// (`None`: too few sampled).
+    pub reads_blocked: Option<f64>,
     /// Time readers spent waiting on the limiter.
     pub throttled: Duration,
     /// Buffer bytes in use at the end of the window.
@@ -96,15 +106,17 @@ pub enum Reason {
     BufferBound,
     Ahead,
     Throttled,
+    CpuBound,
 }
 
 impl Reason {
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Starved,
         Self::ProbeFailed,
         Self::BufferBound,
         Self::Ahead,
         Self::Throttled,
+        Self::CpuBound,
     ];
 
     /// Returns the metric label for this reason.
@@ -115,6 +127,7 @@ impl Reason {
             Self::BufferBound => "buffer_bound",
             Self::Ahead => "ahead",
             Self::Throttled => "throttled",
+            Self::CpuBound => "cpu_bound",
         }
     }
 }
@@ -173,6 +186,10 @@ pub struct Tuner {
     last_gain: f64,
     /// Consecutive windows with stalls although the buffer was full.
     full_stalls: u32,
+    /// The cores reads can run on at once.
+    cores: u32,
+    /// Whether the last window's reads were CPU-bound.
+    cpu_bound: bool,
 }
 
 impl Tuner {
@@ -188,7 +205,16 @@ impl Tuner {
             steady: (0, 0.0),
             last_gain: 2.0,
             full_stalls: 0,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            cpu_bound: false,
         }
+    }
+
+    /// Sets the cores reads can run on at once (the tests' machine).
+    #[cfg(test)]
+    fn with_cores(mut self, cores: u32) -> Self {
+        self.cores = cores;
+        self
     }
 
     pub fn readers(&self) -> u32 {
@@ -222,6 +248,14 @@ impl Tuner {
             return None;
         }
         self.age_ceiling();
+        if let Some(blocked) = obs.reads_blocked {
+            self.cpu_bound = blocked < CPU_BOUND;
+        }
+        let cpu_cap = self.bounds.clamp_readers(self.cores);
+        if self.cpu_bound && self.readers > cpu_cap {
+            self.probe = None;
+            return self.apply(cpu_cap, self.buffer, Reason::CpuBound);
+        }
         let rates = Rates::of(obs, secs, self.buffer, self.readers);
         let steady_rate = self.record_steady(obs.reads, secs);
         if let ControlFlow::Break(change) = self.judge_probe(steady_rate, rates.stall) {
@@ -308,7 +342,10 @@ impl Tuner {
     /// Grows the readers by half (doubles them after a linear gain), up to
     /// the ceiling, and starts a probe that checks the growth paid off.
     fn probe_more_readers(&mut self, steady_rate: f64) -> Option<Change> {
-        let ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
+        let mut ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
+        if self.cpu_bound {
+            ceiling = ceiling.min(self.cores);
+        }
         let step = if self.last_gain >= LINEAR_GAIN {
             self.readers
         } else {
@@ -532,6 +569,27 @@ mod tests {
             .readers,
             3
         );
+    }
+
+    #[test]
+    fn reads_on_the_cpu_are_held_to_the_cores() {
+        let mut t = Tuner::new(bounds(), 16, 64 * MIB).with_cores(4);
+        let on_cpu = |r| Observation {
+            reads_blocked: Some(0.02),
+            ..starved_window(r, 64)
+        };
+        let change = t.observe(&on_cpu(16)).unwrap();
+        assert_eq!((change.reason, change.readers), (Reason::CpuBound, 4));
+        // Starved all the same: more readers would only take turns.
+        let trace = run(&mut t, on_cpu, 40);
+        assert!(trace.iter().all(|&r| r <= 4), "{trace:?}");
+        // Reads that wait for a device again: the readers grow.
+        let waiting = |r| Observation {
+            reads_blocked: Some(0.9),
+            ..starved_window(r, 64)
+        };
+        let trace = run(&mut t, waiting, 40);
+        assert!(trace.last() > Some(&4), "{trace:?}");
     }
 
     #[test]

@@ -57,6 +57,9 @@ struct Stats {
     read_bytes: AtomicU64,
     cache_hit_bytes: AtomicU64,
     read_ns: AtomicU64,
+    /// Local reads sampled for whether they blocked, and those that did.
+    sampled_reads: AtomicU64,
+    sampled_blocked: AtomicU64,
     stall_ns: AtomicU64,
     throttled_ns: AtomicU64,
     errors: AtomicU64,
@@ -68,6 +71,8 @@ struct StatsSample {
     delivered_bytes: u64,
     reads: u64,
     read_ns: u64,
+    sampled_reads: u64,
+    sampled_blocked: u64,
     stall_ns: u64,
     throttled_ns: u64,
 }
@@ -458,6 +463,15 @@ impl Job {
         self.count_storage_read(m, latency, data.as_ref().map(|d| d.len() as u64));
     }
 
+    /// Counts a sampled local read, and whether it blocked (see
+    /// [`Observation::reads_blocked`]).
+    fn count_sampled_read(&self, blocked: bool) {
+        self.stats.sampled_reads.fetch_add(1, Ordering::Relaxed);
+        if blocked {
+            self.stats.sampled_blocked.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Counts a storage read of `bytes` (or its error).
     fn count_storage_read(
         &self,
@@ -529,6 +543,8 @@ impl Job {
             delivered_bytes: self.stats.delivered_bytes.load(Ordering::Relaxed),
             reads: self.stats.reads.load(Ordering::Relaxed),
             read_ns: self.stats.read_ns.load(Ordering::Relaxed),
+            sampled_reads: self.stats.sampled_reads.load(Ordering::Relaxed),
+            sampled_blocked: self.stats.sampled_blocked.load(Ordering::Relaxed),
             stall_ns: self.stats.stall_ns.load(Ordering::Relaxed),
             throttled_ns: self.stats.throttled_ns.load(Ordering::Relaxed),
         };
@@ -542,6 +558,7 @@ impl Job {
                 delivered_bytes: sample.delivered_bytes - before.delivered_bytes,
                 reads: sample.reads - before.reads,
                 read_time: Duration::from_nanos(sample.read_ns - before.read_ns),
+                reads_blocked: blocked_share(&before, &sample),
                 throttled: Duration::from_nanos(sample.throttled_ns - before.throttled_ns),
                 buffer_used: st.reserved,
                 has_work: st.plans.values().any(|p| p.remaining > 0),
@@ -650,4 +667,13 @@ impl JobState {
             }
         }
     }
+}
+
+/// The share of the local reads sampled between two snapshots that
+/// blocked; `None` below a handful of samples.
+fn blocked_share(before: &StatsSample, now: &StatsSample) -> Option<f64> {
+    const ENOUGH: u64 = 4;
+    let sampled = now.sampled_reads - before.sampled_reads;
+    (sampled >= ENOUGH)
+        .then(|| (now.sampled_blocked - before.sampled_blocked) as f64 / sampled as f64)
 }

@@ -29,6 +29,16 @@ use crate::sync::{wait, wait_timeout};
 /// only picks work and starts reads; the runtime waits for them).
 const REMOTE_THREADS: u32 = 2;
 
+/// One local read in this many is watched for whether it blocked (two
+/// system calls), which is enough for the tuner to see whether reads wait
+/// for a device or run on the CPU.
+const SAMPLE_EVERY: u32 = 8;
+
+thread_local! {
+    /// Local reads this reader thread made, for [`SAMPLE_EVERY`].
+    static SAMPLE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// A fetch a reader has committed to.
 pub(super) struct Work {
     plan: u64,
@@ -162,6 +172,12 @@ impl Job {
     /// Reads one committed entry from a local source and hands the result
     /// to its plan (and to the cache, with `fill`).
     fn fetch(&self, work: Work, fill: Option<Fill>) {
+        // Every few reads, whether it blocked too (a system call each way).
+        let sampled = SAMPLE.with(|n| {
+            n.set(n.get().wrapping_add(1));
+            n.get() % SAMPLE_EVERY == 0
+        });
+        let blocked_before = sampled.then(crate::cpu::times_blocked);
         let start = Instant::now();
         // A panic while reading (a bug) becomes this sample's error: the
         // reader thread, and the plan waiting for the entry, go on.
@@ -170,6 +186,9 @@ impl Job {
                 .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len))
         }))
         .unwrap_or_else(|_| internal_failure(&self.id, &work.name));
+        if let Some(before) = blocked_before {
+            self.count_sampled_read(crate::cpu::times_blocked() > before);
+        }
         offer(fill, &data);
         self.finish(work, start, data);
     }
