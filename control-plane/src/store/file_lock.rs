@@ -70,9 +70,25 @@ impl FileLock {
     }
 }
 
-/// Returns `<database>.lock`.
+/// Returns `<database>.lock`, beside the file the path names once
+/// symlinks are resolved (a symlink to a store in use is that store).
 fn lock_path(database: &Path) -> PathBuf {
-    let mut name = database.as_os_str().to_owned();
+    let resolved = database.canonicalize().unwrap_or_else(|_| {
+        // Not created yet: its directory resolved, its name as given.
+        match (database.parent(), database.file_name()) {
+            (Some(dir), Some(file)) => {
+                let dir = if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                };
+                dir.canonicalize()
+                    .map_or_else(|_| database.to_owned(), |d| d.join(file))
+            }
+            _ => database.to_owned(),
+        }
+    });
+    let mut name = resolved.into_os_string();
     name.push(".lock");
     PathBuf::from(name)
 }
@@ -107,6 +123,15 @@ mod tests {
             )),
             "{err}"
         );
+
+        // A symlink to the store is the store.
+        std::fs::write(&db, b"").unwrap();
+        let link = dir.path().join("link.db");
+        std::os::unix::fs::symlink(&db, &link).unwrap();
+        assert!(matches!(
+            FileLock::acquire(&link),
+            Err(StoreError::InUse { .. })
+        ));
 
         first.release();
         let again = FileLock::acquire(&db).unwrap();
