@@ -226,6 +226,32 @@ def test_files_read_with_no_order_fill_the_node_cache_for_later_readers(mount_st
     assert reads("second") == 0
 
 
+def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mount_stage):
+    """A planned file opened before a reader reached it is read at once;
+    with the node cache holding it, from there, not from storage."""
+    pytest.importorskip("torch")
+    from sluice.torch import MountSampler
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(20_000) for i in range(120)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage, mnt = mount_stage(root, "--cache-memory", "64MiB", "--readers", "1",
+                             "--min-buffer", "1MiB", "--max-buffer", "1MiB", "--initial-buffer", "1MiB")
+    paths = [str(mnt / "@cached" / "ds" / name) for name in sorted(files)]
+    sampler = MountSampler(paths, stage.socket, seed=1)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        order = list(iter(sampler))
+        if epoch == 1:
+            order.reverse()  # opened in another order than the sampler's
+        for i in order:
+            with open(paths[i], "rb") as f:
+                assert f.read() == files[os.path.basename(paths[i])]
+    sampler.close()
+    assert job_metric(stage, "sluice_stage_storage_reads_total", "cached") == len(files)
+
+
 def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
     stage, mnt, files = mounted
     names = sorted(files)

@@ -9,12 +9,12 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Job, PlanState};
-use crate::cache::{Lookup, SampleKey};
+use crate::cache::{Fill, Lookup, SampleKey};
 use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
-use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample};
+use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
 use crate::source::Source;
 use crate::storage::{MAX_FILE_BYTES, clamp_range, io_error, open_regular};
 
@@ -442,10 +442,6 @@ impl Job {
         m: &DatasetMetrics,
     ) -> (Result<Chunk, ProtocolError>, u64) {
         let source = dataset.source();
-        match charged_size(dataset, name) {
-            Ok(size) => self.throttle(size),
-            Err(e) => return (Err(e), 0),
-        }
         let reserved = Cell::new(0);
         let alloc = |len: usize| {
             let bytes = len as u64;
@@ -457,9 +453,36 @@ impl Job {
                 Buffer::heap(len)
             }
         };
+        let copied = |bytes: &[u8]| {
+            let mut buf = alloc(bytes.len());
+            buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+            Chunk::pooled(buf, 0, bytes.len())
+        };
+        // A listed sample the node cache holds, or that another reader is
+        // reading now, is not read again.
+        let fill = match self.cache_lookup(dataset, name, 0, TO_END) {
+            Some(Lookup::Hit(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
+            Some(Lookup::Wait(flight)) => {
+                let data = flight.wait_blocking().map(|bytes| copied(&bytes));
+                return (data, reserved.get());
+            }
+            Some(Lookup::Miss(fill)) => Some(fill),
+            None => None,
+        };
+        let size = match charged_size(dataset, name) {
+            Ok(size) => size,
+            Err(e) => {
+                if let Some(fill) = fill {
+                    fill.fail(&e);
+                }
+                return (Err(e), 0);
+            }
+        };
+        self.throttle(size);
         let start = Instant::now();
         let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
+        offer_whole(fill, &data, size);
         match (data, reserved.get()) {
             (Err(e), bytes) if bytes > 0 => {
                 self.settle(NO_PLAN, bytes, 0);
@@ -524,13 +547,7 @@ impl Job {
         let start = Instant::now();
         let data = source.read_range(name, offset, length);
         self.count_read(m, start.elapsed(), &data);
-        match (fill, &data) {
-            // A file that changed size since it was listed is not the
-            // listed sample (dropping the fill fails whoever waits).
-            (Some(fill), Ok(chunk)) if chunk.len() as u64 == size => fill.complete(chunk),
-            (Some(fill), Err(e)) => fill.fail(e),
-            _ => {}
-        }
+        offer_whole(fill, &data, size);
         data
     }
 
@@ -603,6 +620,18 @@ impl Drop for PlanHandle {
         if let Some(id) = self.id {
             self.job.detach(id);
         }
+    }
+}
+
+/// Offers a whole read of a listed sample of `size` bytes to the node
+/// cache (and to whoever waits for it). A file that changed size since it
+/// was listed is not the listed sample: the fill is dropped, which fails
+/// whoever waits for it (as a changed file fails a plan's reader).
+fn offer_whole(fill: Option<Fill>, data: &Result<Chunk, ProtocolError>, size: u64) {
+    match (fill, data) {
+        (Some(fill), Ok(chunk)) if chunk.len() as u64 == size => fill.complete(chunk),
+        (Some(fill), Err(e)) => fill.fail(e),
+        _ => {}
     }
 }
 
