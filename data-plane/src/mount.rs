@@ -52,9 +52,10 @@ use crate::config::MountOptions;
 use crate::dataset::Dataset;
 use crate::engine::{Engine, Job, JobHandle, Reservation};
 use crate::entry::Owner;
+use crate::metrics::DatasetMetrics;
 use crate::metrics::Metrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
-use crate::server::read_now;
+use crate::server::read_range_now;
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 use orders::Orders;
@@ -476,6 +477,10 @@ const BLOCK_SIZE: u32 = 4096;
 /// front to back finds the next [`AHEAD`] windows in flight or done.
 const AHEAD: u64 = 2;
 
+/// How far a read may start from where the previous one ended and still
+/// go through the file in order (a page read again, a short skip).
+const IN_ORDER_SLACK: u64 = 128 << 10;
+
 /// Windows an open file keeps: the ones being read and the ones ahead.
 const WINDOWS: usize = AHEAD as usize + 2;
 
@@ -491,6 +496,12 @@ struct Open {
     size: u64,
     whole: Option<(Chunk, Reservation)>,
     windows: Vec<(u64, Window)>,
+    /// Where the previous read ended: a read that starts about there goes
+    /// through the file in order, and the windows after it are fetched.
+    read_to: Option<u64>,
+    /// Whether a read of the file was counted as a delivered sample.
+    counted: bool,
+    metrics: DatasetMetrics,
     /// The source file the kernel reads itself (passthrough), registered
     /// until every open of the inode is released.
     backing: Option<Arc<fuser::BackingId>>,
@@ -504,6 +515,7 @@ impl Open {
         size: u64,
         whole: Option<(Chunk, Reservation)>,
     ) -> Self {
+        let metrics = job.metrics_for(&dataset.name);
         Self {
             job,
             dataset,
@@ -511,8 +523,24 @@ impl Open {
             size,
             whole,
             windows: Vec::new(),
+            read_to: None,
+            counted: false,
+            metrics,
             backing: None,
         }
+    }
+
+    /// Whether a read of `offset..end` goes on in order from the previous
+    /// one (or starts the file), and records it. The kernel sends a
+    /// reader's requests, its read-ahead included, in the order it makes
+    /// them, and the mount takes them in that order.
+    fn in_order(&mut self, offset: u64, end: u64) -> bool {
+        let in_order = match self.read_to {
+            None => offset == 0,
+            Some(to) => offset.abs_diff(to) <= IN_ORDER_SLACK,
+        };
+        self.read_to = Some(end);
+        in_order
     }
 
     /// The window starting at `start`, made if new (the oldest is
@@ -536,6 +564,7 @@ struct Source {
     job: Arc<Job>,
     dataset: Arc<Dataset>,
     name: String,
+    metrics: DatasetMetrics,
 }
 
 impl Source {
@@ -545,7 +574,8 @@ impl Source {
             .get_or_init(|| async {
                 let (job, dataset, name) =
                     (&self.job, Arc::clone(&self.dataset), self.name.clone());
-                match read_now(job, dataset, name, start, WINDOW).await.data {
+                let read = read_range_now(job, dataset, name, start, WINDOW, &self.metrics);
+                match read.await.data {
                     Ok(Payload::Bytes(chunk)) => Ok(Arc::new(chunk)),
                     Ok(Payload::Shared { .. }) => Err(libc::EIO),
                     Err(e) => Err(errno(&e)),
@@ -1181,7 +1211,7 @@ impl Filesystem for MountFs {
         let Ok(offset) = u64::try_from(offset) else {
             return reply.error(libc::EINVAL);
         };
-        let (source, needed, end) = {
+        let (source, needed, end, first_read) = {
             let mut open = lock(&self.open);
             let Some(file) = open.get_mut(&fh) else {
                 return reply.error(libc::EBADF);
@@ -1200,17 +1230,50 @@ impl Filesystem for MountFs {
             }
             let first = offset / WINDOW * WINDOW;
             let last = (end - 1) / WINDOW * WINDOW;
-            let needed: Vec<(u64, Window)> = (first..=last)
-                .step_by(WINDOW as usize)
-                .map(|start| (start, file.window(start)))
-                .collect();
             let source = Source {
                 job: Arc::clone(&file.job),
                 dataset: Arc::clone(&file.dataset),
                 name: file.name.clone(),
+                metrics: file.metrics.clone(),
             };
-            // Sequential read-ahead: the windows after the last one read.
-            for ahead in (1..=AHEAD).map(|n| last + n * WINDOW) {
+            let first_read = !std::mem::replace(&mut file.counted, true);
+            let held = (first..=last).step_by(WINDOW as usize).all(|start| {
+                file.windows
+                    .iter()
+                    .any(|(s, w)| *s == start && w.initialized())
+            });
+            let in_order = file.in_order(offset, end);
+            if !in_order && !held {
+                // Out of order (random access): just the range asked for,
+                // not windows that the next read would not use.
+                drop(open);
+                let (len, job, dataset, name) =
+                    (end - offset, source.job, source.dataset, source.name);
+                let metrics = source.metrics;
+                return self.answer_soon(async move {
+                    let read = read_range_now(&job, dataset, name, offset, len, &metrics);
+                    match read.await.data {
+                        Ok(Payload::Bytes(chunk)) => {
+                            job.count_delivered_bytes(
+                                &metrics,
+                                chunk.len() as u64,
+                                u64::from(first_read),
+                            );
+                            reply.data(&chunk);
+                        }
+                        Ok(Payload::Shared { .. }) => reply.error(libc::EIO),
+                        Err(e) => reply.error(errno(&e)),
+                    }
+                });
+            }
+            let needed: Vec<(u64, Window)> = (first..=last)
+                .step_by(WINDOW as usize)
+                .map(|start| (start, file.window(start)))
+                .collect();
+            // Sequential read-ahead: the windows after the last one read,
+            // for a reader going through the file in order.
+            let ahead = if in_order { AHEAD } else { 0 };
+            for ahead in (1..=ahead).map(|n| last + n * WINDOW) {
                 if ahead >= file.size {
                     break;
                 }
@@ -1223,7 +1286,14 @@ impl Filesystem for MountFs {
                     let _ = source.fetch(ahead, &window).await;
                 });
             }
-            (source, needed, end)
+            (source, needed, end, first_read)
+        };
+        // What the reader gets is what it was delivered (its file, once).
+        let delivered = move |source: &Source| {
+            let file = u64::from(first_read);
+            source
+                .job
+                .count_delivered_bytes(&source.metrics, end - offset, file);
         };
         self.answer_soon(async move {
             let slice = |chunk: &[u8], start: u64| {
@@ -1234,7 +1304,10 @@ impl Filesystem for MountFs {
             if let [(start, window)] = needed.as_slice() {
                 // Within one window (nearly every read): no copy here.
                 return match source.fetch(*start, window).await {
-                    Ok(chunk) => reply.data(&chunk[slice(&chunk, *start)]),
+                    Ok(chunk) => {
+                        delivered(&source);
+                        reply.data(&chunk[slice(&chunk, *start)]);
+                    }
                     Err(e) => reply.error(e),
                 };
             }
@@ -1246,6 +1319,7 @@ impl Filesystem for MountFs {
                 };
                 out.extend_from_slice(&chunk[slice(&chunk, *start)]);
             }
+            delivered(&source);
             reply.data(&out);
         });
     }

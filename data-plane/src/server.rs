@@ -723,7 +723,7 @@ fn data(sample: Sample) -> Result<crate::chunk::Chunk, ProtocolError> {
 
 /// Reads a byte range of `name` for the trainer now (not from a plan), off
 /// the async runtime, counted as delivered.
-pub(crate) async fn read_now(
+async fn read_now(
     job: &Arc<crate::engine::Job>,
     dataset: Arc<Dataset>,
     name: String,
@@ -731,6 +731,21 @@ pub(crate) async fn read_now(
     length: u64,
 ) -> Sample {
     let metrics = job.metrics_for(&dataset.name);
+    let sample = read_range_now(job, dataset, name, offset, length, &metrics).await;
+    job.delivered(&metrics, &sample);
+    sample
+}
+
+/// Reads a byte range of `name` now (not from a plan), off the async
+/// runtime; the caller counts what it delivers of it.
+pub(crate) async fn read_range_now(
+    job: &Arc<crate::engine::Job>,
+    dataset: Arc<Dataset>,
+    name: String,
+    offset: u64,
+    length: u64,
+    metrics: &crate::metrics::DatasetMetrics,
+) -> Sample {
     let task_job = Arc::clone(job);
     let task_name = name.clone();
     let task_metrics = metrics.clone();
@@ -744,13 +759,11 @@ pub(crate) async fn read_now(
             format!("read task failed: {e}"),
         ))
     });
-    let sample = Sample {
+    Sample {
         position: 0,
         name,
         data: data.map(Payload::Bytes),
-    };
-    job.delivered(&metrics, &sample);
-    sample
+    }
 }
 
 /// Reads file `name` whole for `FETCH`: the plan entry it is when one of the

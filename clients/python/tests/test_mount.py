@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import mmap
+import random
 import os
 import shutil
 import signal
@@ -637,6 +638,30 @@ def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_sta
         for offset, size in [(4 * 2**20 - 5, 10), (9, 3 * 2**20), (len(big) - 7, 100), (8 * 2**20 - 1, 2)]:
             f.seek(offset)
             assert f.read(size) == big[offset:offset + size], (offset, size)
+
+
+def test_random_reads_of_a_large_file_read_what_they_ask_for(tmp_path, mount_stage):
+    """Windows and read-ahead serve a reader going through a file in order;
+    a random reader's small reads fetch what they ask for, and what it gets
+    is what is counted delivered."""
+    root = tmp_path / "data"
+    root.mkdir()
+    big = os.urandom(12 * 2**20)
+    (root / "big.bin").write_bytes(big)
+    stage, mnt = mount_stage(root, "--mount-passthrough", "false")
+    rng = random.Random(3)
+    fd = os.open(mnt / "@random" / "ds" / "big.bin", os.O_RDONLY)
+    try:
+        for _ in range(40):
+            offset = rng.randrange(4096, len(big) - 4096)
+            assert os.pread(fd, 4096, offset) == big[offset:offset + 4096], offset
+    finally:
+        os.close(fd)
+    read = job_metric(stage, "sluice_stage_storage_read_bytes_total", "random")
+    delivered = job_metric(stage, "sluice_stage_delivered_bytes_total", "random")
+    assert read < len(big) // 2, f"{read} bytes read from storage for 40 reads of 4 KiB"
+    assert 40 * 4096 <= delivered <= read, (delivered, read)
+    assert job_metric(stage, "sluice_stage_delivered_samples_total", "random") == 1, "one file"
 
 
 def test_large_files_are_passed_through_to_the_kernel_and_charged_to_the_job_whole(tmp_path, mount_stage):

@@ -505,7 +505,9 @@ impl Job {
         self.count_delivered_bytes(m, bytes, samples.len() as u64);
     }
 
-    fn count_delivered_bytes(&self, m: &DatasetMetrics, bytes: u64, samples: u64) {
+    /// Counts `bytes` of `samples` delivered (a read through the mount
+    /// counts each answer's bytes, and its file once).
+    pub fn count_delivered_bytes(&self, m: &DatasetMetrics, bytes: u64, samples: u64) {
         self.stats
             .delivered_bytes
             .fetch_add(bytes, Ordering::Relaxed);
