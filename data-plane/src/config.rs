@@ -591,14 +591,15 @@ fn merge_datasets(
     // relative directory that does not exist.
     for (name, location) in &datasets {
         let text = location.to_string_lossy();
-        let Some((scheme, _)) = text.split_once(':') else {
+        if text.starts_with("s3://") {
             continue;
-        };
+        }
+        let scheme = text.split_once(':').map_or("", |(scheme, _)| scheme);
         let url_like = !scheme.is_empty()
             && scheme
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
-        if url_like && !text.starts_with("s3://") && !location.exists() {
+        if url_like && !location.exists() {
             let hint = if scheme.eq_ignore_ascii_case("s3") {
                 "an object store is `s3://BUCKET/PREFIX`"
             } else {
@@ -607,6 +608,19 @@ fn merge_datasets(
             return Err(ConfigError(format!(
                 "dataset `{name}`: `{text}` is neither a directory nor a URL the stage reads: {hint}"
             )));
+        }
+        match std::fs::metadata(location) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => {
+                return Err(ConfigError(format!(
+                    "dataset `{name}` root {text} is not a directory: give the directory that holds its files"
+                )));
+            }
+            Err(e) => {
+                return Err(ConfigError(format!(
+                    "dataset `{name}` root {text}: {e}: give an existing directory (or s3://BUCKET/PREFIX)"
+                )));
+            }
         }
     }
     Ok(datasets)
@@ -1209,6 +1223,14 @@ mod tests {
         }
         let plain = [("d".into(), PathBuf::from("s3://bucket/x"))];
         assert!(merge_datasets(&BTreeMap::new(), &plain).is_ok());
+        // A root that is missing or not a directory is a configuration error.
+        for (root, said) in [
+            ("/no/such/dir", "No such file"),
+            ("/etc/hostname", "not a directory"),
+        ] {
+            let e = merge_datasets(&BTreeMap::new(), &[("d".into(), root.into())]).unwrap_err();
+            assert!(e.to_string().contains(said), "{e}");
+        }
         // A name given twice is refused, not the last one taken.
         let twice = StageConfig::from_args(args(&["--dataset", "d=/tmp", "--dataset", "d=/var"]));
         assert!(twice.unwrap_err().to_string().contains("given twice"));

@@ -1,5 +1,5 @@
 //! `sluice-stage` binary: parse the configuration, bind, print the ready
-//! line, serve until SIGTERM or SIGINT (a second signal exits at once).
+//! line, serve until SIGTERM, SIGINT or SIGHUP (a second signal exits at once).
 
 use std::process::ExitCode;
 
@@ -20,7 +20,17 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = match StageConfig::from_args(Args::parse()) {
+    // A flag that does not parse is an invalid configuration too (64), as
+    // its YAML and environment forms are; `--help` and `--version` exit 0.
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(64);
+        }
+    };
+    let config = match StageConfig::from_args(args) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("sluice-stage: invalid configuration: {e}");
@@ -51,6 +61,9 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
     // shut down cleanly, not take the default action.
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
+    // A closed terminal or a supervisor's SIGHUP: drain as for SIGTERM
+    // (the default action would end the stage with no drain).
+    let mut hup = signal(SignalKind::hangup())?;
     let stage = Stage::bind(config).await?;
     let addrs = stage.addresses()?;
     // One JSON line on stdout tells scripts and tests where the stage listens.
@@ -66,10 +79,10 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
     tokio::spawn(async move {
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, _ = hup.recv() => {} }
         tracing::info!("signal received: shutting down (a second signal exits at once)");
         on_signal.cancel();
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, _ = hup.recv() => {} }
         std::process::exit(130);
     });
     stage.run(cancel).await

@@ -613,6 +613,7 @@ impl Connection {
                 "NEXT of {max_samples} samples is out of range: ask for 1 to {MAX_NEXT}"
             )));
         }
+        self.opened()?;
         let handle = self.plan.as_ref().ok_or_else(|| {
             ProtocolError::new(
                 ErrorCode::NoPlan,

@@ -348,8 +348,15 @@ fn invalid_configuration_exits_64_with_a_sentence() {
         .arg(std::env::temp_dir().join(format!("sluice-e2e-{}.sock", std::process::id())))
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/definitely/not/here"));
+    // A flag whose value does not parse is one too, as in the YAML file.
+    let out = Command::new(stage_bin())
+        .args(["--dataset", "a=/tmp", "--rate-limit", "100K/s"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ambiguous"));
 }
 
 #[test]
