@@ -41,6 +41,9 @@ pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct Memory {
     budget: u64,
     used: AtomicU64,
+    /// Every job's buffer comes out of this budget: the jobs, so that one
+    /// whose consumer waits can have others give back read-ahead.
+    members: Mutex<Vec<std::sync::Weak<Job>>>,
     /// The part of `used` that trainers hold in shared memory, every job's.
     lent: AtomicU64,
     jobs: AtomicUsize,
@@ -51,6 +54,7 @@ impl Memory {
         Self {
             budget,
             used: AtomicU64::new(0),
+            members: Mutex::new(Vec::new()),
             lent: AtomicU64::new(0),
             jobs: AtomicUsize::new(0),
         }
@@ -107,6 +111,49 @@ impl Memory {
     /// Bytes a trainer held came back (and leave the budget with `release`).
     fn unlend(&self, n: u64) {
         self.lent.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Counts `job` among those whose buffers come out of this budget.
+    fn register(&self, job: &Arc<Job>) {
+        let mut members = lock(&self.members);
+        members.retain(|m| m.strong_count() > 0);
+        members.push(Arc::downgrade(job));
+    }
+
+    /// Frees at least `need` bytes for `requester`, whose consumer waits
+    /// on an entry no reader can fetch for want of budget, if read-ahead
+    /// nobody has asked for yet holds them: first the excess of jobs over
+    /// their share (a job that prefetched the budget before others came,
+    /// then stopped asking), then any job's. Returns the bytes freed. The
+    /// entries given back are read again when their turn comes (from the
+    /// node cache, if it kept them). Call with no job's lock held.
+    pub(crate) fn reclaim(&self, need: u64, requester: &Job) -> u64 {
+        let members: Vec<Arc<Job>> = lock(&self.members)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        let share = self.job_share();
+        let mut over: Vec<(u64, &Arc<Job>)> = members
+            .iter()
+            .filter(|job| !std::ptr::eq(Arc::as_ptr(job), requester))
+            .map(|job| (job.reserved().saturating_sub(share), job))
+            .filter(|(excess, _)| *excess > 0)
+            .collect();
+        over.sort_unstable_by_key(|(excess, _)| std::cmp::Reverse(*excess));
+        let mut freed = 0;
+        for (excess, job) in over {
+            if freed >= need {
+                return freed;
+            }
+            freed += job.give_back_read_ahead((need - freed).min(excess));
+        }
+        for job in &members {
+            if freed >= need {
+                break;
+            }
+            freed += job.give_back_read_ahead(need - freed);
+        }
+        freed
     }
 
     /// The share of the budget one job may use while `jobs` jobs are active.
@@ -263,6 +310,7 @@ impl Engine {
                     cache: self.cache.clone(),
                 };
                 let job = Job::start(id, labels.clone().unwrap_or_default(), config, start);
+                self.memory.register(&job);
                 if self.draining.load(Ordering::Acquire) {
                     job.lend_book().keep_reclaimed();
                 }

@@ -600,10 +600,20 @@ impl Part<'_> {
 
 /// Reads one frame body from `reader`. Returns `Ok(None)` on a clean end of
 /// stream before a frame starts. A length over `max` is refused before any of
-/// the body is read.
+/// the body is read, and a body that does not come within
+/// [`FRAME_BODY_TIMEOUT`] is an error.
 pub async fn read_frame<R: AsyncRead + Unpin>(
     reader: &mut R,
     max: u32,
+) -> Result<Option<Vec<u8>>, FrameReadError> {
+    read_frame_within(reader, max, FRAME_BODY_TIMEOUT).await
+}
+
+/// [`read_frame`], with the body given `body_timeout`.
+async fn read_frame_within<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max: u32,
+    body_timeout: std::time::Duration,
 ) -> Result<Option<Vec<u8>>, FrameReadError> {
     let mut prefix = [0u8; 4];
     let mut filled = 0;
@@ -626,16 +636,29 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             format!("frame of {length} bytes is over the limit of {max} bytes"),
         )));
     }
-    let mut body = vec![0u8; length as usize];
-    reader.read_exact(&mut body).await.map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            FrameReadError::Truncated
-        } else {
-            FrameReadError::Io(e)
-        }
-    })?;
-    Ok(Some(body))
+    // Grown as the bytes come (a peer that announces 16 MiB and sends one
+    // byte holds 64 KiB, not 16 MiB), and within a time limit once the
+    // frame has begun (idle between frames is fine; stalled inside one
+    // is not).
+    let mut body = Vec::with_capacity((length as usize).min(FRAME_FIRST_ALLOC));
+    let mut rest = reader.take(u64::from(length));
+    let read = rest.read_to_end(&mut body);
+    match tokio::time::timeout(body_timeout, read).await {
+        Ok(Ok(n)) if n == length as usize => Ok(Some(body)),
+        Ok(Ok(_)) => Err(FrameReadError::Truncated),
+        Ok(Err(e)) => Err(FrameReadError::Io(e)),
+        Err(_) => Err(FrameReadError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the rest of a {length}-byte frame did not come within {body_timeout:?}"),
+        ))),
+    }
 }
+
+/// What a frame's body is given before its bytes come.
+const FRAME_FIRST_ALLOC: usize = 64 << 10;
+
+/// How long the rest of a frame may take once its length has come.
+pub const FRAME_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Why a frame could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -820,6 +843,31 @@ mod tests {
         );
         let mut zero: &[u8] = &[0, 0, 0, 0];
         assert!(read_frame(&mut zero, MAX_REQUEST_FRAME).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_frame_whose_body_stops_coming_is_given_up() {
+        use tokio::io::AsyncWriteExt;
+        let (mut peer, mut stage) = tokio::io::duplex(1 << 20);
+        // 16 MiB announced, one byte sent, the connection kept open.
+        peer.write_all(&(16u32 << 20).to_be_bytes()).await.unwrap();
+        peer.write_all(&[1]).await.unwrap();
+        let limit = std::time::Duration::from_millis(100);
+        let read = read_frame_within(&mut stage, MAX_REQUEST_FRAME, limit).await;
+        let Err(FrameReadError::Io(e)) = read else {
+            panic!("{read:?}");
+        };
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        drop(peer);
+        // One that comes whole in time is read.
+        let (mut peer, mut stage) = tokio::io::duplex(64);
+        let writer = tokio::spawn(async move {
+            peer.write_all(&[0, 0, 0, 3, 7, 8, 9]).await.unwrap();
+            peer
+        });
+        let body = read_frame_within(&mut stage, MAX_REQUEST_FRAME, limit).await;
+        assert_eq!(body.unwrap(), Some(vec![7, 8, 9]));
+        drop(writer.await);
     }
 
     #[test]

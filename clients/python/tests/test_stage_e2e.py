@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import socket
 import struct
 import threading
@@ -733,3 +735,71 @@ def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dat
             return False
 
     wait_for(served, timeout=5, what="the metrics port serving again once they left")
+
+
+def stage_metric(stage, name: str) -> float:
+    """The value of the stage's unlabelled series ``name``."""
+    found = re.search(rf"^{name} (\S+)$", http_get(stage.metrics, "/metrics"), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def small_files(root, n: int, sizes=(16 << 10, 22 << 10)) -> dict:
+    root.mkdir()
+    rng = random.Random(n)
+    files = {f"{i:05d}.bin": rng.randbytes(rng.randrange(*sizes)) for i in range(n)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return files
+
+
+def test_a_job_that_planned_and_went_quiet_leaves_room_for_the_next(stage_factory, tmp_path):
+    """A job alone prefetches into the whole budget; once another job's
+    consumer waits, the quiet job's read-ahead beyond its share makes way."""
+    files = small_files(tmp_path / "d", 1500)
+    names = sorted(files)
+    stage = stage_factory({"d": tmp_path / "d"}, "--memory-budget", "8MiB")
+    quiet = Raw(stage.socket)
+    quiet.hello("quiet")
+    quiet.call(p.encode_open("d"))
+    quiet.call(p.encode_plan_indices(0, list(range(len(names)))))  # and never NEXT
+    wait_for(lambda: stage_metric(stage, "sluice_stage_memory_used_bytes") > 6 << 20,
+             what="the quiet job to prefetch most of the budget")
+    busy = Raw(stage.socket, timeout=20)
+    busy.hello("busy")
+    busy.call(p.encode_open("d"))
+    busy.call(p.encode_plan_indices(0, [7]))
+    got = busy.call(p.encode_next(1))
+    assert [(s.name, s.data) for s in got.samples] == [(names[7], files[names[7]])]
+    quiet.sock.close()
+
+
+def test_jobs_with_large_claims_on_a_small_budget_all_finish(stage_factory, tmp_path):
+    """Each job's NEXT claims up to half its share of the budget; read-ahead
+    nobody claimed makes way for claims, so no job waits for ever on
+    memory the others hold."""
+    files = small_files(tmp_path / "d", 1200)
+    stage = stage_factory({"d": tmp_path / "d"}, "--memory-budget", "16MiB")
+    results = {}
+
+    def job(k):
+        got = 0
+        try:
+            r = Raw(stage.socket, timeout=30)
+            r.hello(f"job{k}")
+            r.call(p.encode_open("d"))
+            r.call(p.encode_plan_indices(0, list(range(len(files)))))
+            while True:
+                answer = r.call(p.encode_next(1024))
+                got += len(answer.samples)
+                if answer.end:
+                    break
+            results[k] = got
+        except Exception as e:  # a hang shows as the socket's timeout
+            results[k] = f"stopped after {got}: {e!r}"
+
+    threads = [threading.Thread(target=job, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {k: len(files) for k in range(3)}

@@ -401,6 +401,55 @@ impl Job {
         result
     }
 
+    /// The bytes the job holds of the node's budget (buffered, in flight
+    /// and lent).
+    pub fn reserved(&self) -> u64 {
+        self.lock().reserved
+    }
+
+    /// Drops up to about `want` bytes of fetched entries no consumer has
+    /// claimed yet, the furthest ahead first, to be read again when their
+    /// turn comes, and returns the bytes given back to the node budget.
+    pub fn give_back_read_ahead(&self, want: u64) -> u64 {
+        let mut dropped = Vec::new();
+        let mut freed = 0;
+        {
+            let mut st = self.lock();
+            let mut ahead: Vec<(usize, u64, u32)> = st
+                .plans
+                .values()
+                .flat_map(|plan| {
+                    plan.fetched
+                        .iter()
+                        .filter(|(pos, f)| f.reserved > 0 && !plan.entries[**pos as usize].claimed)
+                        .map(|(pos, _)| ((*pos as usize).saturating_sub(plan.claim), plan.id, *pos))
+                })
+                .collect();
+            ahead.sort_unstable_by_key(|&(distance, ..)| std::cmp::Reverse(distance));
+            for (_, id, pos) in ahead {
+                if freed >= want {
+                    break;
+                }
+                let Some(plan) = st.plans.get_mut(&id) else {
+                    continue;
+                };
+                let Some(fetched) = plan.fetched.remove(&pos) else {
+                    continue;
+                };
+                plan.entries[pos as usize].started = false;
+                plan.fetch = plan.fetch.min(pos as usize);
+                plan.reserved -= fetched.reserved;
+                freed += fetched.reserved;
+                st.reserved -= fetched.reserved;
+                dropped.push(fetched);
+            }
+        }
+        // Their buffers go back before the budget does.
+        drop(dropped);
+        self.memory.release(freed);
+        freed
+    }
+
     /// The node's memory budget, which every job's buffer comes out of.
     pub fn memory_budget(&self) -> u64 {
         self.memory.budget()

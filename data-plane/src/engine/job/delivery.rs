@@ -255,11 +255,13 @@ impl Job {
             let Some(plan) = st.plans.get_mut(&id) else {
                 return empty(true);
             };
-            // At most a quarter of the node's budget at once (at least one
-            // entry): the answer waits for every claimed entry, and what the
-            // budget cannot hold at once would never all be fetched.
-            let positions =
-                plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(self.memory.budget() / 4));
+            // At most a quarter of the node's budget at once, and half the
+            // job's share of it (at least one entry): the answer waits for
+            // every claimed entry, and what the budget cannot hold at once
+            // would never all be fetched, nor would every job's claims
+            // together (read-ahead nobody claimed makes way for them).
+            let cap = (self.memory.budget() / 4).min(self.memory.job_share() / 2);
+            let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(cap));
             let waiting = plan.consumer_waiting();
             let dataset = plan.dataset.name.clone();
             (positions, self.dataset_metrics(&mut st, &dataset), waiting)

@@ -116,6 +116,19 @@ impl Job {
                             break work;
                         }
                         Err(idle) => {
+                            // A consumer waits on an entry the budget has no
+                            // room for: read-ahead nobody asked for yet (this
+                            // job's or others') makes way.
+                            if matches!(idle, Idle::OverBudget)
+                                && let Some(need) = st.waited_bytes()
+                            {
+                                drop(st);
+                                let freed = self.memory.reclaim(need, &self);
+                                st = self.lock();
+                                if freed > 0 {
+                                    continue;
+                                }
+                            }
                             let short = u32::from(!matches!(idle, Idle::Nothing));
                             st.readers_idle += 1;
                             st.readers_short += short;
@@ -371,6 +384,17 @@ impl JobState {
         } else {
             self.readers_target
         }
+    }
+
+    /// The budget bytes of the next entry of a plan whose consumer waits on
+    /// an entry no reader has started, if any plan's does.
+    fn waited_bytes(&mut self) -> Option<u64> {
+        self.plans.values_mut().find_map(|plan| {
+            let pos = plan.next_unstarted()?;
+            plan.entries[pos as usize]
+                .claimed
+                .then(|| whole_footprint(plan.size_of(pos)))
+        })
     }
 
     /// Picks the next entry to fetch and reserves its bytes: first in plans a
