@@ -925,6 +925,18 @@ fn reader_counts(
     fixed: Option<u32>,
     remote: bool,
 ) -> Result<(u32, u32, u32), ConfigError> {
+    // A fixed count turns the tuner off: bounds beside it would be ignored.
+    let bounded = [args.min_readers, file.min, args.max_readers, file.max]
+        .iter()
+        .chain([&args.initial_readers, &file.initial])
+        .any(Option::is_some);
+    if let Some(fixed) = fixed
+        && bounded
+    {
+        return Err(ConfigError(format!(
+            "a fixed count of {fixed} readers turns the tuner off, so reader bounds beside it would be ignored: give either --readers (`readers: {{fixed: N}}`) or the min/max/initial bounds"
+        )));
+    }
     let min_readers = fixed.or(args.min_readers).or(file.min).unwrap_or(1);
     let default_max = if remote {
         REMOTE_MAX_READERS
@@ -1042,6 +1054,15 @@ fn check_controller(controller: Option<&str>, tls: bool) -> Result<(), ConfigErr
 fn load_file(path: &Path) -> Result<StageFile, ConfigError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ConfigError(format!("reading {}: {e}", path.display())))?;
+    if text.lines().all(|l| {
+        let l = l.trim();
+        l.is_empty() || l.starts_with('#') || l == "---" || l == "null" || l == "~"
+    }) {
+        return Err(ConfigError(format!(
+            "{} holds no settings: write a mapping such as `datasets: {{imagenet: /data/imagenet}}`",
+            path.display()
+        )));
+    }
     serde_yaml_ng::from_str(&text).map_err(|e| {
         let at = e
             .location()
@@ -1221,6 +1242,30 @@ mod tests {
                 "{e}"
             );
         }
+        // A fixed reader count beside bounds it would ignore.
+        let both = StageConfig::from_args(args(&[
+            "--dataset",
+            "d=/tmp",
+            "--readers",
+            "4",
+            "--max-readers",
+            "8",
+        ]));
+        assert!(
+            both.unwrap_err()
+                .to_string()
+                .contains("turns the tuner off")
+        );
+        // A config file with nothing in it.
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("stage.yaml");
+        std::fs::write(&empty, "# nothing yet\n---\n").unwrap();
+        assert!(
+            load_file(&empty)
+                .unwrap_err()
+                .to_string()
+                .contains("holds no settings")
+        );
         let plain = [("d".into(), PathBuf::from("s3://bucket/x"))];
         assert!(merge_datasets(&BTreeMap::new(), &plain).is_ok());
         // A root that is missing or not a directory is a configuration error.
