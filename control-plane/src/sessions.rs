@@ -554,6 +554,39 @@ mod tests {
     }
 
     #[test]
+    fn what_is_shown_is_measured_over_seconds_what_is_decided_over_the_last_report() {
+        // A throttled job that gets 64 KiB every two seconds, reported
+        // every half second.
+        let mut live = LiveStage::new(Instant::now());
+        let mut delivered = 0u64;
+        let (mut shown, mut decided) = (Vec::new(), Vec::new());
+        for i in 0..40 {
+            if i % 4 == 0 {
+                delivered += 64 << 10;
+            }
+            let t = v1::Telemetry {
+                unix_millis: 1_000_000 + i * 500,
+                jobs: vec![v1::JobTelemetry {
+                    delivered_bytes: delivered,
+                    ..job(0.0, 0.0)
+                }],
+                ..v1::Telemetry::default()
+            };
+            live.record(from_proto(t));
+            if i >= 12 {
+                shown.push(live.shown_window("j").unwrap().0.delivered_bytes_per_second);
+                decided.push(live.window("j").unwrap().0.delivered_bytes_per_second);
+            }
+        }
+        let steady = 32.0 * 1024.0;
+        assert!(
+            shown.iter().all(|r| (r / steady - 1.0).abs() < 0.3),
+            "{shown:?}"
+        );
+        assert!(decided.contains(&0.0), "{decided:?}");
+    }
+
+    #[test]
     fn report_times_at_the_ends_of_the_clock_do_not_overflow() {
         let mut live = LiveStage::new(Instant::now());
         for unix_millis in [i64::MIN, i64::MAX, -1, i64::MIN, 0, i64::MAX] {

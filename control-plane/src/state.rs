@@ -126,6 +126,11 @@ pub struct LiveStage {
 /// newest one at least this much older.
 pub const MIN_WINDOW_MS: i64 = 400;
 
+/// What `sluicectl` and the REST API show is measured over about this
+/// long: a throttled job that gets a sample a second would otherwise show
+/// as idle in one half-second window and as twice its rate in the next.
+pub const SHOWN_WINDOW_MS: i64 = 5000;
+
 impl LiveStage {
     /// Returns the latest report.
     pub fn latest(&self) -> Option<&Telemetry> {
@@ -139,7 +144,7 @@ impl LiveStage {
         while self
             .reports
             .get(1)
-            .is_some_and(|r| newest.saturating_sub(r.unix_millis) >= MIN_WINDOW_MS)
+            .is_some_and(|r| newest.saturating_sub(r.unix_millis) >= SHOWN_WINDOW_MS)
         {
             self.reports.pop_front();
         }
@@ -149,9 +154,12 @@ impl LiveStage {
     /// newest at least [`MIN_WINDOW_MS`] older; `None` until there are two.
     fn window_reports(&self) -> Option<(&Telemetry, &Telemetry)> {
         let latest = self.reports.back()?;
-        let start = self.reports.front()?;
-        (latest.unix_millis.saturating_sub(start.unix_millis) >= MIN_WINDOW_MS)
-            .then_some((latest, start))
+        let start = self
+            .reports
+            .iter()
+            .rev()
+            .find(|r| latest.unix_millis.saturating_sub(r.unix_millis) >= MIN_WINDOW_MS)?;
+        Some((latest, start))
     }
 
     /// Whether the stage's reports span a window yet.
@@ -165,6 +173,25 @@ impl LiveStage {
     /// stage restarted).
     pub fn window(&self, job: &str) -> Option<(Window, &JobSample)> {
         let (latest, start) = self.window_reports()?;
+        Self::between(latest, start, job)
+    }
+
+    /// [`LiveStage::window`] over the reports of the last
+    /// [`SHOWN_WINDOW_MS`] (at least [`MIN_WINDOW_MS`]), for what people
+    /// read: the control loop reacts to the short window, people to a
+    /// steady one. Falls back to the short window across a restart of the
+    /// stage (its counters start again).
+    pub fn shown_window(&self, job: &str) -> Option<(Window, &JobSample)> {
+        let (latest, short) = self.window_reports()?;
+        let oldest = self.reports.front()?;
+        Self::between(latest, oldest, job).or_else(|| Self::between(latest, short, job))
+    }
+
+    fn between<'a>(
+        latest: &'a Telemetry,
+        start: &Telemetry,
+        job: &str,
+    ) -> Option<(Window, &'a JobSample)> {
         let now = latest.jobs.get(job)?;
         let before = start.jobs.get(job)?;
         let seconds = latest.unix_millis.saturating_sub(start.unix_millis) as f64 / 1000.0;

@@ -178,10 +178,9 @@ async fn acked_versions(shared: &Shared) -> Result<BTreeMap<String, u64>, ApiErr
 }
 
 /// Bytes/s, samples/s and stall fraction of `job` on one stage, over the
-/// stage's latest window.
+/// last few seconds of its reports.
 fn rates(live: Option<&LiveStage>, job: &str) -> (f64, f64, f64) {
-    // The window the demand estimate reads.
-    let Some((window, _)) = live.and_then(|l| l.window(job)) else {
+    let Some((window, _)) = live.and_then(|l| l.shown_window(job)) else {
         return (0.0, 0.0, 0.0);
     };
     (
