@@ -86,6 +86,13 @@ impl SourceMetrics {
         self.retried.inc();
     }
 
+    /// Requests the store answered with 503 SlowDown or 429 so far.
+    pub fn throttled_total(&self) -> u64 {
+        self.requests
+            .with_label_values(&[&self.dataset, "throttled"])
+            .get()
+    }
+
     /// The counter of samples that failed for `kind`.
     pub fn sample_errors(&self, kind: &str) -> IntCounter {
         self.sample_errors.with_label_values(&[&self.dataset, kind])

@@ -19,6 +19,10 @@
 //!   buffer toward a quarter second of consumption.
 //! - **Throttled**: the limiter, not the readers, sets the pace; readers are
 //!   trimmed to what the allowed rate needs.
+//! - **Store throttled** (an object store answered 503 SlowDown or 429
+//!   during the window): fewer reads in flight, by a quarter each window
+//!   it throttles, and that count is a ceiling for a while: asking a
+//!   throttling store for more only lengthens its backoff.
 //! - **CPU-bound reads** (nearly none of the reads sampled blocked: they
 //!   were served from the page cache, not waiting for a device): readers
 //!   beyond the node's cores only take turns on them, so the readers are
@@ -92,6 +96,8 @@ pub struct Observation {
     pub reads_blocked: Option<f64>,
     /// Time readers spent waiting on the limiter.
     pub throttled: Duration,
+    /// Requests the object stores read throttled (503, 429) in the window.
+    pub store_throttled: u64,
     /// Buffer bytes in use at the end of the window.
     pub buffer_used: u64,
     /// Whether any plan still has entries to fetch.
@@ -107,16 +113,18 @@ pub enum Reason {
     Ahead,
     Throttled,
     CpuBound,
+    StoreThrottled,
 }
 
 impl Reason {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::Starved,
         Self::ProbeFailed,
         Self::BufferBound,
         Self::Ahead,
         Self::Throttled,
         Self::CpuBound,
+        Self::StoreThrottled,
     ];
 
     /// Returns the metric label for this reason.
@@ -128,6 +136,7 @@ impl Reason {
             Self::Ahead => "ahead",
             Self::Throttled => "throttled",
             Self::CpuBound => "cpu_bound",
+            Self::StoreThrottled => "store_throttled",
         }
     }
 }
@@ -250,6 +259,13 @@ impl Tuner {
         self.age_ceiling();
         if let Some(blocked) = obs.reads_blocked {
             self.cpu_bound = blocked < CPU_BOUND;
+        }
+        if obs.store_throttled > 0 {
+            self.probe = None;
+            self.ahead_ticks = 0;
+            let fewer = self.bounds.clamp_readers(self.readers - self.readers / 4);
+            self.ceiling = Some((fewer, CEILING_TICKS));
+            return self.apply(fewer, self.buffer, Reason::StoreThrottled);
         }
         let cpu_cap = self.bounds.clamp_readers(self.cores);
         if self.cpu_bound && self.readers > cpu_cap {
@@ -590,6 +606,34 @@ mod tests {
         };
         let trace = run(&mut t, waiting, 40);
         assert!(trace.last() > Some(&4), "{trace:?}");
+    }
+
+    #[test]
+    fn a_throttling_store_gets_fewer_reads_in_flight() {
+        let mut t = Tuner::new(bounds(), 64, 64 * MIB);
+        let throttled = |r| Observation {
+            store_throttled: 5,
+            ..starved_window(r, 128)
+        };
+        let change = t.observe(&throttled(64)).unwrap();
+        assert_eq!(
+            (change.reason, change.readers),
+            (Reason::StoreThrottled, 48)
+        );
+        let trace = run(&mut t, throttled, 10);
+        assert!(trace.windows(2).all(|w| w[1] <= w[0]), "{trace:?}");
+        let low = t.readers();
+        assert!(low < 20, "{trace:?}");
+        // The storm over, consumers still starved: no growth at once ...
+        let trace = run(
+            &mut t,
+            |r| starved_window(r, 128),
+            CEILING_TICKS as usize / 2,
+        );
+        assert!(trace.iter().all(|&r| r <= low), "{trace:?}");
+        // ... and probing again later.
+        let trace = run(&mut t, |r| starved_window(r, 128), 60);
+        assert!(trace.last() > Some(&low), "{trace:?}");
     }
 
     #[test]

@@ -165,6 +165,16 @@ def test_throttling_and_resets_are_retried(s3, stage_factory):
     assert metric_sum(stage, "sluice_stage_source_retries_total") >= 2
 
 
+def test_a_throttling_store_gets_fewer_reads_in_flight(s3, stage_factory):
+    server, files = s3
+    with proxy(server, throttle_every=2, latency="20ms") as slow:
+        stage = s3_stage(stage_factory, slow.endpoint, "--initial-readers", "32")
+        with sluice.Client(stage.socket, job="s3") as c:
+            got = {n: bytes(d) for n, d in c.dataset("ds").epoch(0, seed=2, batch=8)}
+    assert got == files
+    assert metric_sum(stage, "sluice_stage_tuner_changes_total", reason="store_throttled") >= 1
+
+
 def test_keys_no_sample_name_can_carry_are_skipped_and_the_rest_served(s3, stage_factory):
     server, files = s3
     data = os.path.join(server.root, BUCKET, PREFIX)

@@ -73,6 +73,9 @@ struct StatsSample {
     read_ns: u64,
     sampled_reads: u64,
     sampled_blocked: u64,
+    /// Requests the object stores of the job's plans throttled (every
+    /// job's reads of them: the store slows down for all).
+    store_throttled: u64,
     stall_ns: u64,
     throttled_ns: u64,
 }
@@ -598,8 +601,23 @@ impl Job {
             sampled_blocked: self.stats.sampled_blocked.load(Ordering::Relaxed),
             stall_ns: self.stats.stall_ns.load(Ordering::Relaxed),
             throttled_ns: self.stats.throttled_ns.load(Ordering::Relaxed),
+            store_throttled: 0,
         };
         let mut st = self.lock();
+        let mut stores: Vec<&str> = Vec::new();
+        let mut store_throttled = 0;
+        for plan in st.plans.values() {
+            if let Some(remote) = plan.dataset.source().remote()
+                && !stores.contains(&plan.dataset.name.as_str())
+            {
+                stores.push(&plan.dataset.name);
+                store_throttled += remote.throttled_total();
+            }
+        }
+        let sample = StatsSample {
+            store_throttled,
+            ..sample
+        };
         let previous = st.last_tick.replace((now, sample));
         if let Some((at, before)) = previous {
             let obs = Observation {
@@ -610,6 +628,9 @@ impl Job {
                 reads: sample.reads - before.reads,
                 read_time: Duration::from_nanos(sample.read_ns - before.read_ns),
                 reads_blocked: blocked_share(&before, &sample),
+                store_throttled: sample
+                    .store_throttled
+                    .saturating_sub(before.store_throttled),
                 throttled: Duration::from_nanos(sample.throttled_ns - before.throttled_ns),
                 buffer_used: st.reserved,
                 has_work: st.plans.values().any(|p| p.remaining > 0),

@@ -311,6 +311,11 @@ impl S3Source {
         Some(FileEntry::new(name, listed.size, h.0))
     }
 
+    /// Requests the store throttled so far (503 SlowDown, 429).
+    pub fn throttled_total(&self) -> u64 {
+        self.metrics.throttled_total()
+    }
+
     /// The dataset name of a listed key, or `None` for a folder marker
     /// (`cats/`: no sample, the folder shows by the keys beneath it) and
     /// for keys that are not servable names or cannot be read back as
