@@ -82,6 +82,12 @@ impl Memory {
             .is_ok()
     }
 
+    /// Reserves `n` bytes whether the budget has room or not (an entry a
+    /// consumer waits on that nothing can make room for).
+    fn reserve_over(&self, n: u64) {
+        self.used.fetch_add(n, Ordering::AcqRel);
+    }
+
     fn release(&self, n: u64) {
         self.used.fetch_sub(n, Ordering::AcqRel);
     }

@@ -269,6 +269,8 @@ enum Node {
         name: String,
         size: u64,
         meta: Option<Meta>,
+        /// The listing's version of the file (an object's ETag hash).
+        version: u64,
     },
 }
 
@@ -317,6 +319,7 @@ impl Node {
                 dataset,
                 name,
                 size: shown.size,
+                version: shown.version,
                 // A local file's version is its modification time.
                 meta: Meta::of(
                     shown.owner,
@@ -919,7 +922,15 @@ fn attr(started: SystemTime, ino: u64, node: &Node) -> FileAttr {
     };
     let (perm, uid, gid, mtime) =
         meta.map_or((perm, 0, 0, None), |m| (m.perm, m.uid, m.gid, m.mtime));
-    let mtime = mtime.unwrap_or(started);
+    // An object has no time of its own here: the mount's start, moved by
+    // its version within a second, so that an object replaced by one of
+    // the same size shows a new time and the kernel drops its cached
+    // pages (`FUSE_AUTO_INVAL_DATA`).
+    let versioned = match node {
+        Node::File { version, .. } => started + Duration::from_nanos(version % 1_000_000_000),
+        _ => started,
+    };
+    let mtime = mtime.unwrap_or(versioned);
     FileAttr {
         ino,
         size,
@@ -1448,6 +1459,30 @@ mod tests {
 
     fn job_root(job: &str) -> Node {
         Node::JobRoot(Arc::from(job))
+    }
+
+    #[test]
+    fn an_object_replaced_by_one_of_the_same_size_shows_a_new_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = crate::source::DirSource::open("d", dir.path(), false).unwrap();
+        let dataset = Arc::new(Dataset::new("d", crate::source::Source::Dir(source)));
+        // An object store's entry: no owner, so no time of its own.
+        let object = |version| Node::File {
+            job: Arc::from("j"),
+            dataset: Arc::clone(&dataset),
+            name: "a.bin".into(),
+            size: 10,
+            meta: None,
+            version,
+        };
+        let started = SystemTime::now();
+        let (before, after) = (attr(started, 2, &object(1)), attr(started, 2, &object(2)));
+        assert_eq!(before.size, after.size);
+        assert_ne!(
+            before.mtime, after.mtime,
+            "the kernel keeps pages while time and size agree"
+        );
+        assert!(after.mtime.duration_since(started).unwrap() < Duration::from_secs(1));
     }
 
     #[test]

@@ -257,9 +257,9 @@ impl Tuner {
             return None;
         }
         self.age_ceiling();
-        if let Some(blocked) = obs.reads_blocked {
-            self.cpu_bound = blocked < CPU_BOUND;
-        }
+        // Too few reads to tell is not CPU-bound: a job whose readers were
+        // held to the cores and whose reads turned slow must grow again.
+        self.cpu_bound = obs.reads_blocked.is_some_and(|blocked| blocked < CPU_BOUND);
         if obs.store_throttled > 0 {
             self.probe = None;
             self.ahead_ticks = 0;
@@ -606,6 +606,12 @@ mod tests {
         };
         let trace = run(&mut t, waiting, 40);
         assert!(trace.last() > Some(&4), "{trace:?}");
+        // Held to the cores, then reads so slow that few are sampled.
+        let mut t = Tuner::new(bounds(), 16, 64 * MIB).with_cores(2);
+        run(&mut t, on_cpu, 4);
+        assert_eq!(t.readers(), 2);
+        let trace = run(&mut t, |r| starved_window(r, 64), 40);
+        assert!(trace.last() > Some(&2), "{trace:?}");
     }
 
     #[test]

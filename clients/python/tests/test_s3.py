@@ -175,6 +175,27 @@ def test_a_throttling_store_gets_fewer_reads_in_flight(s3, stage_factory):
     assert metric_sum(stage, "sluice_stage_tuner_changes_total", reason="store_throttled") >= 1
 
 
+def test_a_listing_rides_out_a_store_that_throttles_some_of_its_pages(s3, stage_factory):
+    """A split listing is dozens of page requests: a spell of 503s among
+    them is waited out, not the whole data set's failure."""
+    server, _files = s3
+    # Keys under 21 sub-prefixes: the listing asks for them a page each.
+    rng = random.Random(11)
+    files = {f"c{i}/sub{j}/k{k}.bin": rng.randbytes(rng.randrange(0, 3000))
+             for i in range(7) for j in range(3) for k in range(4)}
+    for name, data in files.items():
+        path = os.path.join(server.root, BUCKET, "split", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    with proxy(server, latency="5ms", throttle_every=5, reset_every=11, stall_body_every=13) as slow:
+        stage = stage_factory({"ds": f"s3://{BUCKET}/split"}, "--s3-endpoint", slow.endpoint)
+        with sluice.Client(stage.socket, job="s3", timeout=60) as c:
+            assert c.dataset("ds").files.names() == sorted(files)
+            got = {n: bytes(d) for n, d in c.dataset("ds").epoch(0, seed=3, batch=8)}
+    assert got == files
+
+
 def test_keys_no_sample_name_can_carry_are_skipped_and_the_rest_served(s3, stage_factory):
     server, files = s3
     data = os.path.join(server.root, BUCKET, PREFIX)

@@ -210,6 +210,23 @@ def test_jobs_that_all_keep_their_samples_leave_the_readers_room(stage_factory, 
             c.close()
 
 
+def test_a_sample_larger_than_what_held_slots_leave_is_read_all_the_same(stage_factory, tmp_path):
+    """Slots a trainer holds stay out of the budget until it lets them go;
+    a sample waited for that the rest cannot hold is read over the budget
+    rather than never."""
+    root = tmp_path / "mixed"
+    root.mkdir()
+    sizes = [MiB, MiB, 3 * MiB, MiB]
+    files = {f"f{i}.bin": os.urandom(size) for i, size in enumerate(sizes)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root}, "--memory-budget", "4MiB")
+    with sluice.Client(stage.socket, job="keeps", timeout=30) as c:
+        kept = list(c.dataset("d").epoch(0, shuffle=False, batch=1))
+        assert [(n, bytes(d)) for n, d in kept] == sorted(files.items())
+        del kept
+
+
 def test_a_script_that_keeps_its_samples_to_the_end_exits(stage_factory, dataset):
     """Samples collected as the interpreter exits go back with the
     connection, without a thread that could never start."""

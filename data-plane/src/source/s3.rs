@@ -291,7 +291,7 @@ impl S3Source {
         loop {
             let page = self
                 .lister
-                .page(prefix, delimited, token.as_deref())
+                .page(prefix, delimited, token.as_deref(), list::BUSY_PATIENCE)
                 .await?;
             entries.extend(page.objects.iter().filter_map(|o| self.entry_of(o)));
             prefixes.extend(page.prefixes);
@@ -602,16 +602,17 @@ async fn check(
     at: &Probed<'_>,
 ) -> Result<(), String> {
     let (bucket, endpoint, not_s3) = (at.bucket, at.endpoint, at.not_s3());
-    let first =
-        match tokio::time::timeout(PROBE_TIMEOUT, lister.page(&key_prefix(prefix), false, None))
-            .await
-        {
-            Ok(Ok(page)) => page,
-            Ok(Err(e)) => return Err(list_failure(&e, at)),
-            Err(_) => {
-                return Err(no_answer(endpoint));
-            }
-        };
+    // A store too busy to answer its first page at start is reported as
+    // such within the probe's time.
+    let first_prefix = key_prefix(prefix);
+    let page = lister.page(&first_prefix, false, None, PROBE_TIMEOUT / 2);
+    let first = match tokio::time::timeout(PROBE_TIMEOUT, page).await {
+        Ok(Ok(page)) => page,
+        Ok(Err(e)) => return Err(list_failure(&e, at)),
+        Err(_) => {
+            return Err(no_answer(endpoint));
+        }
+    };
     // A server that is not an object store (a web server answering every
     // path) may pass for an empty one; it also "finds" a key that cannot
     // exist.

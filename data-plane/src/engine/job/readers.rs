@@ -102,7 +102,7 @@ impl Job {
                         return;
                     }
                     let picked = if st.in_flight < st.readers_target {
-                        st.pick_work(&self.memory, &self.metrics, &self.id)
+                        st.pick_work(&self.memory, &self.metrics, &self.id, false)
                     } else {
                         Err(Idle::Nothing)
                     };
@@ -127,6 +127,17 @@ impl Job {
                                 st = self.lock();
                                 if freed > 0 {
                                     continue;
+                                }
+                                // Nothing can make way (trainers hold the
+                                // rest, or other consumers wait on it): the
+                                // waited entry is read over the budget, one
+                                // at a time for the job.
+                                if st.in_flight == 0
+                                    && let Ok(work) =
+                                        st.pick_work(&self.memory, &self.metrics, &self.id, true)
+                                {
+                                    st.in_flight += 1;
+                                    break work;
                                 }
                             }
                             let short = u32::from(!matches!(idle, Idle::Nothing));
@@ -398,12 +409,15 @@ impl JobState {
     }
 
     /// Picks the next entry to fetch and reserves its bytes: first in plans a
-    /// consumer is waiting on, then in the plan holding the least.
+    /// consumer is waiting on, then in the plan holding the least. With
+    /// `over_budget`, only an entry a consumer waits on, reserved whether
+    /// the budget has room or not.
     pub(super) fn pick_work(
         &mut self,
         memory: &Memory,
         metrics: &Metrics,
         job: &str,
+        over_budget: bool,
     ) -> Result<Work, Idle> {
         let capacity = self.effective_capacity(memory);
         let mut candidates: Vec<(bool, u64, u64)> = self
@@ -437,7 +451,12 @@ impl JobState {
                 no_room = true;
                 continue;
             }
-            if !memory.try_reserve(size, empty) {
+            if over_budget {
+                if !waiting {
+                    continue;
+                }
+                memory.reserve_over(size);
+            } else if !memory.try_reserve(size, empty) {
                 blocked_on_memory = true;
                 continue;
             }

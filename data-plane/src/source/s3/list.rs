@@ -18,10 +18,16 @@ use serde::Deserialize;
 
 /// Keys per page (the most S3 returns).
 const PAGE_KEYS: u32 = 1000;
-/// Tries of one page request when the store refuses, resets or throttles,
-/// and the wait before the second (doubled before each next one).
+/// Tries of one page request when the store refuses or resets it, and the
+/// wait before the second (doubled before each next one, up to
+/// [`MAX_BACKOFF`]).
 const TRIES: u32 = 4;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How long a page is tried again while the store answers 503 SlowDown,
+/// 429 or another 5xx (it answers, so it is there: a spell of throttling
+/// must not fail the whole listing).
+pub const BUSY_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Where and how listing requests go.
 pub struct Lister {
@@ -78,33 +84,47 @@ impl std::fmt::Display for ListError {
     }
 }
 
+/// `wait` less up to a quarter of it, so that the pages of a listing that
+/// a store throttled together do not all come back at once.
+fn jittered(wait: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    wait - wait / 4 * (nanos % 1000) / 1000
+}
+
 impl Lister {
     /// Lists one page of the keys beginning with `prefix` (with `/` as the
-    /// delimiter when `delimited`), from `token` on. Retries refusals,
-    /// resets and 5xx/429 answers a few times with backoff.
+    /// delimiter when `delimited`), from `token` on. Retries refusals and
+    /// resets a few times, and 5xx/429 answers for up to `patience`, with
+    /// capped, jittered backoff.
     pub async fn page(
         &self,
         prefix: &str,
         delimited: bool,
         token: Option<&str>,
+        patience: Duration,
     ) -> Result<Page, ListError> {
+        let started = tokio::time::Instant::now();
         let mut backoff = FIRST_BACKOFF;
         let mut tries = 0;
         loop {
             tries += 1;
             let answer = self.request(prefix, delimited, token).await;
-            let retry = match &answer {
-                Err(ListError::Transport(_) | ListError::Timeout(_)) => true,
-                Err(ListError::Status(status, _)) => {
-                    status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS
+            let again = match &answer {
+                Err(ListError::Transport(_) | ListError::Timeout(_)) => tries < TRIES,
+                Err(ListError::Status(status, _))
+                    if status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS =>
+                {
+                    started.elapsed() + backoff <= patience
                 }
                 _ => false,
             };
-            if !retry || tries >= TRIES {
+            if !again {
                 return answer;
             }
-            tokio::time::sleep(backoff).await;
-            backoff *= 2;
+            tokio::time::sleep(jittered(backoff)).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
         }
     }
 
