@@ -798,3 +798,28 @@ def test_a_stage_stopped_while_a_reader_holds_a_file_leaves_no_mount(tmp_path, m
         assert os.listdir(mnt) == []
     finally:
         reader.communicate("done\n", timeout=30)
+
+
+def test_an_order_file_beside_a_samplers_plan_for_the_same_job_is_refused(tmp_path, mount_stage, dataset):
+    """One order per job and data set: a sampler gives it, so an order
+    file for the same job and data set would read every file again."""
+    pytest.importorskip("torch")
+    from sluice.torch import MountSampler
+    root, files = dataset
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    names = sorted(files)
+    paths = [str(mnt / "@both" / "ds" / name) for name in names]
+    sampler = MountSampler(paths, stage.socket, seed=1)
+    sampler.set_epoch(0)
+    order = list(iter(sampler))
+    write_order(orders / "both" / "ds", sorted(files, reverse=True))
+    error = orders / "both" / "ds.error"
+    wait_for(error.exists, what="the second order refused")
+    assert "one order per job and data set" in error.read_text()
+    for i in order:
+        with open(paths[i], "rb") as f:
+            assert f.read() == files[names[i]], names[i]
+    sampler.close()
+    reads = job_metric(stage, "sluice_stage_storage_reads_total", "both")
+    assert reads <= len(files), f"{reads} storage reads for {len(files)} files"

@@ -404,6 +404,15 @@ impl Job {
         result
     }
 
+    /// Whether one of the job's plans over `dataset` has a rank other
+    /// than `rank` (a trainer's plan, beside an order file's).
+    pub fn plans_other_than(&self, dataset: &str, rank: u32) -> bool {
+        self.lock()
+            .plans
+            .values()
+            .any(|p| p.dataset.name == dataset && p.key.rank != rank)
+    }
+
     /// The bytes the job holds of the node's budget (buffered, in flight
     /// and lent).
     pub fn reserved(&self) -> u64 {

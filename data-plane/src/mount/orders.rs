@@ -239,8 +239,16 @@ impl Orders {
             return Err("it lists no file".to_owned());
         }
         let key = (job.to_owned(), dataset.to_owned());
-        self.epoch += 1;
         let handle = self.engine.attach_keeping_labels(job);
+        // A sampler already gives this job's order over the data set: a
+        // second order would read every file again into a buffer nobody
+        // takes from.
+        if handle.job().plans_other_than(dataset, ORDER_RANK) {
+            return Err(format!(
+                "job `{job}` already reads data set `{dataset}` in an order its trainers gave (a sampler's plan): one order per job and data set; remove this file or stop the sampler"
+            ));
+        }
+        self.epoch += 1;
         let fingerprint = listing.fingerprint(&files);
         // The previous epoch's plan goes first, and its buffer with it.
         if let Some(c) = self.current.get_mut(&key) {
