@@ -321,7 +321,7 @@ mod tests {
         assert_eq!(missing.code, ErrorCode::NotFound);
         assert!(missing.message.contains("nope.bin"));
         let dir = ds.read("train", 0, TO_END).unwrap_err();
-        assert_eq!(dir.code, ErrorCode::IoError);
+        assert_eq!(dir.code, ErrorCode::NotFound, "no such file: a directory");
         assert!(
             dir.message.contains("not a regular file"),
             "{}",

@@ -228,6 +228,16 @@ impl Request {
         let request = match kind {
             kind::HELLO => {
                 let version = d.u16()?;
+                // Before the rest, whose layout depends on the version: a
+                // client of a newer version learns to step down.
+                if !(MIN_VERSION..=VERSION).contains(&version) {
+                    return Err(ProtocolError::new(
+                        ErrorCode::UnsupportedVersion,
+                        format!(
+                            "protocol version {version} is not supported: this stage speaks versions {MIN_VERSION} to {VERSION}"
+                        ),
+                    ));
+                }
                 Self::Hello {
                     version,
                     job: d.str()?,
@@ -359,9 +369,10 @@ impl PlanSpec {
                     0 => false,
                     1 => true,
                     other => {
-                        return Err(ProtocolError::bad_frame(format!(
-                            "PLAN shuffle flag is {other}: write 0 or 1"
-                        )));
+                        return Err(ProtocolError::new(
+                            ErrorCode::InvalidArgument,
+                            format!("PLAN shuffle flag is {other}: write 0 or 1"),
+                        ));
                     }
                 },
                 file_count: d.u32()?,

@@ -38,6 +38,12 @@ pub fn whole_footprint(size: u64) -> u64 {
 /// Turns an I/O error on `name` into the protocol's per-request error.
 pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
     match e.kind() {
+        // A directory or a FIFO where a file was asked for: no such file,
+        // with what is there instead.
+        io::ErrorKind::NotFound if e.get_ref().is_some() => ProtocolError::new(
+            ErrorCode::NotFound,
+            format!("`{name}` is not a file of the dataset: {e}"),
+        ),
         io::ErrorKind::NotFound => ProtocolError::new(
             ErrorCode::NotFound,
             format!("`{name}` does not exist in the dataset"),
@@ -53,7 +59,10 @@ pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
 fn check_regular(file: &File) -> io::Result<u64> {
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(io::Error::other("it is not a regular file"));
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "it is not a regular file",
+        ));
     }
     Ok(meta.len())
 }

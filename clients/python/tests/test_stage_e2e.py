@@ -282,6 +282,16 @@ def test_request_errors(stage_factory, dataset):
             c._call(p.encode_plan_shuffle(0, 1, True, ds.file_count + 1, ds.digest), p.Planned)
         with pytest.raises(sluice.BadPlanError):
             c._call(p.encode_plan_shuffle(0, 1, True, ds.file_count, ds.digest ^ 1), p.Planned)
+        # A shuffle flag other than 0 or 1 is an impossible value, not a
+        # broken frame: the connection goes on.
+        flag2 = p.encode_frame(p.MsgType.PLAN, struct.pack(
+            ">QBQBIQ", 0, p.PlanKind.SHUFFLE, 1, 2, ds.file_count, ds.digest))
+        with pytest.raises(sluice.InvalidArgumentError) as e:
+            c._call(flag2, p.Planned)
+        assert not e.value.fatal
+        # A directory is no file of the data set.
+        with pytest.raises(sluice.NotFoundError):
+            ds.read("d1")
         list(ds.epoch(5, seed=1, batch=1))  # still fine
         ds.epoch(6, seed=1)
     with sluice.Client(stage.socket, job="reqerr") as c2:
@@ -314,6 +324,12 @@ def test_hello_rules(stage_factory, dataset):
     raw.send(p.encode_hello("raw", version=3))
     expect_error_then_close(raw, p.ErrorCode.UNSUPPORTED_VERSION)
     raw.close()
+    # Whatever a newer version's HELLO holds after the version field.
+    for rest in (b"", struct.pack(">I", 7) + b"future fields"):
+        raw = Raw(stage.socket)
+        raw.send(p.encode_frame(p.MsgType.HELLO, struct.pack(">H", 3) + rest))
+        expect_error_then_close(raw, p.ErrorCode.UNSUPPORTED_VERSION)
+        raw.close()
     # Impossible fields are refused without closing.
     for frame in (p.encode_hello("bad job!"), p.encode_hello("j", rank=2, world_size=2),
                   p.encode_hello("j", world_size=0), p.encode_hello("x" * 129), p.encode_hello(".."),
