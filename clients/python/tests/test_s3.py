@@ -188,8 +188,14 @@ def test_a_listing_rides_out_a_store_that_throttles_some_of_its_pages(s3, stage_
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
+    mnt = os.path.join(server.root, "..", "mnt")
+    os.makedirs(mnt)
     with proxy(server, latency="5ms", throttle_every=5, reset_every=11, stall_body_every=13) as slow:
-        stage = stage_factory({"ds": f"s3://{BUCKET}/split"}, "--s3-endpoint", slow.endpoint)
+        stage = stage_factory({"ds": f"s3://{BUCKET}/split"}, "--s3-endpoint", slow.endpoint, "--mount", mnt)
+        # The first look into the data set lists it (through the mount).
+        for name in sorted(files)[:10]:
+            with open(os.path.join(mnt, "@s3", "ds", name), "rb") as f:
+                assert f.read() == files[name], name
         with sluice.Client(stage.socket, job="s3", timeout=60) as c:
             assert c.dataset("ds").files.names() == sorted(files)
             got = {n: bytes(d) for n, d in c.dataset("ds").epoch(0, seed=3, batch=8)}
