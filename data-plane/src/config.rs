@@ -777,11 +777,18 @@ fn resolved(path: &Path) -> PathBuf {
 /// Returns how `s3://` datasets are reached: the `--s3-*` flags laid over
 /// the file's `s3:`.
 fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
-    let endpoint = args.s3_endpoint.clone().or_else(|| file.endpoint.clone());
-    // An endpoint from the environment is a server of one's own too: it
-    // takes path-style addressing unless told otherwise.
-    let any_endpoint =
-        endpoint.is_some() || std::env::var_os("AWS_ENDPOINT_URL").is_some_and(|e| !e.is_empty());
+    // Resolved here, once, AWS_ENDPOINT_URL included: an endpoint from the
+    // environment is a server of one's own too, and takes path-style
+    // addressing unless told otherwise.
+    let endpoint = args
+        .s3_endpoint
+        .clone()
+        .or_else(|| file.endpoint.clone())
+        .or_else(|| {
+            std::env::var("AWS_ENDPOINT_URL")
+                .ok()
+                .filter(|e| !e.is_empty())
+        });
     let deadline = args
         .s3_deadline
         .or(file.deadline)
@@ -795,7 +802,7 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
         path_style: args
             .s3_path_style
             .or(file.path_style)
-            .unwrap_or(any_endpoint),
+            .unwrap_or(endpoint.is_some()),
         endpoint,
         region: args.s3_region.clone().or_else(|| file.region.clone()),
         anonymous: args.s3_anonymous.or(file.anonymous).unwrap_or(false),

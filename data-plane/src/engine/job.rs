@@ -602,17 +602,8 @@ impl Job {
     /// One tuner tick: observe the last window, apply any change, update the
     /// job's gauges.
     pub(super) fn tune(self: &Arc<Self>, now: Instant) {
-        let sample = StatsSample {
-            delivered_bytes: self.stats.delivered_bytes.load(Ordering::Relaxed),
-            reads: self.stats.reads.load(Ordering::Relaxed),
-            read_ns: self.stats.read_ns.load(Ordering::Relaxed),
-            sampled_reads: self.stats.sampled_reads.load(Ordering::Relaxed),
-            sampled_blocked: self.stats.sampled_blocked.load(Ordering::Relaxed),
-            stall_ns: self.stats.stall_ns.load(Ordering::Relaxed),
-            throttled_ns: self.stats.throttled_ns.load(Ordering::Relaxed),
-            store_throttled: 0,
-        };
         let mut st = self.lock();
+        // Each object store the job's plans read, once.
         let mut stores: Vec<&str> = Vec::new();
         let mut store_throttled = 0;
         for plan in st.plans.values() {
@@ -624,8 +615,14 @@ impl Job {
             }
         }
         let sample = StatsSample {
+            delivered_bytes: self.stats.delivered_bytes.load(Ordering::Relaxed),
+            reads: self.stats.reads.load(Ordering::Relaxed),
+            read_ns: self.stats.read_ns.load(Ordering::Relaxed),
+            sampled_reads: self.stats.sampled_reads.load(Ordering::Relaxed),
+            sampled_blocked: self.stats.sampled_blocked.load(Ordering::Relaxed),
             store_throttled,
-            ..sample
+            stall_ns: self.stats.stall_ns.load(Ordering::Relaxed),
+            throttled_ns: self.stats.throttled_ns.load(Ordering::Relaxed),
         };
         let previous = st.last_tick.replace((now, sample));
         if let Some((at, before)) = previous {

@@ -66,7 +66,7 @@ const LIST_CONCURRENCY: usize = 16;
 #[derive(Debug, Clone, PartialEq)]
 pub struct S3Options {
     /// `--s3-endpoint`: an S3-compatible server's URL (else AWS_ENDPOINT_URL,
-    /// else AWS itself).
+    /// both resolved by the configuration; `None`: AWS itself).
     pub endpoint: Option<String>,
     /// `--s3-region` (else AWS_REGION, AWS_DEFAULT_REGION, the profile's
     /// region, `us-east-1`).
@@ -159,13 +159,8 @@ impl S3Source {
         };
         let (builder, addressing) = builder(&bucket, options, &source_metrics)
             .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
-        let endpoint = options.endpoint.clone().or_else(|| {
-            std::env::var("AWS_ENDPOINT_URL")
-                .ok()
-                .filter(|e| !e.is_empty())
-        });
-        let endpoint_set = endpoint.is_some();
-        let endpoint = endpoint.unwrap_or_else(|| "AWS S3".into());
+        let endpoint_set = options.endpoint.is_some();
+        let endpoint = options.endpoint.clone().unwrap_or_else(|| "AWS S3".into());
         // The start-up check gives up after a few tries: a wrong endpoint
         // should fail the start, not stall it.
         let probe = builder
@@ -762,12 +757,8 @@ fn builder(
             answer_within: Some(attempt_timeout(options.deadline)),
         });
     let profile = Profile::load();
-    let endpoint = options.endpoint.clone().or_else(|| {
-        std::env::var("AWS_ENDPOINT_URL")
-            .ok()
-            .filter(|e| !e.is_empty())
-    });
-    if let Some(endpoint) = &endpoint {
+    let endpoint = &options.endpoint;
+    if let Some(endpoint) = endpoint {
         if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
             return Err(format!(
                 "the S3 endpoint `{endpoint}` is not an http:// or https:// URL"

@@ -401,10 +401,11 @@ impl JobState {
     /// an entry no reader has started, if any plan's does.
     fn waited_bytes(&mut self) -> Option<u64> {
         self.plans.values_mut().find_map(|plan| {
+            if !plan.consumer_waiting() {
+                return None;
+            }
             let pos = plan.next_unstarted()?;
-            plan.entries[pos as usize]
-                .claimed
-                .then(|| whole_footprint(plan.size_of(pos)))
+            Some(whole_footprint(plan.size_of(pos)))
         })
     }
 
