@@ -608,8 +608,9 @@ fn controller_exit(url: &str) -> (Option<i32>, String) {
     )
 }
 
-/// SQLite means one replica: a second controller on the same file is
-/// refused at start (exit 64, one line naming the holder) while the first
+/// SQLite means one replica: a second controller on the same file (by
+/// its name, a symlink or a hard link) is refused at start (exit 64, one
+/// line naming the holder where it can) while the first
 /// keeps leading; once the first is gone the file opens again. A URL that
 /// names no file, or a read-only store, is refused the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -625,6 +626,16 @@ async fn a_sqlite_store_serves_one_controller_and_must_be_a_writable_file() {
         "sluice-controller: --database-url: the store {} is in use by another controller \
          (pid {pid}): ",
         db.display()
+    );
+    assert!(err.lines().any(|l| l.starts_with(&expected)), "{err}");
+    // A hard link names another lock file, but the same database.
+    let link = dir.path().join("linked.db");
+    std::fs::hard_link(&db, &link).unwrap();
+    let (code, err) = controller_exit(&format!("sqlite://{}", link.display()));
+    assert_eq!(code, Some(64), "{err}");
+    let expected = format!(
+        "sluice-controller: --database-url: the store {} is in use by another controller: ",
+        link.display()
     );
     assert!(err.lines().any(|l| l.starts_with(&expected)), "{err}");
     assert!(

@@ -8,7 +8,10 @@
 //! The holder writes its pid into the file so that the refused controller
 //! can say who holds it. The lock file is left behind on exit: removing it
 //! would let a starting controller lock a file the next one no longer
-//! sees.
+//! sees. Once SQLite has opened (or created) the database, the store also
+//! locks the database file itself ([`FileLock::hold_database`]): a hard
+//! link to a store in use names another lock file, but the same file.
+//! (SQLite's own locks are `fcntl` locks, which `flock` does not touch.)
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Write;
@@ -21,7 +24,8 @@ use super::StoreError;
 /// [`FileLock::release`] or drop.
 #[derive(Debug)]
 pub(super) struct FileLock {
-    file: Mutex<Option<File>>,
+    /// The lock file, then the database file.
+    files: Mutex<Vec<File>>,
 }
 
 impl FileLock {
@@ -56,17 +60,42 @@ impl FileLock {
             .set_len(0)
             .and_then(|()| writeln!(file, "{}", std::process::id()));
         Ok(Self {
-            file: Mutex::new(Some(file)),
+            files: Mutex::new(vec![file]),
         })
     }
 
-    /// Gives the lock up now (closing the file releases it).
+    /// Locks the database file itself, which must exist by now (read-only
+    /// is enough for `flock`). Fails with [`StoreError::InUse`] when
+    /// another store holds it under another name (a hard link).
+    pub(super) fn hold_database(&self, database: &Path) -> Result<(), StoreError> {
+        let lock_err = |source| StoreError::Lock {
+            path: database.to_owned(),
+            source,
+        };
+        let file = File::open(database).map_err(lock_err)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(StoreError::InUse {
+                    database: database.to_owned(),
+                    pid: None,
+                });
+            }
+            Err(TryLockError::Error(e)) => return Err(lock_err(e)),
+        }
+        self.files().push(file);
+        Ok(())
+    }
+
+    /// Gives the locks up now (closing the files releases them).
     pub(super) fn release(&self) {
-        let mut file = self
-            .file
+        self.files().clear();
+    }
+
+    fn files(&self) -> std::sync::MutexGuard<'_, Vec<File>> {
+        self.files
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        file.take();
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -137,5 +166,25 @@ mod tests {
         let again = FileLock::acquire(&db).unwrap();
         drop(again);
         FileLock::acquire(&db).unwrap();
+    }
+
+    #[test]
+    fn a_hard_link_to_a_held_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        std::fs::write(&db, b"").unwrap();
+        let first = FileLock::acquire(&db).unwrap();
+        first.hold_database(&db).unwrap();
+
+        let link = dir.path().join("other.db");
+        std::fs::hard_link(&db, &link).unwrap();
+        let second = FileLock::acquire(&link).unwrap();
+        assert!(matches!(
+            second.hold_database(&link),
+            Err(StoreError::InUse { pid: None, .. })
+        ));
+
+        first.release();
+        second.hold_database(&link).unwrap();
     }
 }

@@ -99,14 +99,14 @@ impl SqliteStore {
         // An in-memory database lives as long as its last connection and
         // cannot use WAL: keep exactly one connection, forever.
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let database = options.get_filename().to_owned();
         let lock = if in_memory {
             None
         } else {
-            let file = options.get_filename();
-            if file.as_os_str().is_empty() {
+            if database.as_os_str().is_empty() {
                 return Err(StoreError::NoPath { url: redact(url) });
             }
-            Some(Arc::new(FileLock::acquire(file)?))
+            Some(Arc::new(FileLock::acquire(&database)?))
         };
         let pool = if in_memory {
             SqlitePoolOptions::new()
@@ -126,6 +126,12 @@ impl SqliteStore {
                 .await
         }
         .map_err(open_err)?;
+        if let Some(lock) = &lock
+            && let Err(e) = lock.hold_database(&database)
+        {
+            pool.close().await;
+            return Err(e);
+        }
         check_writable(&pool, url).await?;
         migrator()
             .run(&pool)
