@@ -16,6 +16,7 @@ mod engine;
 mod entry;
 #[cfg(debug_assertions)]
 mod fault;
+mod fd_limit;
 mod heap;
 mod http;
 mod job_config;
@@ -126,6 +127,8 @@ impl Stage {
     /// Opens the datasets and binds the trainer socket, the optional TCP
     /// listener and the metrics listener.
     pub async fn bind(config: StageConfig) -> anyhow::Result<Self> {
+        let descriptors = fd_limit::raise();
+        tracing::debug!(descriptors, "open file limit");
         let metrics = Metrics::new();
         let mut datasets = Vec::new();
         for (name, location) in &config.datasets {
@@ -269,10 +272,11 @@ impl Stage {
             drain: drain.clone(),
             tracker: tracker.clone(),
         };
-        let accept_unix = ctx.clone().run(Listener::Unix(unix));
+        let most = fd_limit::connections_per_listener();
+        let accept_unix = ctx.clone().run(Listener::Unix(unix), most);
         let accept_tcp = async {
             if let Some(tcp) = tcp {
-                ctx.clone().run(Listener::Tcp(tcp)).await;
+                ctx.clone().run(Listener::Tcp(tcp), most).await;
             }
         };
         let accepting = async { tokio::join!(accept_unix, accept_tcp) };
@@ -397,12 +401,21 @@ struct Accepting {
 }
 
 impl Accepting {
-    /// Accepts trainers until cancelled, one task per connection.
-    async fn run(self, listener: Listener) {
+    /// Accepts trainers until cancelled, one task per connection, at most
+    /// `most` at once: a connection past that is closed as soon as it is
+    /// accepted, so that peers which connect and stay (a port scanner, a
+    /// client leaking sockets) cannot take the descriptors every job's
+    /// reads need.
+    async fn run(self, listener: Listener, most: usize) {
+        let open = Arc::new(tokio::sync::Semaphore::new(most));
+        let mut refused = Refusals::default();
         loop {
             let accepted = match &listener {
                 Listener::Unix(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, _)| {
+                        let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
+                            return refused.count(&self.engine, "UNIX socket", most);
+                        };
                         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
                         let peer = match s.peer_cred() {
                             Ok(c) => Peer::Unix {
@@ -411,13 +424,16 @@ impl Accepting {
                             },
                             Err(_) => Peer::Unknown,
                         };
-                        self.serve(s, peer, Some(fd));
+                        self.serve(s, peer, Some(fd), place);
                     })
                 }),
                 Listener::Tcp(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, peer)| {
+                        let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
+                            return refused.count(&self.engine, "TCP listener", most);
+                        };
                         let _ = s.set_nodelay(true);
-                        self.serve(s, Peer::Tcp(peer), None);
+                        self.serve(s, Peer::Tcp(peer), None, place);
                     })
                 }),
             };
@@ -431,8 +447,13 @@ impl Accepting {
 
     /// Serves one connection; `unix` is its socket's descriptor when it is
     /// a UNIX socket (so a shared-memory region can be passed over it).
-    fn serve<S>(&self, stream: S, peer: Peer, unix: Option<std::os::fd::RawFd>)
-    where
+    fn serve<S>(
+        &self,
+        stream: S,
+        peer: Peer,
+        unix: Option<std::os::fd::RawFd>,
+        place: tokio::sync::OwnedSemaphorePermit,
+    ) where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + std::os::fd::AsFd + Send + 'static,
     {
         widen_send_buffer(&socket2::SockRef::from(&stream));
@@ -445,8 +466,37 @@ impl Accepting {
             unix,
             self.drain.clone(),
         );
-        self.tracker
-            .spawn(task.instrument(info_span!("trainer", %peer)));
+        self.tracker.spawn(
+            async move {
+                task.await;
+                drop(place);
+            }
+            .instrument(info_span!("trainer", %peer)),
+        );
+    }
+}
+
+/// Connections refused because a listener held its most: counted, and
+/// logged at most once a minute.
+#[derive(Default)]
+struct Refusals {
+    logged: Option<Instant>,
+}
+
+impl Refusals {
+    fn count(&mut self, engine: &Engine, listener: &str, most: usize) {
+        engine.metrics().connections_refused.inc();
+        if self
+            .logged
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(60))
+        {
+            self.logged = Some(Instant::now());
+            warn!(
+                listener,
+                most,
+                "a trainer connection was closed as soon as it was accepted: the listener holds its most connections (a quarter of the stage's file descriptor limit); peers that connect and never say HELLO are closed after 10 s"
+            );
+        }
     }
 }
 

@@ -27,6 +27,7 @@ pub struct Metrics {
     datasets: DatasetSeries,
     pub job: JobSeries,
     pub connections: IntGauge,
+    pub connections_refused: IntCounter,
     pub protocol_errors: IntCounterVec,
     pub memory_budget: IntGauge,
     pub memory_used: IntGauge,
@@ -184,6 +185,13 @@ impl Metrics {
             datasets: DatasetSeries::new(&r),
             job: JobSeries::new(&r),
             connections: r.scalar("sluice_stage_connections", "Open trainer connections."),
+            connections_refused: r.add(
+                IntCounter::new(
+                    "sluice_stage_connections_refused_total",
+                    "Trainer connections closed as soon as accepted: their listener held its most (a quarter of the stage's file descriptor limit).",
+                )
+                .expect("valid metric"),
+            ),
             protocol_errors: r.counter(
                 "sluice_stage_protocol_errors_total",
                 "Error frames sent to trainers, by code.",

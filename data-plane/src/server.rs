@@ -55,7 +55,30 @@ pub async fn serve<S>(
     let (mut rd, mut wr) = tokio::io::split(stream);
     let mut conn = Connection::new(engine, stage_id, access, peer, unix);
     let ending = loop {
-        let ending = match next_request(&mut rd, &mut wr, &metrics, &cancel).await {
+        let next = next_request(&mut rd, &mut wr, &metrics, &cancel);
+        let next = if conn.job.is_some() {
+            next.await
+        } else {
+            // A peer that has not said who it is holds a connection (and a
+            // descriptor) for nothing: it gets [`HELLO_WAIT`] per request.
+            match tokio::time::timeout(HELLO_WAIT, next).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let message = format!(
+                        "no HELLO within {} s: the stage closes connections that do not say HELLO first",
+                        HELLO_WAIT.as_secs()
+                    );
+                    send_error(
+                        &mut wr,
+                        &metrics,
+                        ProtocolError::new(ErrorCode::OutOfOrder, message),
+                    )
+                    .await;
+                    break Ending::ByStage;
+                }
+            }
+        };
+        let ending = match next {
             Ok(request) => conn.respond(request, &mut wr, &metrics).await,
             Err(ending) => ControlFlow::Break(ending),
         };
@@ -67,6 +90,10 @@ pub async fn serve<S>(
     let _ = wr.shutdown().await;
     metrics.connections.dec();
 }
+
+/// How long a connection may wait for its next request before it has said
+/// `HELLO` (trainers say it as soon as they connect).
+pub const HELLO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Which side ended a connection: it decides what becomes of the samples
 /// its trainer holds in shared memory.

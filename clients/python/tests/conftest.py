@@ -51,26 +51,28 @@ def stage_binary() -> pathlib.Path:
     return binary("sluice-stage")
 
 
-def start_stage(tmp_path: pathlib.Path, datasets: dict, *extra: str, tcp: bool = False) -> StageProcess:
-    """Starts the stage serving ``datasets`` (name -> dir) and waits for its ready line."""
+def start_stage(tmp_path: pathlib.Path, datasets: dict, *extra: str, tcp: bool = False,
+                nofile=None) -> StageProcess:
+    """Starts the stage serving ``datasets`` (name -> dir) and waits for its
+    ready line; with ``nofile``, under that limit of open descriptors."""
     sock = tmp_path / f"stage-{random.randrange(1 << 30)}.sock"
     try:
         return StageProcess.start(
             str(stage_binary()), str(sock), {k: str(v) for k, v in datasets.items()}, extra,
             stderr_path=str(tmp_path / f"{sock.stem}.stderr"),
-            listen="127.0.0.1:0" if tcp else None, timeout=READY_TIMEOUT)
+            listen="127.0.0.1:0" if tcp else None, timeout=READY_TIMEOUT, nofile=nofile)
     except StageStartError as e:
         raise AssertionError(str(e)) from None
 
 
 @pytest.fixture
 def stage_factory(tmp_path):
-    """Returns ``start(datasets, *args, tcp=False) -> Stage``; stops every
+    """Returns ``start(datasets, *args, tcp=False, nofile=None) -> Stage``; stops every
     stage at teardown and asserts it exited 0 on SIGTERM."""
     started = []
 
-    def start(datasets, *extra, tcp=False):
-        s = start_stage(tmp_path, datasets, *extra, tcp=tcp)
+    def start(datasets, *extra, tcp=False, nofile=None):
+        s = start_stage(tmp_path, datasets, *extra, tcp=tcp, nofile=nofile)
         started.append(s)
         return s
 

@@ -32,9 +32,13 @@ class Raw:
     """A hand-driven connection for sending arbitrary bytes."""
 
     def __init__(self, path, timeout=10.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
+        """``path``: the UNIX socket, or ``(host, port)`` over TCP."""
+        if isinstance(path, tuple):
+            self.sock = socket.create_connection(path, timeout=timeout)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
         self.f = self.sock.makefile("rb")
 
     def send(self, data: bytes):
@@ -751,6 +755,33 @@ def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dat
             return False
 
     wait_for(served, timeout=5, what="the metrics port serving again once they left")
+
+
+def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, dataset):
+    """Peers that connect to the TCP listener and say nothing (a port
+    scanner, a client leaking sockets) are held to a quarter of the stage's
+    descriptor limit and closed after 10 s without HELLO: every job's reads
+    go on beside them."""
+    root, files = dataset
+    stage = stage_factory({"d": root}, tcp=True, nofile=256)  # 64 connections a listener
+    host, port = stage.tcp.rsplit(":", 1)
+    first = Raw((host, int(port)), timeout=20)
+    held = [socket.create_connection((host, int(port))) for _ in range(200)]
+    try:
+        wait_for(lambda: stage_metric(stage, "sluice_stage_connections_refused_total") >= 200 - 63,
+                 what="connections past the listener's most refused")
+        fds = os.listdir(f"/proc/{stage.proc.pid}/fd")
+        assert len(fds) < 128, f"the stage holds {len(fds)} descriptors for 200 idle TCP peers"
+        with sluice.Client(stage.socket, job="beside") as c:
+            assert dict(c.dataset("d").epoch(0)) == files
+        msg = expect_error_then_close(first, p.ErrorCode.OUT_OF_ORDER)
+        assert "no HELLO within 10 s" in msg.message, msg
+    finally:
+        first.close()
+        for s in held:
+            s.close()
+    with sluice.Client(f"tcp://{stage.tcp}", job="after") as c:
+        assert dict(c.dataset("d").epoch(0)) == files
 
 
 def stage_metric(stage, name: str) -> float:

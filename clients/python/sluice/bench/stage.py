@@ -58,8 +58,10 @@ class StageProcess:
     @classmethod
     def start(cls, binary: str, socket_path: str, datasets: Dict[str, str], extra: Sequence[str] = (),
               stderr_path: Optional[str] = None, metrics_addr: str = "127.0.0.1:0",
-              listen: Optional[str] = None, timeout: float = 30.0) -> "StageProcess":
-        """Starts ``binary`` and returns once it printed its ready line.
+              listen: Optional[str] = None, timeout: float = 30.0,
+              nofile: Optional[int] = None) -> "StageProcess":
+        """Starts ``binary`` and returns once it printed its ready line;
+        with ``nofile``, under that limit of open descriptors (soft and hard).
 
         Raises :class:`StageStartError` (with the stage's stderr) when it
         exits first or says nothing within ``timeout`` seconds.
@@ -72,7 +74,8 @@ class StageProcess:
         args += list(extra)
         stderr_path = stderr_path or socket_path + ".stderr"
         with open(stderr_path, "wb") as err:
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                    preexec_fn=None if nofile is None else _limit_descriptors(nofile))
         lines: "queue.Queue[Optional[bytes]]" = queue.Queue()
 
         def pump() -> None:
@@ -178,3 +181,11 @@ def _tail(path: str, limit: int = 4000) -> str:
     except OSError:
         return ""
     return "stderr of sluice-stage:\n" + text if text else "(sluice-stage wrote nothing to stderr)"
+
+
+def _limit_descriptors(n: int):
+    """A ``preexec_fn`` that caps the child's open descriptors at ``n``."""
+    def limit() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return limit

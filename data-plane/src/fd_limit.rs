@@ -1,0 +1,64 @@
+//! The stage's file descriptor limit: raised to what the system allows at
+//! start (the soft limit is often 1024 while the hard one is far higher,
+//! and every open sample, cache file and connection takes one), and split
+//! so that trainer connections cannot take the descriptors reads need.
+
+#![allow(unsafe_code)]
+
+/// Raises the soft limit on open descriptors to the hard one (at most
+/// 2^20), and returns the limit in force afterwards.
+pub fn raise() -> usize {
+    let Some(mut limit) = current() else {
+        return FALLBACK;
+    };
+    let wanted = limit.rlim_max.min(1 << 20);
+    if limit.rlim_cur < wanted {
+        let raised = libc::rlimit {
+            rlim_cur: wanted,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const raised) } == 0 {
+            limit = raised;
+        }
+    }
+    usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+}
+
+/// The most trainer connections one listener holds at once: a quarter of
+/// the descriptors the stage may open (at least 64), so that the data
+/// files, the node cache's disk tier and the mount keep the rest.
+pub fn connections_per_listener() -> usize {
+    let soft = current().map_or(FALLBACK, |l| {
+        usize::try_from(l.rlim_cur).unwrap_or(usize::MAX)
+    });
+    (soft / 4).max(64)
+}
+
+/// The limit assumed where the system does not say.
+const FALLBACK: usize = 1024;
+
+fn current() -> Option<libc::rlimit> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } == 0).then_some(limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_keep_three_quarters_of_the_limit_for_reads() {
+        let limit = raise();
+        assert!(limit >= 64);
+        let most = connections_per_listener();
+        assert!(
+            most >= 64 && (most <= limit / 4 || most == 64),
+            "{most} of {limit}"
+        );
+    }
+}
