@@ -154,7 +154,7 @@ pub fn jobs_table(jobs: &[JobView]) -> Table {
         Column::whole("STAGES"),
     ]);
     for j in jobs {
-        let limit = j.settings.as_ref().and_then(|s| s.bytes_per_second);
+        let limit = j.limit_shown();
         t.row(vec![
             j.id.clone(),
             j.policy.clone().unwrap_or_else(|| "-".into()),

@@ -182,7 +182,7 @@ fn jobs_table(jobs: &[JobView]) -> Table {
             human::rate(j.throughput_bytes_per_second),
             human::percent(j.stall_fraction),
             allocated.map_or_else(|| "-".to_owned(), human::rate),
-            human::limit(settings.and_then(|s| s.bytes_per_second)),
+            human::limit(j.limit_shown()),
             human::or_dash(
                 j.allocation
                     .as_ref()
@@ -270,6 +270,28 @@ STAGE     NODE    STATE  ACKED/DESIRED  SYNC  JOBS
 node-a-0  node-a  lost   3/3            yes   0
 "
         );
+    }
+
+    #[test]
+    fn a_capped_job_whose_trainers_left_shows_its_policy_cap() {
+        let job = JobView::from(v1::Job {
+            id: "idle".into(),
+            policy: "capped".into(),
+            limits: Some(v1::JobLimits {
+                limit_bytes_per_second: Some(1 << 20),
+                ..v1::JobLimits::default()
+            }),
+            ..v1::Job::default()
+        });
+        assert_eq!(job.settings, None);
+        for table in [
+            jobs_table(std::slice::from_ref(&job)),
+            crate::get::jobs_table(&[job]),
+        ] {
+            let text = table.render(TERMINAL_WIDTH).join("\n");
+            assert!(text.contains("1.00 MiB/s"), "{text}");
+            assert!(!text.contains("unlimited"), "{text}");
+        }
     }
 
     #[test]

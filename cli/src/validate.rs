@@ -88,6 +88,16 @@ pub fn load(sources: &[Source]) -> Result<PolicySet, Vec<String>> {
     if !errors.is_empty() {
         return Err(errors);
     }
+    if documents.is_empty() {
+        let names: Vec<&str> = sources
+            .iter()
+            .map(|s| match s.name.as_str() {
+                input::STDIN_NAME => "standard input",
+                name => name,
+            })
+            .collect();
+        return Err(vec![sluice_policy::no_documents(&names)]);
+    }
     PolicySet::from_documents(documents).map_err(|e| e.into_iter().map(|e| e.to_string()).collect())
 }
 
@@ -161,6 +171,26 @@ spec:
             alone[0].starts_with("p.yaml:6:9: pool `nfs` does not exist"),
             "{alone:?}"
         );
+    }
+
+    #[test]
+    fn input_with_no_document_is_refused_as_apply_refuses_it() {
+        let sources = [
+            source(input::STDIN_NAME, b""),
+            source("gen.yaml", b"# generated\n---\n"),
+        ];
+        let errors = check(&sources).unwrap_err();
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].starts_with("no policies in standard input, gen.yaml: give at least one"),
+            "{errors:?}"
+        );
+        // One document in any source is enough.
+        let with_one = [
+            source("gen.yaml", b"---\n"),
+            source("pool.yaml", POOL.as_bytes()),
+        ];
+        check(&with_one).unwrap();
     }
 
     #[test]

@@ -103,6 +103,18 @@ pub struct JobView {
     pub allocation: Option<AllocationView>,
 }
 
+impl JobView {
+    /// The bandwidth limit a table shows: what its stages enforce, or,
+    /// while no stage serves it (its trainers left), what its policy caps
+    /// it at, which its stages keep for its next trainer.
+    pub fn limit_shown(&self) -> Option<u64> {
+        match &self.settings {
+            Some(settings) => settings.bytes_per_second,
+            None => self.limits.limit_bytes_per_second,
+        }
+    }
+}
+
 /// A job's share of its pool, as the controller's allocation engine
 /// computed it.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -111,15 +111,7 @@ fn no_policies(sources: &[Source]) -> String {
             name => name,
         })
         .collect();
-    let names = if names.is_empty() {
-        "the request".to_owned()
-    } else {
-        names.join(", ")
-    };
-    format!(
-        "no policies in {names}: give at least one document with apiVersion, kind, metadata \
-         and spec (the input is empty, or holds only comments and `---`)"
-    )
+    sluice_policy::no_documents(&names)
 }
 
 /// Validates parsed documents against the current set and, unless

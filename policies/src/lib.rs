@@ -96,5 +96,21 @@ pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Policy>, PolicyEr
     }
 }
 
+/// The refusal of input that holds no document at all (empty, comments,
+/// `---`), naming its sources (`names`; none: "the request"). Applying
+/// nothing is a mistake upstream, such as a generator that failed, so the
+/// controller refuses it, and `sluicectl validate` with it.
+pub fn no_documents(names: &[&str]) -> String {
+    let names = if names.is_empty() {
+        "the request".to_owned()
+    } else {
+        names.join(", ")
+    };
+    format!(
+        "no policies in {names}: give at least one document with apiVersion, kind, metadata \
+         and spec (the input is empty, or holds only comments and `---`)"
+    )
+}
+
 #[cfg(test)]
 mod tests;
