@@ -120,6 +120,13 @@ impl CallError {
             reason,
         };
         match status.code() {
+            // tonic's own request timeout.
+            Code::Cancelled if status.message() == "Timeout expired" => unreachable(format!(
+                "the controller did not answer within {} s; check that it is running, not \
+                 stopped or overloaded (a stopped process accepts connections but answers \
+                 nothing)",
+                REQUEST_TIMEOUT.as_secs()
+            )),
             Code::Unavailable => unreachable(match status.source() {
                 Some(source) => deepest_reason(source),
                 None => status.message().to_owned(),
@@ -362,6 +369,18 @@ fn deepest_reason(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_controller_that_does_not_answer_in_time_is_said_to_be_silent() {
+        let error = CallError::from_status("http://c:7070", Status::cancelled("Timeout expired"));
+        let lines = error.lines();
+        assert_eq!(lines.len(), 1);
+        assert!(
+            lines[0].contains("the controller did not answer within 30 s"),
+            "{lines:?}"
+        );
+        assert_eq!(error.exit(), Exit::Failed);
+    }
 
     #[test]
     fn https_needs_the_three_tls_files() {
