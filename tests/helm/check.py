@@ -59,7 +59,12 @@ AUTH_VARIANTS = {
 MUST_FAIL = {
     "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
     "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
-    "tls without a secret": ({"tls": {"enabled": True}}, "tls.controllerSecret"),
+    "tls without a secret": ({"tls": {"enabled": True, "stageSecret": "s"}}, "tls.controllerSecret"),
+    # The controller's server certificate is no client certificate: no default.
+    "tls without a stage secret": ({"tls": {"enabled": True, "controllerSecret": "c"}}, "tls.stageSecret"),
+    "tls for stages without a controller": (
+        {"controller": {"enabled": False}, "tls": {"enabled": True, "controllerSecret": "c", "stageSecret": "s"}},
+        "tls.enabled secures the stages' session with a controller, and these stages have none"),
     "bound stage ids without tls": ({"tls": {"bindStageIds": True}}, "tls.bindStageIds needs tls.enabled"),
     "dataset without a path": ({"stage": {"datasets": [{"name": "x"}]}}, "needs hostPath, volume or s3"),
     "policy file name": ({"policies": {"files": {"pools.txt": "x: 1"}}}, "must end in .yaml"),
@@ -89,6 +94,43 @@ MUST_FAIL = {
     "order files inside the mount": (
         {"stage": {"mount": {"enabled": True, "orders": {"hostPath": "/var/lib/sluice/mnt/orders"}}}},
         "must be neither stage.mount.hostPath, inside it"),
+    # What sluice-stage refuses at start (exit 64), refused before that.
+    "rate limit without a unit of time (values.schema.json)": (
+        {"stage": {"rateLimit": 209715200}}, "at '/stage/rateLimit'"),
+    "rate limit without /s (values.schema.json)": (
+        {"stage": {"rateLimit": "200MiB"}}, "at '/stage/rateLimit': '200MiB' does not match pattern"),
+    "rate limit of zero (values.schema.json)": (
+        {"stage": {"rateLimit": "0MiB/s"}}, "at '/stage/rateLimit': '0MiB/s' does not match pattern"),
+    "ops limit in exponent notation (values.schema.json)": (
+        {"stage": {"opsLimit": "2e6"}}, "at '/stage/opsLimit': '2e6' does not match pattern"),
+    "ops limit of zero (values.schema.json)": ({"stage": {"opsLimit": 0}}, "at '/stage/opsLimit'"),
+    "fixed readers with tuner bounds": (
+        {"stage": {"readers": {"fixed": 4, "min": 2, "max": 8}}},
+        "stage.readers.fixed (4) turns the reader tuner off"),
+    "reader bounds the wrong way round": (
+        {"stage": {"readers": {"min": 16, "max": 8}}}, "stage.readers.min (16) is above stage.readers.max (8)"),
+    "too many readers (values.schema.json)": ({"stage": {"readers": {"max": 2000}}}, "at '/stage/readers/max'"),
+    # What sluice-controller refuses at start (exit 64): only `ms` and `s`.
+    "tick in minutes (values.schema.json)": (
+        {"controller": {"tick": "1m"}}, "at '/controller/tick': '1m' does not match pattern"),
+    "stage timeout in minutes and seconds (values.schema.json)": (
+        {"controller": {"stageTimeout": "2m30s"}}, "at '/controller/stageTimeout': '2m30s' does not match pattern"),
+    "tick of zero": ({"controller": {"tick": "0ms"}}, 'controller.tick "0ms" is zero'),
+    "tick over a minute": ({"controller": {"tick": "90s", "stageTimeout": "300s"}}, "at least once a minute"),
+    "stage timeout under 2s": ({"controller": {"stageTimeout": "1500ms"}}, "give at least 2s"),
+    "tick not shorter than the stage timeout": (
+        {"controller": {"tick": "5s", "stageTimeout": "5s"}}, "must be shorter than controller.stageTimeout"),
+}
+
+# TLS settings checked on top of the default scenario (with the example Job,
+# so both the DaemonSet's stage and the sidecar are seen): whoever the stage
+# runs as must read its certificate files.
+TLS_BASE = {"enabled": True, "controllerSecret": "sluice-controller-tls", "stageSecret": "sluice-stage-tls"}
+TLS_VARIANTS = {
+    "tls, stage as another user": {"stage": {"podSecurityContext": {"runAsUser": 1000, "runAsGroup": 1000}}},
+    "tls, stage pod with fsGroup": {"stage": {"podSecurityContext": {"fsGroup": 65532}}},
+    "tls, stage as root": {"stage": {"podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False}}},
+    "tls with the mount": {"stage": {"mount": {"enabled": True}}},
 }
 
 # Where the chart mounts the disk tier's host directory in the stage.
@@ -378,6 +420,144 @@ def tls_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | None)
     record(f"{scenario}: tls wiring", not problems, "; ".join(problems))
 
 
+def tls_files_readable(scenario: str, objs: list[tuple[str, dict]]) -> None:
+    """Every container that mounts the `tls` Secret can read its files, as
+    the kubelet lays them out: user root, group the pod's fsGroup (which it
+    also adds to every container's groups, and to the files' mode as 0440)
+    or root, mode `defaultMode`; the containers drop every capability, so
+    root reads as the owner. No file is writable, and the bit for others is
+    set only where the container's user is neither owner nor group."""
+    problems = []
+    seen = 0
+    for obj, pod in pod_specs(objs):
+        volume = next((v for v in pod.get("volumes", []) if v["name"] == "tls"), None)
+        if volume is None:
+            continue
+        psc = pod.get("securityContext", {})
+        fs_group = psc.get("fsGroup")
+        mode = volume["secret"].get("defaultMode", 0o644) | (0o440 if fs_group is not None else 0)
+        file_group = fs_group if fs_group is not None else 0
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if not any(m["name"] == "tls" for m in c.get("volumeMounts", [])):
+                continue
+            seen += 1
+            sc = c.get("securityContext", {})
+            # The images' user (docker/*.Dockerfile) unless one is set.
+            uid = sc.get("runAsUser", psc.get("runAsUser", 65532))
+            gid = sc.get("runAsGroup", psc.get("runAsGroup", 65532))
+            groups = {gid, *psc.get("supplementalGroups", [])} | ({fs_group} if fs_group is not None else set())
+            if uid == 0:
+                bits, other_needed = mode & 0o400, False
+            elif file_group in groups:
+                bits, other_needed = mode & 0o040, False
+            else:
+                bits, other_needed = mode & 0o004, True
+            where = f"{obj['kind']}/{obj['metadata']['name']} {c['name']}"
+            if not bits:
+                problems.append(f"{where}: user {uid}, groups {sorted(groups)} cannot read files "
+                                f"0:{file_group} mode {mode:04o}")
+            if mode & 0o222:
+                problems.append(f"{where}: the certificate files are writable (mode {mode:04o})")
+            if mode & 0o004 and not other_needed:
+                problems.append(f"{where}: mode {mode:04o} lets others read the key, which user {uid} "
+                                f"(groups {sorted(groups)}) does not need")
+    record(f"{scenario}: tls files readable by the containers ({seen} mounts)", seen > 0 and not problems,
+           "; ".join(problems) or "no container mounts the tls Secret")
+
+
+def limits_rendering() -> None:
+    """Numbers in a values file reach the stage as digits: Helm holds them
+    as floats, which `{{ . }}` prints as 2e+06 (refused by the stage)."""
+    values = helm.values_from_yaml("stage:\n  opsLimit: 2000000\n  rateLimit: 200MiB/s\n"
+                                   "sidecar:\n  exampleJob:\n    enabled: true\n")
+    problems = []
+    for obj, pod in pod_specs(objects(render(values))):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c["name"] not in STAGE_NAMES:
+                continue
+            got = [a for a in c.get("args", []) if a.startswith(("--ops-limit", "--rate-limit"))]
+            if got != ["--rate-limit=200MiB/s", "--ops-limit=2000000"]:
+                problems.append(f"{obj['kind']}: {got}, want --rate-limit=200MiB/s --ops-limit=2000000")
+    record("limits from a values file render as the stage takes them", not problems, "; ".join(problems))
+
+
+def standalone_alerts() -> None:
+    """SluiceStageDisconnected only where the stages are given a controller:
+    a standalone stage reports sluice_stage_controller_connected 0 for good.
+    The dashboards' count of disconnected stages cannot be left out, so its
+    description says so."""
+    rule_on = {"metrics": {"prometheusRule": {"enabled": True}}}
+    cases = {
+        "the chart's controller": ({}, True),
+        "no controller (standalone)": ({"controller": {"enabled": False}}, False),
+        "a controller of their own": ({"controller": {"enabled": False}, "stage": {
+            "extraArgs": ["--controller=http://sluice-controller.ml.svc:7070"]}}, True),
+    }
+    problems = []
+    for name, (values, want) in cases.items():
+        alerts = [r.get("alert") for _, o in objects(render({**rule_on, **values})) if o["kind"] == "PrometheusRule"
+                  for g in o["spec"]["groups"] for r in g["rules"]]
+        if ("SluiceStageDisconnected" in alerts) != want:
+            problems.append(f"stages with {name}: SluiceStageDisconnected {'missing' if want else 'rendered'}")
+    for f in sorted((CHART / "dashboards").glob("*.json")):
+        def panels(o):
+            for p in o.get("panels", []):
+                yield p
+                yield from panels(p)
+        for p in panels(json.loads(f.read_text())):
+            exprs = [t.get("expr", "") for t in p.get("targets", [])]
+            if any("sluice_stage_controller_connected == 0" in e for e in exprs) \
+                    and "standalone" not in p.get("description", ""):
+                problems.append(f"{f.name}: panel {p.get('title')!r} counts disconnected stages "
+                                f"without saying standalone stages count as such")
+    record("SluiceStageDisconnected only for stages with a controller", not problems, "; ".join(problems))
+
+
+def documented_names() -> None:
+    """What the operator's guide and the chart's README tell operators to
+    type, for the documented install (`helm install sluice helm/sluice -n
+    sluice`), names objects the chart renders: `port-forward svc/NAME`, `get
+    secret NAME`; the cert-manager example issues the controller's
+    certificate (`server auth`) for the host stages dial and the stages' one
+    (`client auth`) into the Secrets its `tls:` values name."""
+    docs = [ROOT / "docs" / "operations.md", CHART / "README.md"]
+    objs = objects(render({"tls": TLS_BASE}))
+    names = {(o["kind"], o["metadata"]["name"]) for _, o in objs}
+    url = next(a for o, pod in pod_specs(objs) if o["kind"] == "DaemonSet"
+               for c in pod["containers"] for a in c.get("args", []) if a.startswith("--controller="))
+    host = re.match(r"--controller=https://([^:/]+)", url).group(1)
+    problems = []
+    for doc in docs:
+        text = doc.read_text()
+        where = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
+        for m in re.finditer(r"port-forward svc/([\w.-]+)", text):
+            if ("Service", m.group(1)) not in names:
+                problems.append(f"{where}: port-forward svc/{m.group(1)}: no such Service")
+        for m in re.finditer(r"get secret ([\w.-]+)", text):
+            if ("Secret", m.group(1)) not in names:
+                problems.append(f"{where}: get secret {m.group(1)}: no such Secret")
+        tls_values, certs = {}, {}
+        for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
+            try:
+                docs_in_block = list(yaml.safe_load_all(block))
+            except yaml.YAMLError:
+                continue
+            for d in docs_in_block:
+                if isinstance(d, dict) and isinstance(d.get("tls"), dict):
+                    tls_values = d["tls"]
+                if isinstance(d, dict) and d.get("kind") == "Certificate":
+                    certs[d["spec"]["secretName"]] = d["spec"]
+        if not certs:
+            continue
+        ctl = certs.get(tls_values.get("controllerSecret"), {})
+        stage = certs.get(tls_values.get("stageSecret"), {})
+        if host not in ctl.get("dnsNames", []) or "server auth" not in ctl.get("usages", []):
+            problems.append(f"{where}: the controller's certificate ({ctl}) lacks dnsNames {host} or `server auth`")
+        if "client auth" not in stage.get("usages", []):
+            problems.append(f"{where}: the stages' certificate ({stage}) lacks `client auth`")
+    record("docs: resource names and certificates of the documented install", not problems, "; ".join(problems))
+
+
 def mount_values(values: dict | None) -> dict:
     """stage.mount of `values` over the chart's defaults."""
     default = yaml.safe_load((CHART / "values.yaml").read_text())["stage"]["mount"]
@@ -606,12 +786,22 @@ def main() -> int:
             cache_wiring(scenario, objs, values)
             mount_wiring(scenario, objs, values)
             tls_wiring(scenario, objs, values)
+            if ((values or {}).get("tls") or {}).get("enabled"):
+                tls_files_readable(scenario, objs)
     for scenario, values in AUTH_VARIANTS.items():
         auth_wiring(scenario, objects(render(values)), values)
     for scenario, values in MOUNT_VARIANTS.items():
         objs = objects(render(values))
         properties(scenario, objs, values)
         mount_wiring(scenario, objs, values)
+    for scenario, values in TLS_VARIANTS.items():
+        values = {**values, "tls": TLS_BASE, "sidecar": {"exampleJob": {"enabled": True}}}
+        objs = objects(render(values))
+        properties(scenario, objs, values)
+        tls_files_readable(scenario, objs)
+    limits_rendering()
+    standalone_alerts()
+    documented_names()
     documented_values()
     for name, (values, message) in MUST_FAIL.items():
         try:

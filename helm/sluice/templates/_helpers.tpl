@@ -105,8 +105,45 @@ app.kubernetes.io/component: {{ .component }}
 {{- required "tls.enabled needs tls.controllerSecret (a Secret with tls.crt, tls.key and ca.crt)" .Values.tls.controllerSecret }}
 {{- end }}
 
+{{/*
+The stages' Secret has no default: the controller's certificate is a server
+certificate (`server auth`), which the controller refuses as a client
+certificate, and its key does not belong on every node and in training pods.
+*/}}
 {{- define "sluice.tls.stageSecret" -}}
-{{- default (include "sluice.tls.controllerSecret" .) .Values.tls.stageSecret }}
+{{- required "tls.enabled needs tls.stageSecret: a Secret with the stages' client certificate (tls.crt with the `client auth` usage, tls.key, and the CA of the controller's certificate in ca.crt); the controller's server certificate is refused as a client certificate" .Values.tls.stageSecret }}
+{{- end }}
+
+{{/*
+Mode of the files of the stage's TLS Secret. The kubelet writes them as
+user root and group root (the pod's fsGroup if it has one), so the mode
+decides whether the stage can read its key: a stage running as root (the
+mount, or runAsUser 0) reads as the owner (0400); in a pod with fsGroup the
+stage has that group (0440); otherwise it is neither owner nor group and
+needs the read bit for others (0444). The volume is mounted in the stage
+container only, so that bit lets no one else in. A pod-wide fsGroup is not
+added for it: the kubelet would also hand over every volume of the pod that
+supports ownership, such as a dataset's PersistentVolumeClaim.
+*/}}
+{{- define "sluice.stage.tlsMode" -}}
+{{- $v := .Values.stage }}
+{{- $psc := $v.podSecurityContext | default dict }}
+{{- $csc := $v.securityContext | default dict }}
+{{- /* The image's user (docker/stage.Dockerfile) unless one is set. */}}
+{{- $uid := 65532 }}
+{{- if and (hasKey $psc "runAsUser") (not (kindIs "invalid" $psc.runAsUser)) }}
+{{- $uid = int $psc.runAsUser }}
+{{- end }}
+{{- if and (hasKey $csc "runAsUser") (not (kindIs "invalid" $csc.runAsUser)) }}
+{{- $uid = int $csc.runAsUser }}
+{{- end }}
+{{- if $v.mount.enabled }}
+{{- $uid = 0 }}
+{{- end }}
+{{- if eq $uid 0 }}0400
+{{- else if and (hasKey $psc "fsGroup") (not (kindIs "invalid" $psc.fsGroup)) }}0440
+{{- else }}0444
+{{- end }}
 {{- end }}
 
 {{/* TLS flags, shared by both daemons. */}}
@@ -119,6 +156,84 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Secret holding the admin API's token file. */}}
 {{- define "sluice.auth.secretName" -}}
 {{- default (printf "%s-tokens" (include "sluice.controller.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/*
+"true" when the stages are given a controller: the chart's
+(controller.enabled) or one of their own (`--controller` in
+stage.extraArgs, SLUICE_CONTROLLER in stage.extraEnv); empty for standalone
+stages, which report no controller session all the time.
+*/}}
+{{- define "sluice.stage.hasController" -}}
+{{- $given := .Values.controller.enabled }}
+{{- range .Values.stage.extraArgs }}
+{{- if hasPrefix "--controller" (toString .) }}
+{{- $given = true }}
+{{- end }}
+{{- end }}
+{{- range .Values.stage.extraEnv }}
+{{- if and (kindIs "map" .) (eq (toString .name) "SLUICE_CONTROLLER") }}
+{{- $given = true }}
+{{- end }}
+{{- end }}
+{{- if $given }}true{{ end }}
+{{- end }}
+
+{{/*
+A controller period (`--tick`, `--stage-timeout`: `500ms`, `1.5s`, spelled
+as values.schema.json says) in milliseconds.
+*/}}
+{{- define "sluice.controller.millis" -}}
+{{- $s := trim (toString .) }}
+{{- $n := regexFind "^[0-9]+(\\.[0-9]+)?" $s | float64 }}
+{{- if hasSuffix "ms" $s }}{{ $n }}{{ else }}{{ mulf $n 1000 }}{{ end }}
+{{- end }}
+
+{{/* Refuses the periods the controller refuses at start (exit 64). */}}
+{{- define "sluice.controller.checkPeriods" -}}
+{{- $c := .Values.controller }}
+{{- $tick := include "sluice.controller.millis" $c.tick | float64 }}
+{{- $timeout := include "sluice.controller.millis" $c.stageTimeout | float64 }}
+{{- if eq $tick 0.0 }}
+{{- fail (printf "controller.tick %q is zero: give a positive duration such as 1s" (toString $c.tick)) }}
+{{- end }}
+{{- if gt $tick 60000.0 }}
+{{- fail (printf "controller.tick %q is too long: the control loop must run at least once a minute" (toString $c.tick)) }}
+{{- end }}
+{{- if lt $timeout 2000.0 }}
+{{- fail (printf "controller.stageTimeout %q is shorter than two of a stage's telemetry reports (one a second): give at least 2s" (toString $c.stageTimeout)) }}
+{{- end }}
+{{- if ge $tick $timeout }}
+{{- fail (printf "controller.tick %q must be shorter than controller.stageTimeout %q: the control loop would notice a lost stage a tick late" (toString $c.tick) (toString $c.stageTimeout)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+An integer value as digits. Helm holds the numbers of a values file as
+floats, which print as `2e+06` from a million on; strings pass through.
+*/}}
+{{- define "sluice.int" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ int64 . }}{{ end }}
+{{- end }}
+
+{{/*
+Refuses reader settings the stage refuses at start (exit 64): a fixed count
+turns the tuner off, so it goes with none of the tuner's bounds.
+*/}}
+{{- define "sluice.stage.checkReaders" -}}
+{{- $r := .Values.stage.readers }}
+{{- if and $r.fixed (or $r.min $r.max $r.initial) }}
+{{- fail (printf "stage.readers.fixed (%d) turns the reader tuner off, so it cannot go with stage.readers.min, max or initial: set either fixed, or the tuner's bounds (leave the others 0)" (int $r.fixed)) }}
+{{- end }}
+{{- if and $r.min $r.max (gt (int $r.min) (int $r.max)) }}
+{{- fail (printf "stage.readers.min (%d) is above stage.readers.max (%d)" (int $r.min) (int $r.max)) }}
+{{- end }}
+{{- if and $r.initial $r.min (lt (int $r.initial) (int $r.min)) }}
+{{- fail (printf "stage.readers.initial (%d) is below stage.readers.min (%d)" (int $r.initial) (int $r.min)) }}
+{{- end }}
+{{- if and $r.initial $r.max (gt (int $r.initial) (int $r.max)) }}
+{{- fail (printf "stage.readers.initial (%d) is above stage.readers.max (%d)" (int $r.initial) (int $r.max)) }}
+{{- end }}
 {{- end }}
 
 {{/* The controller URL stages connect to. */}}
@@ -242,6 +357,10 @@ cache-disk, mount, mount-orders, fuse.
 {{- define "sluice.stage.container" -}}
 {{- $ctx := .ctx }}
 {{- $v := $ctx.Values.stage }}
+{{- include "sluice.stage.checkReaders" $ctx }}
+{{- if and $ctx.Values.tls.enabled (not (include "sluice.stage.hasController" $ctx)) }}
+{{- fail "tls.enabled secures the stages' session with a controller, and these stages have none (controller.enabled is false and no --controller in stage.extraArgs or SLUICE_CONTROLLER in stage.extraEnv): the stage refuses --tls-* without --controller. Set tls.enabled false, or give the stages a controller" }}
+{{- end }}
 - name: {{ .name }}
   image: {{ include "sluice.image" (dict "ctx" $ctx "image" $v.image) }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -299,7 +418,7 @@ cache-disk, mount, mount-orders, fuse.
     - --rate-limit={{ . }}
     {{- end }}
     {{- with $v.opsLimit }}
-    - --ops-limit={{ . }}
+    - --ops-limit={{ include "sluice.int" . }}
     {{- end }}
     {{- with $v.readers.fixed }}
     - --readers={{ . }}
