@@ -29,7 +29,7 @@ use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
-use crate::shm::Region;
+use crate::shm::{Region, Retained};
 use crate::sync::lock;
 
 /// How long a job with no connections is kept (tuned settings, counters)
@@ -185,6 +185,8 @@ pub struct Engine {
     /// Whether jobs keep their prefetch buffers in shared memory, for the
     /// trainers that ask (cleared when the system refuses a region).
     shared_memory: AtomicBool,
+    /// Free shared-memory slots kept resident, every job's region together.
+    retained: Arc<Retained>,
     metrics: Arc<Metrics>,
     /// The node cache every job reads through, when the stage has one.
     cache: Option<Arc<Cache>>,
@@ -222,6 +224,7 @@ impl Engine {
             pushed: Mutex::new(None),
             controller_live: AtomicBool::new(false),
             shared_memory: AtomicBool::new(shared_memory),
+            retained: Retained::new(memory_budget as usize),
             metrics,
             cache,
             staging: Staging::default(),
@@ -342,7 +345,11 @@ impl Engine {
         if !self.shared_memory.load(Ordering::Relaxed) {
             return None;
         }
-        match Region::new(id, self.memory.budget() as usize) {
+        match Region::new(
+            id,
+            self.memory.budget() as usize,
+            Arc::clone(&self.retained),
+        ) {
             Ok(region) => Some(region),
             Err(e) => {
                 if self.shared_memory.swap(false, Ordering::Relaxed) {

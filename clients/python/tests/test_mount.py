@@ -385,6 +385,47 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
 
 
+def stage_io_threads(stage) -> int:
+    """The stage's threads for blocking work (the runtime's pool)."""
+    tasks = f"/proc/{stage.proc.pid}/task"
+    count = 0
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as f:
+                count += f.read().strip() == "stage-io"
+        except FileNotFoundError:
+            pass  # ended meanwhile
+    return count
+
+
+def test_taking_order_files_keeps_no_idle_threads_alive(tmp_path, mount_stage, dataset):
+    """Threads a burst of reads starts end once the stage is idle, also
+    while it looks for order files five times a second (that look ran on
+    the blocking pool and woke its idle threads in turn, so none ended)."""
+    root, files = dataset
+    stage, mnt = mount_stage(root, "--mount-orders", str(tmp_path / "orders"))
+    names = sorted(files)
+
+    def reads(i: int) -> None:
+        with sluice.Client(stage.socket, job=f"burst{i}") as c:
+            ds = c.dataset("ds")
+            end = time.monotonic() + 1.5
+            k = i
+            while time.monotonic() < end:
+                ds.read(names[k % len(names)], 0, 16)
+                k += 7
+
+    burst = [threading.Thread(target=reads, args=(i,)) for i in range(24)]
+    for t in burst:
+        t.start()
+    for t in burst:
+        t.join()
+    assert stage_io_threads(stage) > 8, "the burst should have started blocking threads"
+    # The runtime ends a blocking thread idle for 10 s.
+    wait_for(lambda: stage_io_threads(stage) <= 4, timeout=25, interval=0.5,
+             what="the burst's idle threads to end")
+
+
 def test_order_lines_may_name_files_by_the_mount_path_given_or_the_resolved_one(tmp_path, stage_factory, dataset):
     root, files = dataset
     (tmp_path / "mnt").mkdir()

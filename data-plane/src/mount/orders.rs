@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tracing::{info, warn};
@@ -85,19 +86,38 @@ impl Orders {
         }
     }
 
-    /// Looks at the directory every [`POLL`] until the stage stops.
+    /// Looks at the directory every [`POLL`] until this future is dropped
+    /// (the mount's tasks are aborted when it goes). The scans run on a
+    /// thread of their own: one handed to the runtime's blocking pool five
+    /// times a second woke its idle threads in turn, so that none ever
+    /// lived out its idle time and every thread a burst of reads had
+    /// started stayed for good.
     pub async fn watch(mut self) {
-        let mut every = tokio::time::interval(POLL);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            every.tick().await;
-            self = tokio::task::spawn_blocking(move || {
-                self.scan();
-                self
-            })
-            .await
-            .expect("the order scan does not panic");
+        struct Stop(Arc<AtomicBool>);
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
         }
+        let stop = Stop(Arc::new(AtomicBool::new(false)));
+        let stopped = Arc::clone(&stop.0);
+        let runtime = tokio::runtime::Handle::current();
+        let started = std::thread::Builder::new()
+            .name("mount-orders".to_owned())
+            .spawn(move || {
+                let _runtime = runtime.enter();
+                while !stopped.load(Ordering::Relaxed) {
+                    let began = std::time::Instant::now();
+                    self.scan();
+                    std::thread::sleep(POLL.saturating_sub(began.elapsed()));
+                }
+            });
+        if let Err(e) = started {
+            warn!(error = %e, "cannot start the thread that takes order files: none will be taken");
+        }
+        // Holds `stop` until the task is aborted.
+        std::future::pending::<()>().await;
+        drop(stop);
     }
 
     /// Takes up every new or changed order file and drops the plans of
