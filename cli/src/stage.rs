@@ -67,10 +67,10 @@ async fn stage(controller: &Controller, args: &StageArgs) -> Result<Exit, CallEr
                 Some(p) => p.state.as_str(),
                 None => "waiting",
             };
-            if matches!(state, "done" | "full" | "failed" | "lost") {
+            if matches!(state, "done" | "full" | "failed" | "stopped" | "lost") {
                 finished += 1;
             }
-            failed |= matches!(state, "failed" | "lost");
+            failed |= matches!(state, "failed" | "stopped" | "lost");
             let line = match progress {
                 _ if lost => "lost: the controller no longer hears from it".to_owned(),
                 Some(p) => staging_line(Some(p)),

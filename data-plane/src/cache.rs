@@ -231,6 +231,10 @@ struct Disk {
     /// full or failing disk warns once a minute, not once a sample).
     failed_writes: u64,
     warned: Option<Instant>,
+    /// Likewise for files that fail their check when read (a directory
+    /// removed under the stage fails every one).
+    failed_checks: u64,
+    checks_warned: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -364,7 +368,8 @@ impl Cache {
                 .spawn(move || {
                     for (key, bytes) in rx {
                         let Some(cache) = weak.upgrade() else { break };
-                        cache.write_to_disk(key.clone(), &bytes);
+                        // A failed write is counted and logged there.
+                        let _ = cache.write_to_disk(key.clone(), &bytes);
                         lock(&cache.state).queued.remove(&key);
                     }
                 })?;
@@ -470,13 +475,21 @@ impl Cache {
                 Some(Arc::from(bytes))
             }
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "dropping a disk cache file that failed its check");
                 let mut st = lock(&self.state);
-                if let Some(disk) = st.disk.as_mut()
-                    && let Some((file, len)) = disk.tier.remove(key)
-                {
-                    let _ = std::fs::remove_file(&file.path);
-                    self.metrics.evicted(&label, DISK, len);
+                if let Some(disk) = st.disk.as_mut() {
+                    disk.failed_checks += 1;
+                    if disk
+                        .checks_warned
+                        .is_none_or(|at| at.elapsed() >= WARN_EVERY)
+                    {
+                        tracing::warn!(path = %path.display(), error = %e, failed = disk.failed_checks, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
+                        disk.failed_checks = 0;
+                        disk.checks_warned = Some(Instant::now());
+                    }
+                    if let Some((file, len)) = disk.tier.remove(key) {
+                        let _ = std::fs::remove_file(&file.path);
+                        self.metrics.evicted(&label, DISK, len);
+                    }
                 }
                 None
             }
@@ -736,22 +749,25 @@ impl Cache {
 
     /// Writes one sample to the disk tier, if the policy admits it there;
     /// returns whether the tier holds it (written now or before). Blocking.
-    fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) -> bool {
-        let (path, size, evicted, label) = {
+    /// Writes a sample to the disk tier; returns whether the tier keeps
+    /// it (no: no room, or a newer version came), or the write's error.
+    fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) -> std::io::Result<bool> {
+        let (path, dir, size, evicted, label) = {
             let mut st = lock(&self.state);
             let st = &mut *st;
             let Some(disk) = st.disk.as_mut() else {
-                return false;
+                return Ok(false);
             };
             if disk.tier.get(&key).is_some() {
-                return true;
+                return Ok(true);
             }
             let size = disk::footprint(&key, bytes.len() as u64);
             let shares = shares_now(&st.shares, disk.tier.capacity);
             let Some(evicted) = disk.tier.make_room(self.policy, &shares, &key.source, size) else {
-                return false;
+                return Ok(false);
             };
             let path = disk::path_of(&disk.dir, &key);
+            let dir = disk.dir.clone();
             st.tick += 1;
             let file = DiskFile {
                 path: path.clone(),
@@ -767,28 +783,28 @@ impl Cache {
                 .into_iter()
                 .map(|(k, f, len)| (label(&k), f, len))
                 .collect();
-            (path, size, evicted, label(&key))
+            (path, dir, size, evicted, label(&key))
         };
         for (label, file, len) in evicted {
             let _ = std::fs::remove_file(&file.path);
             self.metrics.evicted(&label, DISK, len);
         }
-        let written = disk::write(&path, &key, bytes);
+        let written = disk::write(&dir, &path, &key, bytes);
         let mut st = lock(&self.state);
         let Some(disk) = st.disk.as_mut() else {
-            return false;
+            return Ok(false);
         };
         let kept = match written {
             Ok(()) => match disk.tier.get_mut(&key) {
                 Some(file) => {
                     file.ready = true;
                     self.metrics.admitted(&label, DISK, size);
-                    true
+                    Ok(true)
                 }
                 // Dropped meanwhile (a newer version was looked up).
                 None => {
                     let _ = std::fs::remove_file(&path);
-                    false
+                    Ok(false)
                 }
             },
             Err(e) => {
@@ -805,7 +821,7 @@ impl Cache {
                 }
                 disk.tier.remove(&key);
                 let _ = std::fs::remove_file(&path);
-                false
+                Err(e)
             }
         };
         self.metrics
@@ -818,15 +834,15 @@ impl Cache {
     /// Makes sure a sample staging read is kept: in memory if it is there,
     /// else written to the disk tier now rather than queued (staging waits
     /// for the disk; a trainer's reads do not). Returns whether either
-    /// tier holds it. Blocking.
-    pub fn keep(&self, key: &SampleKey, bytes: &[u8]) -> bool {
+    /// tier holds it, or why the disk tier could not write it. Blocking.
+    pub fn keep(&self, key: &SampleKey, bytes: &[u8]) -> std::io::Result<bool> {
         {
             let st = lock(&self.state);
             if st.memory.get(key).is_some() {
-                return true;
+                return Ok(true);
             }
             if st.disk.is_none() {
-                return false;
+                return Ok(false);
             }
         }
         self.write_to_disk(key.clone(), bytes)
@@ -898,6 +914,8 @@ fn open_disk(
         _claimed: claimed,
         failed_writes: 0,
         warned: None,
+        failed_checks: 0,
+        checks_warned: None,
     })
 }
 

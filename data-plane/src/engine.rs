@@ -445,7 +445,7 @@ impl Engine {
             });
             cache.steer(&dataset.identity, name, terms);
             let Some(c) = wanted else {
-                self.staging.wants(name, 0, None);
+                self.staging.unwanted(name);
                 continue;
             };
             if self

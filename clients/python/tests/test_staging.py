@@ -150,6 +150,30 @@ def test_staging_is_held_to_its_rate(tmp_path, system):
     assert s.cache("ds")["entries"] == 30
 
 
+def test_deleting_the_data_sets_cache_policy_stops_its_staging(tmp_path, system):
+    """Deleting the DatasetCache is how an operator stops staging that
+    hurts: the round stops (it went on uncapped before), and a waiting
+    ``sluicectl stage`` says so and fails."""
+    write_files(tmp_path / "ds", 60, 100_000)  # 6 MB at 1 MiB/s: about 6 s
+    s = system({"ds": tmp_path / "ds"}, 16 * MIB)
+    s.apply(POOL + cache_policy("ds-cache", "ds", staging="{pool: nfs, rate: 1MiB/s}"))
+    waiting = subprocess.Popen([s.bin["sluicectl"], "--server", f"http://{s.grpc}", "stage", "ds",
+                                "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: s.source_reads("ds") >= 5, what="staging to read")
+        s.ctl("delete", "datasetcache", "ds-cache")
+        out, err = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 1, out + err
+    assert "stopped" in out and "its DatasetCache was deleted" in out, out + err
+    # Reads already past the plan when it stopped end at the staging rate.
+    time.sleep(3)
+    stopped_at = s.source_reads("ds")
+    time.sleep(1.5)
+    assert s.source_reads("ds") == stopped_at < 60, "staging read on after it stopped"
+
+
 def test_staging_refusals_say_what_to_fix(tmp_path, system):
     write_files(tmp_path / "ds", 4, 1_000)
     s = system({"ds": tmp_path / "ds"}, 8 * MIB)

@@ -152,9 +152,22 @@ fn header(key: &SampleKey, bytes: &[u8]) -> Vec<u8> {
     h
 }
 
-/// Writes `key`'s file: header and bytes under a temporary name, then
-/// renamed into place.
-pub(super) fn write(path: &Path, key: &SampleKey, bytes: &[u8]) -> io::Result<()> {
+/// Writes `key`'s file in the tier's directory `dir`: header and bytes
+/// under a temporary name, then renamed into place. Nothing is written once
+/// the directory's marker is gone (the directory was removed or emptied
+/// while the stage ran): made again without it, the directory would be
+/// refused at the next start as holding files that are not the cache's.
+pub(super) fn write(dir: &Path, path: &Path, key: &SampleKey, bytes: &[u8]) -> io::Result<()> {
+    if fs::symlink_metadata(dir.join(MARKER)).is_err() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "{MARKER} is gone from {} (the directory was removed or emptied while the stage \
+                 ran): nothing is written to the disk tier until the stage restarts",
+                dir.display()
+            ),
+        ));
+    }
     if let Some(parent) = path.parent() {
         fs::create_dir_all(parent)?;
     }

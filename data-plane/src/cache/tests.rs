@@ -514,6 +514,27 @@ fn walk_files(dir: &std::path::Path) -> usize {
 }
 
 #[test]
+fn a_disk_tier_whose_directory_went_says_so_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache_dir = dir.path().join("cache");
+    let src: Arc<str> = "/data".into();
+    // No room in memory: every sample staging keeps goes to disk.
+    let c = tiered(&cache_dir, 0, 10 * FILE);
+    let first = key(&src, "f0", 10);
+    read(&c, "d", &first, 0);
+    assert!(c.keep(&first, &[0; 10]).unwrap());
+    std::fs::remove_dir_all(&cache_dir).unwrap();
+    let second = key(&src, "f1", 10);
+    read(&c, "d", &second, 0);
+    let err = c.keep(&second, &[0; 10]).unwrap_err();
+    assert!(err.to_string().contains("SLUICE-CACHE is gone"), "{err}");
+    // Nothing was made again without the marker: a restart takes it.
+    assert!(!cache_dir.exists());
+    drop(c);
+    tiered(&cache_dir, 0, 10 * FILE);
+}
+
+#[test]
 fn staging_keeps_what_memory_does_not_on_disk_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
@@ -523,7 +544,7 @@ fn staging_keeps_what_memory_does_not_on_disk_at_once() {
         .iter()
         .map(|k| {
             read(&c, "d", k, 0);
-            c.keep(k, &[0; 10])
+            c.keep(k, &[0; 10]).unwrap()
         })
         .collect();
     assert_eq!(

@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use sluice_policy::{STAGING_LABEL, staging_job};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{JobHandle, PlanKey};
@@ -44,6 +45,8 @@ pub enum State {
     /// The cache keeps no more of the data set.
     Full,
     Failed,
+    /// Its `DatasetCache` policy went away while it ran.
+    Stopped,
 }
 
 impl State {
@@ -53,6 +56,7 @@ impl State {
             State::Done => "done",
             State::Full => "full",
             State::Failed => "failed",
+            State::Stopped => "stopped",
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct Staging {
     progress: Arc<Mutex<HashMap<String, Progress>>>,
     /// Most bytes per second each data set's staging job may read.
     caps: Mutex<HashMap<String, u64>>,
+    /// Stops the running round of each data set.
+    stops: Mutex<HashMap<String, CancellationToken>>,
 }
 
 impl Staging {
@@ -111,6 +117,28 @@ impl Staging {
                 .is_none_or(|p| p.round < round)
     }
 
+    /// The data set no longer has a `DatasetCache`: a round that runs stops
+    /// at its next batch, read at its rate cap until then (the cap goes
+    /// with the next settings once no round runs).
+    pub fn unwanted(&self, dataset: &str) {
+        let mut all = lock(&self.progress);
+        if let Some(p) = all.get_mut(dataset).filter(|p| p.state == State::Running) {
+            p.state = State::Stopped;
+            p.error = "its DatasetCache was deleted".to_owned();
+            info!(
+                dataset,
+                round = p.round,
+                "staging stops: its DatasetCache was deleted"
+            );
+            if let Some(stop) = lock(&self.stops).get(dataset) {
+                stop.cancel();
+            }
+            return;
+        }
+        drop(all);
+        lock(&self.caps).remove(&staging_job(dataset));
+    }
+
     /// The rate cap of job `job`, when it is a staging job with one.
     pub fn cap(&self, job: &str) -> Option<u64> {
         lock(&self.caps).get(job).copied()
@@ -133,6 +161,10 @@ impl Staging {
             },
         );
         let progress = Arc::clone(&self.progress);
+        let stop = CancellationToken::new();
+        if let Some(older) = lock(&self.stops).insert(name.clone(), stop.clone()) {
+            older.cancel();
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             warn!(dataset = %name, "no runtime to stage on: the staging round is dropped");
             return;
@@ -140,9 +172,12 @@ impl Staging {
         runtime.spawn(async move {
             let number = round.round;
             info!(dataset = %name, round = number, "staging starts");
-            let outcome = run(round, &progress, &metrics).await;
+            let outcome = run(round, &progress, &metrics, &stop).await;
             let mut all = lock(&progress);
-            let Some(p) = all.get_mut(&name).filter(|p| p.round == number) else {
+            let Some(p) = all
+                .get_mut(&name)
+                .filter(|p| p.round == number && p.state == State::Running)
+            else {
                 return;
             };
             match outcome {
@@ -170,6 +205,7 @@ async fn run(
     round: Round,
     progress: &Mutex<HashMap<String, Progress>>,
     metrics: &CacheMetrics,
+    stop: &CancellationToken,
 ) -> Result<State, String> {
     let Round {
         dataset,
@@ -188,12 +224,15 @@ async fn run(
     let total = listing.len();
     let update = |f: &mut dyn FnMut(&mut Progress)| -> bool {
         let mut all = lock(progress);
-        match all.get_mut(&name).filter(|p| p.round == number) {
+        match all
+            .get_mut(&name)
+            .filter(|p| p.round == number && p.state == State::Running)
+        {
             Some(p) => {
                 f(p);
                 true
             }
-            // A newer round replaced this one.
+            // A newer round replaced this one, or it was stopped.
             None => false,
         }
     };
@@ -245,7 +284,11 @@ async fn run(
         .map_err(|e| e.message)?;
     let mut counted = 0;
     loop {
-        let mut batch = job.next(&plan, BATCH).await;
+        let mut batch = tokio::select! {
+            batch = job.next(&plan, BATCH) => batch,
+            // Stopped, or a newer round began: its plan goes with it.
+            () = stop.cancelled() => return Ok(State::Stopped),
+        };
         let errors = batch.samples.iter().filter(|s| s.data.is_err()).count() as u64;
         let looked = batch.samples.len() as u64;
         let samples = std::mem::take(&mut batch.samples);
@@ -258,6 +301,7 @@ async fn run(
             tokio::task::spawn_blocking(move || keep_all(&cache, &dataset, &listing, samples))
                 .await
                 .map_err(|e| format!("staging data set `{name}` failed: {e}"))?
+                .map_err(|e| format!("the disk cache cannot write: {e}"))?
         };
         let end = batch.end;
         drop(batch);
@@ -283,21 +327,31 @@ async fn run(
 }
 
 /// Makes sure the cache keeps each sample read (see [`Cache::keep`]);
-/// returns false at the first it would not keep. Blocking.
-fn keep_all(cache: &Cache, dataset: &Dataset, listing: &Listing, samples: Vec<Sample>) -> bool {
-    samples.into_iter().all(|sample| {
+/// returns false at the first it would not keep, and the error of a disk
+/// tier that cannot write (a full or failing file system is no "full"
+/// share). Blocking.
+fn keep_all(
+    cache: &Cache,
+    dataset: &Dataset,
+    listing: &Listing,
+    samples: Vec<Sample>,
+) -> std::io::Result<bool> {
+    for sample in samples {
         let Ok(Payload::Bytes(bytes)) = &sample.data else {
             // A failed read is counted as an error, not as room.
-            return true;
+            continue;
         };
         let Some(entry) = listing
             .position(&sample.name)
             .map(|i| &listing.files[i as usize])
         else {
-            return true;
+            continue;
         };
-        cache.keep(&key_of(dataset, entry), bytes)
-    })
+        if !cache.keep(&key_of(dataset, entry), bytes)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// The cache key of a listed file of `dataset`.
