@@ -2,7 +2,7 @@
 //! listing (reused for a few seconds).
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -126,9 +126,16 @@ pub struct Dataset {
     pub identity: Arc<str>,
     source: Source,
     cached: Mutex<Cached>,
+    /// Held while listing: one listing of the data set at a time.
+    lister: Mutex<()>,
     /// Listings tried since the start; read before waiting for `cached`,
     /// so a caller that waited through a failed listing shares its error.
     tried: AtomicU64,
+    /// A reader met the listing older than [`Dataset::refresh_after`]: the
+    /// stage lists again in the background ([`Dataset::refresh_wanted`]).
+    stale_seen: AtomicBool,
+    /// A background listing runs.
+    refreshing: AtomicBool,
 }
 
 /// The last listing and the last failure to list again.
@@ -136,6 +143,19 @@ pub struct Dataset {
 struct Cached {
     listed: Option<(Instant, Arc<Listing>)>,
     failed: Option<Failed>,
+    /// How long the last listing took.
+    took: Duration,
+}
+
+/// A listing this quick is made again by the lookup that finds it stale,
+/// rather than in the background.
+const INLINE_LISTING: Duration = Duration::from_millis(250);
+
+/// How old a listing may be before readers' lookups ask for a new one:
+/// [`LISTING_TTL`], or ten times as long as listing took (a data set that
+/// takes a minute to list is not listed over and over while it is read).
+fn refresh_after(took: Duration) -> Duration {
+    LISTING_TTL.max(took * 10)
 }
 
 /// A failure to list, kept for [`LISTING_TTL`] and for the callers that
@@ -170,7 +190,10 @@ impl Dataset {
             identity: source.describe().into(),
             source,
             cached: Mutex::new(Cached::default()),
+            lister: Mutex::new(()),
             tried: AtomicU64::new(0),
+            stale_seen: AtomicBool::new(false),
+            refreshing: AtomicBool::new(false),
         }
     }
 
@@ -186,6 +209,46 @@ impl Dataset {
             .map(|(_, l)| Arc::clone(l))
     }
 
+    /// The latest listing, for telling a sample's current version (the
+    /// node cache's key) from the one a connection's listing or a plan
+    /// holds. When it is older than [`refresh_after`], a data set that
+    /// lists quickly (under [`INLINE_LISTING`]) is listed again now; a
+    /// slower one is listed in the background ([`Dataset::refresh_wanted`])
+    /// and this listing is given meanwhile. Blocking (at most a quick
+    /// listing).
+    pub fn latest(&self) -> Option<Arc<Listing>> {
+        let (listing, took) = {
+            let cached = lock(&self.cached);
+            let (at, listing) = cached.listed.as_ref()?;
+            if at.elapsed() < refresh_after(cached.took) {
+                return Some(Arc::clone(listing));
+            }
+            (Arc::clone(listing), cached.took)
+        };
+        if took <= INLINE_LISTING {
+            // A failure gives the last listing while it may stand in.
+            return Some(self.listing().unwrap_or(listing));
+        }
+        self.stale_seen.store(true, Ordering::Relaxed);
+        Some(listing)
+    }
+
+    /// Whether a background listing is due: a reader met a stale listing
+    /// and none runs. Marks one as running; [`Dataset::refreshed`] ends it.
+    pub fn refresh_wanted(&self) -> bool {
+        if !self.stale_seen.load(Ordering::Relaxed) || self.refreshing.swap(true, Ordering::AcqRel)
+        {
+            return false;
+        }
+        self.stale_seen.store(false, Ordering::Relaxed);
+        true
+    }
+
+    /// A background listing ended.
+    pub fn refreshed(&self) {
+        self.refreshing.store(false, Ordering::Release);
+    }
+
     /// Returns the listing, listing the source again when the cached one is
     /// older than a few seconds. Blocking: call off the async runtime.
     ///
@@ -198,23 +261,33 @@ impl Dataset {
     /// would hold the last of N trainers N times as long).
     pub fn listing(&self) -> io::Result<Arc<Listing>> {
         let seen = self.tried.load(Ordering::Acquire);
-        let mut cached = lock(&self.cached);
-        if let Some((at, listing)) = cached.listed.as_ref()
-            && at.elapsed() < LISTING_TTL
+        // One listing at a time; `cached` itself is held only to look and
+        // to store, so readers asking for the latest listing never wait
+        // for a listing to end.
+        let _lister = lock(&self.lister);
         {
-            return Ok(Arc::clone(listing));
-        }
-        if let Some(failed) = &cached.failed
-            && (failed.tried > seen || failed.at.elapsed() < LISTING_TTL)
-        {
-            let e = io::Error::new(failed.kind, failed.message.clone());
-            return cached.stale_or(e);
+            let cached = lock(&self.cached);
+            if let Some((at, listing)) = cached.listed.as_ref()
+                && at.elapsed() < LISTING_TTL
+            {
+                return Ok(Arc::clone(listing));
+            }
+            if let Some(failed) = &cached.failed
+                && (failed.tried > seen || failed.at.elapsed() < LISTING_TTL)
+            {
+                let e = io::Error::new(failed.kind, failed.message.clone());
+                return cached.stale_or(e);
+            }
         }
         let tried = self.tried.fetch_add(1, Ordering::AcqRel) + 1;
-        match self.source.list() {
+        let began = Instant::now();
+        let listed = self.source.list();
+        let mut cached = lock(&self.cached);
+        match listed {
             Ok(walked) => {
                 let listing = Arc::new(Listing::of(walked));
                 crate::heap::give_back_freed_memory();
+                cached.took = began.elapsed();
                 cached.listed = Some((Instant::now(), Arc::clone(&listing)));
                 cached.failed = None;
                 Ok(listing)

@@ -464,6 +464,26 @@ impl Engine {
         rounds
     }
 
+    /// Lists again, in the background, each data set whose readers met a
+    /// stale listing (see [`Dataset::latest`]): a sample changed in place
+    /// gets its new version, and so its new bytes, without a new `OPEN`.
+    fn refresh_listings(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for dataset in self.datasets.values() {
+            if dataset.refresh_wanted() {
+                let dataset = Arc::clone(dataset);
+                runtime.spawn_blocking(move || {
+                    if let Err(e) = dataset.listing() {
+                        tracing::debug!(dataset = %dataset.name, error = %e, "listing again in the background failed");
+                    }
+                    dataset.refreshed();
+                });
+            }
+        }
+    }
+
     /// Says whether a controller session is up (or, at start-up, about to
     /// be). While it is, a new job holds its reads until the controller's
     /// settings name it (at most [`SETTINGS_WAIT`]); when it goes down,
@@ -495,6 +515,7 @@ impl Engine {
         for job in self.jobs() {
             job.tune(now);
         }
+        self.refresh_listings();
         let mut jobs = lock(&self.jobs);
         jobs.retain(|_, job| {
             let keep = job

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 import sluice
+from sluice.errors import NotFoundError, SluiceError
 from sluice.bench.common import metric_value, parse_prometheus
 
 from conftest import http_get, stage_binary, wait_for
@@ -80,6 +81,44 @@ def test_a_changed_sample_is_never_served_stale(tmp_path, stage_factory):
 
     wait_for(relisted, timeout=15, interval=0.5, what="the changed sample after the listing expired")
     assert source_reads(stage) >= 11
+
+
+def test_a_connection_opened_before_a_change_gets_the_new_bytes_as_without_a_cache(tmp_path, stage_factory):
+    """A trainer keeps one connection for its whole run: a sample written
+    again in place (same size) or deleted since its connection listed the
+    data set is read as it is now, as a stage without a cache reads it,
+    not answered with the bytes cached under its old version."""
+    files = write_files(tmp_path / "ds", 10, 5_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB))
+    with sluice.Client(stage.socket, job="long") as c:
+        ds = c.dataset("ds")
+        with ds.epoch(0, seed=1, batch=8) as it:
+            assert dict(it) == files
+        changed = tmp_path / "ds" / "s00004.bin"
+        new = b"N" * len(files["s00004.bin"])
+        changed.write_bytes(new)
+        st = changed.stat()
+        os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        (tmp_path / "ds" / "s00007.bin").unlink()
+
+        def current():
+            try:
+                ds.read("s00007.bin")
+                return False
+            except NotFoundError:
+                return ds.read("s00004.bin") == new
+
+        # Seen once the stage has listed again (its listing a few seconds old).
+        wait_for(current, timeout=15, interval=0.5, what="READ to see the change")
+        got, errors = {}, set()
+        with ds.epoch(1, seed=1, batch=8, on_error="yield") as it:
+            for name, data in it:
+                if isinstance(data, SluiceError):
+                    errors.add(name)
+                else:
+                    got[name] = bytes(data)
+        assert got["s00004.bin"] == new, "the plan's sample came from the cache's old version"
+        assert errors == {"s00007.bin"}, errors
 
 
 def test_a_full_cache_keeps_a_stable_subset(tmp_path, stage_factory):

@@ -565,7 +565,11 @@ impl Job {
         length: u64,
     ) -> Option<Lookup> {
         let cache = self.cache.as_ref()?;
-        let listing = dataset.listed()?;
+        // The sample as last listed, which may be newer than the listing
+        // the caller's connection holds: a sample changed or deleted since
+        // is not answered from the cache (it is read from its source, as
+        // without a cache).
+        let listing = dataset.latest()?;
         let entry = &listing.files[listing.position(name)? as usize];
         let key = SampleKey {
             source: Arc::clone(&dataset.identity),

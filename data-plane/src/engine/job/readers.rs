@@ -184,6 +184,14 @@ impl Job {
     /// Looks a committed entry up in the node cache, if there is one.
     fn look_up(&self, work: &Work) -> Option<Lookup> {
         let cache = self.cache.as_ref()?;
+        // A sample changed or deleted since the plan's listing (a new
+        // listing says so) is read from its source, as without a cache,
+        // not answered with the bytes cached under its old version.
+        let latest = work.dataset.latest()?;
+        let now = &latest.files[latest.position(&work.name)? as usize];
+        if (now.version, now.size) != (work.version, work.file_bytes) {
+            return None;
+        }
         let key = SampleKey {
             source: Arc::clone(&work.dataset.identity),
             name: work.name.as_str().into(),
