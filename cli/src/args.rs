@@ -324,15 +324,27 @@ failed, or --timeout passed.";
 #[derive(Debug, Args)]
 pub struct StageArgs {
     /// The data set's name, as the stages serve it
+    #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub dataset: String,
 
     /// Return once the round is asked for, without waiting
     #[arg(long)]
     pub no_wait: bool,
 
-    /// Give up waiting after this many seconds (0: never)
-    #[arg(long, value_name = "SECONDS", default_value_t = 0)]
+    /// Give up waiting after this long: seconds (`60`) or a duration
+    /// (`60s`, `1500ms`); 0: never
+    #[arg(long, value_name = "SECONDS", default_value_t = 0, value_parser = seconds)]
     pub timeout: u64,
+}
+
+/// Whole seconds from `60`, `60s` or `1500ms` (rounded up).
+fn seconds(text: &str) -> Result<u64, String> {
+    if let Ok(n) = text.trim().parse::<u64>() {
+        return Ok(n);
+    }
+    sluice_policy::Millis::parse(text)
+        .map(|m| m.0.div_ceil(1000))
+        .map_err(|e| format!("{e}: give seconds, such as 60 or 60s"))
 }
 
 /// Arguments of `sluicectl top`.
@@ -417,5 +429,23 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_staging_timeout_is_seconds_or_a_duration_and_the_data_set_is_named() {
+        assert_eq!(seconds("60"), Ok(60));
+        assert_eq!(seconds("60s"), Ok(60));
+        assert_eq!(seconds("1500ms"), Ok(2));
+        assert!(
+            seconds("soon")
+                .unwrap_err()
+                .contains("give seconds, such as 60 or 60s")
+        );
+        let parsed = Cli::try_parse_from(["sluicectl", "stage", "ds", "--timeout", "90s"]).unwrap();
+        assert!(matches!(
+            parsed.command,
+            Command::Stage(StageArgs { timeout: 90, .. })
+        ));
+        assert!(Cli::try_parse_from(["sluicectl", "stage", ""]).is_err());
     }
 }
