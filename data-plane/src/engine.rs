@@ -29,12 +29,17 @@ use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
-use crate::shm::{Region, Retained};
+use crate::shm::{Region, keep_for_budget};
 use crate::sync::lock;
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
 pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a job's shared-memory region hands out no slot before the free
+/// pages it keeps for reuse go back to the system: jobs that went quiet do
+/// not each keep theirs (with many jobs, many times the budget).
+const REGION_IDLE: Duration = Duration::from_secs(5);
 
 /// The node-wide memory budget shared by every job's buffer.
 #[derive(Debug)]
@@ -185,8 +190,6 @@ pub struct Engine {
     /// Whether jobs keep their prefetch buffers in shared memory, for the
     /// trainers that ask (cleared when the system refuses a region).
     shared_memory: AtomicBool,
-    /// Free shared-memory slots kept resident, every job's region together.
-    retained: Arc<Retained>,
     metrics: Arc<Metrics>,
     /// The node cache every job reads through, when the stage has one.
     cache: Option<Arc<Cache>>,
@@ -224,7 +227,6 @@ impl Engine {
             pushed: Mutex::new(None),
             controller_live: AtomicBool::new(false),
             shared_memory: AtomicBool::new(shared_memory),
-            retained: Retained::new(memory_budget as usize),
             metrics,
             cache,
             staging: Staging::default(),
@@ -345,11 +347,8 @@ impl Engine {
         if !self.shared_memory.load(Ordering::Relaxed) {
             return None;
         }
-        match Region::new(
-            id,
-            self.memory.budget() as usize,
-            Arc::clone(&self.retained),
-        ) {
+        let budget = self.memory.budget() as usize;
+        match Region::new(id, budget, keep_for_budget(budget)) {
             Ok(region) => Some(region),
             Err(e) => {
                 if self.shared_memory.swap(false, Ordering::Relaxed) {
@@ -514,6 +513,10 @@ impl Engine {
     pub fn tick(&self, now: Instant) {
         for job in self.jobs() {
             job.tune(now);
+            // The free pages a quiet job's region keeps go back.
+            if let Some(region) = job.region() {
+                region.give_back_if_idle(REGION_IDLE);
+            }
         }
         self.refresh_listings();
         let mut jobs = lock(&self.jobs);

@@ -23,60 +23,26 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Slot sizes are multiples of this (a page: `O_DIRECT` and the trainers'
 /// page-granular mappings both need it).
 pub const PAGE: usize = 4096;
 
-/// The most bytes of free slots kept resident for reuse, node-wide, before
-/// freed ranges are given back to the kernel (a hole punched in the memfd):
-/// bounds what regions hold beyond the bytes the engine has reserved from
-/// the node budget. The bound is the smaller of this and an eighth of the
-/// budget ([`Retained::new`]).
+/// The most bytes of free slots a region keeps resident for reuse before
+/// freed ranges are given back to the kernel (a hole punched in the
+/// memfd): bounds what the region holds beyond the bytes the engine has
+/// reserved from the node budget. The bound is the smaller of this and an
+/// eighth of the budget ([`keep_for_budget`]); a region that has handed
+/// out no slot for a while gives all of them back ([`Region::give_back_if_idle`]),
+/// so that jobs gone quiet do not each keep theirs.
 const RETAIN: usize = 256 << 20;
 
-/// The free slots every region keeps resident, counted node-wide: each
-/// job has a region, and a region's free pages are memory the budget does
-/// not count, so idle jobs' regions must not keep them each.
-#[derive(Debug)]
-pub struct Retained {
-    bytes: AtomicUsize,
-    most: usize,
-}
-
-impl Retained {
-    /// At most [`RETAIN`] or an eighth of `budget`, whichever is smaller.
-    pub fn new(budget: usize) -> Arc<Self> {
-        Arc::new(Self {
-            bytes: AtomicUsize::new(0),
-            most: (budget / 8).min(RETAIN),
-        })
-    }
-
-    /// Free bytes resident in every region now.
-    #[cfg(test)]
-    fn bytes(&self) -> usize {
-        self.bytes.load(Ordering::Relaxed)
-    }
-
-    /// Counts `len` more resident free bytes if that stays within bounds.
-    fn try_keep(&self, len: usize) -> bool {
-        self.bytes
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b + len <= self.most).then_some(b + len)
-            })
-            .is_ok()
-    }
-
-    fn keep_anyway(&self, len: usize) {
-        self.bytes.fetch_add(len, Ordering::Relaxed);
-    }
-
-    fn reuse(&self, len: usize) {
-        self.bytes.fetch_sub(len, Ordering::Relaxed);
-    }
+/// What a region keeps resident of its free slots under a node budget of
+/// `budget` bytes.
+pub fn keep_for_budget(budget: usize) -> usize {
+    (budget / 8).min(RETAIN)
 }
 
 /// A shared-memory region: a `memfd` mapped read-write, carved into slots.
@@ -86,7 +52,10 @@ pub struct Region {
     base: NonNull<u8>,
     size: usize,
     free: Mutex<Free>,
-    retained: Arc<Retained>,
+    /// The most bytes of free slots it keeps resident.
+    keep: usize,
+    /// When it last handed out a slot.
+    last_alloc: Mutex<Instant>,
 }
 
 // SAFETY: the mapping is plain memory owned by the region for its whole
@@ -108,9 +77,9 @@ struct Free {
 
 impl Region {
     /// Creates a region of `size` bytes (rounded up to a page). Only the
-    /// pages slots touch take memory; its free slots stay resident within
-    /// what `retained` allows.
-    pub fn new(name: &str, size: usize, retained: Arc<Retained>) -> io::Result<Arc<Self>> {
+    /// pages slots touch take memory; at most `keep` bytes of its free
+    /// slots stay resident.
+    pub fn new(name: &str, size: usize, keep: usize) -> io::Result<Arc<Self>> {
         let size = size.div_ceil(PAGE).max(1) * PAGE;
         let name = CString::new(format!("sluice-{name}"))
             .map_err(|_| io::Error::other("a region name holds a NUL byte"))?;
@@ -144,7 +113,8 @@ impl Region {
             base,
             size,
             free: Mutex::new(Free::default()),
-            retained,
+            keep,
+            last_alloc: Mutex::new(Instant::now()),
         }))
     }
 
@@ -165,10 +135,10 @@ impl Region {
     /// the region has no room for it.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slot> {
         let len = len.div_ceil(PAGE).max(1) * PAGE;
+        *lock(&self.last_alloc) = Instant::now();
         let mut free = self.lock();
         let offset = if let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) {
             free.resident_bytes -= len;
-            self.retained.reuse(len);
             offset
         } else if let Some(offset) = free.released.get_mut(&len).and_then(Vec::pop) {
             offset
@@ -189,15 +159,31 @@ impl Region {
     /// the kernel when enough free ones are resident already.
     fn release(&self, offset: usize, len: usize) {
         let mut free = self.lock();
-        let kept = self.retained.try_keep(len);
-        if kept || !self.punch(offset, len) {
-            if !kept {
-                self.retained.keep_anyway(len);
-            }
+        if free.resident_bytes + len <= self.keep || !self.punch(offset, len) {
             free.resident_bytes += len;
             free.resident.entry(len).or_default().push(offset);
         } else {
             free.released.entry(len).or_default().push(offset);
+        }
+    }
+
+    /// Gives the pages of every free slot it keeps back to the kernel when
+    /// it has handed out no slot for `idle` (its job went quiet).
+    pub fn give_back_if_idle(&self, idle: Duration) {
+        if lock(&self.last_alloc).elapsed() < idle {
+            return;
+        }
+        let mut free = self.lock();
+        let kept = std::mem::take(&mut free.resident);
+        for (len, offsets) in kept {
+            for offset in offsets {
+                if self.punch(offset, len) {
+                    free.resident_bytes -= len;
+                    free.released.entry(len).or_default().push(offset);
+                } else {
+                    free.resident.entry(len).or_default().push(offset);
+                }
+            }
         }
     }
 
@@ -222,8 +208,6 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        let resident = self.lock().resident_bytes;
-        self.retained.reuse(resident);
         // SAFETY: the mapping made in `new`; no slot outlives the region
         // (each holds an `Arc` of it).
         unsafe {
@@ -320,7 +304,7 @@ mod tests {
 
     #[test]
     fn slots_are_disjoint_reused_and_bounded() {
-        let region = Region::new("t", 64 * PAGE, Retained::new(1 << 30)).unwrap();
+        let region = Region::new("t", 64 * PAGE, RETAIN).unwrap();
         let mut a = region.alloc(100).unwrap();
         let mut b = region.alloc(3 * PAGE).unwrap();
         assert_eq!((a.len(), b.len()), (PAGE, 3 * PAGE));
@@ -352,37 +336,32 @@ mod tests {
     }
 
     #[test]
-    fn free_slots_of_every_region_together_stay_resident_within_bounds() {
-        // An eighth of a 128-page budget: 16 pages kept for every region.
-        let retained = Retained::new(128 * PAGE);
-        let regions: Vec<_> = (0..3)
-            .map(|_| Region::new("t", 128 * PAGE, Arc::clone(&retained)).unwrap())
-            .collect();
-        for region in &regions {
-            let mut slots: Vec<_> = (0..4).map(|_| region.alloc(4 * PAGE).unwrap()).collect();
-            for slot in &mut slots {
-                slot.as_mut_slice().fill(7);
-            }
-            assert_eq!(resident_pages(region), 16);
+    fn a_region_keeps_free_pages_within_its_bound_until_it_goes_quiet() {
+        // An eighth of a 128-page budget: 16 pages kept.
+        let region = Region::new("t", 128 * PAGE, keep_for_budget(128 * PAGE)).unwrap();
+        let mut slots: Vec<_> = (0..8).map(|_| region.alloc(4 * PAGE).unwrap()).collect();
+        for slot in &mut slots {
+            slot.as_mut_slice().fill(7);
         }
-        // Dropped as each job's samples come back: 48 free pages, 16 kept.
-        assert_eq!(retained.bytes(), 16 * PAGE);
-        let resident: usize = regions.iter().map(|r| resident_pages(r)).sum();
+        assert_eq!(resident_pages(&region), 32);
+        drop(slots);
         assert_eq!(
-            resident, 16,
-            "free pages beyond the bound go back to the kernel"
+            resident_pages(&region),
+            16,
+            "free pages beyond the bound go back at once"
         );
-        // Reuse takes kept pages first; a region that goes returns its own.
-        let again = regions[0].alloc(4 * PAGE).unwrap();
-        assert_eq!(retained.bytes(), 12 * PAGE);
-        drop(again);
-        drop(regions);
-        assert_eq!(retained.bytes(), 0);
+        region.give_back_if_idle(Duration::from_secs(60));
+        assert_eq!(resident_pages(&region), 16, "a region in use keeps them");
+        region.give_back_if_idle(Duration::ZERO);
+        assert_eq!(resident_pages(&region), 0, "a quiet region gives them back");
+        // Its slots are still handed out (their pages come back zeroed).
+        let again = region.alloc(4 * PAGE).unwrap();
+        assert!(again.as_slice().iter().all(|&b| b == 0));
     }
 
     #[test]
     fn a_read_only_descriptor_cannot_be_mapped_for_writing() {
-        let region = Region::new("t", 4 * PAGE, Retained::new(1 << 30)).unwrap();
+        let region = Region::new("t", 4 * PAGE, RETAIN).unwrap();
         let ro = region.read_only_fd().unwrap();
         // SAFETY: a throwaway mapping attempt, unmapped if it succeeds.
         let ptr = unsafe {

@@ -218,9 +218,10 @@ def shmem_mib(stage) -> float:
 
 
 def test_idle_jobs_regions_keep_little_beyond_the_budget(stage_factory, tmp_path):
-    """A job's freed slots stay resident for reuse, but the free pages of
-    every job's region together are bounded (an eighth of the budget here),
-    so jobs that read an epoch and wait do not each keep what they read."""
+    """A job's freed slots stay resident for reuse (at most an eighth of the
+    budget), and a job that hands out nothing for a few seconds gives them
+    back: jobs that read an epoch and wait do not each keep what they
+    read."""
     root = tmp_path / "twelve"
     root.mkdir()
     files = {f"{i:03d}.bin": os.urandom(128 * 1024) for i in range(96)}  # 12 MiB
@@ -239,8 +240,9 @@ def test_idle_jobs_regions_keep_little_beyond_the_budget(stage_factory, tmp_path
             assert got == len(files)
         del data
         wait_for(lambda: all(lent(stage, c.job) == 0 for c in clients), what="every slot returned")
-        # Before: each region kept the 12 MiB its job read (48 MiB).
-        assert shmem_mib(stage) < 8 + 8, f"{shmem_mib(stage):.1f} MiB of shared memory for 4 idle jobs"
+        # Before: each region kept the 12 MiB its job read (48 MiB), for good.
+        wait_for(lambda: shmem_mib(stage) < 4, timeout=15, interval=0.5,
+                 what="the idle jobs' regions to give their free pages back")
     finally:
         for c in clients:
             c.close()
