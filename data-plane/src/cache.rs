@@ -39,6 +39,7 @@ use disk::DiskFile;
 use tier::Tier;
 
 use crate::metrics::CacheMetrics;
+use crate::pace::Sparse;
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::sync::{lock, wait};
 
@@ -227,14 +228,12 @@ struct Disk {
     tier: Tier<DiskFile>,
     /// The directory's marker, locked while this stage uses it.
     _claimed: std::fs::File,
-    /// Writes that failed since the last warning, and when that was (a
-    /// full or failing disk warns once a minute, not once a sample).
-    failed_writes: u64,
-    warned: Option<Instant>,
-    /// Likewise for files that fail their check when read (a directory
+    /// Writes that failed (a full or failing disk warns once a minute,
+    /// not once a sample).
+    failed_writes: Sparse,
+    /// Likewise files that failed their check when read (a directory
     /// removed under the stage fails every one).
-    failed_checks: u64,
-    checks_warned: Option<Instant>,
+    failed_checks: Sparse,
 }
 
 #[derive(Debug)]
@@ -477,14 +476,8 @@ impl Cache {
             Err(e) => {
                 let mut st = lock(&self.state);
                 if let Some(disk) = st.disk.as_mut() {
-                    disk.failed_checks += 1;
-                    if disk
-                        .checks_warned
-                        .is_none_or(|at| at.elapsed() >= WARN_EVERY)
-                    {
-                        tracing::warn!(path = %path.display(), error = %e, failed = disk.failed_checks, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
-                        disk.failed_checks = 0;
-                        disk.checks_warned = Some(Instant::now());
+                    if let Some(failed) = disk.failed_checks.note(WARN_EVERY) {
+                        tracing::warn!(path = %path.display(), error = %e, failed, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
                     }
                     if let Some((file, len)) = disk.tier.remove(key) {
                         let _ = std::fs::remove_file(&file.path);
@@ -748,9 +741,8 @@ impl Cache {
     }
 
     /// Writes one sample to the disk tier, if the policy admits it there;
-    /// returns whether the tier holds it (written now or before). Blocking.
-    /// Writes a sample to the disk tier; returns whether the tier keeps
-    /// it (no: no room, or a newer version came), or the write's error.
+    /// returns whether the tier holds it (written now or before; no: no
+    /// room, or a newer version came), or the write's error. Blocking.
     fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) -> std::io::Result<bool> {
         let (path, dir, size, evicted, label) = {
             let mut st = lock(&self.state);
@@ -808,16 +800,13 @@ impl Cache {
                 }
             },
             Err(e) => {
-                disk.failed_writes += 1;
-                if disk.warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                if let Some(failed) = disk.failed_writes.note(WARN_EVERY) {
                     tracing::warn!(
                         path = %path.display(),
                         error = %e,
-                        failed = disk.failed_writes,
+                        failed,
                         "cannot write to the disk cache (samples it cannot keep are read from their source; this warning repeats at most once a minute)"
                     );
-                    disk.failed_writes = 0;
-                    disk.warned = Some(Instant::now());
                 }
                 disk.tier.remove(&key);
                 let _ = std::fs::remove_file(&path);
@@ -912,10 +901,8 @@ fn open_disk(
         dir: dir.to_owned(),
         tier,
         _claimed: claimed,
-        failed_writes: 0,
-        warned: None,
-        failed_checks: 0,
-        checks_warned: None,
+        failed_writes: Sparse::default(),
+        failed_checks: Sparse::default(),
     })
 }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::cache::SampleKey;
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Fnv64, Owner, Walked, check_name};
 use crate::protocol::ProtocolError;
@@ -131,8 +132,8 @@ pub struct Dataset {
     /// Listings tried since the start; read before waiting for `cached`,
     /// so a caller that waited through a failed listing shares its error.
     tried: AtomicU64,
-    /// A reader met the listing older than [`Dataset::refresh_after`]: the
-    /// stage lists again in the background ([`Dataset::refresh_wanted`]).
+    /// A reader met the listing older than [`refresh_after`]: the stage
+    /// lists again in the background ([`Dataset::refresh_wanted`]).
     stale_seen: AtomicBool,
     /// A background listing runs.
     refreshing: AtomicBool,
@@ -231,6 +232,23 @@ impl Dataset {
         }
         self.stale_seen.store(true, Ordering::Relaxed);
         Some(listing)
+    }
+
+    /// The node cache's key of listed file `file`.
+    pub fn key_of(&self, file: &FileEntry) -> SampleKey {
+        SampleKey {
+            source: Arc::clone(&self.identity),
+            name: file.name.as_str().into(),
+            version: file.version,
+            size: file.size,
+        }
+    }
+
+    /// The node cache's key of `name` as the latest listing has it (see
+    /// [`Dataset::latest`]); `None` when it lists no such file.
+    pub fn latest_key(&self, name: &str) -> Option<SampleKey> {
+        let listing = self.latest()?;
+        Some(self.key_of(&listing.files[listing.position(name)? as usize]))
     }
 
     /// Whether a background listing is due: a reader met a stale listing

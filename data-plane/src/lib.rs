@@ -22,6 +22,7 @@ mod http;
 mod job_config;
 mod metrics;
 mod mount;
+mod pace;
 mod plan;
 mod protocol;
 mod server;
@@ -479,22 +480,17 @@ impl Accepting {
 /// Connections refused because a listener held its most: counted, and
 /// logged at most once a minute.
 #[derive(Default)]
-struct Refusals {
-    logged: Option<Instant>,
-}
+struct Refusals(pace::Sparse);
 
 impl Refusals {
     fn count(&mut self, engine: &Engine, listener: &str, most: usize) {
         engine.metrics().connections_refused.inc();
-        if self
-            .logged
-            .is_none_or(|at| at.elapsed() >= Duration::from_secs(60))
-        {
-            self.logged = Some(Instant::now());
+        if let Some(refused) = self.0.note(Duration::from_secs(60)) {
             warn!(
                 listener,
                 most,
-                "a trainer connection was closed as soon as it was accepted: the listener holds its most connections (a quarter of the stage's file descriptor limit); peers that connect and never say HELLO are closed after 10 s"
+                refused,
+                "trainer connections were closed as soon as they were accepted: the listener holds its most connections (a quarter of the stage's file descriptor limit); peers that connect and never say HELLO are closed after 10 s"
             );
         }
     }

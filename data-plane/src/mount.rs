@@ -574,18 +574,20 @@ impl Source {
     /// The window at `start`, fetched if nobody has yet.
     async fn fetch(&self, start: u64, window: &Window) -> Result<Arc<Chunk>, i32> {
         window
-            .get_or_init(|| async {
-                let (job, dataset, name) =
-                    (&self.job, Arc::clone(&self.dataset), self.name.clone());
-                let read = read_range_now(job, dataset, name, start, WINDOW, &self.metrics);
-                match read.await.data {
-                    Ok(Payload::Bytes(chunk)) => Ok(Arc::new(chunk)),
-                    Ok(Payload::Shared { .. }) => Err(libc::EIO),
-                    Err(e) => Err(errno(&e)),
-                }
-            })
+            .get_or_init(|| async { self.read(start, WINDOW).await.map(Arc::new) })
             .await
             .clone()
+    }
+
+    /// `len` bytes of the file from `offset`, read now, or the errno.
+    async fn read(&self, offset: u64, len: u64) -> Result<Chunk, i32> {
+        let (dataset, name) = (Arc::clone(&self.dataset), self.name.clone());
+        let read = read_range_now(&self.job, dataset, name, offset, len, &self.metrics);
+        match read.await.data {
+            Ok(Payload::Bytes(chunk)) => Ok(chunk),
+            Ok(Payload::Shared { .. }) => Err(libc::EIO),
+            Err(e) => Err(errno(&e)),
+        }
     }
 }
 
@@ -1258,22 +1260,17 @@ impl Filesystem for MountFs {
                 // Out of order (random access): just the range asked for,
                 // not windows that the next read would not use.
                 drop(open);
-                let (len, job, dataset, name) =
-                    (end - offset, source.job, source.dataset, source.name);
-                let metrics = source.metrics;
                 return self.answer_soon(async move {
-                    let read = read_range_now(&job, dataset, name, offset, len, &metrics);
-                    match read.await.data {
-                        Ok(Payload::Bytes(chunk)) => {
-                            job.count_delivered_bytes(
-                                &metrics,
+                    match source.read(offset, end - offset).await {
+                        Ok(chunk) => {
+                            source.job.count_delivered_bytes(
+                                &source.metrics,
                                 chunk.len() as u64,
                                 u64::from(first_read),
                             );
                             reply.data(&chunk);
                         }
-                        Ok(Payload::Shared { .. }) => reply.error(libc::EIO),
-                        Err(e) => reply.error(errno(&e)),
+                        Err(e) => reply.error(e),
                     }
                 });
             }

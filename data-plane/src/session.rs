@@ -11,7 +11,7 @@ mod convert;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use sluice_proto::v1::{
     Ack, ControllerMessage, Hello, Nack, StageMessage, controller_message, stage_message,
@@ -24,6 +24,7 @@ use tonic::Code;
 use tracing::{info, warn};
 
 use crate::engine::Engine;
+use crate::pace::jittered;
 
 /// How often telemetry goes up (and at once when a job starts or leaves):
 /// the controller's windows are at least 400 ms long, so a change in how
@@ -101,7 +102,9 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
         if started.elapsed() >= STABLE_SESSION {
             backoff = MIN_BACKOFF;
         }
-        let delay = jittered(backoff);
+        // Between half and all of it: stages that lost one controller do
+        // not reconnect in lockstep.
+        let delay = jittered(backoff, 0.5);
         backoff = (backoff * 2).min(MAX_BACKOFF);
         if cancel
             .run_until_cancelled(tokio::time::sleep(delay))
@@ -138,16 +141,6 @@ fn refusal(status: &tonic::Status) -> String {
             status.message()
         ),
     }
-}
-
-/// A delay between half and all of `backoff`, so stages that lost the same
-/// controller do not reconnect in lockstep.
-fn jittered(backoff: Duration) -> Duration {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .subsec_nanos();
-    backoff.mul_f64(0.5 + f64::from(nanos % 1000) / 2000.0)
 }
 
 /// One session: connect, hello, then telemetry every half second (and at

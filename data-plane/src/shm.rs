@@ -54,8 +54,6 @@ pub struct Region {
     free: Mutex<Free>,
     /// The most bytes of free slots it keeps resident.
     keep: usize,
-    /// When it last handed out a slot.
-    last_alloc: Mutex<Instant>,
 }
 
 // SAFETY: the mapping is plain memory owned by the region for its whole
@@ -73,6 +71,8 @@ struct Free {
     resident: HashMap<usize, Vec<usize>>,
     released: HashMap<usize, Vec<usize>>,
     resident_bytes: usize,
+    /// When a slot was last handed out (`None`: never).
+    last_alloc: Option<Instant>,
 }
 
 impl Region {
@@ -114,7 +114,6 @@ impl Region {
             size,
             free: Mutex::new(Free::default()),
             keep,
-            last_alloc: Mutex::new(Instant::now()),
         }))
     }
 
@@ -135,8 +134,8 @@ impl Region {
     /// the region has no room for it.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slot> {
         let len = len.div_ceil(PAGE).max(1) * PAGE;
-        *lock(&self.last_alloc) = Instant::now();
         let mut free = self.lock();
+        free.last_alloc = Some(Instant::now());
         let offset = if let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) {
             free.resident_bytes -= len;
             offset
@@ -170,10 +169,10 @@ impl Region {
     /// Gives the pages of every free slot it keeps back to the kernel when
     /// it has handed out no slot for `idle` (its job went quiet).
     pub fn give_back_if_idle(&self, idle: Duration) {
-        if lock(&self.last_alloc).elapsed() < idle {
+        let mut free = self.lock();
+        if free.last_alloc.is_some_and(|at| at.elapsed() < idle) {
             return;
         }
-        let mut free = self.lock();
         let kept = std::mem::take(&mut free.resident);
         for (len, offsets) in kept {
             for offset in offsets {

@@ -45,16 +45,7 @@ impl FileLock {
             .truncate(false)
             .open(&path)
             .map_err(lock_err)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(StoreError::InUse {
-                    database: database.to_owned(),
-                    pid: holder(&path),
-                });
-            }
-            Err(TryLockError::Error(e)) => return Err(lock_err(e)),
-        }
+        try_lock(&file, database, || holder(&path), lock_err)?;
         // Best effort: the pid only improves the refusal's message.
         let _ = file
             .set_len(0)
@@ -73,16 +64,7 @@ impl FileLock {
             source,
         };
         let file = File::open(database).map_err(lock_err)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(StoreError::InUse {
-                    database: database.to_owned(),
-                    pid: None,
-                });
-            }
-            Err(TryLockError::Error(e)) => return Err(lock_err(e)),
-        }
+        try_lock(&file, database, || None, lock_err)?;
         self.files().push(file);
         Ok(())
     }
@@ -96,6 +78,25 @@ impl FileLock {
         self.files
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Takes `file`'s exclusive lock, or says why not: [`StoreError::InUse`]
+/// (with the holder's pid, when `holder` knows it) when another store holds
+/// it, else the lock call's error as `lock_err` words it.
+fn try_lock(
+    file: &File,
+    database: &Path,
+    holder: impl FnOnce() -> Option<u32>,
+    lock_err: impl FnOnce(std::io::Error) -> StoreError,
+) -> Result<(), StoreError> {
+    match file.try_lock() {
+        Ok(()) => Ok(()),
+        Err(TryLockError::WouldBlock) => Err(StoreError::InUse {
+            database: database.to_owned(),
+            pid: holder(),
+        }),
+        Err(TryLockError::Error(e)) => Err(lock_err(e)),
     }
 }
 

@@ -26,9 +26,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::{JobHandle, PlanKey};
-use crate::cache::{Cache, SampleKey};
+use crate::cache::Cache;
 use crate::dataset::{Dataset, Listing};
-use crate::entry::FileEntry;
 use crate::metrics::CacheMetrics;
 use crate::protocol::{Payload, Sample};
 use crate::sync::lock;
@@ -118,8 +117,8 @@ impl Staging {
     }
 
     /// The data set no longer has a `DatasetCache`: a round that runs stops
-    /// at its next batch, read at its rate cap until then (the cap goes
-    /// with the next settings once no round runs).
+    /// at once (reads already waiting for its rate cap finish at it; the
+    /// cap goes with the next settings once no round runs).
     pub fn unwanted(&self, dataset: &str) {
         let mut all = lock(&self.progress);
         if let Some(p) = all.get_mut(dataset).filter(|p| p.state == State::Running) {
@@ -259,7 +258,7 @@ async fn run(
         );
         tokio::task::spawn_blocking(move || {
             let keys =
-                (listing.files.iter().enumerate()).map(|(i, f)| (i as u32, key_of(&dataset, f)));
+                (listing.files.iter().enumerate()).map(|(i, f)| (i as u32, dataset.key_of(f)));
             cache.to_stage(&dataset.identity, &dataset.name, keys)
         })
         .await
@@ -347,19 +346,9 @@ fn keep_all(
         else {
             continue;
         };
-        if !cache.keep(&key_of(dataset, entry), bytes)? {
+        if !cache.keep(&dataset.key_of(entry), bytes)? {
             return Ok(false);
         }
     }
     Ok(true)
-}
-
-/// The cache key of a listed file of `dataset`.
-fn key_of(dataset: &Dataset, file: &FileEntry) -> SampleKey {
-    SampleKey {
-        source: Arc::clone(&dataset.identity),
-        name: file.name.as_str().into(),
-        version: file.version,
-        size: file.size,
-    }
 }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tracing::debug;
 
 use super::{Job, PlanState};
-use crate::cache::{Fill, Lookup, SampleKey};
+use crate::cache::{Fill, Lookup};
 use crate::chunk::{Buffer, Chunk};
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
@@ -569,15 +569,8 @@ impl Job {
         // the caller's connection holds: a sample changed or deleted since
         // is not answered from the cache (it is read from its source, as
         // without a cache).
-        let listing = dataset.latest()?;
-        let entry = &listing.files[listing.position(name)? as usize];
-        let key = SampleKey {
-            source: Arc::clone(&dataset.identity),
-            name: name.into(),
-            version: entry.version,
-            size: entry.size,
-        };
-        if offset == 0 && length >= entry.size && entry.size <= MAX_FILE_BYTES {
+        let key = dataset.latest_key(name)?;
+        if offset == 0 && length >= key.size && key.size <= MAX_FILE_BYTES {
             return Some(cache.lookup(&dataset.name, &key));
         }
         cache.peek(&dataset.name, &key).map(Lookup::Hit)

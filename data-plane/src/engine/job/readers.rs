@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::{Job, JobState, MEMORY_RECHECK};
-use crate::cache::{Fill, Flight, Lookup, Outcome, SampleKey};
+use crate::cache::{Fill, Flight, Lookup, Outcome};
 use crate::chunk::Chunk;
 use crate::dataset::Dataset;
 use crate::engine::Memory;
@@ -187,17 +187,10 @@ impl Job {
         // A sample changed or deleted since the plan's listing (a new
         // listing says so) is read from its source, as without a cache,
         // not answered with the bytes cached under its old version.
-        let latest = work.dataset.latest()?;
-        let now = &latest.files[latest.position(&work.name)? as usize];
-        if (now.version, now.size) != (work.version, work.file_bytes) {
+        let key = work.dataset.latest_key(&work.name)?;
+        if (key.version, key.size) != (work.version, work.file_bytes) {
             return None;
         }
-        let key = SampleKey {
-            source: Arc::clone(&work.dataset.identity),
-            name: work.name.as_str().into(),
-            version: work.version,
-            size: work.file_bytes,
-        };
         Some(cache.lookup(&work.dataset.name, &key))
     }
 

@@ -16,6 +16,8 @@ use object_store::aws::{AwsAuthorizer, AwsCredentialProvider};
 use object_store::client::{HttpClient, HttpErrorKind, HttpRequestBody};
 use serde::Deserialize;
 
+use crate::pace::jittered;
+
 /// Keys per page (the most S3 returns).
 const PAGE_KEYS: u32 = 1000;
 /// Tries of one page request when the store refuses or resets it, and the
@@ -84,15 +86,6 @@ impl std::fmt::Display for ListError {
     }
 }
 
-/// `wait` less up to a quarter of it, so that the pages of a listing that
-/// a store throttled together do not all come back at once.
-fn jittered(wait: Duration) -> Duration {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    wait - wait / 4 * (nanos % 1000) / 1000
-}
-
 impl Lister {
     /// Lists one page of the keys beginning with `prefix` (with `/` as the
     /// delimiter when `delimited`), from `token` on. Retries refusals and
@@ -123,7 +116,9 @@ impl Lister {
             if !again {
                 return answer;
             }
-            tokio::time::sleep(jittered(backoff)).await;
+            // Less up to a quarter: the pages of a listing a store
+            // throttled together do not all come back at once.
+            tokio::time::sleep(jittered(backoff, 0.25)).await;
             backoff = (backoff * 2).min(MAX_BACKOFF);
         }
     }
