@@ -343,7 +343,9 @@ impl Dataset {
     #[cfg(test)]
     pub fn read(&self, name: &str, offset: u64, length: u64) -> Result<Chunk, ProtocolError> {
         check_name(name)?;
-        self.source.read_range(name, offset, length)
+        self.source
+            .read_range(name, offset, length, None)
+            .map(|(chunk, _)| chunk)
     }
 }
 

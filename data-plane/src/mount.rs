@@ -54,8 +54,10 @@ use crate::engine::{Engine, Job, JobHandle, Reservation};
 use crate::entry::Owner;
 use crate::metrics::DatasetMetrics;
 use crate::metrics::Metrics;
+use crate::pace::Sparse;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_range_now;
+use crate::source::{Pinned, changed};
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 use orders::Orders;
@@ -508,6 +510,9 @@ struct Open {
     /// The source file the kernel reads itself (passthrough), registered
     /// until every open of the inode is released.
     backing: Option<Arc<fuser::BackingId>>,
+    /// The version of the file its first window read, which the others
+    /// are read of.
+    pin: Arc<Mutex<Option<Pinned>>>,
 }
 
 impl Open {
@@ -530,6 +535,7 @@ impl Open {
             counted: false,
             metrics,
             backing: None,
+            pin: Arc::default(),
         }
     }
 
@@ -561,13 +567,15 @@ impl Open {
     }
 }
 
-/// What a read needs to fetch a window: the job, data set and file.
+/// What a read needs to fetch a window: the job, data set and file, and
+/// the version of it the open file reads.
 #[derive(Clone)]
 struct Source {
     job: Arc<Job>,
     dataset: Arc<Dataset>,
     name: String,
     metrics: DatasetMetrics,
+    pin: Arc<Mutex<Option<Pinned>>>,
 }
 
 impl Source {
@@ -579,16 +587,47 @@ impl Source {
             .clone()
     }
 
-    /// `len` bytes of the file from `offset`, read now, or the errno.
+    /// `len` bytes of the file from `offset`, read now, or the errno. Every
+    /// read of an open file is of the version its first read pinned: a
+    /// file replaced since fails the read (`EIO`) rather than giving the
+    /// reader a file of two versions.
     async fn read(&self, offset: u64, len: u64) -> Result<Chunk, i32> {
         let (dataset, name) = (Arc::clone(&self.dataset), self.name.clone());
-        let read = read_range_now(&self.job, dataset, name, offset, len, &self.metrics);
-        match read.await.data {
+        let pin = lock(&self.pin).clone();
+        let read = read_range_now(&self.job, dataset, name, offset, len, pin, &self.metrics);
+        let (sample, read) = read.await;
+        if let Some(read) = read {
+            // Windows read at once, before any of them pinned a version.
+            let mut pin = lock(&self.pin);
+            match pin.take() {
+                Some(first) if !first.same(&read) => {
+                    *pin = Some(first);
+                    return Err(failed(&changed(&self.name)));
+                }
+                first => *pin = Some(first.map_or(read.clone(), |first| first.or_held(read))),
+            }
+        }
+        match sample.data {
             Ok(Payload::Bytes(chunk)) => Ok(chunk),
             Ok(Payload::Shared { .. }) => Err(libc::EIO),
-            Err(e) => Err(errno(&e)),
+            Err(e) => Err(failed(&e)),
         }
     }
+}
+
+/// The errno of a read through the mount that failed with `e`; a failure
+/// of the source is logged (once a minute, with how many there were).
+fn failed(e: &ProtocolError) -> i32 {
+    static FAILURES: Mutex<Sparse> = Mutex::new(Sparse::new());
+    if e.code == ErrorCode::IoError
+        && let Some(n) = lock(&FAILURES).note(Duration::from_secs(60))
+    {
+        warn!(
+            failures = n,
+            "a read through the mount failed: {}", e.message
+        );
+    }
+    errno(e)
 }
 
 /// How long a job stays attached after its last file through the mount
@@ -1248,6 +1287,7 @@ impl Filesystem for MountFs {
                 dataset: Arc::clone(&file.dataset),
                 name: file.name.clone(),
                 metrics: file.metrics.clone(),
+                pin: Arc::clone(&file.pin),
             };
             let first_read = !std::mem::replace(&mut file.counted, true);
             let held = (first..=last).step_by(WINDOW as usize).all(|start| {

@@ -16,13 +16,20 @@ pub fn jittered(wait: Duration, spread: f64) -> Duration {
 }
 
 /// Occurrences of something worth a warning, and when one was last logged.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Sparse {
     since: u64,
     logged: Option<Instant>,
 }
 
 impl Sparse {
+    pub const fn new() -> Self {
+        Self {
+            since: 0,
+            logged: None,
+        }
+    }
+
     /// Counts one occurrence; when no warning was logged within `every`,
     /// returns how many there were since the last one (this one included)
     /// for the caller to log now.
@@ -33,6 +40,12 @@ impl Sparse {
         }
         self.logged = Some(Instant::now());
         Some(std::mem::take(&mut self.since))
+    }
+}
+
+impl Default for Sparse {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -26,6 +26,7 @@ use crate::protocol::{
     Part, Payload, PlanSpec, ProtocolError, Request, Response, SAMPLES_FRAME_BUDGET, Sample,
     TO_END,
 };
+use crate::source::Pinned;
 use crate::trust::{Peer, TrainerAccess};
 use shared::Shared;
 
@@ -759,26 +760,29 @@ async fn read_now(
     length: u64,
 ) -> Sample {
     let metrics = job.metrics_for(&dataset.name);
-    let sample = read_range_now(job, dataset, name, offset, length, &metrics).await;
+    let (sample, _) = read_range_now(job, dataset, name, offset, length, None, &metrics).await;
     job.delivered(&metrics, &sample);
     sample
 }
 
 /// Reads a byte range of `name` now (not from a plan), off the async
-/// runtime; the caller counts what it delivers of it.
+/// runtime, of the version `pin` holds when given; the caller counts what
+/// it delivers of it. Returns the version read with the sample.
 pub(crate) async fn read_range_now(
     job: &Arc<crate::engine::Job>,
     dataset: Arc<Dataset>,
     name: String,
     offset: u64,
     length: u64,
+    pin: Option<Pinned>,
     metrics: &crate::metrics::DatasetMetrics,
-) -> Sample {
+) -> (Sample, Option<Pinned>) {
     let task_job = Arc::clone(job);
     let task_name = name.clone();
     let task_metrics = metrics.clone();
-    let data = tokio::task::spawn_blocking(move || {
-        task_job.read_now(&dataset, &task_name, offset, length, &task_metrics)
+    let read = tokio::task::spawn_blocking(move || {
+        let pin = pin.as_ref();
+        task_job.read_now(&dataset, &task_name, offset, length, pin, &task_metrics)
     })
     .await
     .unwrap_or_else(|e| {
@@ -787,11 +791,16 @@ pub(crate) async fn read_range_now(
             format!("read task failed: {e}"),
         ))
     });
-    Sample {
+    let (data, pinned) = match read {
+        Ok((chunk, pinned)) => (Ok(Payload::Bytes(chunk)), Some(pinned)),
+        Err(e) => (Err(e), None),
+    };
+    let sample = Sample {
         position: 0,
         name,
-        data: data.map(Payload::Bytes),
-    }
+        data,
+    };
+    (sample, pinned)
 }
 
 /// Reads file `name` whole for `FETCH`: the plan entry it is when one of the

@@ -12,11 +12,12 @@
 
 use std::io;
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::Walked;
 use crate::metrics::Metrics;
-use crate::protocol::ProtocolError;
+use crate::protocol::{ErrorCode, ProtocolError};
 
 mod dir;
 mod s3;
@@ -120,12 +121,109 @@ impl Source {
         }
     }
 
-    /// Reads `length` bytes (or to the end) of `name` from `offset`.
-    /// Blocking.
-    pub fn read_range(&self, name: &str, offset: u64, length: u64) -> Result<Chunk, ProtocolError> {
+    /// Reads `length` bytes (or to the end) of `name` from `offset`, of
+    /// the version `pin` holds when one is given (see [`Pinned`]), and
+    /// returns the version it read. Blocking.
+    pub fn read_range(
+        &self,
+        name: &str,
+        offset: u64,
+        length: u64,
+        pin: Option<&Pinned>,
+    ) -> Result<(Chunk, Pinned), ProtocolError> {
         match self {
-            Self::Dir(d) => d.read_range(name, offset, length),
-            Self::S3(s) => s.block_on(s.read_range(name, offset, length)),
+            Self::Dir(d) => d.read_range(name, offset, length, pin),
+            Self::S3(s) => s.block_on(s.read_range(name, offset, length, pin)),
         }
     }
+}
+
+/// The one version of a file that all the ranges one reader reads of it
+/// come from (the mount's windows of an open file): the first range read
+/// pins it, and a later range of another version is refused, never mixed
+/// in with it.
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    /// The listing's version of the file (see [`crate::entry::FileEntry`]).
+    pub version: u64,
+    pub size: u64,
+    held: Held,
+}
+
+#[derive(Debug, Clone)]
+enum Held {
+    /// Read from the node cache; the source holds nothing yet.
+    Nothing,
+    /// A local file, open: later ranges read it, as a local reader that
+    /// opened it would (one replaced by a rename keeps its old bytes).
+    File(Arc<std::fs::File>),
+    /// An object's ETag: later ranges are read only while it is the same.
+    Object(Arc<str>),
+}
+
+impl Pinned {
+    /// The version of a sample the node cache holds.
+    pub fn cached(version: u64, size: u64) -> Self {
+        Self {
+            version,
+            size,
+            held: Held::Nothing,
+        }
+    }
+
+    fn file(version: u64, size: u64, file: std::fs::File) -> Self {
+        Self {
+            version,
+            size,
+            held: Held::File(Arc::new(file)),
+        }
+    }
+
+    fn object(version: u64, size: u64, e_tag: Option<String>) -> Self {
+        Self {
+            version,
+            size,
+            held: e_tag.map_or(Held::Nothing, |tag| Held::Object(tag.into())),
+        }
+    }
+
+    /// The local file it holds open.
+    fn held_file(&self) -> Option<&std::fs::File> {
+        match &self.held {
+            Held::File(file) => Some(file),
+            _ => None,
+        }
+    }
+
+    /// The object's ETag it holds.
+    fn held_e_tag(&self) -> Option<&str> {
+        match &self.held {
+            Held::Object(tag) => Some(tag),
+            _ => None,
+        }
+    }
+
+    /// Whether `other` is the same version of the file.
+    pub fn same(&self, other: &Pinned) -> bool {
+        (self.version, self.size) == (other.version, other.size)
+    }
+
+    /// This pin, holding what `other` (of the same version) holds of the
+    /// source when it holds nothing itself.
+    pub fn or_held(self, other: Pinned) -> Pinned {
+        match self.held {
+            Held::Nothing => other,
+            _ => self,
+        }
+    }
+}
+
+/// The error of a range of another version than the reader's first.
+pub fn changed(name: &str) -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::IoError,
+        format!(
+            "`{name}` was replaced while it was read: the rest of it is of another version than what was read of it (open it again)"
+        ),
+    )
 }

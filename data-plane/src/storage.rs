@@ -11,8 +11,8 @@
 //! ordinary `Vec`, so no unsafe allocation is needed.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io::{self, Read};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
 use crate::chunk::{Buffer, Chunk};
@@ -101,16 +101,29 @@ pub fn open_regular(path: &Path) -> io::Result<(File, u64)> {
 
 /// Reads a byte range of a regular file through the page cache. Blocking.
 pub fn read_range(path: &Path, offset: u64, length: u64) -> io::Result<Chunk> {
-    let (mut file, size) = open_regular(path)?;
+    let (file, size) = open_regular(path)?;
+    read_range_of(&file, size, offset, length)
+}
+
+/// Reads a byte range of `file`, open and `size` bytes long, with
+/// positioned reads (several threads may read one file at once); a file
+/// that shrank since gives what it has. Blocking.
+pub fn read_range_of(file: &File, size: u64, offset: u64, length: u64) -> io::Result<Chunk> {
     let (start, want) = clamp_range(size, offset, length);
     if want > MAX_FILE_BYTES {
         return Err(too_large(want));
     }
-    if start > 0 {
-        file.seek(SeekFrom::Start(start))?;
+    let mut data = vec![0; want as usize];
+    let mut len = 0;
+    while len < data.len() {
+        match file.read_at(&mut data[len..], start + len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
-    let mut data = Vec::with_capacity(want as usize);
-    file.take(want).read_to_end(&mut data)?;
+    data.truncate(len);
     Ok(Chunk::from_vec(data))
 }
 

@@ -705,6 +705,30 @@ def test_random_reads_of_a_large_file_read_what_they_ask_for(tmp_path, mount_sta
     assert job_metric(stage, "sluice_stage_delivered_samples_total", "random") == 1, "one file"
 
 
+def test_a_file_replaced_while_it_is_read_in_windows_reads_as_the_one_opened(tmp_path, mount_stage):
+    """Every window of an open file is read from the file it opened, as a
+    local reader's reads are: one replaced by a rename meanwhile does not
+    give the reader the rest of the new one after the start of the old."""
+    root = tmp_path / "data"
+    root.mkdir()
+    # Past the windows read ahead of the first read.
+    old, new = os.urandom(24 * 2**20), os.urandom(24 * 2**20)
+    (root / "big.bin").write_bytes(old)
+    stage, mnt = mount_stage(root, "--mount-passthrough", "false")
+    fd = os.open(mnt / "@j" / "ds" / "big.bin", os.O_RDONLY)
+    local = os.open(root / "big.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == old[:4096]
+        (root / "next.bin").write_bytes(new)
+        os.rename(root / "next.bin", root / "big.bin")
+        for offset in (20 * 2**20 + 7, 17 * 2**20, 5 * 2**20):
+            assert os.pread(local, 4096, offset) == old[offset:offset + 4096], "the local reader"
+            assert os.pread(fd, 4096, offset) == old[offset:offset + 4096], offset
+    finally:
+        os.close(fd)
+        os.close(local)
+
+
 def test_large_files_are_passed_through_to_the_kernel_and_charged_to_the_job_whole(tmp_path, mount_stage):
     root = tmp_path / "data"
     root.mkdir()

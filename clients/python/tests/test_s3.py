@@ -4,6 +4,7 @@ injected failures)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import subprocess
@@ -397,3 +398,32 @@ def test_the_harness_stores_etags_where_the_server_reads_them(s3):
     # the new digest; one reading the stored ETag answers with the old.
     Path(server.root, BUCKET, PREFIX, name).write_bytes(bytes(len(files[name])))
     assert etag(f"{PREFIX}/{name}") == hashlib.md5(files[name]).hexdigest()
+
+
+@pytest.mark.parametrize("size", [7, 24 * 2**20])
+def test_an_object_replaced_while_it_is_read_through_the_mount_fails_the_read_not_mixes(s3, stage_factory, size):
+    """A file read through the mount in ranges is read of the object its
+    first range read (its ETag): the rest of an object replaced meanwhile
+    is an error, never the new object's bytes after the old one's."""
+    server, _files = s3
+    path = Path(server.root, BUCKET, PREFIX, "big.bin")
+    old = os.urandom(size)
+    path.write_bytes(old)
+    mnt = Path(server.root).parent / "mnt"
+    mnt.mkdir()
+    stage = s3_stage(stage_factory, f"http://{server.address}", "--mount", str(mnt))
+    fd = os.open(mnt / "@j" / "ds" / "big.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == old[:4096]
+        path.write_bytes(os.urandom(size))
+        offset = size * 5 // 6
+        try:
+            got = os.pread(fd, 4096, offset)
+        except OSError as e:
+            assert e.errno == errno.EIO
+        else:
+            assert got == old[offset:offset + 4096], "bytes of the new object after the old one's"
+    finally:
+        os.close(fd)
+    if size > 2**20:
+        assert "was replaced while it was read" in stage.stderr_tail()

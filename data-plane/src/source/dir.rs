@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::UNIX_EPOCH;
 
+use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Owner, Walked};
 use crate::protocol::{ErrorCode, ProtocolError};
-use crate::storage::{direct_unsupported, io_error, read_range, read_whole};
+use crate::storage::{direct_unsupported, io_error, open_regular, read_range_of, read_whole};
 
 /// A directory of sample files.
 #[derive(Debug)]
@@ -126,9 +127,30 @@ impl DirSource {
     }
 
     /// Reads a byte range of `name`. Blocking.
-    pub fn read_range(&self, name: &str, offset: u64, length: u64) -> Result<Chunk, ProtocolError> {
-        let path = self.resolve(name)?;
-        read_range(&path, offset, length).map_err(|e| io_error(name, &e))
+    pub fn read_range(
+        &self,
+        name: &str,
+        offset: u64,
+        length: u64,
+        pin: Option<&Pinned>,
+    ) -> Result<(Chunk, Pinned), ProtocolError> {
+        let pinned = match pin.filter(|p| p.held_file().is_some()) {
+            Some(pinned) => pinned.clone(),
+            None => {
+                let path = self.resolve(name)?;
+                let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
+                let meta = file.metadata().map_err(|e| io_error(name, &e))?;
+                let now = Pinned::file(mtime_version(&meta), size, file);
+                if pin.is_some_and(|p| !p.same(&now)) {
+                    return Err(changed(name));
+                }
+                now
+            }
+        };
+        let file = pinned.held_file().expect("a local file's pin holds it");
+        let chunk =
+            read_range_of(file, pinned.size, offset, length).map_err(|e| io_error(name, &e))?;
+        Ok((chunk, pinned))
     }
 
     /// Reads the file at `path` whole, with direct I/O while the file system

@@ -39,6 +39,7 @@ use object_store::{
 };
 use tokio::runtime::Handle;
 
+use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Fnv64};
 use crate::metrics::{Metrics, SourceMetrics};
@@ -301,9 +302,11 @@ impl S3Source {
     /// (else of the modification time).
     fn entry_of(&self, listed: &Listed) -> Option<FileEntry> {
         let name = self.name_of(&listed.key)?;
-        let mut h = Fnv64::new();
-        h.write(listed.version.as_bytes());
-        Some(FileEntry::new(name, listed.size, h.0))
+        Some(FileEntry::new(
+            name,
+            listed.size,
+            version_of(&listed.version),
+        ))
     }
 
     /// Requests the store throttled so far (503 SlowDown, 429).
@@ -392,25 +395,52 @@ impl S3Source {
             .await
     }
 
-    /// Reads `length` bytes (or to the end) of `name` from `offset`.
+    /// Reads `length` bytes (or to the end) of `name` from `offset`, of
+    /// the object `pin` names when given (its ETag: a replaced object is
+    /// refused by the store, not read), and returns the version read.
     pub async fn read_range(
         &self,
         name: &str,
         offset: u64,
         length: u64,
-    ) -> Result<Chunk, ProtocolError> {
+        pin: Option<&Pinned>,
+    ) -> Result<(Chunk, Pinned), ProtocolError> {
         let key = self.key(name)?;
         let read = async {
-            let size = self.store.head(&key).await?.size;
-            let (start, want) = clamp_range(size, offset, length);
+            let pinned = match pin.filter(|p| p.held_e_tag().is_some()) {
+                Some(pinned) => pinned.clone(),
+                None => {
+                    let meta = self.store.head(&key).await?;
+                    let version = version_of(meta.e_tag.as_deref().unwrap_or_default());
+                    let now = Pinned::object(version, meta.size, meta.e_tag);
+                    if pin.is_some_and(|p| !p.same(&now)) {
+                        return Ok(Err(changed(name)));
+                    }
+                    now
+                }
+            };
+            let (start, want) = clamp_range(pinned.size, offset, length);
             if want > MAX_FILE_BYTES {
                 return Ok(Err(too_large(name, want)));
             }
             if want == 0 {
-                return Ok(Ok(Chunk::from_vec(Vec::new())));
+                return Ok(Ok((Chunk::from_vec(Vec::new()), pinned)));
             }
-            let bytes = self.store.get_range(&key, start..start + want).await?;
-            Ok(Ok(Chunk::from_vec(bytes.to_vec())))
+            let options = GetOptions {
+                range: Some((start..start + want).into()),
+                if_match: pinned.held_e_tag().map(str::to_owned),
+                ..GetOptions::default()
+            };
+            let result = match self.store.get_opts(&key, options).await {
+                Err(object_store::Error::Precondition { .. }) => return Ok(Err(changed(name))),
+                result => result?,
+            };
+            // A store that does not check `If-Match` still names what it sent.
+            if result.meta.e_tag.is_some() && result.meta.e_tag.as_deref() != pinned.held_e_tag() {
+                return Ok(Err(changed(name)));
+            }
+            let bytes = result.bytes().await?;
+            Ok(Ok((Chunk::from_vec(bytes.to_vec()), pinned)))
         };
         self.within_deadline(name, read).await?
     }
@@ -532,6 +562,14 @@ impl S3Source {
             ),
         }
     }
+}
+
+/// An object's version as its listing has it: a hash of its ETag (else
+/// of its modification time).
+fn version_of(tag: &str) -> u64 {
+    let mut h = Fnv64::new();
+    h.write(tag.as_bytes());
+    h.0
 }
 
 fn too_large(name: &str, bytes: u64) -> ProtocolError {

@@ -15,7 +15,7 @@ use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
-use crate::source::Source;
+use crate::source::{Pinned, Source};
 use crate::storage::{MAX_FILE_BYTES, clamp_range, io_error, open_regular};
 
 /// The plan of reservations that belong to none: whole files read for a
@@ -462,7 +462,10 @@ impl Job {
         };
         // A listed sample the node cache holds, or that another reader is
         // reading now, is not read again.
-        let fill = match self.cache_lookup(dataset, name, 0, TO_END) {
+        let fill = match self
+            .cache_lookup(dataset, name, 0, TO_END, None)
+            .map(|(l, _)| l)
+        {
             Some(Lookup::Hit(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
             Some(Lookup::Wait(flight)) => {
                 let data = flight.wait_blocking().map(|bytes| copied(&bytes));
@@ -484,7 +487,7 @@ impl Job {
         let start = Instant::now();
         let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
-        offer_whole(fill, &data, size);
+        offer_whole(fill, data.as_ref(), size);
         match (data, reserved.get()) {
             (Err(e), bytes) if bytes > 0 => {
                 self.settle(NO_PLAN, bytes, 0);
@@ -528,18 +531,21 @@ impl Job {
         name: &str,
         offset: u64,
         length: u64,
+        pin: Option<&Pinned>,
         m: &DatasetMetrics,
-    ) -> Result<Chunk, ProtocolError> {
-        let range = |bytes: &[u8]| {
-            let (start, len) = clamp_range(bytes.len() as u64, offset, length);
-            Chunk::from_vec(bytes[start as usize..(start + len) as usize].to_vec())
-        };
+    ) -> Result<(Chunk, Pinned), ProtocolError> {
         let mut fill = None;
-        match self.cache_lookup(dataset, name, offset, length) {
-            Some(Lookup::Hit(bytes)) => return Ok(range(&bytes)),
-            Some(Lookup::Wait(flight)) => return flight.wait_blocking().map(|b| range(&b)),
-            Some(Lookup::Miss(miss)) => fill = Some(miss),
-            None => {}
+        if let Some((lookup, cached)) = self.cache_lookup(dataset, name, offset, length, pin) {
+            let range = |bytes: &[u8]| {
+                let (start, len) = clamp_range(bytes.len() as u64, offset, length);
+                let chunk = Chunk::from_vec(bytes[start as usize..(start + len) as usize].to_vec());
+                (chunk, cached.clone())
+            };
+            match lookup {
+                Lookup::Hit(bytes) => return Ok(range(&bytes)),
+                Lookup::Wait(flight) => return flight.wait_blocking().map(|b| range(&b)),
+                Lookup::Miss(miss) => fill = Some((miss, cached)),
+            }
         }
         let source = dataset.source();
         let size = charged_size(dataset, name)?
@@ -547,33 +553,45 @@ impl Job {
             .min(length);
         self.throttle(size);
         let start = Instant::now();
-        let data = source.read_range(name, offset, length);
-        self.count_read(m, start.elapsed(), &data);
-        offer_whole(fill, &data, size);
+        let data = source.read_range(name, offset, length, pin);
+        let read = data.as_ref().map(|(chunk, _)| chunk);
+        self.count_storage_read(m, start.elapsed(), read.map(|c| c.len() as u64));
+        // Only the version the cache was asked for goes into it.
+        let fill = fill
+            .filter(|(_, cached)| data.as_ref().map_or(true, |(_, read)| read.same(cached)))
+            .map(|(fill, _)| fill);
+        offer_whole(fill, read, size);
         data
     }
 
-    /// The node cache's answer for listed sample `name`: a lookup (which
-    /// may make this reader the one to read it) when the read of `length`
-    /// bytes from `offset` is the whole sample, else only whether it holds
-    /// the bytes. `None` without a cache or a listing of `name`.
+    /// The node cache's answer for listed sample `name`, and the version it
+    /// answers of: a lookup (which may make this reader the one to read
+    /// it) when the read of `length` bytes from `offset` is the whole
+    /// sample, else only whether it holds the bytes. `None` without a
+    /// cache, a listing of `name`, or (with `pin`) that version of it.
     fn cache_lookup(
         &self,
         dataset: &Dataset,
         name: &str,
         offset: u64,
         length: u64,
-    ) -> Option<Lookup> {
+        pin: Option<&Pinned>,
+    ) -> Option<(Lookup, Pinned)> {
         let cache = self.cache.as_ref()?;
         // The sample as last listed, which may be newer than the listing
         // the caller's connection holds: a sample changed or deleted since
         // is not answered from the cache (it is read from its source, as
         // without a cache).
         let key = dataset.latest_key(name)?;
-        if offset == 0 && length >= key.size && key.size <= MAX_FILE_BYTES {
-            return Some(cache.lookup(&dataset.name, &key));
+        let cached = Pinned::cached(key.version, key.size);
+        if pin.is_some_and(|p| !p.same(&cached)) {
+            return None;
         }
-        cache.peek(&dataset.name, &key).map(Lookup::Hit)
+        if offset == 0 && length >= key.size && key.size <= MAX_FILE_BYTES {
+            return Some((cache.lookup(&dataset.name, &key), cached));
+        }
+        let bytes = cache.peek(&dataset.name, &key)?;
+        Some((Lookup::Hit(bytes), cached))
     }
 }
 
@@ -626,7 +644,7 @@ impl Drop for PlanHandle {
 /// cache (and to whoever waits for it). A file that changed size since it
 /// was listed is not the listed sample: the fill is dropped, which fails
 /// whoever waits for it (as a changed file fails a plan's reader).
-fn offer_whole(fill: Option<Fill>, data: &Result<Chunk, ProtocolError>, size: u64) {
+fn offer_whole(fill: Option<Fill>, data: Result<&Chunk, &ProtocolError>, size: u64) {
     match (fill, data) {
         (Some(fill), Ok(chunk)) if chunk.len() as u64 == size => fill.complete(chunk),
         (Some(fill), Err(e)) => fill.fail(e),
