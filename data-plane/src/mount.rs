@@ -486,6 +486,13 @@ const AHEAD: u64 = 2;
 /// go through the file in order (a page read again, a short skip).
 const IN_ORDER_SLACK: u64 = 128 << 10;
 
+/// How far a reader must have gone through a file in order, from where
+/// it last jumped to, before its reads fetch whole windows and the ones
+/// ahead of it (from the file's start: windows at once, the ones ahead
+/// from here): a reader that jumps and reads a header and the body after
+/// it (zip members, HDF5 chunks) gets what it reads, not 12 MiB a jump.
+const RUN: u64 = 1 << 20;
+
 /// Windows an open file keeps: the ones being read and the ones ahead.
 const WINDOWS: usize = AHEAD as usize + 2;
 
@@ -501,9 +508,8 @@ struct Open {
     size: u64,
     whole: Option<(Chunk, Reservation)>,
     windows: Vec<(u64, Window)>,
-    /// Where the previous read ended: a read that starts about there goes
-    /// through the file in order, and the windows after it are fetched.
-    read_to: Option<u64>,
+    /// How the reader goes through the file.
+    reads: Reads,
     /// Whether a read of the file was counted as a delivered sample.
     counted: bool,
     metrics: DatasetMetrics,
@@ -531,25 +537,12 @@ impl Open {
             size,
             whole,
             windows: Vec::new(),
-            read_to: None,
+            reads: Reads::default(),
             counted: false,
             metrics,
             backing: None,
             pin: Arc::default(),
         }
-    }
-
-    /// Whether a read of `offset..end` goes on in order from the previous
-    /// one (or starts the file), and records it. The kernel sends a
-    /// reader's requests, its read-ahead included, in the order it makes
-    /// them, and the mount takes them in that order.
-    fn in_order(&mut self, offset: u64, end: u64) -> bool {
-        let in_order = match self.read_to {
-            None => offset == 0,
-            Some(to) => offset.abs_diff(to) <= IN_ORDER_SLACK,
-        };
-        self.read_to = Some(end);
-        in_order
     }
 
     /// The window starting at `start`, made if new (the oldest is
@@ -564,6 +557,39 @@ impl Open {
         let w = Window::default();
         self.windows.push((start, Arc::clone(&w)));
         w
+    }
+}
+
+/// Where a reader of an open file has read.
+#[derive(Debug, Default)]
+struct Reads {
+    /// Where the previous read ended: a read that starts about there goes
+    /// through the file in order.
+    read_to: Option<u64>,
+    /// Where the reads going through the file in order began.
+    run_from: u64,
+}
+
+impl Reads {
+    /// How a read of `offset..end` goes on from the previous ones, which
+    /// it is recorded after: whether it is answered from whole windows (a
+    /// reader going through the file in order: from its start, or for
+    /// [`RUN`] bytes), and whether the windows after them are fetched too
+    /// (in order for [`RUN`] bytes). The kernel sends a reader's requests,
+    /// its read-ahead included, in the order it makes them, and the mount
+    /// takes them in that order.
+    fn follow(&mut self, offset: u64, end: u64) -> (bool, bool) {
+        let in_order = match self.read_to {
+            None => offset == 0,
+            Some(to) => offset.abs_diff(to) <= IN_ORDER_SLACK,
+        };
+        if !in_order {
+            self.run_from = offset;
+        }
+        self.read_to = Some(end);
+        let run = end.saturating_sub(self.run_from);
+        let windows = in_order && (self.run_from == 0 || run >= RUN);
+        (windows, windows && run >= RUN)
     }
 }
 
@@ -1295,10 +1321,10 @@ impl Filesystem for MountFs {
                     .iter()
                     .any(|(s, w)| *s == start && w.initialized())
             });
-            let in_order = file.in_order(offset, end);
-            if !in_order && !held {
-                // Out of order (random access): just the range asked for,
-                // not windows that the next read would not use.
+            let (windows, read_ahead) = file.reads.follow(offset, end);
+            if !windows && !held {
+                // Random access (a jump, or a short run after one): just
+                // the range asked for, not windows the next read would not use.
                 drop(open);
                 return self.answer_soon(async move {
                     match source.read(offset, end - offset).await {
@@ -1320,7 +1346,7 @@ impl Filesystem for MountFs {
                 .collect();
             // Sequential read-ahead: the windows after the last one read,
             // for a reader going through the file in order.
-            let ahead = if in_order { AHEAD } else { 0 };
+            let ahead = if read_ahead { AHEAD } else { 0 };
             for ahead in (1..=ahead).map(|n| last + n * WINDOW) {
                 if ahead >= file.size {
                     break;
@@ -1520,6 +1546,26 @@ mod tests {
             "the kernel keeps pages while time and size agree"
         );
         assert!(after.mtime.duration_since(started).unwrap() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn windows_and_read_ahead_wait_for_a_run_in_order() {
+        const K: u64 = 1 << 10;
+        let mut reads = Reads::default();
+        // From the start: windows at once, the ones ahead after a run.
+        assert_eq!(reads.follow(0, 128 * K), (true, false));
+        assert_eq!(reads.follow(128 * K, RUN), (true, true));
+        // A jump, a header and the body after it: the ranges read.
+        assert_eq!(reads.follow(20 * RUN, 20 * RUN + 4 * K), (false, false));
+        assert_eq!(
+            reads.follow(20 * RUN + 4 * K, 20 * RUN + 8 * K),
+            (false, false)
+        );
+        // Going on in order from there: windows and the ones ahead.
+        assert_eq!(reads.follow(20 * RUN + 8 * K, 21 * RUN), (true, true));
+        // A first read elsewhere than the start is a jump.
+        let mut reads = Reads::default();
+        assert_eq!(reads.follow(RUN, RUN + 4 * K), (false, false));
     }
 
     #[test]

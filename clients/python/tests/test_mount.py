@@ -663,13 +663,20 @@ def test_a_mount_sampler_takes_the_job_directory_under_the_mount_point(tmp_path,
     assert st._mount_names(["/m/@j/ds/@2024/x"]) == ("j", "ds", ["@2024/x"])
 
 
-def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_stage):
-    # Through the stage (as from an object store): passthrough turned off.
+def windowed(tmp_path, mount_stage, size: int):
+    """A stage reading one ``size``-byte file ``big.bin`` through windows
+    (as from an object store: passthrough off); ``(stage, mnt, bytes)``."""
     root = tmp_path / "data"
     root.mkdir()
-    big = os.urandom(10 * 2**20 + 12345)  # three 4 MiB windows
+    big = os.urandom(size)
     (root / "big.bin").write_bytes(big)
     stage, mnt = mount_stage(root, "--mount-passthrough", "false")
+    return stage, mnt, big
+
+
+def test_large_files_are_read_in_windows_ahead_of_the_reader(tmp_path, mount_stage):
+    # Through the stage (as from an object store): passthrough turned off.
+    stage, mnt, big = windowed(tmp_path, mount_stage, 10 * 2**20 + 12345)  # three 4 MiB windows
     with open(mnt / "@seq" / "ds" / "big.bin", "rb") as f:
         assert f.read() == big
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
@@ -685,11 +692,7 @@ def test_random_reads_of_a_large_file_read_what_they_ask_for(tmp_path, mount_sta
     """Windows and read-ahead serve a reader going through a file in order;
     a random reader's small reads fetch what they ask for, and what it gets
     is what is counted delivered."""
-    root = tmp_path / "data"
-    root.mkdir()
-    big = os.urandom(12 * 2**20)
-    (root / "big.bin").write_bytes(big)
-    stage, mnt = mount_stage(root, "--mount-passthrough", "false")
+    stage, mnt, big = windowed(tmp_path, mount_stage, 12 * 2**20)
     rng = random.Random(3)
     fd = os.open(mnt / "@random" / "ds" / "big.bin", os.O_RDONLY)
     try:
@@ -709,12 +712,9 @@ def test_a_file_replaced_while_it_is_read_in_windows_reads_as_the_one_opened(tmp
     """Every window of an open file is read from the file it opened, as a
     local reader's reads are: one replaced by a rename meanwhile does not
     give the reader the rest of the new one after the start of the old."""
-    root = tmp_path / "data"
-    root.mkdir()
     # Past the windows read ahead of the first read.
-    old, new = os.urandom(24 * 2**20), os.urandom(24 * 2**20)
-    (root / "big.bin").write_bytes(old)
-    stage, mnt = mount_stage(root, "--mount-passthrough", "false")
+    stage, mnt, old = windowed(tmp_path, mount_stage, 24 * 2**20)
+    root, new = tmp_path / "data", os.urandom(len(old))
     fd = os.open(mnt / "@j" / "ds" / "big.bin", os.O_RDONLY)
     local = os.open(root / "big.bin", os.O_RDONLY)
     try:
@@ -727,6 +727,25 @@ def test_a_file_replaced_while_it_is_read_in_windows_reads_as_the_one_opened(tmp
     finally:
         os.close(fd)
         os.close(local)
+
+
+def test_a_reader_that_jumps_and_reads_a_header_and_what_follows_gets_what_it_reads(tmp_path, mount_stage):
+    """Zip members, HDF5 chunks, tar indexes: a jump, then a small read and
+    the one right after it. The second read goes on in order, but is not a
+    reader going through the file: it fetches no windows ahead (it cost
+    12 MiB of storage reads a jump)."""
+    stage, mnt, big = windowed(tmp_path, mount_stage, 24 * 2**20)
+    rng = random.Random(5)
+    fd = os.open(mnt / "@jumps" / "ds" / "big.bin", os.O_RDONLY)
+    try:
+        for _ in range(30):
+            offset = rng.randrange(4096, len(big) - 2**20)
+            for at in (offset, offset + 4096, offset + 8192):
+                assert os.pread(fd, 4096, at) == big[at:at + 4096], at
+    finally:
+        os.close(fd)
+    read = job_metric(stage, "sluice_stage_storage_read_bytes_total", "jumps")
+    assert read <= 30 * 3 * 128 * 1024, f"{read} bytes read from storage for 90 reads of 4 KiB"
 
 
 def test_large_files_are_passed_through_to_the_kernel_and_charged_to_the_job_whole(tmp_path, mount_stage):
