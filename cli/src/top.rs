@@ -7,7 +7,7 @@
 //! controller restart does not end the watch.
 
 use std::fmt::Write as _;
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::time::Duration;
 
 use sluice_proto::v1;
@@ -56,7 +56,14 @@ async fn live(admin: Admin, server: &str) -> Exit {
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     let mut out = io::stdout();
-    let _ = write!(out, "{HIDE_CURSOR}");
+    // Into a file or a pipe: the frames one after another, no control codes.
+    let terminal = out.is_terminal();
+    let (clear, hide, show) = if terminal {
+        (CLEAR, HIDE_CURSOR, SHOW_CURSOR)
+    } else {
+        ("\n", "", "")
+    };
+    let _ = write!(out, "{hide}");
     let exit = loop {
         // `biased`: polling `ctrl_c` first installs the handler before the
         // first frame, so an early Ctrl-C also quits cleanly.
@@ -80,14 +87,14 @@ async fn live(admin: Admin, server: &str) -> Exit {
             ),
         };
         // A closed terminal or pipe ends the watch.
-        if write!(out, "{CLEAR}{text}")
+        if write!(out, "{clear}{text}")
             .and_then(|()| out.flush())
             .is_err()
         {
             break Exit::Ok;
         }
     };
-    let _ = writeln!(out, "{SHOW_CURSOR}");
+    let _ = writeln!(out, "{show}");
     exit
 }
 
@@ -169,7 +176,8 @@ fn jobs_table(jobs: &[JobView]) -> Table {
         Column::whole("STALL"),
         Column::whole("ALLOCATED"),
         Column::whole("LIMIT"),
-        Column::text("WHY"),
+        // Short words (`demand-limited`, `cap`), read whole.
+        Column::whole("WHY"),
         Column::whole("ACKED"),
     ]);
     for j in jobs {

@@ -375,10 +375,15 @@ fn top_redraws_until_ctrl_c_and_then_exits_0() {
         }
     });
 
-    // Two frames: the view redraws on its own.
+    // Two frames: the view redraws on its own (into a pipe, one after the
+    // other, with no terminal control codes).
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while String::from_utf8_lossy(&seen).matches("\x1b[2J").count() < 2 {
+    while String::from_utf8_lossy(&seen)
+        .matches("sluicectl top")
+        .count()
+        < 2
+    {
         let left = deadline.saturating_duration_since(Instant::now());
         match received.recv_timeout(left) {
             Ok(chunk) => seen.extend(chunk),
@@ -387,6 +392,7 @@ fn top_redraws_until_ctrl_c_and_then_exits_0() {
     }
     let text = String::from_utf8_lossy(&seen).into_owned();
     assert!(text.contains("resnet50"), "{text:?}");
+    assert!(!text.contains('\x1b'), "{text:?}");
 
     let killed = Command::new("kill")
         .args(["-INT", &child.id().to_string()])

@@ -51,6 +51,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
 pub use config::{Args, StageConfig};
+pub use mount::detach_at_exit;
 // The trainer protocol's request frames, for tests that speak it to a stage.
 pub use protocol::{PlanSpec, Request, TO_END};
 

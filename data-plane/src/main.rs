@@ -78,11 +78,17 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
     tracing::info!(socket = %addrs.socket.display(), metrics = %addrs.metrics, "stage ready");
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
+    let mount = addrs.mount.clone();
     tokio::spawn(async move {
         tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, _ = hup.recv() => {} }
         tracing::info!("signal received: shutting down (a second signal exits at once)");
         on_signal.cancel();
         tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, _ = hup.recv() => {} }
+        // Ctrl-C in a shell whose script then stops the stage too is two
+        // signals: the mount goes all the same.
+        if let Some(dir) = &mount {
+            sluice_stage::detach_at_exit(dir);
+        }
         std::process::exit(130);
     });
     stage.run(cancel).await

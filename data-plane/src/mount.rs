@@ -226,6 +226,15 @@ fn detach_stale(dir: &Path) -> anyhow::Result<bool> {
     }
 }
 
+/// Takes the stage's mount at `dir` away as the process exits without
+/// dropping it (a second signal): lazily, so that readers inside it get
+/// errors instead of a dead mount left behind.
+pub fn detach_at_exit(dir: &Path) {
+    if sluice_mount_at(dir) && detach(dir) {
+        info!(dir = %dir.display(), "unmounted");
+    }
+}
+
 /// Unmounts `dir` lazily (it goes once nothing uses it); whether that
 /// worked.
 fn detach(dir: &Path) -> bool {

@@ -884,6 +884,26 @@ def test_a_stage_stopped_while_a_reader_holds_a_file_leaves_no_mount(tmp_path, m
         reader.communicate("done\n", timeout=30)
 
 
+def test_a_second_signal_while_the_stage_drains_leaves_no_mount(tmp_path, dataset):
+    """Ctrl-C in a shell script that then stops the stage itself is two
+    signals, the second while trainers are drained: the stage exits at
+    once, and the mount goes with it (it was left dead)."""
+    root, _files = dataset
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = start_stage(tmp_path, {"ds": root}, "--mount", str(mnt))
+    try:
+        with sluice.Client(stage.socket, job="draining"):
+            stage.proc.send_signal(signal.SIGINT)
+            stage.proc.send_signal(signal.SIGTERM)
+            assert stage.proc.wait(10) in (0, 130)
+        assert not os.path.ismount(mnt), "the mount outlived its stage"
+        assert os.listdir(mnt) == []
+    finally:
+        stage.stop()
+        subprocess.run(["umount", "-l", str(mnt)], stderr=subprocess.DEVNULL)
+
+
 def test_an_order_file_beside_a_samplers_plan_for_the_same_job_is_refused(tmp_path, mount_stage, dataset):
     """One order per job and data set: a sampler gives it, so an order
     file for the same job and data set would read every file again."""
