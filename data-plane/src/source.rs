@@ -223,7 +223,7 @@ pub fn changed(name: &str) -> ProtocolError {
     ProtocolError::new(
         ErrorCode::IoError,
         format!(
-            "`{name}` was replaced while it was read: the rest of it is of another version than what was read of it (open it again)"
+            "`{name}` was replaced while it was read: the rest of it is of another version than what was read of it (open it, or read it, again)"
         ),
     )
 }

@@ -407,42 +407,66 @@ impl S3Source {
     ) -> Result<(Chunk, Pinned), ProtocolError> {
         let key = self.key(name)?;
         let read = async {
-            let pinned = match pin.filter(|p| p.held_e_tag().is_some()) {
-                Some(pinned) => pinned.clone(),
-                None => {
-                    let meta = self.store.head(&key).await?;
-                    let version = version_of(meta.e_tag.as_deref().unwrap_or_default());
-                    let now = Pinned::object(version, meta.size, meta.e_tag);
-                    if pin.is_some_and(|p| !p.same(&now)) {
-                        return Ok(Err(changed(name)));
-                    }
-                    now
+            // A read with no version to keep to takes the object as it is:
+            // one replaced between its HEAD and its GET is read again.
+            let mut tries = 0;
+            let outcome = loop {
+                tries += 1;
+                match self.try_range(&key, offset, length, pin).await? {
+                    Ranged::Changed if pin.is_none() && tries < 3 => {}
+                    Ranged::Changed => break Err(changed(name)),
+                    Ranged::TooLarge(want) => break Err(too_large(name, want)),
+                    Ranged::Read(chunk, pinned) => break Ok((chunk, pinned)),
                 }
             };
-            let (start, want) = clamp_range(pinned.size, offset, length);
-            if want > MAX_FILE_BYTES {
-                return Ok(Err(too_large(name, want)));
-            }
-            if want == 0 {
-                return Ok(Ok((Chunk::from_vec(Vec::new()), pinned)));
-            }
-            let options = GetOptions {
-                range: Some((start..start + want).into()),
-                if_match: pinned.held_e_tag().map(str::to_owned),
-                ..GetOptions::default()
-            };
-            let result = match self.store.get_opts(&key, options).await {
-                Err(object_store::Error::Precondition { .. }) => return Ok(Err(changed(name))),
-                result => result?,
-            };
-            // A store that does not check `If-Match` still names what it sent.
-            if result.meta.e_tag.is_some() && result.meta.e_tag.as_deref() != pinned.held_e_tag() {
-                return Ok(Err(changed(name)));
-            }
-            let bytes = result.bytes().await?;
-            Ok(Ok((Chunk::from_vec(bytes.to_vec()), pinned)))
+            Ok(outcome)
         };
         self.within_deadline(name, read).await?
+    }
+
+    /// One try of [`S3Source::read_range`]: a HEAD unless `pin` holds the
+    /// ETag, then a ranged GET of that ETag.
+    async fn try_range(
+        &self,
+        key: &Key,
+        offset: u64,
+        length: u64,
+        pin: Option<&Pinned>,
+    ) -> object_store::Result<Ranged> {
+        let pinned = match pin.filter(|p| p.held_e_tag().is_some()) {
+            Some(pinned) => pinned.clone(),
+            None => {
+                let meta = self.store.head(key).await?;
+                let version = version_of(meta.e_tag.as_deref().unwrap_or_default());
+                let now = Pinned::object(version, meta.size, meta.e_tag);
+                if pin.is_some_and(|p| !p.same(&now)) {
+                    return Ok(Ranged::Changed);
+                }
+                now
+            }
+        };
+        let (start, want) = clamp_range(pinned.size, offset, length);
+        if want > MAX_FILE_BYTES {
+            return Ok(Ranged::TooLarge(want));
+        }
+        if want == 0 {
+            return Ok(Ranged::Read(Chunk::from_vec(Vec::new()), pinned));
+        }
+        let options = GetOptions {
+            range: Some((start..start + want).into()),
+            if_match: pinned.held_e_tag().map(str::to_owned),
+            ..GetOptions::default()
+        };
+        let result = match self.store.get_opts(key, options).await {
+            Err(object_store::Error::Precondition { .. }) => return Ok(Ranged::Changed),
+            result => result?,
+        };
+        // A store that does not check `If-Match` still names what it sent.
+        if result.meta.e_tag.is_some() && result.meta.e_tag.as_deref() != pinned.held_e_tag() {
+            return Ok(Ranged::Changed);
+        }
+        let bytes = result.bytes().await?;
+        Ok(Ranged::Read(Chunk::from_vec(bytes.to_vec()), pinned))
     }
 
     /// Reads a large object as parallel ranged GETs. Every part reports
@@ -584,6 +608,15 @@ fn too_large(name: &str, bytes: u64) -> ProtocolError {
 /// An object that grew since it was listed past what one response frame
 /// carries: its size now.
 struct Grown(u64);
+
+/// What one try of a range read found.
+enum Ranged {
+    Read(Chunk, Pinned),
+    /// Another object than the one pinned.
+    Changed,
+    /// More bytes than one response frame carries.
+    TooLarge(u64),
+}
 
 /// Streams a GET's body into `buf`, or into the heap when it does not fit
 /// (the object grew since it was listed), unless it grew past what one
