@@ -84,6 +84,7 @@ import os
 import re
 import select
 import socket
+import time
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as _dist
@@ -94,7 +95,8 @@ from torch.utils.data import default_collate as _default_collate
 
 from . import plan as _plan
 from .client import DEFAULT_PREFETCH, Client, Dataset
-from .errors import ConnectionClosedError, ErrorCode, SluiceError, error_from_code
+from .errors import (ConnectionClosedError, ErrorCode, SluiceError, StageTimeoutError, UnavailableError,
+                     error_from_code)
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -319,9 +321,14 @@ class _PerProcess:
         if self._dataset is None or self._pid != os.getpid() or self._client.closed:
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
-            self._client = Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
-                                  world_size=self.world_size, timeout=self.timeout,
-                                  reconnect=self.reconnect)
+            def connect() -> Client:
+                return Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
+                              world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect)
+            # A stage this dataset has read from before (in this process or
+            # its parent) that does not answer is restarting: a worker that
+            # starts meanwhile waits for it as a connected client does.
+            known = self.expected_digest is not None
+            self._client = _connect_again(connect, self.reconnect) if known else connect()
             self._pid = os.getpid()
             ds = self._client.dataset(self.dataset_name)
             if self.expected_digest is not None and ds.digest != self.expected_digest:
@@ -345,6 +352,20 @@ class _PerProcess:
         state = self.__dict__.copy()
         state["_client"] = state["_dataset"] = state["_pid"] = None
         return state
+
+
+def _connect_again(connect: Callable[[], Client], reconnect: float) -> Client:
+    """``connect()``, tried again for ``reconnect`` seconds (backoff from
+    50 ms to 1 s) while the stage is away, as a connected client would."""
+    start, delay = time.monotonic(), 0.05
+    while True:
+        try:
+            return connect()
+        except (ConnectionClosedError, UnavailableError, StageTimeoutError):
+            if time.monotonic() - start + delay > reconnect:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 def _apply(transform: Optional[Callable], convert, client: Client, name: str, data):

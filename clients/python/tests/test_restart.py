@@ -426,10 +426,14 @@ def test_an_epoch_after_a_restart_between_epochs_is_submitted_again(restartable,
 
 
 @pytest.mark.parametrize("loader", ["map", "iterable"])
-def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, many_files, loader):
+@pytest.mark.parametrize("wait", [True, False], ids=["back-before-the-epoch", "down-as-it-starts"])
+def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, many_files, loader, wait):
     """Workers hand their samples to the main process by slot; after each
     restart the main process maps the new stage's region (its mapping
-    connection to the old stage is replaced, not kept)."""
+    connection to the old stage is replaced, not kept). Non-persistent
+    workers connect anew each epoch: those of an epoch that begins while
+    the stage is down wait for it (within ``reconnect``) as connected
+    clients do, instead of failing the epoch."""
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
@@ -437,13 +441,13 @@ def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, ma
 
     root, files = many_files
     stage = restartable(root)
+    job = f"dl-between-{loader}-{wait}"
     if loader == "map":
-        ds = st.SluiceDataset(stage.sock, "ds", job=f"dl-between-{loader}", reconnect=30)
+        ds = st.SluiceDataset(stage.sock, "ds", job=job, reconnect=30)
         sampler = st.SluiceSampler(ds, seed=2)
         dl = DataLoader(ds, batch_size=50, sampler=sampler, num_workers=2, collate_fn=st.collate)
     else:
-        sampler = ds = st.SluiceIterableDataset(stage.sock, "ds", job=f"dl-between-{loader}", seed=2,
-                                                batch=50, reconnect=30)
+        sampler = ds = st.SluiceIterableDataset(stage.sock, "ds", job=job, seed=2, batch=50, reconnect=30)
         dl = DataLoader(ds, batch_size=50, num_workers=2, collate_fn=st.collate)
     for epoch in range(3):
         sampler.set_epoch(epoch)
@@ -453,4 +457,7 @@ def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, ma
                 got[name] = data.numpy().tobytes()
         assert got == files, f"epoch {epoch}"
         if epoch < 2:
-            restart_after(stage, 0.3).join()
+            back = restart_after(stage, 0.3 if wait else 1.5)
+            if wait:
+                back.join()
+    back.join()
