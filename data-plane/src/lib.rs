@@ -20,6 +20,7 @@ mod fd_limit;
 mod heap;
 mod http;
 mod job_config;
+mod memory_limit;
 mod metrics;
 mod mount;
 mod pace;
@@ -131,6 +132,15 @@ impl Stage {
     pub async fn bind(config: StageConfig) -> anyhow::Result<Self> {
         let descriptors = fd_limit::raise();
         tracing::debug!(descriptors, "open file limit");
+        if let Some(limit) = memory_limit::container()
+            && config.memory_budget + memory_limit::OVERHEAD > limit
+        {
+            warn!(
+                budget = config.memory_budget,
+                limit,
+                "the memory budget leaves less than 64 MiB of the container's memory limit: the kernel will kill the stage when its buffers fill; lower --memory-budget or raise the limit (docs/data-plane.md, \"Memory\")"
+            );
+        }
         let metrics = Metrics::new();
         let mut datasets = Vec::new();
         for (name, location) in &config.datasets {
