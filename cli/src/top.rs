@@ -57,8 +57,7 @@ async fn live(admin: Admin, server: &str) -> Exit {
     tokio::pin!(ctrl_c);
     let mut out = io::stdout();
     // Into a file or a pipe: the frames one after another, no control codes.
-    let terminal = out.is_terminal();
-    let (clear, hide, show) = if terminal {
+    let (clear, hide, show) = if out.is_terminal() {
         (CLEAR, HIDE_CURSOR, SHOW_CURSOR)
     } else {
         ("\n", "", "")

@@ -639,7 +639,8 @@ impl Source {
                     *pin = Some(first);
                     return Err(failed(&changed(&self.name)));
                 }
-                first => *pin = Some(first.map_or(read.clone(), |first| first.or_held(read))),
+                Some(first) => *pin = Some(first.or_held(read)),
+                None => *pin = Some(read),
             }
         }
         match sample.data {

@@ -576,8 +576,8 @@ class Client:
             if self._region is not None:
                 self._previous_region, self._region = self._region, None
             start = time.monotonic()
-            delay, last = 0.05, cause
-            while True:
+            last = cause
+            for _ in _tries(self.reconnect):
                 if self._user_closed:
                     raise cause
                 try:
@@ -585,16 +585,14 @@ class Client:
                     self._closed = False
                     self._hello(self.protocol_version, self._want_shm)
                     break
-                except (OSError, ConnectionClosedError, UnavailableError, StageTimeoutError) as e:
+                except STAGE_AWAY as e:
                     self._abort()
                     last = e
-                if time.monotonic() - start + delay > self.reconnect:
-                    raise ConnectionClosedError(
-                        f"the stage at {self.address} went away ({cause}) and did not come back "
-                        f"within {self.reconnect:g} s (last attempt: {last}); start it again, or give "
-                        "the client a longer reconnect time", fatal=True) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+            else:
+                raise ConnectionClosedError(
+                    f"the stage at {self.address} went away ({cause}) and did not come back "
+                    f"within {self.reconnect:g} s (last attempt: {last}); start it again, or give "
+                    "the client a longer reconnect time", fatal=True) from None
             self._connection += 1
             self.reconnects += 1
             self.reconnect_wait_s += time.monotonic() - start
@@ -648,6 +646,22 @@ def _returns_flusher(client: "Client"):
             c._flush_returns()
 
     return flush
+
+
+#: What a try to reach a stage that is away (restarting) fails with.
+STAGE_AWAY = (OSError, ConnectionClosedError, UnavailableError, StageTimeoutError)
+
+
+def _tries(within: float) -> Iterator[None]:
+    """Yields once per try to reach the stage: at once, then after a
+    backoff from 50 ms to 1 s, while the next try starts within
+    ``within`` seconds of the first."""
+    start, delay = time.monotonic(), 0.05
+    yield
+    while time.monotonic() - start + delay <= within:
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+        yield
 
 
 def _connect(address: Address, timeout: Optional[float]) -> socket.socket:

@@ -84,7 +84,6 @@ import os
 import re
 import select
 import socket
-import time
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as _dist
@@ -94,9 +93,8 @@ import torch as _torch
 from torch.utils.data import default_collate as _default_collate
 
 from . import plan as _plan
-from .client import DEFAULT_PREFETCH, Client, Dataset
-from .errors import (ConnectionClosedError, ErrorCode, SluiceError, StageTimeoutError, UnavailableError,
-                     error_from_code)
+from .client import DEFAULT_PREFETCH, STAGE_AWAY, Client, Dataset, _tries
+from .errors import ConnectionClosedError, ErrorCode, SluiceError, error_from_code
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -355,17 +353,14 @@ class _PerProcess:
 
 
 def _connect_again(connect: Callable[[], Client], reconnect: float) -> Client:
-    """``connect()``, tried again for ``reconnect`` seconds (backoff from
-    50 ms to 1 s) while the stage is away, as a connected client would."""
-    start, delay = time.monotonic(), 0.05
-    while True:
+    """``connect()``, tried again for ``reconnect`` seconds while the stage
+    is away, with a connected client's backoff."""
+    for _ in _tries(reconnect):
         try:
             return connect()
-        except (ConnectionClosedError, UnavailableError, StageTimeoutError):
-            if time.monotonic() - start + delay > reconnect:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        except STAGE_AWAY as e:
+            last = e
+    raise last
 
 
 def _apply(transform: Optional[Callable], convert, client: Client, name: str, data):
