@@ -12,7 +12,8 @@ use crate::args::DeleteTarget;
 use crate::client::{self, CallError, Controller};
 use crate::exit::Exit;
 
-/// Runs `delete`: prints `policy/NAME deleted (revision N)`.
+/// Runs `delete`: prints `pool/NAME deleted (revision N)` (the kind the
+/// controller deleted).
 pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
     let (word, kind, name) = match target {
         // Empty kind: whichever kind has a policy of this name.
@@ -44,6 +45,11 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
     });
     match response {
         Ok(deleted) => {
+            // An older controller does not say which kind it deleted.
+            let word = match deleted.kind.as_str() {
+                "" => word.to_owned(),
+                found => short_kind(found),
+            };
             println!("{word}/{name} deleted (revision {})", deleted.revision);
             Exit::Ok
         }

@@ -305,6 +305,8 @@ fn delete_sends_the_kind_its_subcommand_names() {
     let fake = FakeController::start();
     let run = sluicectl(&fake.url, &["delete", "policy", "vision"]);
     assert_eq!(run.code, 0, "{}", run.stderr);
+    // The fake, like a controller from before responses named the kind,
+    // leaves it out for `delete policy`: the word stays `policy`.
     assert_eq!(run.stdout, "policy/vision deleted (revision 2)\n");
 
     let run = sluicectl(&fake.url, &["delete", "pool", "shared-nfs"]);

@@ -64,8 +64,11 @@ impl AdminService for Admin {
         request: Request<pb::DeletePolicyRequest>,
     ) -> Result<Response<pb::DeletePolicyResponse>, Status> {
         let r = request.into_inner();
-        let revision = policies::delete(&self.shared, &r.kind, &r.name).await?;
-        Ok(Response::new(pb::DeletePolicyResponse { revision }))
+        let (kind, revision) = policies::delete(&self.shared, &r.kind, &r.name).await?;
+        Ok(Response::new(pb::DeletePolicyResponse {
+            revision,
+            kind: kind.as_str().to_owned(),
+        }))
     }
 
     async fn list_policies(

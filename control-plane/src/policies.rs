@@ -196,7 +196,9 @@ async fn preview(
 
 /// Deletes a policy; `kind` may be empty when the name is unambiguous.
 /// Returns the revision recording the delete.
-pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<u64, ApiError> {
+/// Deletes the policy `name` of `kind` (any kind when empty); returns the
+/// kind deleted and the revision that records it.
+pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<(Kind, u64), ApiError> {
     let _serial = shared.policy_changes.lock().await;
     let kind = resolve_kind(&shared.read_policies(), kind, name)?;
     let next = shared
@@ -215,7 +217,7 @@ pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<u64, ApiE
     let message = format!("{subject} deleted as revision {revision}");
     shared.event("policy.deleted", subject, message).await;
     shared.recompute.notify_one();
-    Ok(revision)
+    Ok((kind, revision))
 }
 
 fn resolve_kind(set: &PolicySet, kind: &str, name: &str) -> Result<Kind, ApiError> {

@@ -199,7 +199,10 @@ fn admin_policy_messages_roundtrip() {
         kind: "JobPolicy".into(),
         name: "training".into(),
     });
-    roundtrip(DeletePolicyResponse { revision: 3 });
+    roundtrip(DeletePolicyResponse {
+        revision: 3,
+        kind: "JobPolicy".into(),
+    });
     roundtrip(ListPoliciesRequest {
         include_history: true,
     });

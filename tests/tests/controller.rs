@@ -556,6 +556,13 @@ spec:
         .map(|p| (p["kind"].as_str().unwrap(), p["name"].as_str().unwrap()))
         .collect();
     assert_eq!(left, [("StoragePool", "dup")]);
+    // With one kind left, `delete policy` finds it and says which it deleted.
+    let (code, out, err) = sluicectl(&c.grpc, &["delete", "policy", "dup"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "pool/dup deleted (revision 2)\n"),
+        "{err}"
+    );
 }
 
 /// `sluicectl apply -f -` with nothing on standard input (a generator that

@@ -258,7 +258,12 @@ impl AdminService for Fake {
                 request.name
             )));
         }
-        Ok(Response::new(DeletePolicyResponse { revision: 2 }))
+        // Says the kind only when the request named one, as a controller
+        // from before the response carried it said none.
+        Ok(Response::new(DeletePolicyResponse {
+            revision: 2,
+            kind: request.kind,
+        }))
     }
 
     async fn list_policies(
