@@ -3,6 +3,7 @@
 //! or SIGINT (a second signal exits at once). SIGHUP re-reads
 //! `--token-file`.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -18,11 +19,18 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log reader that went away (a restarted log shipper, `| head`)
+        // costs log lines, not the controller: the default reports a failed
+        // write on stderr, whose own failure panics.
+        .log_internal_errors(false)
         .init();
     let config = match ControllerConfig::from_args(Args::parse()) {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("sluice-controller: invalid configuration: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-controller: invalid configuration: {e}"
+            );
             return ExitCode::from(64);
         }
     };
@@ -35,11 +43,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => match sluice_controller::configuration_error(&e) {
             Some(store) => {
-                eprintln!("sluice-controller: --database-url: {}", with_causes(store));
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "sluice-controller: --database-url: {}",
+                    with_causes(store)
+                );
                 ExitCode::from(64)
             }
             None => {
-                eprintln!("sluice-controller: {e:#}");
+                let _ = writeln!(std::io::stderr(), "sluice-controller: {e:#}");
                 ExitCode::FAILURE
             }
         },
@@ -86,7 +98,8 @@ async fn run(config: ControllerConfig) -> anyhow::Result<()> {
         "http": addrs.http.to_string(),
         "role": role,
     });
-    println!("{ready}");
+    // A closed stdout costs the line, not the process (`println!` panics).
+    let _ = writeln!(std::io::stdout(), "{ready}");
     tracing::info!(grpc = %addrs.grpc, http = %addrs.http, role, "controller listening");
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();

@@ -106,7 +106,7 @@ const SEND_BUFFER: usize = 4 << 20;
 pub struct Stage {
     engine: Arc<Engine>,
     stage_id: Arc<str>,
-    socket_path: PathBuf,
+    socket_file: SocketFile,
     unix: UnixListener,
     tcp: Option<TcpListener>,
     http: TcpListener,
@@ -149,7 +149,8 @@ impl Stage {
             info!(dataset = %name, source = %source.describe(), "serving a dataset");
             datasets.push(Dataset::new(name, source));
         }
-        let unix = bind_socket(&config.socket)?;
+        // Removed again if the stage fails to start from here on.
+        let (unix, socket_file) = bind_socket(&config.socket)?;
         let tcp = match config.listen {
             Some(addr) => Some(
                 TcpListener::bind(addr)
@@ -206,7 +207,7 @@ impl Stage {
             engine,
             mount,
             stage_id: config.stage_id.into(),
-            socket_path: config.socket,
+            socket_file,
             unix,
             tcp,
             http,
@@ -217,7 +218,7 @@ impl Stage {
 
     pub fn addresses(&self) -> anyhow::Result<Addresses> {
         Ok(Addresses {
-            socket: self.socket_path.clone(),
+            socket: self.socket_file.path.clone(),
             tcp: self.tcp.as_ref().map(TcpListener::local_addr).transpose()?,
             metrics: self.http.local_addr()?,
             mount: self.mount.as_ref().map(|m| m.dir().to_owned()),
@@ -230,7 +231,7 @@ impl Stage {
         let Self {
             engine,
             stage_id,
-            socket_path,
+            socket_file,
             unix,
             tcp,
             http,
@@ -312,7 +313,7 @@ impl Stage {
         }
         drop(mount);
         engine.stop();
-        let _ = std::fs::remove_file(&socket_path);
+        drop(socket_file);
         while let Some((name, ended)) = critical.join_next().await {
             failure = failure.or(task_failure(name, ended, true));
         }
@@ -520,9 +521,31 @@ async fn accept_failed(e: &std::io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
+/// The trainer socket's file, removed when dropped (a stage that stops, or
+/// one that fails to start after binding) unless another stage has put its
+/// own socket at the path since: a stage started while this one drained
+/// (this one no longer listens, so it found the file stale) keeps its.
+#[derive(Debug)]
+struct SocketFile {
+    path: PathBuf,
+    /// Device and inode of the file this stage bound.
+    identity: (u64, u64),
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(meta) = std::fs::symlink_metadata(&self.path)
+            && (meta.dev(), meta.ino()) == self.identity
+        {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 /// Binds the trainer socket with owner/group-only permissions, replacing a
 /// stale socket file but never a live stage's.
-fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
+fn bind_socket(path: &Path) -> anyhow::Result<(UnixListener, SocketFile)> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
@@ -546,7 +569,16 @@ fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
     }
     let listener = UnixListener::bind(path)
         .with_context(|| format!("binding the trainer socket {}", path.display()))?;
+    let meta = std::fs::symlink_metadata(path)
+        .with_context(|| format!("reading back the trainer socket {}", path.display()))?;
+    let file = SocketFile {
+        path: path.to_owned(),
+        identity: (
+            std::os::unix::fs::MetadataExt::dev(&meta),
+            std::os::unix::fs::MetadataExt::ino(&meta),
+        ),
+    };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("restricting permissions of {}", path.display()))?;
-    Ok(listener)
+    Ok((listener, file))
 }

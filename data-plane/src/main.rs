@@ -1,6 +1,7 @@
 //! `sluice-stage` binary: parse the configuration, bind, print the ready
 //! line, serve until SIGTERM, SIGINT or SIGHUP (a second signal exits at once).
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -19,6 +20,10 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log reader that went away (a restarted log shipper, `| head`)
+        // costs log lines, not the stage: the default reports a failed
+        // write on stderr, whose own failure panics.
+        .log_internal_errors(false)
         .init();
     // A flag that does not parse is an invalid configuration too (64), as
     // its YAML and environment forms are; `--help` and `--version` exit 0.
@@ -33,7 +38,10 @@ fn main() -> ExitCode {
     let config = match StageConfig::from_args(args) {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("sluice-stage: invalid configuration: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-stage: invalid configuration: {e}"
+            );
             return ExitCode::from(64);
         }
     };
@@ -46,7 +54,7 @@ fn main() -> ExitCode {
     let code = match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sluice-stage: {e:#}");
+            let _ = writeln!(std::io::stderr(), "sluice-stage: {e:#}");
             ExitCode::FAILURE
         }
     };
@@ -74,7 +82,8 @@ async fn run(config: StageConfig) -> anyhow::Result<()> {
         "metrics": addrs.metrics.to_string(),
         "mount": addrs.mount,
     });
-    println!("{ready}");
+    // A closed stdout costs the line, not the process (`println!` panics).
+    let _ = writeln!(std::io::stdout(), "{ready}");
     tracing::info!(socket = %addrs.socket.display(), metrics = %addrs.metrics, "stage ready");
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();

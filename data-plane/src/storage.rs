@@ -141,10 +141,12 @@ pub fn direct_unsupported(e: &io::Error) -> bool {
 /// with `ELOOP`.
 ///
 /// `listed` is the size the data set's listing gave, when the file comes
-/// from it: then the file is not stat'ed again (it is opened
-/// non-blocking, so a file replaced by a FIFO cannot hang a reader), and a
-/// read that stops short at exactly that size is the end of the file
-/// without a second read to see it. A file that grew is read again whole.
+/// from it: the buffer is sized by it, and a read that stops short at
+/// exactly that size is the end of the file without a second read to see
+/// it. A file that grew is read again whole. Every file is opened
+/// non-blocking and must be a regular file once open, so one replaced by
+/// a FIFO or a device since it was listed fails instead of hanging or
+/// reading empty.
 pub fn read_whole(
     path: &Path,
     direct: bool,
@@ -161,15 +163,15 @@ pub fn read_whole(
     if nofollow {
         flags |= libc::O_NOFOLLOW;
     }
-    if listed.is_some() {
-        flags |= libc::O_NONBLOCK;
-    }
+    // A FIFO or device put where a file was must not block the open.
+    flags |= libc::O_NONBLOCK;
     options.custom_flags(flags);
     let mut file = options.open(path)?;
-    let size = match listed {
-        Some(size) => size,
-        None => check_regular(&file)?,
-    };
+    // What was opened must be a regular file whatever was listed: one
+    // replaced since the listing by a FIFO or a device is an error, not an
+    // empty sample. The listed size is what the reader reserved.
+    let opened = check_regular(&file)?;
+    let size = listed.unwrap_or(opened);
     if size > MAX_FILE_BYTES {
         return Err(too_large(size));
     }
@@ -271,6 +273,11 @@ mod tests {
         let err = read_range(&fifo, 0, TO_END).unwrap_err();
         assert!(err.to_string().contains("not a regular file"), "{err}");
         assert!(open_regular(&fifo).is_err());
+        // Listed as a 10,000-byte file before it was replaced: an error
+        // still, not an empty sample (with O_DIRECT the open itself fails
+        // with EINVAL, and the caller reads again without it).
+        let err = read_whole(&fifo, false, true, Some(10_000), &Buffer::heap).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
         let file = dir.path().join("g");
         std::fs::write(&file, b"abc").unwrap();
         let (mut f, size) = open_regular(&file).unwrap();

@@ -57,10 +57,12 @@ impl DirSource {
             root: &self.root,
             out: Walked::default(),
             ancestors: vec![self.root.clone()],
+            unreadable: Unreadable::default(),
         };
         let root = std::fs::metadata(&self.root)?;
         walk.out.dir_owners.push((String::new(), Owner::of(&root)));
         walk.entries(&self.root, entries, "")?;
+        walk.unreadable.report(&self.root);
         Ok(walk.out)
     }
 
@@ -193,6 +195,38 @@ struct Walk<'a> {
     root: &'a Path,
     out: Walked,
     ancestors: Vec<PathBuf>,
+    unreadable: Unreadable,
+}
+
+/// Entries a walk left out because they could not be examined (a file
+/// whose directory may be read but not searched, say), reported once per
+/// listing; entries that vanished while it walked are left out silently.
+#[derive(Default)]
+struct Unreadable {
+    count: usize,
+    first: Option<(PathBuf, io::Error)>,
+}
+
+impl Unreadable {
+    fn note(&mut self, path: PathBuf, error: io::Error) {
+        if error.kind() == io::ErrorKind::NotFound {
+            return;
+        }
+        self.count += 1;
+        self.first.get_or_insert((path, error));
+    }
+
+    fn report(&self, root: &Path) {
+        if let Some((path, error)) = &self.first {
+            tracing::warn!(
+                root = %root.display(),
+                skipped = self.count,
+                first = %path.display(),
+                %error,
+                "left entries out of the listing that could not be examined"
+            );
+        }
+    }
 }
 
 impl Walk<'_> {
@@ -213,18 +247,29 @@ impl Walk<'_> {
             } else {
                 format!("{prefix}/{file_name}")
             };
-            let Some((file_type, target)) = self.follow(&entry)? else {
-                continue;
-            };
-            if file_type.is_dir() {
-                self.subdir(target, name)?;
-            } else if file_type.is_file() {
-                let meta = std::fs::metadata(&target)?;
-                self.out.files.push(FileEntry {
-                    owner: Some(Owner::of(&meta)),
-                    ..FileEntry::new(name, meta.len(), mtime_version(&meta))
-                });
+            // One entry that cannot be examined (or that went while the
+            // walk ran) is left out, not the data set failed.
+            if let Err(error) = self.entry(&entry, name) {
+                self.unreadable.note(entry.path(), error);
             }
+        }
+        Ok(())
+    }
+
+    /// Lists one entry of a directory as `name`: a file, or a directory's
+    /// files.
+    fn entry(&mut self, entry: &DirEntry, name: String) -> io::Result<()> {
+        let Some((file_type, target)) = self.follow(entry)? else {
+            return Ok(());
+        };
+        if file_type.is_dir() {
+            self.subdir(target, name)?;
+        } else if file_type.is_file() {
+            let meta = std::fs::metadata(&target)?;
+            self.out.files.push(FileEntry {
+                owner: Some(Owner::of(&meta)),
+                ..FileEntry::new(name, meta.len(), mtime_version(&meta))
+            });
         }
         Ok(())
     }
@@ -268,8 +313,9 @@ impl Walk<'_> {
         }
         let before = (self.out.files.len(), self.out.empty_dirs.len());
         self.ancestors.push(dir.clone());
-        self.entries(&dir, entries, &name)?;
+        let walked = self.entries(&dir, entries, &name);
         self.ancestors.pop();
+        walked?;
         if (self.out.files.len(), self.out.empty_dirs.len()) == before {
             self.out.empty_dirs.push(name);
         }

@@ -1,0 +1,164 @@
+"""The stage's process as an operator runs it: output pipes that close, a
+start that is refused, a stage that replaces one still draining, and data
+set entries it may not examine."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import sluice
+
+from conftest import STOP_TIMEOUT, stage_binary, wait_for
+
+
+def _popen(tmp_path, sock, data, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    args = [str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
+            "--dataset", f"d={data}", *extra]
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+
+
+def _serving(sock) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(sock))
+            return True
+        except OSError:
+            return False
+
+
+def _read_all(sock, files):
+    with sluice.Client(str(sock), job="ops", reconnect=0) as c:
+        ds = c.dataset("d")
+        assert {name: ds.read(name) for name in files} == files
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(STOP_TIMEOUT)
+
+
+def test_a_stage_whose_output_pipes_close_keeps_serving(tmp_path, dataset):
+    root, files = dataset
+    sock = tmp_path / "s.sock"
+    # Both pipes' readers are gone before the stage writes its ready line
+    # and its first log lines (a log shipper that restarted, `| head -1`).
+    proc = _popen(tmp_path, sock, root)
+    proc.stdout.close()
+    proc.stderr.close()
+    try:
+        wait_for(lambda: _serving(sock) or proc.poll() is not None, what="the stage to listen")
+        assert proc.poll() is None, f"the stage exited {proc.returncode}"
+        _read_all(sock, files)  # logs that a job started
+        time.sleep(0.3)
+        assert proc.poll() is None, f"the stage exited {proc.returncode} when it logged"
+        _read_all(sock, files)
+    finally:
+        code = _stop(proc)
+    assert code == 0
+
+
+def test_a_stage_refused_at_start_leaves_no_socket(tmp_path, dataset):
+    root, files = dataset
+    cache = ("--cache-dir", str(tmp_path / "cache"), "--cache-disk", "10MiB")
+    first = _popen(tmp_path, tmp_path / "a.sock", root, *cache, stderr=subprocess.DEVNULL)
+    try:
+        first.stdout.readline()
+        second_sock = tmp_path / "b.sock"
+        second = _popen(tmp_path, second_sock, root, *cache)
+        out, err = second.communicate(timeout=30)
+        assert second.returncode != 0
+        assert b"is in use by another sluice-stage" in err, err
+        # A trainer pointed at it is told no stage is there, not refused.
+        assert not second_sock.exists()
+        _read_all(tmp_path / "a.sock", files)
+    finally:
+        assert _stop(first) == 0
+
+
+def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_path, dataset):
+    root, files = dataset
+    sock = tmp_path / "s.sock"
+    old = _popen(tmp_path, sock, root, stderr=subprocess.DEVNULL)
+    try:
+        old.stdout.readline()
+        # What a stage started while this one drains does: the path is
+        # taken over by a socket of another stage (here stands in a
+        # listener of the test's).
+        os.unlink(sock)
+        replacement = socket.socket(socket.AF_UNIX)
+        replacement.bind(str(sock))
+        replacement.listen()
+    finally:
+        assert _stop(old) == 0
+    try:
+        assert sock.exists(), "the stopping stage removed the socket of the one that replaced it"
+        assert _serving(sock)
+    finally:
+        replacement.close()
+    # Its own socket it removes.
+    os.unlink(sock)
+    again = _popen(tmp_path, sock, root, stderr=subprocess.DEVNULL)
+    again.stdout.readline()
+    _read_all(sock, files)
+    assert _stop(again) == 0
+    assert not sock.exists()
+
+
+def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path, dataset):
+    """A directory that may be read but not searched (mode 0644) lists its
+    names, but its files cannot be examined: the listing leaves them out
+    with a warning instead of failing the data set. Runs the stage as a
+    user the mode applies to (`nobody` when the tests run as root)."""
+    root, files = dataset
+    blocked = root / "blocked"
+    blocked.mkdir()
+    (blocked / "x.bin").write_bytes(b"x")
+    blocked.chmod(0o644)
+    preexec = None
+    if os.geteuid() == 0:
+        # The tests' tmp_path is private to root: serve a copy from a
+        # directory `nobody` may enter.
+        nobody = pwd.getpwnam("nobody")
+        top = pathlib.Path(tempfile.mkdtemp(prefix="sluice-noexec-"))
+        top.chmod(0o755)
+        shutil.copytree(root, top / "data", symlinks=True)
+        (top / "data" / "blocked").chmod(0o644)
+        (top / "run").mkdir()
+        os.chown(top / "run", nobody.pw_uid, nobody.pw_gid)
+        root, sock = top / "data", top / "run" / "s.sock"
+
+        def preexec():
+            os.setgid(nobody.pw_gid)
+            os.setgroups([])
+            os.setuid(nobody.pw_uid)
+    else:
+        top, sock = None, tmp_path / "s.sock"
+    try:
+        proc = subprocess.Popen(
+            [str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
+             "--dataset", f"d={root}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=preexec)
+        try:
+            assert b"ready" in proc.stdout.readline()
+            with sluice.Client(str(sock), job="ops", reconnect=0) as c:
+                ds = c.dataset("d")
+                assert sorted(name for name, _ in ds.files) == sorted(files)
+                assert ds.read(sorted(files)[0]) == files[sorted(files)[0]]
+        finally:
+            assert _stop(proc) == 0
+        log = proc.stderr.read().decode()
+        assert "left entries out of the listing that could not be examined" in log, log
+        assert "blocked/x.bin" in log, log
+    finally:
+        if top is not None:
+            (top / "data" / "blocked").chmod(0o755)
+            shutil.rmtree(top)
