@@ -42,6 +42,10 @@ pub struct Tree {
     dirs: HashMap<String, Vec<(String, Option<Shown>)>>,
     /// A local data set's directories' owners.
     owners: HashMap<String, Owner>,
+    /// Files not shown because a directory has their name (an object store
+    /// holds `a` and `a/b`): the directory is shown, whichever was listed
+    /// first.
+    shadowed: Vec<String>,
 }
 
 impl Tree {
@@ -54,6 +58,7 @@ impl Tree {
     ) -> Self {
         let mut dirs: HashMap<String, BTreeMap<String, Option<Shown>>> = HashMap::new();
         dirs.insert(String::new(), BTreeMap::new());
+        let mut shadowed = Vec::new();
         // An empty directory is a path whose last part is a directory too.
         let empty = empty.map(|dir| (dir, None));
         for (name, size) in files.map(|(name, size)| (name, Some(size))).chain(empty) {
@@ -64,26 +69,37 @@ impl Tree {
                 let fresh = !dirs.contains_key(path);
                 if fresh {
                     dirs.insert(path.to_owned(), BTreeMap::new());
-                    dirs.entry(parent.to_owned())
-                        .or_default()
-                        .insert(dir.to_owned(), None);
+                    let names = dirs.entry(parent.to_owned()).or_default();
+                    if let Some(Some(_)) = names.insert(dir.to_owned(), None) {
+                        shadowed.push(path.to_owned());
+                    }
                 }
                 parent = path;
                 rest = tail;
             }
             if size.is_none() {
                 dirs.entry(name.to_owned()).or_default();
+            } else if dirs.contains_key(name) {
+                shadowed.push(name.to_owned());
+                continue;
             }
-            dirs.entry(parent.to_owned())
-                .or_default()
-                .insert(rest.to_owned(), size);
+            let names = dirs.entry(parent.to_owned()).or_default();
+            if let Some(Some(_)) = names.insert(rest.to_owned(), size)
+                && size.is_none()
+            {
+                shadowed.push(name.to_owned());
+            }
         }
         let dirs = dirs
             .into_iter()
             .map(|(path, names)| (path, names.into_iter().collect()))
             .collect();
         let owners = owners.map(|(path, o)| (path.to_owned(), o)).collect();
-        Self { dirs, owners }
+        Self {
+            dirs,
+            owners,
+            shadowed,
+        }
     }
 
     /// The owner of directory `path`, if the listing gave one.
@@ -169,9 +185,18 @@ impl Trees {
                 });
                 let empty = listing.empty_dirs.iter().map(String::as_str);
                 let owners = listing.dir_owners.iter().map(|(p, o)| (p.as_str(), *o));
+                let tree = Tree::new(files, empty, owners);
+                if let Some(first) = tree.shadowed.first() {
+                    tracing::warn!(
+                        dataset = %dataset.name,
+                        files = tree.shadowed.len(),
+                        first = %first,
+                        "the mount does not show files whose names are also directories (an object `a` beside `a/...`); read them through the socket"
+                    );
+                }
                 let built = Built {
                     digest: listing.shown_digest,
-                    tree: Arc::new(Tree::new(files, empty, owners)),
+                    tree: Arc::new(tree),
                     checked: Instant::now(),
                 };
                 trees.insert(dataset.name.clone(), built);
@@ -194,6 +219,37 @@ impl Trees {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_named_as_a_directory_is_shadowed_whichever_comes_first() {
+        let shown = Shown {
+            size: 1,
+            version: 0,
+            owner: None,
+        };
+        for files in [["a", "a/b", "c"], ["a/b", "a", "c"]] {
+            let tree = Tree::new(
+                files.into_iter().map(|name| (name, shown)),
+                std::iter::empty(),
+                std::iter::empty(),
+            );
+            assert_eq!(
+                tree.list("", 0, 10),
+                [("a".to_owned(), true), ("c".to_owned(), false)],
+                "{files:?}"
+            );
+            assert_eq!(tree.list("a", 0, 10), [("b".to_owned(), false)]);
+            assert_eq!(tree.shadowed, ["a"], "{files:?}");
+        }
+        // An empty directory shadows a file too.
+        let tree = Tree::new(
+            [("e", shown)].into_iter(),
+            ["e"].into_iter(),
+            std::iter::empty(),
+        );
+        assert_eq!(tree.list("", 0, 10), [("e".to_owned(), true)]);
+        assert_eq!(tree.shadowed, ["e"]);
+    }
 
     #[test]
     fn a_listing_becomes_its_directories() {

@@ -301,7 +301,7 @@ impl S3Source {
     /// The entry of a listed object; its version is a hash of the ETag
     /// (else of the modification time).
     fn entry_of(&self, listed: &Listed) -> Option<FileEntry> {
-        let name = self.name_of(&listed.key)?;
+        let name = self.name_of(&listed.key, listed.size)?;
         Some(FileEntry::new(
             name,
             listed.size,
@@ -314,13 +314,20 @@ impl S3Source {
         self.metrics.throttled_total()
     }
 
-    /// The dataset name of a listed key, or `None` for a folder marker
-    /// (`cats/`: no sample, the folder shows by the keys beneath it) and
-    /// for keys that are not servable names or cannot be read back as
-    /// they are.
-    fn name_of(&self, raw: &str) -> Option<String> {
+    /// The dataset name of a listed key (of an object of `size` bytes), or
+    /// `None` for a folder marker (`cats/`: no sample, the folder shows by
+    /// the keys beneath it) and for keys that are not servable names or
+    /// cannot be read back as they are.
+    fn name_of(&self, raw: &str, size: u64) -> Option<String> {
         let name = raw.strip_prefix(&self.key_prefix)?;
         if name.is_empty() || name.ends_with('/') {
+            if size > 0 {
+                tracing::warn!(
+                    key = raw,
+                    size,
+                    "skipping an object whose key ends in `/`: it holds bytes, but a name ending in `/` is a folder's"
+                );
+            }
             return None;
         }
         let addressable = || Key::parse(raw).is_ok_and(|key| key.as_ref() == raw);
