@@ -59,12 +59,22 @@ pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
 fn check_regular(file: &File) -> io::Result<u64> {
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            "it is not a regular file",
-        ));
+        return Err(not_regular());
     }
     Ok(meta.len())
+}
+
+fn not_regular() -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, "it is not a regular file")
+}
+
+/// Opens `path` with `options`; a UNIX socket file, which cannot be
+/// opened at all (`ENXIO`), is not a regular file either.
+fn open_with(options: &OpenOptions, path: &Path) -> io::Result<File> {
+    options.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENXIO) => not_regular(),
+        _ => e,
+    })
 }
 
 fn too_large(want: u64) -> io::Error {
@@ -91,10 +101,10 @@ pub fn clamp_range(size: u64, offset: u64, length: u64) -> (u64, u64) {
 /// place fails here instead of holding the thread until a writer comes
 /// (on a regular file `O_NONBLOCK` changes nothing). Blocking.
 pub fn open_regular(path: &Path) -> io::Result<(File, u64)> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
+    let file = open_with(
+        OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK),
+        path,
+    )?;
     let size = check_regular(&file)?;
     Ok((file, size))
 }
@@ -166,7 +176,7 @@ pub fn read_whole(
     // A FIFO or device put where a file was must not block the open.
     flags |= libc::O_NONBLOCK;
     options.custom_flags(flags);
-    let mut file = options.open(path)?;
+    let mut file = open_with(&options, path)?;
     // What was opened must be a regular file whatever was listed: one
     // replaced since the listing by a FIFO or a device is an error, not an
     // empty sample. The listed size is what the reader reserved.
@@ -273,6 +283,10 @@ mod tests {
         let err = read_range(&fifo, 0, TO_END).unwrap_err();
         assert!(err.to_string().contains("not a regular file"), "{err}");
         assert!(open_regular(&fifo).is_err());
+        let sock = dir.path().join("s");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let err = read_range(&sock, 0, TO_END).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
         // Listed as a 10,000-byte file before it was replaced: an error
         // still, not an empty sample (with O_DIRECT the open itself fails
         // with EINVAL, and the caller reads again without it).

@@ -162,3 +162,13 @@ def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path
         if top is not None:
             (top / "data" / "blocked").chmod(0o755)
             shutil.rmtree(top)
+
+
+def test_a_socket_path_too_long_is_refused_with_the_limit(tmp_path, dataset):
+    root, _ = dataset
+    sock = tmp_path / ("s" * (120 - len(str(tmp_path))) + ".sock")
+    proc = _popen(tmp_path, sock, root)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert b"a UNIX socket path must be at most 107 bytes" in err, err
+    assert not sock.exists()
