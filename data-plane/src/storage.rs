@@ -154,9 +154,9 @@ pub fn direct_unsupported(e: &io::Error) -> bool {
 /// from it: the buffer is sized by it, and a read that stops short at
 /// exactly that size is the end of the file without a second read to see
 /// it. A file that grew is read again whole. Every file is opened
-/// non-blocking and must be a regular file once open, so one replaced by
-/// a FIFO or a device since it was listed fails instead of hanging or
-/// reading empty.
+/// non-blocking, and one that ends short of its listed size must be a
+/// regular file, so one replaced by a FIFO or a device since it was listed
+/// fails instead of hanging or reading empty.
 pub fn read_whole(
     path: &Path,
     direct: bool,
@@ -177,11 +177,10 @@ pub fn read_whole(
     flags |= libc::O_NONBLOCK;
     options.custom_flags(flags);
     let mut file = open_with(&options, path)?;
-    // What was opened must be a regular file whatever was listed: one
-    // replaced since the listing by a FIFO or a device is an error, not an
-    // empty sample. The listed size is what the reader reserved.
-    let opened = check_regular(&file)?;
-    let size = listed.unwrap_or(opened);
+    let size = match listed {
+        Some(size) => size,
+        None => check_regular(&file)?,
+    };
     if size > MAX_FILE_BYTES {
         return Err(too_large(size));
     }
@@ -199,13 +198,19 @@ pub fn read_whole(
         len += n;
         // A regular file gives less than asked only at its end.
         if listed.is_some() && n < asked && len as u64 == size {
-            break;
+            return Ok(Chunk::pooled(buf, start, len));
         }
         if len == window {
             // The file grew past its size plus a block: read it the plain way.
             buf.recycle();
             return read_range(path, 0, TO_END);
         }
+    }
+    // It ended short of its listed size: a file that shrank, or a FIFO or
+    // a device put in its place since the listing, which is an error, not
+    // an empty sample. (What ends at the listed size is not stat'ed.)
+    if listed.is_some() {
+        check_regular(&file)?;
     }
     Ok(Chunk::pooled(buf, start, len))
 }
