@@ -194,8 +194,6 @@ async fn preview(
     Ok(out)
 }
 
-/// Deletes a policy; `kind` may be empty when the name is unambiguous.
-/// Returns the revision recording the delete.
 /// Deletes the policy `name` of `kind` (any kind when empty); returns the
 /// kind deleted and the revision that records it.
 pub async fn delete(shared: &Shared, kind: &str, name: &str) -> Result<(Kind, u64), ApiError> {

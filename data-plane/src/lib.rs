@@ -532,12 +532,18 @@ struct SocketFile {
     identity: (u64, u64),
 }
 
+impl SocketFile {
+    /// Device and inode of the file at `path`.
+    fn identity_at(path: &Path) -> std::io::Result<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::symlink_metadata(path)?;
+        Ok((meta.dev(), meta.ino()))
+    }
+}
+
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        use std::os::unix::fs::MetadataExt;
-        if let Ok(meta) = std::fs::symlink_metadata(&self.path)
-            && (meta.dev(), meta.ino()) == self.identity
-        {
+        if SocketFile::identity_at(&self.path).is_ok_and(|found| found == self.identity) {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -577,14 +583,10 @@ fn bind_socket(path: &Path) -> anyhow::Result<(UnixListener, SocketFile)> {
     }
     let listener = UnixListener::bind(path)
         .with_context(|| format!("binding the trainer socket {}", path.display()))?;
-    let meta = std::fs::symlink_metadata(path)
-        .with_context(|| format!("reading back the trainer socket {}", path.display()))?;
     let file = SocketFile {
         path: path.to_owned(),
-        identity: (
-            std::os::unix::fs::MetadataExt::dev(&meta),
-            std::os::unix::fs::MetadataExt::ino(&meta),
-        ),
+        identity: SocketFile::identity_at(path)
+            .with_context(|| format!("reading back the trainer socket {}", path.display()))?,
     };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("restricting permissions of {}", path.display()))?;

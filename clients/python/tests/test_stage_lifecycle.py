@@ -19,10 +19,11 @@ import sluice
 from conftest import STOP_TIMEOUT, stage_binary, wait_for
 
 
-def _popen(tmp_path, sock, data, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+def _popen(sock, data, *extra, stderr=subprocess.PIPE, preexec_fn=None):
     args = [str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
             "--dataset", f"d={data}", *extra]
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
+                            preexec_fn=preexec_fn)
 
 
 def _serving(sock) -> bool:
@@ -50,7 +51,7 @@ def test_a_stage_whose_output_pipes_close_keeps_serving(tmp_path, dataset):
     sock = tmp_path / "s.sock"
     # Both pipes' readers are gone before the stage writes its ready line
     # and its first log lines (a log shipper that restarted, `| head -1`).
-    proc = _popen(tmp_path, sock, root)
+    proc = _popen(sock, root)
     proc.stdout.close()
     proc.stderr.close()
     try:
@@ -68,11 +69,11 @@ def test_a_stage_whose_output_pipes_close_keeps_serving(tmp_path, dataset):
 def test_a_stage_refused_at_start_leaves_no_socket(tmp_path, dataset):
     root, files = dataset
     cache = ("--cache-dir", str(tmp_path / "cache"), "--cache-disk", "10MiB")
-    first = _popen(tmp_path, tmp_path / "a.sock", root, *cache, stderr=subprocess.DEVNULL)
+    first = _popen(tmp_path / "a.sock", root, *cache, stderr=subprocess.DEVNULL)
     try:
         first.stdout.readline()
         second_sock = tmp_path / "b.sock"
-        second = _popen(tmp_path, second_sock, root, *cache)
+        second = _popen(second_sock, root, *cache)
         out, err = second.communicate(timeout=30)
         assert second.returncode != 0
         assert b"is in use by another sluice-stage" in err, err
@@ -86,7 +87,7 @@ def test_a_stage_refused_at_start_leaves_no_socket(tmp_path, dataset):
 def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_path, dataset):
     root, files = dataset
     sock = tmp_path / "s.sock"
-    old = _popen(tmp_path, sock, root, stderr=subprocess.DEVNULL)
+    old = _popen(sock, root, stderr=subprocess.DEVNULL)
     try:
         old.stdout.readline()
         # What a stage started while this one drains does: the path is
@@ -105,7 +106,7 @@ def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_pa
         replacement.close()
     # Its own socket it removes.
     os.unlink(sock)
-    again = _popen(tmp_path, sock, root, stderr=subprocess.DEVNULL)
+    again = _popen(sock, root, stderr=subprocess.DEVNULL)
     again.stdout.readline()
     _read_all(sock, files)
     assert _stop(again) == 0
@@ -142,11 +143,7 @@ def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path
     else:
         top, sock = None, tmp_path / "s.sock"
     try:
-        proc = subprocess.Popen(
-            [str(stage_binary()), "--socket", str(sock), "--metrics-addr", "127.0.0.1:0",
-             "--dataset", f"d={root}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            preexec_fn=preexec)
+        proc = _popen(sock, root, preexec_fn=preexec)
         try:
             assert b"ready" in proc.stdout.readline()
             with sluice.Client(str(sock), job="ops", reconnect=0) as c:
@@ -167,7 +164,7 @@ def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path
 def test_a_socket_path_too_long_is_refused_with_the_limit(tmp_path, dataset):
     root, _ = dataset
     sock = tmp_path / ("s" * (120 - len(str(tmp_path))) + ".sock")
-    proc = _popen(tmp_path, sock, root)
+    proc = _popen(sock, root)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert b"a UNIX socket path must be at most 107 bytes" in err, err

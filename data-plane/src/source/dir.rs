@@ -49,8 +49,9 @@ impl DirSource {
         &self.root
     }
 
-    /// Walks the root, skipping with a warning the subdirectories that
-    /// cannot be read (not the root: that is an error). Blocking.
+    /// Walks the root, leaving out with one warning the entries that cannot
+    /// be examined, unreadable subdirectories among them (not the root:
+    /// that is an error). Blocking.
     pub fn list(&self) -> io::Result<Walked> {
         let entries = std::fs::read_dir(&self.root)?;
         let mut walk = Walk {
@@ -294,20 +295,14 @@ impl Walk<'_> {
     }
 
     /// Walks the subdirectory `dir` (canonical) listed as `name`, recording
-    /// it when nothing is listed beneath it. Skips an ancestor (a cycle),
-    /// and, with a warning, a directory that cannot be read: one of those
-    /// must not make the whole dataset unusable.
+    /// it when nothing is listed beneath it. Skips an ancestor (a cycle);
+    /// one that cannot be read is an error its caller leaves out (see
+    /// [`Unreadable`]).
     fn subdir(&mut self, dir: PathBuf, name: String) -> io::Result<()> {
         if self.ancestors.contains(&dir) {
             return Ok(());
         }
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(error) => {
-                tracing::warn!(dir = %dir.display(), %error, "skipping a directory that cannot be read");
-                return Ok(());
-            }
-        };
+        let entries = std::fs::read_dir(&dir)?;
         if let Ok(meta) = std::fs::metadata(&dir) {
             self.out.dir_owners.push((name.clone(), Owner::of(&meta)));
         }
