@@ -19,6 +19,12 @@ pub const VERSION: u16 = 2;
 pub const MIN_VERSION: u16 = 1;
 /// `HELLO` feature bit (version 2): deliver samples in shared memory.
 pub const FEATURE_SHARED_MEMORY: u32 = 1;
+/// `HELLO` feature bit (version 2): `PLAN` may name the trainer's run,
+/// which is part of the plan's identity.
+pub const FEATURE_RUNS: u32 = 2;
+/// Bit of `PLAN`'s kind byte: the plan is followed by the `u64` run it
+/// belongs to.
+const PLAN_WITH_RUN: u8 = 0x80;
 /// The largest frame a trainer may send (type byte plus payload).
 pub const MAX_REQUEST_FRAME: u32 = 16 << 20;
 /// The largest frame the stage sends.
@@ -170,6 +176,8 @@ pub enum Request {
     Plan {
         epoch: u64,
         spec: PlanSpec,
+        /// The trainer run the plan belongs to (feature `RUNS`; 0: none).
+        run: u64,
     },
     Next {
         max_samples: u32,
@@ -252,10 +260,17 @@ impl Request {
                 offset: d.u32()?,
                 limit: d.u32()?,
             },
-            kind::PLAN => Self::Plan {
-                epoch: d.u64()?,
-                spec: PlanSpec::decode(&mut d)?,
-            },
+            kind::PLAN => {
+                let epoch = d.u64()?;
+                let kind = d.u8()?;
+                let spec = PlanSpec::decode(kind & !PLAN_WITH_RUN, &mut d)?;
+                let run = if kind & PLAN_WITH_RUN != 0 {
+                    d.u64()?
+                } else {
+                    0
+                };
+                Self::Plan { epoch, spec, run }
+            }
             kind::NEXT => Self::Next {
                 max_samples: d.u32()?,
             },
@@ -315,9 +330,12 @@ impl Request {
             Self::List { offset, limit } => {
                 e.u8(kind::LIST).u32(*offset).u32(*limit);
             }
-            Self::Plan { epoch, spec } => {
+            Self::Plan { epoch, spec, run } => {
                 e.u8(kind::PLAN).u64(*epoch);
-                spec.encode(&mut e);
+                spec.encode(&mut e, *run != 0);
+                if *run != 0 {
+                    e.u64(*run);
+                }
             }
             Self::Next { max_samples } => {
                 e.u8(kind::NEXT).u32(*max_samples);
@@ -352,9 +370,10 @@ impl Request {
 }
 
 impl PlanSpec {
-    /// Parses the plan kind byte and the plan that follows it.
-    fn decode(d: &mut Decoder<'_>) -> Result<Self, ProtocolError> {
-        Ok(match d.u8()? {
+    /// Parses the plan of `kind` (the kind byte without its
+    /// [`PLAN_WITH_RUN`] bit) that follows the kind byte.
+    fn decode(kind: u8, d: &mut Decoder<'_>) -> Result<Self, ProtocolError> {
+        Ok(match kind {
             0 => {
                 let count = d.count(4)?;
                 Self::Indices((0..count).map(|_| d.u32()).collect::<Result<_, _>>()?)
@@ -388,16 +407,19 @@ impl PlanSpec {
     }
 
     /// Writes the plan kind byte and the plan.
-    fn encode(&self, e: &mut Encoder) {
+    /// Encodes the kind byte (with [`PLAN_WITH_RUN`] when `with_run`) and
+    /// the plan.
+    fn encode(&self, e: &mut Encoder, with_run: bool) {
+        let flag = if with_run { PLAN_WITH_RUN } else { 0 };
         match self {
             Self::Indices(indices) => {
-                e.u8(0).u32(len32(indices.len()));
+                e.u8(flag).u32(len32(indices.len()));
                 indices.iter().for_each(|i| {
                     e.u32(*i);
                 });
             }
             Self::Names(names) => {
-                e.u8(1).u32(len32(names.len()));
+                e.u8(1 | flag).u32(len32(names.len()));
                 names.iter().for_each(|n| {
                     e.str(n);
                 });
@@ -408,7 +430,7 @@ impl PlanSpec {
                 file_count,
                 digest,
             } => {
-                e.u8(2)
+                e.u8(2 | flag)
                     .u64(*seed)
                     .u8(u8::from(*shuffle))
                     .u32(*file_count)
@@ -738,10 +760,17 @@ mod tests {
             Request::Plan {
                 epoch: 3,
                 spec: PlanSpec::Indices(vec![3, 1, 2]),
+                run: 0,
+            },
+            Request::Plan {
+                epoch: 3,
+                spec: PlanSpec::Indices(vec![3, 1, 2]),
+                run: 0x5eed_0000_0000_0001,
             },
             Request::Plan {
                 epoch: 3,
                 spec: PlanSpec::Names(vec!["a/b".into(), "c".into()]),
+                run: 0,
             },
             Request::Plan {
                 epoch: 0,
@@ -751,6 +780,7 @@ mod tests {
                     file_count: 10,
                     digest: 7,
                 },
+                run: u64::MAX,
             },
             Request::Next { max_samples: 32 },
             Request::Read {

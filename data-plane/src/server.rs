@@ -22,9 +22,9 @@ use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
-    self, ErrorCode, FEATURE_SHARED_MEMORY, FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME,
-    Part, Payload, PlanSpec, ProtocolError, Request, Response, SAMPLES_FRAME_BUDGET, Sample,
-    TO_END,
+    self, ErrorCode, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FrameReadError, MAX_LIST, MAX_NEXT,
+    MAX_REQUEST_FRAME, Part, Payload, PlanSpec, ProtocolError, Request, Response,
+    SAMPLES_FRAME_BUDGET, Sample, TO_END,
 };
 use crate::source::Pinned;
 use crate::trust::{Peer, TrainerAccess};
@@ -346,7 +346,7 @@ impl Connection {
             Request::Fetch { names } => self.fetch(names).await,
             Request::Open { dataset } => self.open(&dataset).await,
             Request::List { offset, limit } => self.list(offset, limit),
-            Request::Plan { epoch, spec } => self.plan(epoch, spec),
+            Request::Plan { epoch, spec, run } => self.plan(epoch, spec, run),
             Request::Next { max_samples } => self.next(max_samples).await,
             Request::Read {
                 name,
@@ -442,11 +442,10 @@ impl Connection {
         #[cfg(debug_assertions)]
         crate::fault::panic_job_if_asked(handle.job());
         self.job = Some(handle);
-        let granted = if features & FEATURE_SHARED_MEMORY != 0 {
-            self.grant_shared_memory()
-        } else {
-            0
-        };
+        let mut granted = features & FEATURE_RUNS;
+        if features & FEATURE_SHARED_MEMORY != 0 {
+            granted |= self.grant_shared_memory();
+        }
         reply(Response::Welcome {
             version,
             stage_id: self.stage_id.to_string(),
@@ -561,13 +560,14 @@ impl Connection {
         })
     }
 
-    fn plan(&mut self, epoch: u64, spec: PlanSpec) -> Answer {
+    fn plan(&mut self, epoch: u64, spec: PlanSpec, run: u64) -> Answer {
         let (dataset, listing) = self.opened()?.clone();
         let files = self.plan_files(epoch, spec, &dataset, &listing)?;
         let fingerprint = listing.fingerprint(&files);
         let key = PlanKey {
             rank: self.rank,
             epoch,
+            run,
         };
         self.plan = None;
         let (handle, state) = self

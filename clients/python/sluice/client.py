@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import plan as _plan
 from . import protocol as p
@@ -207,6 +207,16 @@ class Client:
             the failure is a :class:`sluice.ConnectionClosedError` that
             says so. :attr:`reconnects` counts the reconnections and
             :attr:`reconnect_wait_s` the time spent waiting for them.
+        run: this trainer run's identity, an integer in 1..2^64-1 (``None``:
+            none). A plan is the job's for ``(data set, rank, epoch)`` and
+            the run that submitted it: connections of one run that submit
+            the same plan share it (each entry is delivered to one of
+            them), while a trainer restarted after a crash, under a new
+            run, reads its epochs in full instead of meeting what its
+            predecessor's processes still hold or finished.
+            :mod:`sluice.torch` gives each dataset object a random run,
+            which its ``DataLoader`` workers inherit. A stage older than
+            this feature ignores it.
 
     Sends ``HELLO`` on construction; the stage's answer is in
     :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
@@ -225,7 +235,11 @@ class Client:
         timeout: Optional[float] = None,
         shared_memory: Optional[bool] = None,
         reconnect: float = 60.0,
+        run: Optional[int] = None,
     ) -> None:
+        if run is not None and (not isinstance(run, int) or isinstance(run, bool)
+                                or not 0 < run < 1 << 64):
+            raise ValueError(f"run must be an integer in [1, 2^64), or None, got {run!r}")
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
@@ -234,6 +248,9 @@ class Client:
         self.labels = dict(labels or {})
         self.rank = rank
         self.world_size = world_size
+        self.run = run
+        # The run PLAN names on this connection: 0 until a stage grants RUNS.
+        self._plan_run = 0
         self.address = address if not isinstance(address, socket.socket) else None
         # Validate HELLO's fields before connecting, so a bad job name is a
         # ValueError naming the field instead of a round trip.
@@ -297,7 +314,7 @@ class Client:
             raise ValueError("shared_memory=True needs a UNIX socket to the stage and a platform with "
                              "socket.recv_fds and mmap.madvise (Linux, Python 3.9+)")
         want = version >= 2 and local and _shm.supported() and shared_memory is not False
-        features = p.FEATURE_SHARED_MEMORY if want else 0
+        features = (p.FEATURE_SHARED_MEMORY if want else 0) | (p.FEATURE_RUNS if self.run else 0)
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
             self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
@@ -342,6 +359,7 @@ class Client:
         #: older stage).
         self.protocol_version: int = welcome.version
         self.stage_id: str = welcome.stage_id
+        self._plan_run = self.run if welcome.version >= 2 and welcome.features & p.FEATURE_RUNS else 0
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
         return welcome
@@ -827,10 +845,11 @@ class Dataset:
         order either way. Close the iterator (:meth:`PlanIterator.close`, a
         ``with`` block, or dropping it) to stop the thread early.
         """
-        frame = p.encode_plan_shuffle(epoch, seed, shuffle, self.file_count, self.digest)
-        return self._submit(frame, epoch, batch, on_error, prefetch,
+        count, digest = self.file_count, self.digest
+        return self._submit(lambda run: p.encode_plan_shuffle(epoch, seed, shuffle, count, digest, run),
+                            epoch, batch, on_error, prefetch,
                             _Resume(lambda: self.local_order(epoch, seed, shuffle),
-                                    lambda rest: p.encode_plan_indices(epoch, rest)))
+                                    lambda rest, run: p.encode_plan_indices(epoch, rest, run)))
 
     def plan_indices(self, indices: Sequence[int], epoch: int, batch: int = 32,
                      on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
@@ -838,8 +857,11 @@ class Dataset:
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
         indices = list(indices)
-        return self._submit(p.encode_plan_indices(epoch, indices), epoch, batch, on_error, prefetch,
-                            _Resume(lambda: indices, lambda rest: p.encode_plan_indices(epoch, rest)))
+
+        def encode(rest, run):
+            return p.encode_plan_indices(epoch, rest, run)
+        return self._submit(lambda run: encode(indices, run), epoch, batch, on_error, prefetch,
+                            _Resume(lambda: indices, encode))
 
     def plan_names(self, names: Sequence[str], epoch: int, batch: int = 32,
                    on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
@@ -847,8 +869,11 @@ class Dataset:
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
         names = list(names)
-        return self._submit(p.encode_plan_names(epoch, names), epoch, batch, on_error, prefetch,
-                            _Resume(lambda: names, lambda rest: p.encode_plan_names(epoch, rest)))
+
+        def encode(rest, run):
+            return p.encode_plan_names(epoch, rest, run)
+        return self._submit(lambda run: encode(names, run), epoch, batch, on_error, prefetch,
+                            _Resume(lambda: names, encode))
 
     def local_order(self, epoch: int, seed: int = 0, shuffle: bool = True) -> List[int]:
         """Returns the file indices :meth:`epoch` delivers for this client's
@@ -856,8 +881,10 @@ class Dataset:
         c = self.client
         return _plan.shuffle_plan(self.file_count, seed, epoch, shuffle, c.rank, c.world_size)
 
-    def _submit(self, frame: bytes, epoch: int, batch: int, on_error: str, prefetch: int,
-                resume: "_Resume") -> "PlanIterator":
+    def _submit(self, encode: Callable[[int], bytes], epoch: int, batch: int, on_error: str,
+                prefetch: int, resume: "_Resume") -> "PlanIterator":
+        """Submits the ``PLAN`` frame ``encode(run)`` gives for the run the
+        connection names, and returns its iterator."""
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(batch, int) or not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
@@ -870,7 +897,7 @@ class Dataset:
             # PLAN and the new generation are one step (under the lock): a
             # prefetch thread of an older iterator must never send NEXT for
             # this plan.
-            planned = c._call(frame, p.Planned)
+            planned = c._call(encode(c._plan_run), p.Planned)
             c._plan_generation += 1
             return PlanIterator(self, epoch, planned, batch, on_error == "yield", prefetch, resume)
         return self._on_stage(submit)

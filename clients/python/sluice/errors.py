@@ -200,7 +200,7 @@ class BadPlanError(SluiceError, ValueError):
 
 
 class PlanConflictError(SluiceError):
-    """A different plan is active under the same (job, data set, rank, epoch)."""
+    """A different plan is active under the same (job, data set, rank, epoch, run)."""
 
     default_code = ErrorCode.PLAN_CONFLICT
 

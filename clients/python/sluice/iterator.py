@@ -53,12 +53,14 @@ class PlanIterator:
         if self.state == p.PlanState.COMPLETE and self.length:
             # Right for a trainer of a running job that comes back to an
             # epoch its job finished (nothing is delivered twice); a
-            # surprise for a new run that reuses the job's name.
+            # surprise for a new run that reuses the job's name without
+            # naming itself a run.
             c = dataset.client
+            by = "this run" if c._plan_run else "the job"
             warnings.warn(
-                f"epoch {epoch} of job {c.job!r} (rank {c.rank}) was already read in full on this "
-                "stage, so this iterator yields nothing; a new run of the job needs new epoch "
-                "numbers or a new job name", RuntimeWarning, stacklevel=3)
+                f"epoch {epoch} of job {c.job!r} (rank {c.rank}) was already read in full by {by} on "
+                "this stage, so this iterator yields nothing; a new run of the job names a new run "
+                "(Client(run=...)), new epoch numbers or a new job name", RuntimeWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch
@@ -196,8 +198,8 @@ def _next_exchange(client: Client, dataset: Dataset, generation: int, frame: byt
 
 class _Resume:
     """How to submit what is left of a plan: ``order()`` gives the whole
-    plan's entries (indices or names) in order, ``encode(rest)`` the
-    ``PLAN`` frame of a tail of them."""
+    plan's entries (indices or names) in order, ``encode(rest, run)`` the
+    ``PLAN`` frame of a tail of them for a run."""
 
     __slots__ = ("order", "encode")
 
@@ -263,7 +265,7 @@ class _Exchanger:
         while True:
             try:
                 with c._lock:
-                    c._call(self.resume.encode(rest), p.Planned)
+                    c._call(self.resume.encode(rest, c._plan_run), p.Planned)
                     c._plan_generation += 1
                     self.generation = c._plan_generation
                 break

@@ -58,6 +58,10 @@ __all__ = [
 PROTOCOL_VERSION = 2
 #: ``HELLO`` feature bit (version 2): samples in shared memory.
 FEATURE_SHARED_MEMORY = 1
+#: ``HELLO`` feature bit (version 2): ``PLAN`` may name the trainer's run.
+FEATURE_RUNS = 2
+#: Bit of ``PLAN``'s kind byte: a ``u64 run`` follows the plan.
+PLAN_WITH_RUN = 0x80
 #: Largest trainer -> stage frame (``length`` field), 16 MiB.
 MAX_REQUEST_FRAME = 16 * 1024 * 1024
 #: Largest stage -> trainer frame in version 1 (the stage announces its own).
@@ -157,6 +161,7 @@ class Plan(NamedTuple):
     shuffle: Optional[bool] = None
     file_count: Optional[int] = None
     digest: Optional[int] = None
+    run: int = 0
 
 
 class Next(NamedTuple):
@@ -318,9 +323,19 @@ def encode_list(offset: int, limit: int) -> bytes:
     return encode_frame(MsgType.LIST, struct.pack(">II", offset, limit))
 
 
-def encode_plan_indices(epoch: int, indices: Sequence[int]) -> bytes:
-    """Returns a ``PLAN`` frame of kind ``INDICES``."""
+def _plan_frame(epoch: int, kind: int, plan: bytes, run: int) -> bytes:
+    """Returns a ``PLAN`` frame of ``kind`` whose plan fields are ``plan``,
+    naming ``run`` when it is not 0 (a stage that granted ``RUNS``)."""
     _u(64, epoch, "epoch")
+    _u(64, run, "run")
+    if run:
+        return encode_frame(MsgType.PLAN, struct.pack(">QB", epoch, kind | PLAN_WITH_RUN) + plan
+                            + _U64.pack(run))
+    return encode_frame(MsgType.PLAN, struct.pack(">QB", epoch, kind) + plan)
+
+
+def encode_plan_indices(epoch: int, indices: Sequence[int], run: int = 0) -> bytes:
+    """Returns a ``PLAN`` frame of kind ``INDICES``."""
     n = len(indices)
     _u(32, n, "index count")
     try:
@@ -328,27 +343,25 @@ def encode_plan_indices(epoch: int, indices: Sequence[int]) -> bytes:
     except struct.error:
         bad = next((i for i in indices if not isinstance(i, int) or not 0 <= i <= 0xFFFFFFFF), None)
         raise ValueError(f"plan indices must be integers in [0, 2^32), found {bad!r}") from None
-    return encode_frame(MsgType.PLAN, struct.pack(">QBI", epoch, PlanKind.INDICES, n) + body)
+    return _plan_frame(epoch, PlanKind.INDICES, _U32.pack(n) + body, run)
 
 
-def encode_plan_names(epoch: int, names: Sequence[str]) -> bytes:
+def encode_plan_names(epoch: int, names: Sequence[str], run: int = 0) -> bytes:
     """Returns a ``PLAN`` frame of kind ``NAMES``."""
-    _u(64, epoch, "epoch")
     _u(32, len(names), "name count")
-    parts = [struct.pack(">QBI", epoch, PlanKind.NAMES, len(names))]
+    parts = [_U32.pack(len(names))]
     parts.extend(_enc_str(n, "plan name") for n in names)
-    return encode_frame(MsgType.PLAN, b"".join(parts))
+    return _plan_frame(epoch, PlanKind.NAMES, b"".join(parts), run)
 
 
-def encode_plan_shuffle(epoch: int, seed: int, shuffle: bool, file_count: int, digest: int) -> bytes:
+def encode_plan_shuffle(epoch: int, seed: int, shuffle: bool, file_count: int, digest: int,
+                        run: int = 0) -> bytes:
     """Returns a ``PLAN`` frame of kind ``SHUFFLE``."""
-    _u(64, epoch, "epoch")
     _u(64, seed, "seed")
     _u(32, file_count, "file_count")
     _u(64, digest, "digest")
-    payload = struct.pack(">QBQBIQ", epoch, PlanKind.SHUFFLE, seed, 1 if shuffle else 0,
-                          file_count, digest)
-    return encode_frame(MsgType.PLAN, payload)
+    plan = struct.pack(">QBIQ", seed, 1 if shuffle else 0, file_count, digest)
+    return _plan_frame(epoch, PlanKind.SHUFFLE, plan, run)
 
 
 def encode_next(max_samples: int) -> bytes:
@@ -542,7 +555,8 @@ def decode_request(msg_type: int, payload) -> tuple:
         msg = ListFiles(d.u32("offset"), d.u32("limit"))
     elif msg_type == MsgType.PLAN:
         epoch = d.u64("epoch")
-        kind = d.u8("plan kind")
+        flags = d.u8("plan kind")
+        kind = flags & ~PLAN_WITH_RUN
         if kind == PlanKind.INDICES:
             n = d.u32("index count")
             raw = d._take(4 * n, "plan indices")
@@ -555,6 +569,8 @@ def decode_request(msg_type: int, payload) -> tuple:
                        file_count=d.u32("file_count"), digest=d.u64("digest"))
         else:
             raise FrameError(f"unknown plan kind {kind}")
+        if flags & PLAN_WITH_RUN:
+            msg = msg._replace(run=d.u64("run"))
     elif msg_type == MsgType.NEXT:
         msg = Next(d.u32("max_samples"))
     elif msg_type == MsgType.READ:

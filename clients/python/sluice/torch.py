@@ -301,8 +301,10 @@ class _PerProcess:
     """
 
     def __init__(self, address, dataset: str, job: str, labels, rank: int, world_size: int,
-                 timeout: Optional[float], reconnect: float = 60.0) -> None:
+                 timeout: Optional[float], reconnect: float = 60.0, run: Optional[int] = None) -> None:
         self.address = address
+        # Pickled with the rest: a spawned worker's plans are its run's.
+        self.run = run
         self.dataset_name = dataset
         self.job = job
         self.labels = dict(labels or {})
@@ -321,7 +323,8 @@ class _PerProcess:
                 self._client.close()
             def connect() -> Client:
                 return Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
-                              world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect)
+                              world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
+                              run=self.run)
             # A stage this dataset has read from before (in this process or
             # its parent) that does not answer is restarting: a worker that
             # starts meanwhile waits for it as a connected client does.
@@ -350,6 +353,13 @@ class _PerProcess:
         state = self.__dict__.copy()
         state["_client"] = state["_dataset"] = state["_pid"] = None
         return state
+
+
+def _new_run() -> int:
+    """A random trainer run identity (see :class:`sluice.Client`): the
+    processes of one run share their plans; a restarted trainer is a new
+    run and reads its epochs in full."""
+    return int.from_bytes(os.urandom(8), "big") or 1
 
 
 def _connect_again(connect: Callable[[], Client], reconnect: float) -> Client:
@@ -482,7 +492,8 @@ class SluiceSampler(_PlanningSampler):
         self.epoch = 0
         self.plan_state: Optional[PlanState] = None
         self._conn = _PerProcess(dataset.address, dataset.dataset, dataset.job, dataset.labels,
-                                 self.rank, self.world_size, dataset.timeout, dataset.reconnect)
+                                 self.rank, self.world_size, dataset.timeout, dataset.reconnect,
+                                 run=_new_run())
         self._conn.expected_digest = dataset.digest
         self._plan = None
 
@@ -607,7 +618,7 @@ class MountSampler(_PlanningSampler):
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.epoch = 0
         self._conn = _PerProcess(address, self.dataset_name, self.job, labels, self.rank, self.world_size,
-                                 timeout, reconnect)
+                                 timeout, reconnect, run=_new_run())
         self._plan = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -665,6 +676,11 @@ class SluiceIterableDataset(_data.IterableDataset):
     Call :meth:`set_epoch` before each epoch; iterating an epoch that was
     already read in full yields nothing in workers and raises in the main
     process. ``len()`` is this rank's share (all workers together).
+
+    The object picks a random run (see :class:`sluice.Client`) that its
+    workers inherit: a trainer restarted after a crash, with a new object,
+    reads its epochs in full even while the crashed one's workers still
+    hold their plans.
     """
 
     def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,
@@ -691,7 +707,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.on_error = on_error
         self.epoch = 0
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
-                                 reconnect)
+                                 reconnect, run=_new_run())
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.digest: int = ds.digest

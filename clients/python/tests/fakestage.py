@@ -57,6 +57,7 @@ class FakeStage:
         self.script = script or {}
         self.next_delay = next_delay
         self.requests = []
+        self.plan_runs = []  # the run each PLAN named (0: none)
         self.plans = {}  # (job, rank, epoch) -> dict
         self.lock = threading.Lock()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -164,6 +165,7 @@ class FakeStage:
             return p.encode_samples(False, samples), False
         if isinstance(msg, p.Plan):
             h = st["hello"]
+            self.plan_runs.append(msg.run)
             if msg.kind == p.PlanKind.SHUFFLE:
                 if (msg.file_count, msg.digest) != (len(files), digest):
                     return p.encode_error(15, "listing changed"), False

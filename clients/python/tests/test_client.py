@@ -71,6 +71,16 @@ def test_epoch_order_matches_local_derivation(fake, data):
             assert again.state == p.PlanState.COMPLETE and list(again) == []
 
 
+def test_a_run_is_named_only_to_a_stage_that_grants_runs(fake, data):
+    """A stage without the RUNS feature (this fake grants none) is sent
+    plans as before: it would refuse the run's bytes."""
+    _root, files = data
+    with sluice.Client(fake.path, job="j", run=12345) as c:
+        assert c.run == 12345
+        assert sorted(n for n, _ in c.dataset("d").epoch(0)) == sorted(files)
+    assert fake.plan_runs == [0]
+
+
 def test_sample_errors_raise_or_yield(fake, data):
     root, files = data
     with sluice.Client(fake.path, job="j") as c:

@@ -461,3 +461,67 @@ def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, ma
             if wait:
                 back.join()
     back.join()
+
+
+CRASHING_TRAINER = """
+import os, sys, time
+from torch.utils.data import DataLoader
+import sluice.torch as st
+
+sock, pids = sys.argv[1], sys.argv[2]
+
+def note_pid(_):
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+ds = st.SluiceIterableDataset(sock, "ds", job="crashy", seed=9, batch=8)
+dl = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate, worker_init_fn=note_pid)
+for i, _ in enumerate(dl):
+    if i == 10:
+        print("reading", flush=True)
+        time.sleep(60)
+"""
+
+
+def test_a_trainer_restarted_after_a_crash_reads_its_epoch_in_full(tmp_path, stage_factory, many_files):
+    """A trainer killed mid-epoch leaves DataLoader workers behind that hold
+    its plans (and their prefetched samples) for seconds; the restarted
+    trainer, a new run, reads the epoch in full, each sample once."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    from torch.utils.data import DataLoader
+
+    import sluice.torch as st
+
+    root, files = many_files
+    stage = stage_factory({"ds": root})
+    pids = tmp_path / "worker-pids"
+    crashed = subprocess.Popen([sys.executable, "-c", CRASHING_TRAINER, stage.socket, str(pids)],
+                               stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert crashed.stdout.readline().strip() == "reading"
+    finally:
+        crashed.kill()
+        crashed.wait()
+    orphans = [int(pid) for pid in pids.read_text().split()]
+    assert len(orphans) == 2
+
+    ds = st.SluiceIterableDataset(stage.socket, "ds", job="crashy", seed=9, batch=8, sample="bytes")
+    dl = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate)
+    batches = iter(dl)
+    counts = collections.Counter()
+    names, samples = next(batches)
+    # The crashed run's workers still held their plans when these planned.
+    alive = [pid for pid in orphans if os.path.exists(f"/proc/{pid}") and
+             open(f"/proc/{pid}/stat").read().split(") ")[-1][0] != "Z"]
+    assert alive, "the crashed trainer's workers were gone before the new run planned"
+    for names, samples in [(names, samples), *batches]:
+        for name, data in zip(names, samples):
+            assert bytes(data) == files[name], name
+            counts[name] += 1
+    dupes = {n: k for n, k in counts.items() if k != 1}
+    assert not dupes, f"delivered more than once: {list(dupes.items())[:5]}"
+    assert set(counts) == set(files), f"{len(set(files) - set(counts))} samples never delivered"

@@ -472,6 +472,44 @@ def test_connections_of_one_job_share_a_plan(stage_factory, dataset):
                 c.close()
 
 
+def test_each_run_of_a_job_has_plans_of_its_own(stage_factory, dataset):
+    """Connections naming one run share its plan; another run of the same
+    job, data set, rank and epoch (a trainer restarted after a crash)
+    reads the epoch in full while the first still holds its plan, and
+    does not meet the first run's finished plan either."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    expected = [names[i] for i in splan.shuffle_plan(len(names), 4, 0, True, 0, 1)]
+
+    def client(run):
+        return sluice.Client(stage.socket, job="runs", run=run)
+
+    with client(7) as old, client(7) as old_too, client(8) as new, client(None) as plain:
+        assert old.dataset("d").client._plan_run == 7
+        first = old.dataset("d").epoch(0, seed=4, batch=5, prefetch=0)
+        assert first.state == p.PlanState.CREATED
+        held = [next(first) for _ in range(5)]
+        joined = old_too.dataset("d").epoch(0, seed=4, batch=5, prefetch=0)
+        assert joined.state == p.PlanState.JOINED
+        again = new.dataset("d").epoch(0, seed=4, batch=5)
+        assert again.state == p.PlanState.CREATED
+        assert [(n, bytes(d)) for n, d in again] == [(n, files[n]) for n in expected]
+        # A connection naming no run is a plan of its own too.
+        assert plain.dataset("d").epoch(0, seed=4).state == p.PlanState.CREATED
+        rest = [(n, bytes(d)) for n, d in joined]
+        assert sorted([n for n, _ in held] + [n for n, _ in rest]) == sorted(expected)
+        assert all(files[n] == d for n, d in rest)
+        with client(7) as late:
+            assert late.dataset("d").epoch(0, seed=4).state == p.PlanState.COMPLETE
+        with client(9) as later:
+            assert later.dataset("d").epoch(0, seed=4).state == p.PlanState.CREATED
+    with pytest.raises(ValueError, match="run must be"):
+        client(0)
+    with pytest.raises(ValueError, match="run must be"):
+        client(1 << 64)
+
+
 def test_workers_in_threads_share_a_plan(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})

@@ -63,8 +63,10 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
         assert [n for n, _ in got] == expected
         assert sampler.plan_state == p.PlanState.CREATED
         # The workers' whole-file reads delivered every entry of the
-        # sampler's plan, so the stage counts it as complete.
-        with sluice.Client(stage.socket, job=f"map{workers}", rank=rank, world_size=WORLD) as c:
+        # sampler's plan, so the stage counts it as complete (for the
+        # sampler's run: another run would read the epoch in full).
+        with sluice.Client(stage.socket, job=f"map{workers}", rank=rank, world_size=WORLD,
+                           run=sampler._conn.run) as c:
             assert c.dataset("d").epoch(3, seed=5).state == p.PlanState.COMPLETE
         sampler.close()
         ds.close()

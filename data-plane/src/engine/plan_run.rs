@@ -15,6 +15,10 @@ use crate::protocol::ProtocolError;
 pub struct PlanKey {
     pub rank: u32,
     pub epoch: u64,
+    /// The trainer run that submitted it (0: none named). A trainer
+    /// restarted after a crash is a new run: it does not meet the plans its
+    /// predecessor's processes still hold, nor their finished ones.
+    pub run: u64,
 }
 
 /// Identifies a plan within a job across data sets: a job's training and
@@ -196,7 +200,18 @@ mod tests {
                 .map(|i| FileEntry::new(format!("f{i}"), 10, 0))
                 .collect(),
         ));
-        PlanRun::new(1, PlanKey { rank: 0, epoch: 0 }, 0, ds, listing, files)
+        PlanRun::new(
+            1,
+            PlanKey {
+                rank: 0,
+                epoch: 0,
+                run: 0,
+            },
+            0,
+            ds,
+            listing,
+            files,
+        )
     }
 
     #[test]

@@ -247,6 +247,7 @@ async fn run(
     let key = PlanKey {
         rank: 0,
         epoch: number,
+        run: 0,
     };
     // Only what the cache lacks and has room for is read: a data set
     // larger than its room is read as far as the room goes, not whole.

@@ -280,6 +280,7 @@ impl Orders {
                 PlanKey {
                     rank: ORDER_RANK,
                     epoch: self.epoch,
+                    run: 0,
                 },
                 fingerprint,
                 ds,

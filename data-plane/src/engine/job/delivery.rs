@@ -183,8 +183,16 @@ impl Job {
                 return Err(ProtocolError::new(
                     ErrorCode::PlanConflict,
                     format!(
-                        "job `{}` already has a different active plan over data set `{}` for rank {} epoch {}; submit the same plan to share it, or use another epoch number",
-                        self.id, dataset.name, key.rank, key.epoch
+                        "job `{}` already has a different active plan over data set `{}` for rank {} epoch {}{}; submit the same plan to share it, or use another epoch number",
+                        self.id,
+                        dataset.name,
+                        key.rank,
+                        key.epoch,
+                        if key.run == 0 {
+                            String::new()
+                        } else {
+                            format!(" run {:016x}", key.run)
+                        }
                     ),
                 ));
             }
