@@ -113,6 +113,34 @@ def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_pa
     assert not sock.exists()
 
 
+def test_symlinks_left_out_of_a_listing_are_warned_of(tmp_path, dataset):
+    """Links leaving the data set's directory (a Hugging Face cache's
+    snapshot links into its blobs) and links that dangle or loop are not
+    listed, and the operator is told so, once per kind."""
+    root, files = dataset
+    outside = tmp_path / "blobs"
+    outside.mkdir()
+    for i in range(3):
+        (outside / f"b{i}").write_bytes(b"blob")
+        (root / f"linked-{i}.bin").symlink_to(outside / f"b{i}")
+    (root / "dangling.bin").symlink_to(root / "gone")
+    (root / "loop.bin").symlink_to(root / "loop.bin")
+    proc = _popen(tmp_path / "s.sock", root)
+    try:
+        assert b"ready" in proc.stdout.readline()
+        with sluice.Client(str(tmp_path / "s.sock"), job="ops", reconnect=0) as c:
+            assert sorted(name for name, _ in c.dataset("d").files) == sorted(files)
+    finally:
+        assert _stop(proc) == 0
+    log = proc.stderr.read().decode()
+    lines = [line for line in log.splitlines() if "left symlinks out" in line]
+    assert len(lines) == 2, log
+    away = next(line for line in lines if "outside the data set" in line)
+    assert "skipped=3" in away and "/linked-" in away and str(outside) in away, away
+    broken = next(line for line in lines if "lead nowhere" in line)
+    assert "skipped=2" in broken, broken
+
+
 def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path, dataset):
     """A directory that may be read but not searched (mode 0644) lists its
     names, but its files cannot be examined: the listing leaves them out

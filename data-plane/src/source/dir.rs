@@ -58,12 +58,27 @@ impl DirSource {
             root: &self.root,
             out: Walked::default(),
             ancestors: vec![self.root.clone()],
-            unreadable: Unreadable::default(),
+            unreadable: LeftOut::default(),
+            outside: LeftOut::default(),
+            broken: LeftOut::default(),
         };
         let root = std::fs::metadata(&self.root)?;
         walk.out.dir_owners.push((String::new(), Owner::of(&root)));
         walk.entries(&self.root, entries, "")?;
-        walk.unreadable.report(&self.root);
+        walk.unreadable.report(
+            &self.root,
+            "left entries out of the listing that could not be examined",
+        );
+        walk.outside.report(
+            &self.root,
+            "left symlinks out of the listing whose targets are outside the data set's directory \
+             (only files beneath it are served): point the data set at a directory that holds \
+             the targets too",
+        );
+        walk.broken.report(
+            &self.root,
+            "left symlinks out of the listing that lead nowhere (dangling, or a loop)",
+        );
         Ok(walk.out)
     }
 
@@ -196,35 +211,40 @@ struct Walk<'a> {
     root: &'a Path,
     out: Walked,
     ancestors: Vec<PathBuf>,
-    unreadable: Unreadable,
+    /// Entries that could not be examined (a file whose directory may be
+    /// read but not searched, say); entries that vanished while the walk
+    /// ran are left out silently.
+    unreadable: LeftOut,
+    /// Symlinks whose targets leave the root.
+    outside: LeftOut,
+    /// Symlinks that dangle or loop.
+    broken: LeftOut,
 }
 
-/// Entries a walk left out because they could not be examined (a file
-/// whose directory may be read but not searched, say), reported once per
-/// listing; entries that vanished while it walked are left out silently.
+/// Entries a walk left out for one reason, reported once per listing:
+/// how many, and the first with what it says of it.
 #[derive(Default)]
-struct Unreadable {
+struct LeftOut {
     count: usize,
-    first: Option<(PathBuf, io::Error)>,
+    first: Option<(PathBuf, String)>,
 }
 
-impl Unreadable {
-    fn note(&mut self, path: PathBuf, error: io::Error) {
-        if error.kind() == io::ErrorKind::NotFound {
-            return;
-        }
+impl LeftOut {
+    fn note(&mut self, path: PathBuf, why: impl FnOnce() -> String) {
         self.count += 1;
-        self.first.get_or_insert((path, error));
+        if self.first.is_none() {
+            self.first = Some((path, why()));
+        }
     }
 
-    fn report(&self, root: &Path) {
-        if let Some((path, error)) = &self.first {
+    fn report(&self, root: &Path, what: &str) {
+        if let Some((path, why)) = &self.first {
             tracing::warn!(
                 root = %root.display(),
                 skipped = self.count,
                 first = %path.display(),
-                %error,
-                "left entries out of the listing that could not be examined"
+                detail = %why,
+                "{what}"
             );
         }
     }
@@ -250,8 +270,11 @@ impl Walk<'_> {
             };
             // One entry that cannot be examined (or that went while the
             // walk ran) is left out, not the data set failed.
-            if let Err(error) = self.entry(&entry, name) {
-                self.unreadable.note(entry.path(), error);
+            match self.entry(&entry, name) {
+                Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                    self.unreadable.note(entry.path(), || error.to_string());
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -277,17 +300,24 @@ impl Walk<'_> {
 
     /// Returns the type of `entry` and the canonical path to read it by:
     /// its own (its directory's is canonical), or a symlink's target;
-    /// `None` for a symlink that dangles or leaves the root.
-    fn follow(&self, entry: &DirEntry) -> io::Result<Option<(FileType, PathBuf)>> {
+    /// `None` (noted for the listing's warnings) for a symlink that
+    /// dangles, loops or leaves the root.
+    fn follow(&mut self, entry: &DirEntry) -> io::Result<Option<(FileType, PathBuf)>> {
         let path = entry.path();
         let file_type = entry.file_type()?;
         if !file_type.is_symlink() {
             return Ok(Some((file_type, path)));
         }
-        let Ok(resolved) = path.canonicalize() else {
-            return Ok(None);
+        let resolved = match path.canonicalize() {
+            Ok(resolved) => resolved,
+            Err(error) => {
+                self.broken.note(path, || error.to_string());
+                return Ok(None);
+            }
         };
         if !resolved.starts_with(self.root) {
+            self.outside
+                .note(path, || format!("-> {}", resolved.display()));
             return Ok(None);
         }
         let file_type = std::fs::metadata(&resolved)?.file_type();
@@ -297,7 +327,7 @@ impl Walk<'_> {
     /// Walks the subdirectory `dir` (canonical) listed as `name`, recording
     /// it when nothing is listed beneath it. Skips an ancestor (a cycle);
     /// one that cannot be read is an error its caller leaves out (see
-    /// [`Unreadable`]).
+    /// [`Walk::unreadable`]).
     fn subdir(&mut self, dir: PathBuf, name: String) -> io::Result<()> {
         if self.ancestors.contains(&dir) {
             return Ok(());
