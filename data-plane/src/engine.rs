@@ -514,9 +514,7 @@ impl Engine {
         for job in self.jobs() {
             job.tune(now);
             // The free pages a quiet job's region keeps go back.
-            if let Some(region) = job.region() {
-                region.give_back_if_idle(REGION_IDLE);
-            }
+            job.give_back_idle_pages(REGION_IDLE);
         }
         self.refresh_listings();
         let mut jobs = lock(&self.jobs);

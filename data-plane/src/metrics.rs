@@ -121,6 +121,7 @@ pub struct JobSeries {
     pub reader_threads: IntGaugeVec,
     pub job_connections: IntGaugeVec,
     pub shared_lent: IntGaugeVec,
+    pub shared_kept: IntGaugeVec,
     pub shared_samples: IntCounterVec,
     pub tuner_changes: IntCounterVec,
     throttled_seconds: CounterVec,
@@ -410,6 +411,10 @@ impl JobSeries {
                 "sluice_stage_shared_lent_bytes",
                 "Bytes of the job's samples its trainers hold in shared memory (lent, not yet returned).",
             ),
+            shared_kept: r.gauge(
+                "sluice_stage_shared_kept_bytes",
+                "Bytes of freed slots the job's shared-memory region keeps resident for reuse, outside the node budget (at most an eighth of it; given back once the job hands out no slot for 5 s). Updated every tuner tick.",
+            ),
             shared_samples: r.counter(
                 "sluice_stage_shared_samples_total",
                 "Samples handed to the job's trainers in shared memory (the rest of sluice_stage_delivered_samples_total went through the socket).",
@@ -461,6 +466,7 @@ impl JobSeries {
             &self.reader_threads,
             &self.job_connections,
             &self.shared_lent,
+            &self.shared_kept,
         ] {
             let _ = g.remove_label_values(&[job]);
         }

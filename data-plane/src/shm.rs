@@ -167,11 +167,12 @@ impl Region {
     }
 
     /// Gives the pages of every free slot it keeps back to the kernel when
-    /// it has handed out no slot for `idle` (its job went quiet).
-    pub fn give_back_if_idle(&self, idle: Duration) {
+    /// it has handed out no slot for `idle` (its job went quiet); returns
+    /// the bytes of free slots it keeps resident after.
+    pub fn give_back_if_idle(&self, idle: Duration) -> usize {
         let mut free = self.lock();
         if free.last_alloc.is_some_and(|at| at.elapsed() < idle) {
-            return;
+            return free.resident_bytes;
         }
         let kept = std::mem::take(&mut free.resident);
         for (len, offsets) in kept {
@@ -184,6 +185,7 @@ impl Region {
                 }
             }
         }
+        free.resident_bytes
     }
 
     /// Frees the pages of a range (they read as zeros afterwards).

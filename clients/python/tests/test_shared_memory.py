@@ -238,11 +238,18 @@ def test_idle_jobs_regions_keep_little_beyond_the_budget(stage_factory, tmp_path
                 assert data == files[name]
                 got += 1
             assert got == len(files)
+            if job == "a":
+                # Its region keeps the freed slots it may reuse, and says so.
+                wait_for(lambda: job_metric(stage, "sluice_stage_shared_kept_bytes", "a") > 0,
+                         timeout=4, what="the kept bytes shown")
         del data
         wait_for(lambda: all(lent(stage, c.job) == 0 for c in clients), what="every slot returned")
         # Before: each region kept the 12 MiB its job read (48 MiB), for good.
         wait_for(lambda: shmem_mib(stage) < 4, timeout=15, interval=0.5,
                  what="the idle jobs' regions to give their free pages back")
+        # What the regions keep is shown per job.
+        wait_for(lambda: all(job_metric(stage, "sluice_stage_shared_kept_bytes", c.job) == 0
+                             for c in clients), what="the kept bytes shown as given back")
     finally:
         for c in clients:
             c.close()

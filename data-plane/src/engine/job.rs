@@ -132,6 +132,8 @@ pub struct Job {
     /// The bytes in the book, as the job's gauge shows them (set whenever
     /// the book changes).
     lent_gauge: prometheus::IntGauge,
+    /// The free bytes its region keeps resident (set every tuner tick).
+    kept_gauge: prometheus::IntGauge,
     limiter: TokenBucket,
     stats: Stats,
     memory: Arc<Memory>,
@@ -302,6 +304,7 @@ impl Job {
             region,
             lending: Mutex::new(Lending::default()),
             lent_gauge: metrics.job.shared_lent.with_label_values(&[id]),
+            kept_gauge: metrics.job.shared_kept.with_label_values(&[id]),
             limiter: TokenBucket::new(config.limits),
             stats: Stats::default(),
             throttled_metric: metrics.throttled(id),
@@ -475,6 +478,15 @@ impl Job {
     /// The shared-memory region its buffers live in, if any.
     pub fn region(&self) -> Option<&Arc<Region>> {
         self.region.as_ref()
+    }
+
+    /// Gives the free pages its region keeps back to the kernel once the
+    /// job has handed out no slot for `idle`, and shows what it keeps.
+    pub fn give_back_idle_pages(&self, idle: Duration) {
+        if let Some(region) = &self.region {
+            let kept = region.give_back_if_idle(idle);
+            self.kept_gauge.set(i64::try_from(kept).unwrap_or(i64::MAX));
+        }
     }
 
     /// Returns a buffer of `len` bytes for a prefetch read: a slot of the
