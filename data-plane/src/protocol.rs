@@ -24,7 +24,7 @@ pub const FEATURE_SHARED_MEMORY: u32 = 1;
 pub const FEATURE_RUNS: u32 = 2;
 /// Bit of `PLAN`'s kind byte: the plan is followed by the `u64` run it
 /// belongs to.
-const PLAN_WITH_RUN: u8 = 0x80;
+pub const PLAN_WITH_RUN: u8 = 0x80;
 /// The largest frame a trainer may send (type byte plus payload).
 pub const MAX_REQUEST_FRAME: u32 = 16 << 20;
 /// The largest frame the stage sends.
@@ -176,8 +176,9 @@ pub enum Request {
     Plan {
         epoch: u64,
         spec: PlanSpec,
-        /// The trainer run the plan belongs to (feature `RUNS`; 0: none).
-        run: u64,
+        /// The trainer run the plan names (kind bit [`PLAN_WITH_RUN`],
+        /// feature `RUNS`); `None` when it names none.
+        run: Option<u64>,
     },
     Next {
         max_samples: u32,
@@ -265,9 +266,9 @@ impl Request {
                 let kind = d.u8()?;
                 let spec = PlanSpec::decode(kind & !PLAN_WITH_RUN, &mut d)?;
                 let run = if kind & PLAN_WITH_RUN != 0 {
-                    d.u64()?
+                    Some(d.u64()?)
                 } else {
-                    0
+                    None
                 };
                 Self::Plan { epoch, spec, run }
             }
@@ -332,8 +333,8 @@ impl Request {
             }
             Self::Plan { epoch, spec, run } => {
                 e.u8(kind::PLAN).u64(*epoch);
-                spec.encode(&mut e, *run != 0);
-                if *run != 0 {
+                spec.encode(&mut e, run.is_some());
+                if let Some(run) = run {
                     e.u64(*run);
                 }
             }
@@ -760,17 +761,17 @@ mod tests {
             Request::Plan {
                 epoch: 3,
                 spec: PlanSpec::Indices(vec![3, 1, 2]),
-                run: 0,
+                run: None,
             },
             Request::Plan {
                 epoch: 3,
                 spec: PlanSpec::Indices(vec![3, 1, 2]),
-                run: 0x5eed_0000_0000_0001,
+                run: Some(0x5eed_0000_0000_0001),
             },
             Request::Plan {
                 epoch: 3,
                 spec: PlanSpec::Names(vec!["a/b".into(), "c".into()]),
-                run: 0,
+                run: Some(0),
             },
             Request::Plan {
                 epoch: 0,
@@ -780,7 +781,7 @@ mod tests {
                     file_count: 10,
                     digest: 7,
                 },
-                run: u64::MAX,
+                run: Some(u64::MAX),
             },
             Request::Next { max_samples: 32 },
             Request::Read {

@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
     self, ErrorCode, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FrameReadError, MAX_LIST, MAX_NEXT,
-    MAX_REQUEST_FRAME, Part, Payload, PlanSpec, ProtocolError, Request, Response,
+    MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec, ProtocolError, Request, Response,
     SAMPLES_FRAME_BUDGET, Sample, TO_END,
 };
 use crate::source::Pinned;
@@ -223,6 +223,8 @@ struct Connection {
     shared: Option<Shared>,
     /// The region's descriptor, sent with the next answer (`WELCOME`).
     descriptor: Option<OwnedFd>,
+    /// Whether `HELLO` was granted `RUNS` (a `PLAN` may name a run).
+    runs: bool,
 }
 
 fn invalid(message: String) -> ProtocolError {
@@ -254,6 +256,7 @@ impl Connection {
             plan: None,
             shared: None,
             descriptor: None,
+            runs: false,
         }
     }
 
@@ -443,6 +446,7 @@ impl Connection {
         crate::fault::panic_job_if_asked(handle.job());
         self.job = Some(handle);
         let mut granted = features & FEATURE_RUNS;
+        self.runs = granted != 0;
         if features & FEATURE_SHARED_MEMORY != 0 {
             granted |= self.grant_shared_memory();
         }
@@ -560,14 +564,23 @@ impl Connection {
         })
     }
 
-    fn plan(&mut self, epoch: u64, spec: PlanSpec, run: u64) -> Answer {
+    fn plan(&mut self, epoch: u64, spec: PlanSpec, run: Option<u64>) -> Answer {
+        if run.is_some() && !self.runs {
+            // As a stage without the feature answers the flagged kind.
+            return Err(ProtocolError::new(
+                ErrorCode::BadPlan,
+                format!(
+                    "PLAN names a run (kind bit 0x{PLAN_WITH_RUN:02x}) on a connection not granted the RUNS feature: ask for it in a version-2 HELLO"
+                ),
+            ));
+        }
         let (dataset, listing) = self.opened()?.clone();
         let files = self.plan_files(epoch, spec, &dataset, &listing)?;
         let fingerprint = listing.fingerprint(&files);
         let key = PlanKey {
             rank: self.rank,
             epoch,
-            run,
+            run: run.unwrap_or(0),
         };
         self.plan = None;
         let (handle, state) = self

@@ -176,7 +176,7 @@ fn good_epoch(stage: &Stage, job: &str, files: usize) {
         &Request::Plan {
             epoch: 0,
             spec: PlanSpec::Indices(order.clone()),
-            run: 0,
+            run: None,
         },
     );
     assert_eq!(planned.0, 0x84);
@@ -295,7 +295,7 @@ fn garbage_ends_only_the_offending_connection() {
         let bad_plan = Request::Plan {
             epoch: 0,
             spec: PlanSpec::Indices(vec![0, 40]),
-            run: 0,
+            run: None,
         };
         assert_eq!(error_code(&request(&mut s, &bad_plan)), 15);
         assert_eq!(
@@ -401,7 +401,7 @@ fn a_consumer_that_leaves_mid_epoch_frees_its_buffer() {
     let plan = Request::Plan {
         epoch: 0,
         spec: PlanSpec::Indices((0..200).collect()),
-        run: 0,
+        run: None,
     };
     assert_eq!(request(&mut s, &plan).0, 0x84);
     assert_eq!(request(&mut s, &Request::Next { max_samples: 1 }).0, 0x85);

@@ -56,11 +56,12 @@ class PlanIterator:
             # surprise for a new run that reuses the job's name without
             # naming itself a run.
             c = dataset.client
-            by = "this run" if c._plan_run else "the job"
+            by, again = ("this run", "a new epoch number") if c._plan_run else \
+                ("the job", "a new run (Client(run=...)), a new epoch number")
             warnings.warn(
-                f"epoch {epoch} of job {c.job!r} (rank {c.rank}) was already read in full by {by} on "
-                "this stage, so this iterator yields nothing; a new run of the job names a new run "
-                "(Client(run=...)), new epoch numbers or a new job name", RuntimeWarning, stacklevel=3)
+                f"epoch {epoch} of job {c.job!r} (shard {c.rank} of {c.world_size}) was already read in "
+                f"full by {by} on this stage, so this iterator yields nothing; to read it again use "
+                f"{again} or a new job name", RuntimeWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch

@@ -80,6 +80,7 @@ it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import select
@@ -301,10 +302,12 @@ class _PerProcess:
     """
 
     def __init__(self, address, dataset: str, job: str, labels, rank: int, world_size: int,
-                 timeout: Optional[float], reconnect: float = 60.0, run: Optional[int] = None) -> None:
+                 timeout: Optional[float], reconnect: float = 60.0, runs: bool = False) -> None:
         self.address = address
-        # Pickled with the rest: a spawned worker's plans are its run's.
-        self.run = run
+        # What the runs of this object's trainer processes derive from (see
+        # `run`); pickled with the rest.
+        self._nonce: Optional[bytes] = os.urandom(16) if runs else None
+        self._run: Optional[Tuple[int, int]] = None  # (pid, run) of this process
         self.dataset_name = dataset
         self.job = job
         self.labels = dict(labels or {})
@@ -349,17 +352,40 @@ class _PerProcess:
             self._client.close()
         self._client = self._dataset = None
 
+    @property
+    def run(self) -> Optional[int]:
+        """The run this process's plans belong to: one per trainer process
+        (this process, or in a ``DataLoader`` worker its parent, the
+        process that iterates the loader) and object, so that the workers
+        of one trainer share their plans while a trainer restarted after a
+        crash, even with the same object (forked, pickled, restored), is a
+        new run. None for an object made without runs."""
+        if self._nonce is None:
+            return None
+        pid = os.getpid()
+        if self._run is None or self._run[0] != pid:
+            trainer = os.getppid() if _data.get_worker_info() is not None else pid
+            self._run = (pid, _run_of(self._nonce, trainer))
+        return self._run[1]
+
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_client"] = state["_dataset"] = state["_pid"] = None
+        state["_client"] = state["_dataset"] = state["_pid"] = state["_run"] = None
         return state
 
 
-def _new_run() -> int:
-    """A random trainer run identity (see :class:`sluice.Client`): the
-    processes of one run share their plans; a restarted trainer is a new
-    run and reads its epochs in full."""
-    return int.from_bytes(os.urandom(8), "big") or 1
+def _run_of(nonce: bytes, pid: int) -> int:
+    """The run (see :class:`sluice.Client`) of the trainer process ``pid``
+    for an object's ``nonce``: derived from the process's id and start
+    time, so a reused pid is another run."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Field 22, counted after the command name's closing parenthesis.
+            started = f.read().rpartition(b")")[2].split()[19]
+    except (OSError, IndexError):
+        started = b""
+    digest = hashlib.blake2b(nonce + b"%d:" % pid + started, digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 def _connect_again(connect: Callable[[], Client], reconnect: float) -> Client:
@@ -471,7 +497,8 @@ class SluiceSampler(_PlanningSampler):
     """Yields this rank's indices of an epoch and tells the stage the plan.
 
     ``__iter__`` submits the epoch's ``SHUFFLE`` plan for ``(job, rank,
-    epoch)`` over the sampler's own connection, so the stage starts
+    epoch)`` and this process's run (see :class:`SluiceIterableDataset`)
+    over the sampler's own connection, so the stage starts
     prefetching, and yields the same indices derived locally with
     :func:`sluice.plan.shuffle_plan`. Call :meth:`set_epoch` before each
     epoch, as with ``DistributedSampler``: an epoch whose plan was already
@@ -493,7 +520,7 @@ class SluiceSampler(_PlanningSampler):
         self.plan_state: Optional[PlanState] = None
         self._conn = _PerProcess(dataset.address, dataset.dataset, dataset.job, dataset.labels,
                                  self.rank, self.world_size, dataset.timeout, dataset.reconnect,
-                                 run=_new_run())
+                                 runs=True)
         self._conn.expected_digest = dataset.digest
         self._plan = None
 
@@ -618,7 +645,7 @@ class MountSampler(_PlanningSampler):
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.epoch = 0
         self._conn = _PerProcess(address, self.dataset_name, self.job, labels, self.rank, self.world_size,
-                                 timeout, reconnect, run=_new_run())
+                                 timeout, reconnect, runs=True)
         self._plan = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -673,14 +700,16 @@ class SluiceIterableDataset(_data.IterableDataset):
             receives ahead (see :meth:`sluice.Dataset.epoch`); 0 receives
             them in ``next()``.
 
-    Call :meth:`set_epoch` before each epoch; iterating an epoch that was
-    already read in full yields nothing in workers and raises in the main
-    process. ``len()`` is this rank's share (all workers together).
+    Call :meth:`set_epoch` before each epoch; iterating an epoch that this
+    trainer process already read in full yields nothing in workers and
+    raises in the main process. ``len()`` is this rank's share (all
+    workers together).
 
-    The object picks a random run (see :class:`sluice.Client`) that its
-    workers inherit: a trainer restarted after a crash, with a new object,
-    reads its epochs in full even while the crashed one's workers still
-    hold their plans.
+    Plans name the trainer process's run (see :class:`sluice.Client`),
+    derived from a random value of the object and the process's id and
+    start time (a worker takes its parent's): a trainer restarted after a
+    crash, with a new object or this one, reads its epochs in full even
+    while the crashed one's workers still hold their plans.
     """
 
     def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,
@@ -707,7 +736,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.on_error = on_error
         self.epoch = 0
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
-                                 reconnect, run=_new_run())
+                                 reconnect, runs=True)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.digest: int = ds.digest

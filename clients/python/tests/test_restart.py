@@ -463,33 +463,35 @@ def test_dataloader_workers_go_on_across_restarts_between_epochs(restartable, ma
     back.join()
 
 
-CRASHING_TRAINER = """
-import os, sys, time
-from torch.utils.data import DataLoader
-import sluice.torch as st
+def _crashing_trainer(ds, pids: str, reading) -> None:
+    """A trainer that reads ten batches of ``ds`` with two DataLoader
+    workers (recording their pids), says so and waits to be killed."""
+    from torch.utils.data import DataLoader
 
-sock, pids = sys.argv[1], sys.argv[2]
+    import sluice.torch as st
 
-def note_pid(_):
-    with open(pids, "a") as f:
-        f.write(f"{os.getpid()}\\n")
+    def note_pid(_):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
 
-ds = st.SluiceIterableDataset(sock, "ds", job="crashy", seed=9, batch=8)
-dl = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate, worker_init_fn=note_pid)
-for i, _ in enumerate(dl):
-    if i == 10:
-        print("reading", flush=True)
-        time.sleep(60)
-"""
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate, worker_init_fn=note_pid)
+    for i, _ in enumerate(loader):
+        if i == 10:
+            reading.set()
+            time.sleep(60)
 
 
-def test_a_trainer_restarted_after_a_crash_reads_its_epoch_in_full(tmp_path, stage_factory, many_files):
+@pytest.mark.parametrize("restart", ["new-object", "same-object"])
+def test_a_trainer_restarted_after_a_crash_reads_its_epoch_in_full(tmp_path, stage_factory, many_files,
+                                                                   restart):
     """A trainer killed mid-epoch leaves DataLoader workers behind that hold
     its plans (and their prefetched samples) for seconds; the restarted
-    trainer, a new run, reads the epoch in full, each sample once."""
+    trainer, a new run, reads the epoch in full, each sample once: with
+    a dataset object of its own, and with the one the crashed trainer was
+    forked with (a supervisor that restarts its trainer with the object
+    it made)."""
     pytest.importorskip("torch")
-    import subprocess
-    import sys
+    import multiprocessing
 
     from torch.utils.data import DataLoader
 
@@ -497,21 +499,26 @@ def test_a_trainer_restarted_after_a_crash_reads_its_epoch_in_full(tmp_path, sta
 
     root, files = many_files
     stage = stage_factory({"ds": root})
+
+    def dataset():
+        return st.SluiceIterableDataset(stage.socket, "ds", job="crashy", seed=9, batch=8, sample="bytes")
+
+    first = dataset()
     pids = tmp_path / "worker-pids"
-    crashed = subprocess.Popen([sys.executable, "-c", CRASHING_TRAINER, stage.socket, str(pids)],
-                               stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    context = multiprocessing.get_context("fork")
+    reading = context.Event()
+    crashed = context.Process(target=_crashing_trainer, args=(first, str(pids), reading))
+    crashed.start()
     try:
-        assert crashed.stdout.readline().strip() == "reading"
+        assert reading.wait(60), "the first trainer did not start reading"
     finally:
         crashed.kill()
-        crashed.wait()
+        crashed.join()
     orphans = [int(pid) for pid in pids.read_text().split()]
     assert len(orphans) == 2
 
-    ds = st.SluiceIterableDataset(stage.socket, "ds", job="crashy", seed=9, batch=8, sample="bytes")
-    dl = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate)
-    batches = iter(dl)
+    ds = dataset() if restart == "new-object" else first
+    batches = iter(DataLoader(ds, batch_size=8, num_workers=2, collate_fn=st.collate))
     counts = collections.Counter()
     names, samples = next(batches)
     # The crashed run's workers still held their plans when these planned.

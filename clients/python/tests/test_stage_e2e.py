@@ -504,6 +504,20 @@ def test_each_run_of_a_job_has_plans_of_its_own(stage_factory, dataset):
             assert late.dataset("d").epoch(0, seed=4).state == p.PlanState.COMPLETE
         with client(9) as later:
             assert later.dataset("d").epoch(0, seed=4).state == p.PlanState.CREATED
+    # A run named on a connection not granted RUNS is refused, as a stage
+    # without the feature refuses the flagged kind.
+    for version in (1, 2):
+        raw = Raw(stage.socket)
+        try:
+            welcome = raw.call(p.encode_hello("runs", {}, 0, 1, version=version))
+            assert welcome.version == version and welcome.features == 0
+            assert isinstance(raw.call(p.encode_open("d")), p.Opened)
+            refused = raw.call(p.encode_plan_indices(0, [0], run=5))
+            assert refused.code == p.ErrorCode.BAD_PLAN and not refused.fatal, refused
+            assert "not granted the RUNS feature" in refused.message
+            assert isinstance(raw.call(p.encode_plan_indices(0, [0])), p.Planned)
+        finally:
+            raw.close()
     with pytest.raises(ValueError, match="run must be"):
         client(0)
     with pytest.raises(ValueError, match="run must be"):
