@@ -73,16 +73,19 @@ impl Memory {
         self.used.load(Ordering::Relaxed)
     }
 
-    /// Reserves `n` bytes if the budget allows, or unconditionally when
-    /// `force` is set (the caller's plan holds nothing) and either nothing
-    /// at all is reserved or `n` is more than the whole budget: such a
-    /// sample could wait forever for room (trainers holding shared-memory
-    /// samples keep the node from ever being empty), so it is read alone.
+    /// Reserves `n` bytes if the budget allows, or regardless when `force`
+    /// is set (the caller's plan holds nothing) and either nothing at all
+    /// is reserved, or `n` is more than the whole budget and nothing is
+    /// reserved beyond the budget yet. Such a sample could wait forever for
+    /// room (trainers holding shared-memory samples keep the node from ever
+    /// being empty), so it is read over the budget, one at a time on the
+    /// node: every plan reading one at once took the budget many times
+    /// over.
     fn try_reserve(&self, n: u64, force: bool) -> bool {
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                (used + n <= self.budget || (force && (used == 0 || n > self.budget)))
-                    .then_some(used + n)
+                let alone = used == 0 || (n > self.budget && used <= self.budget);
+                (used + n <= self.budget || (force && alone)).then_some(used + n)
             })
             .is_ok()
     }
@@ -555,5 +558,33 @@ impl Engine {
         for job in lock(&self.jobs).values() {
             job.stop();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_larger_than_the_budget_are_read_over_it_one_at_a_time() {
+        let memory = Memory::new(100);
+        assert!(!memory.try_reserve(150, false));
+        assert!(memory.try_reserve(150, true), "alone, over the budget");
+        assert!(
+            !memory.try_reserve(150, true),
+            "a second waits for the first to go"
+        );
+        assert!(!memory.try_reserve(1, false));
+        memory.release(150);
+        assert!(memory.try_reserve(60, false));
+        assert!(
+            memory.try_reserve(150, true),
+            "within the budget, one may go over it"
+        );
+        assert!(
+            !memory.try_reserve(30, true),
+            "a sample the budget can hold waits for room"
+        );
+        assert_eq!(memory.used(), 210);
     }
 }

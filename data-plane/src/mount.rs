@@ -505,6 +505,11 @@ const RUN: u64 = 1 << 20;
 /// Windows an open file keeps: the ones being read and the ones ahead.
 const WINDOWS: usize = AHEAD as usize + 2;
 
+/// The most an open file read in windows holds; a planned file larger
+/// than this that no reader has fetched yet is read in windows too when
+/// opened, not whole into memory for as long as it is open.
+const WINDOWED_MAX: u64 = WINDOWS as u64 * WINDOW;
+
 /// One window of a file: fetched once, by whichever read needs it first.
 type Window = Arc<tokio::sync::OnceCell<Result<Arc<Chunk>, i32>>>;
 
@@ -1233,8 +1238,15 @@ impl Filesystem for MountFs {
         let job = self.readers.open(&self.engine, &job);
         let open = Arc::clone(&self.open);
         // A plan entry of the job is delivered whole, exactly once; a file
-        // no plan holds is answered here, without a task.
-        let Some(claim) = job.claim_planned(&dataset.name, &name) else {
+        // no plan holds is answered here, without a task, and so is a large
+        // entry no reader has started: it is read as an unplanned file is,
+        // not whole into memory for as long as it is open (four readers of
+        // 95 MiB files held 380 MiB on a 64 MiB budget).
+        let claim = match job.claim_planned(&dataset.name, &name) {
+            Some(claim) if size > WINDOWED_MAX => job.deliver_unread(claim),
+            claim => claim,
+        };
+        let Some(claim) = claim else {
             if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
                 return self.open_passthrough(
                     req.pid(),

@@ -965,6 +965,12 @@ class Dataset:
             for s in sorted(got.samples, key=lambda s: s.position):
                 if s.status == p.SAMPLE_OK:
                     out.append((s.name, s.data))
+                elif s.code == p.ErrorCode.TOO_LARGE:
+                    # Larger than one answer: read in ranges instead.
+                    try:
+                        out.append((s.name, self._read_ranges(s.name, 0, None)))
+                    except SluiceError as e:
+                        out.append((s.name, e))
                 else:
                     out.append((s.name, error_from_code(s.code, s.message, name=s.name)))
         if on_error == "raise":

@@ -87,7 +87,14 @@ class PlanIterator:
         self.delivered += 1
         if s.status == 0:
             return s.name, s.data
-        err = error_from_code(s.code, s.message, name=s.name)
+        if s.code == p.ErrorCode.TOO_LARGE:
+            # Larger than one answer: read in ranges instead.
+            try:
+                return s.name, self.dataset._read_ranges(s.name, 0, None)
+            except SluiceError as e:
+                err = e
+        else:
+            err = error_from_code(s.code, s.message, name=s.name)
         if self._yield_errors:
             return s.name, err
         raise err

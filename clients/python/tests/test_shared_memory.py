@@ -255,6 +255,53 @@ def test_idle_jobs_regions_keep_little_beyond_the_budget(stage_factory, tmp_path
             c.close()
 
 
+def test_samples_near_the_budget_go_over_it_one_at_a_time(stage_factory, tmp_path):
+    """Four ranks of a job reading samples the budget holds one of at a
+    time: the node is over its budget by one sample at most, not by one
+    per waiting consumer (they stacked up while on their way out)."""
+    root = tmp_path / "volumes"
+    root.mkdir()
+    size = 24 * MiB
+    files = {f"v{i}.bin": os.urandom(1024) * (size // 1024) for i in range(8)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    budget = 32 * MiB
+    stage = stage_factory({"d": root}, "--memory-budget", "32MiB")
+    peak = [0.0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            body = http_get(stage.metrics, "/metrics")
+            used = re.search(r"^sluice_stage_memory_used_bytes (\S+)$", body, re.M)
+            peak[0] = max(peak[0], float(used.group(1)))
+            time.sleep(0.005)
+
+    def rank(r, errors):
+        try:
+            with sluice.Client(stage.socket, job="volumes", rank=r, world_size=4,
+                               shared_memory=False, timeout=60) as c:
+                for name, data in c.dataset("d").epoch(0, batch=1):
+                    if data != files[name]:
+                        errors.append(name)
+                    time.sleep(0.05)
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    errors = []
+    ranks = [threading.Thread(target=rank, args=(r, errors)) for r in range(4)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(120)
+    done.set()
+    watcher.join()
+    assert not errors, errors
+    assert peak[0] <= budget + size + MiB, f"{peak[0] / MiB:.0f} MiB used on a 32 MiB budget"
+
+
 def test_a_sample_larger_than_what_held_slots_leave_is_read_all_the_same(stage_factory, tmp_path):
     """Slots a trainer holds stay out of the budget until it lets them go;
     a sample waited for that the rest cannot hold is read over the budget

@@ -170,6 +170,46 @@ def test_big_sample_is_sent_alone(stage_factory, tmp_path):
         assert ds.read("big.bin", 33 * 1024 * 1024, 100) == files["big.bin"][33 * 1024 * 1024:][:100]
 
 
+def test_a_sample_larger_than_one_answer_is_read_in_ranges(stage_factory, tmp_path):
+    """A file over the 256 MiB answer limit comes whole through an epoch and
+    FETCH (the client reads it in ranges), on the socket and with shared
+    memory."""
+    root = tmp_path / "huge"
+    root.mkdir()
+    size = p.MAX_RESPONSE_FRAME + 4096
+    marks = {0: b"head", size // 2: b"middle", size - 4: b"tail"}
+    with open(root / "volume.npy", "wb") as f:  # sparse: only the marks take disk
+        f.truncate(size)
+        for offset, mark in marks.items():
+            f.seek(offset)
+            f.write(mark)
+    (root / "small.bin").write_bytes(b"small")
+    stage = stage_factory({"d": root}, "--memory-budget", "64MiB")
+
+    def check(name, data):
+        if name == "small.bin":
+            assert bytes(data) == b"small"
+            return
+        assert len(data) == size
+        view = memoryview(data)
+        for offset, mark in marks.items():
+            assert bytes(view[offset:offset + len(mark)]) == mark
+        del view
+
+    for shared in (True, False):
+        with sluice.Client(stage.socket, job=f"huge-{shared}", shared_memory=shared) as c:
+            ds = c.dataset("d")
+            got = 0
+            for name, data in ds.epoch(0, batch=2):
+                check(name, data)
+                got += 1
+                del data
+            assert got == 2
+            for name, data in ds.fetch(["volume.npy", "small.bin"]):
+                check(name, data)
+                del data
+
+
 # -- errors -----------------------------------------------------------------------
 
 

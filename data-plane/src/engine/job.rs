@@ -45,6 +45,9 @@ const COMPLETED_MEMORY: usize = 256;
 /// How long a reader blocked on the node budget waits before looking again
 /// (another job's consumer may have freed memory).
 const MEMORY_RECHECK: Duration = Duration::from_millis(5);
+/// How long a waited entry waits to be read over the budget while
+/// something else is over it, before it goes over all the same.
+const OVER_PATIENCE: Duration = Duration::from_secs(2);
 /// The least a full buffer drains before its readers refill it.
 const REFILL_MIN: u64 = 4 << 20;
 
@@ -112,6 +115,9 @@ struct JobState {
     stopped: bool,
     last_tick: Option<(Instant, StatsSample)>,
     datasets: HashMap<String, DatasetMetrics>,
+    /// Since when a waited entry has waited to be read over the budget
+    /// while something else was over it ([`JobState::may_go_over`]).
+    over_waiting: Option<Instant>,
 }
 
 /// A training job as the stage sees it.
@@ -298,6 +304,7 @@ impl Job {
                 stopped: false,
                 last_tick: None,
                 datasets: HashMap::new(),
+                over_waiting: None,
             }),
             work: Condvar::new(),
             gate: Gate::new(hold),

@@ -390,6 +390,20 @@ impl Job {
         }
     }
 
+    /// Delivers the claimed entry without reading it when no reader has
+    /// started it (a mount's open of a large file reads it in windows
+    /// instead), returning `None`; gives the claim back when one has (the
+    /// entry is buffered or on its way: [`Job::deliver_claimed`] takes it).
+    pub fn deliver_unread(&self, claim: PlannedClaim) -> Option<PlannedClaim> {
+        match claim.0 {
+            Claimed::Direct(id, ..) => {
+                self.delivered_outside_readers(id);
+                None
+            }
+            started => Some(PlannedClaim(started)),
+        }
+    }
+
     /// Claims the first undelivered entry of `name` in an active plan on
     /// `dataset`, marking it started.
     fn claim_by_name(&self, dataset: &str, name: &str) -> Option<Claimed> {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Job, JobState, MEMORY_RECHECK};
+use super::{Job, JobState, MEMORY_RECHECK, OVER_PATIENCE};
 use crate::cache::{Fill, Flight, Lookup, Outcome};
 use crate::chunk::Chunk;
 use crate::dataset::Dataset;
@@ -108,6 +108,7 @@ impl Job {
                     };
                     match picked {
                         Ok(work) => {
+                            st.over_waiting = None;
                             st.in_flight += 1;
                             // Wakes are one at a time: pass it on, in case
                             // there is more (each reader that finds work
@@ -131,11 +132,14 @@ impl Job {
                                 // Nothing can make way (trainers hold the
                                 // rest, or other consumers wait on it): the
                                 // waited entry is read over the budget, one
-                                // at a time for the job.
+                                // at a time for the job, and while nothing
+                                // else is over it (see `may_go_over`).
                                 if st.in_flight == 0
+                                    && st.may_go_over(&self.memory, Instant::now())
                                     && let Ok(work) =
                                         st.pick_work(&self.memory, &self.metrics, &self.id, true)
                                 {
+                                    st.over_waiting = None;
                                     st.in_flight += 1;
                                     break work;
                                 }
@@ -396,6 +400,21 @@ impl JobState {
         } else {
             self.readers_target
         }
+    }
+
+    /// Whether a waited entry nothing can make room for may be read over
+    /// the budget now: when nothing is over it already, so that the node
+    /// goes over by one such sample at a time (samples on their way to
+    /// their consumers stacked up, one per waiting consumer: four ranks
+    /// reading 95 MiB samples held 384 MiB on a 128 MiB budget), or when
+    /// that has kept it waiting for [`OVER_PATIENCE`] (bytes held for long,
+    /// a mount's open files, must not stall the job for good).
+    pub(super) fn may_go_over(&mut self, memory: &Memory, now: Instant) -> bool {
+        if memory.used() <= memory.budget() {
+            return true;
+        }
+        let since = *self.over_waiting.get_or_insert(now);
+        now.duration_since(since) >= OVER_PATIENCE
     }
 
     /// The budget bytes of the next entry of a plan whose consumer waits on
