@@ -90,6 +90,34 @@ impl Memory {
             .is_ok()
     }
 
+    /// Reserves `n` bytes for a read a trainer waits on outside the readers
+    /// (a whole file a `FETCH`, `READ` or mount open asked for): within the
+    /// budget when it has room, else over it while nothing else is over
+    /// it, else once that has lasted `patience` (bytes held for long must
+    /// not stall it). Blocking: it waits in steps of `recheck`. Before,
+    /// such reads went to the heap outside the budget whenever it had no
+    /// room: four map-style workers reading 48 MiB samples took a stage
+    /// with a 32 MiB budget to 261 MiB.
+    fn reserve_waiting(&self, n: u64, patience: Duration, recheck: Duration) {
+        let start = Instant::now();
+        loop {
+            let alone = self
+                .used
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                    (used + n <= self.budget || used <= self.budget).then_some(used + n)
+                })
+                .is_ok();
+            if alone {
+                return;
+            }
+            if start.elapsed() >= patience {
+                self.reserve_over(n);
+                return;
+            }
+            std::thread::sleep(recheck);
+        }
+    }
+
     /// Reserves `n` bytes whether the budget has room or not (an entry a
     /// consumer waits on that nothing can make room for).
     fn reserve_over(&self, n: u64) {
@@ -586,5 +614,25 @@ mod tests {
             "a sample the budget can hold waits for room"
         );
         assert_eq!(memory.used(), 210);
+    }
+
+    #[test]
+    fn a_read_outside_the_readers_goes_over_the_budget_alone_or_after_waiting() {
+        let memory = Memory::new(100);
+        let (patience, recheck) = (Duration::from_millis(50), Duration::from_millis(1));
+        memory.reserve_waiting(60, patience, recheck);
+        memory.reserve_waiting(60, patience, recheck);
+        assert_eq!(
+            memory.used(),
+            120,
+            "the second went over, nothing else being over"
+        );
+        let start = Instant::now();
+        memory.reserve_waiting(10, patience, recheck);
+        assert!(
+            start.elapsed() >= patience,
+            "the third waited for the first two"
+        );
+        assert_eq!(memory.used(), 130);
     }
 }

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use tracing::debug;
 
-use super::{Job, PlanState};
+use super::{Job, MEMORY_RECHECK, OVER_PATIENCE, PlanState};
 use crate::cache::{Fill, Lookup};
-use crate::chunk::{Buffer, Chunk};
+use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
 use crate::metrics::DatasetMetrics;
@@ -428,9 +428,10 @@ impl Job {
 
     /// Reads file `name` whole now, outside the readers (a plan entry no
     /// reader started, or a `FETCH` of a file no plan holds), under the
-    /// limiter. While the node budget has room its bytes go into the job's
-    /// buffer memory, held by the returned reservation, so that a
-    /// shared-memory connection can lend them; else into the heap.
+    /// limiter. Its bytes count in the node budget, held by the returned
+    /// reservation (in the job's region while it has room, so that a
+    /// shared-memory connection can lend them), over the budget only as
+    /// [`crate::engine::Memory`]'s `reserve_waiting` allows.
     pub async fn read_whole_now(
         self: &Arc<Self>,
         dataset: Arc<Dataset>,
@@ -469,13 +470,11 @@ impl Job {
         let reserved = Cell::new(0);
         let alloc = |len: usize| {
             let bytes = len as u64;
-            if self.region.is_some() && self.memory.try_reserve(bytes, false) {
-                self.lock().reserved += bytes;
-                reserved.set(bytes);
-                self.buffer(len)
-            } else {
-                Buffer::heap(len)
-            }
+            self.memory
+                .reserve_waiting(bytes, OVER_PATIENCE, MEMORY_RECHECK);
+            self.lock().reserved += bytes;
+            reserved.set(reserved.get() + bytes);
+            self.buffer(len)
         };
         let copied = |bytes: &[u8]| {
             let mut buf = alloc(bytes.len());
