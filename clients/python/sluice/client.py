@@ -147,6 +147,10 @@ _held_at_fork: list = []
 _fork_orphans: list = []
 #: Longest a fork waits for an exchange in progress on another thread.
 FORK_WAIT_S = 10.0
+#: Held from a fork's first hook to its last: forks from several threads at
+#: once (two DataLoaders started from two threads) take turns, so that one
+#: never releases the connection locks another took.
+_fork_lock = threading.Lock()
 
 
 def _before_fork() -> None:
@@ -154,6 +158,7 @@ def _before_fork() -> None:
     # connection is between frames: closing it there must take the socket
     # file's internal lock, which a thread that does not exist in the child
     # could otherwise hold forever (logging does the same for its handlers).
+    _fork_lock.acquire()
     pid = os.getpid()
     for c in list(_live_clients):
         if c._pid == pid and not c._closed and c._lock.acquire(timeout=FORK_WAIT_S):
@@ -163,6 +168,7 @@ def _before_fork() -> None:
 def _after_fork_parent() -> None:
     while _held_at_fork:
         _held_at_fork.pop()._lock.release()
+    _fork_lock.release()
 
 
 def _after_fork_child() -> None:
@@ -170,6 +176,7 @@ def _after_fork_child() -> None:
         c = _held_at_fork.pop()
         c._lock.release()
         c._fork_safe = True
+    _fork_lock.release()
 
 
 if hasattr(os, "register_at_fork"):

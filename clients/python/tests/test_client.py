@@ -204,6 +204,53 @@ def test_threads_take_turns_and_forks_are_refused(fake):
     assert c.closed
 
 
+FORKING_THREADS = """
+import os, sys, threading
+import sluice
+import sluice.client
+
+# A fork that waits for a lock another thread's fork holds waits this long.
+sluice.client.FORK_WAIT_S = 60.0
+clients = [sluice.Client(sys.argv[1], job=f"j{i}") for i in range(4)]
+
+def forker():
+    for _ in range(150):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+def user(c):
+    for _ in range(200):
+        c.dataset("d").files.names()
+
+threads = [threading.Thread(target=forker) for _ in range(6)]
+threads += [threading.Thread(target=user, args=(c,)) for c in clients]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+def test_forks_from_several_threads_at_once_take_turns(fake):
+    """Two DataLoaders started from two threads fork at once: their forks
+    take turns, so neither waits for connection locks the other's fork
+    holds (each fork taking some, they waited on each other for the
+    fork's whole patience), and each fork's hooks release the locks that
+    fork took, never the other's (`cannot release un-acquired lock`)."""
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", FORKING_THREADS, fake.path], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    took = time.monotonic() - start
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr
+    assert took < 30, f"forks waited on each other's locks: {took:.0f} s"
+
+
 def test_job_name_is_validated_before_connecting(fake):
     with pytest.raises(ValueError, match="65535"):
         sluice.Client(fake.path, job="x" * 70000)
