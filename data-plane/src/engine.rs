@@ -101,10 +101,12 @@ impl Memory {
     fn reserve_waiting(&self, n: u64, patience: Duration, recheck: Duration) {
         let start = Instant::now();
         loop {
+            // Room for it, or nothing over the budget: either way `used`
+            // is within the budget now.
             let alone = self
                 .used
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                    (used + n <= self.budget || used <= self.budget).then_some(used + n)
+                    (used <= self.budget).then_some(used + n)
                 })
                 .is_ok();
             if alone {

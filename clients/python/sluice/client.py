@@ -221,9 +221,9 @@ class Client:
             them), while a trainer restarted after a crash, under a new
             run, reads its epochs in full instead of meeting what its
             predecessor's processes still hold or finished.
-            :mod:`sluice.torch` gives each dataset object a random run,
-            which its ``DataLoader`` workers inherit. A stage older than
-            this feature ignores it.
+            :mod:`sluice.torch` derives one per trainer process (a
+            ``DataLoader`` worker takes its parent's). A stage older than
+            this feature is not told it.
 
     Sends ``HELLO`` on construction; the stage's answer is in
     :attr:`stage_id`, :attr:`max_request_frame`, :attr:`max_response_frame`.
@@ -969,22 +969,24 @@ class Dataset:
             if len(got.samples) != len(group):
                 raise ProtocolError(f"the stage answered FETCH of {len(group)} files with "
                                     f"{len(got.samples)} samples", fatal=False)
-            for s in sorted(got.samples, key=lambda s: s.position):
-                if s.status == p.SAMPLE_OK:
-                    out.append((s.name, s.data))
-                elif s.code == p.ErrorCode.TOO_LARGE:
-                    # Larger than one answer: read in ranges instead.
-                    try:
-                        out.append((s.name, self._read_ranges(s.name, 0, None)))
-                    except SluiceError as e:
-                        out.append((s.name, e))
-                else:
-                    out.append((s.name, error_from_code(s.code, s.message, name=s.name)))
+            out.extend((s.name, self._data_of(s)) for s in sorted(got.samples, key=lambda s: s.position))
         if on_error == "raise":
             for _, data in out:
                 if isinstance(data, SluiceError):
                     raise data
         return out
+
+    def _data_of(self, s: p.Sample):
+        """A received sample's data, or its error as a :class:`SluiceError`;
+        a file larger than one answer (``TOO_LARGE``) is read in ranges."""
+        if s.status == p.SAMPLE_OK:
+            return s.data
+        if s.code == p.ErrorCode.TOO_LARGE:
+            try:
+                return self._read_ranges(s.name, 0, None)
+            except SluiceError as e:
+                return e
+        return error_from_code(s.code, s.message, name=s.name)
 
     def _fetch_groups(self, names: Sequence[str]) -> Iterator[List[str]]:
         """Splits ``names`` into ``FETCH`` requests that each fit one answer

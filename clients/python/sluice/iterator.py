@@ -11,8 +11,7 @@ import warnings
 from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple, Union
 
 from . import protocol as p
-from .errors import (ConnectionClosedError, PlanConflictError, ProtocolError, SluiceError, UnavailableError,
-                     error_from_code)
+from .errors import ConnectionClosedError, PlanConflictError, ProtocolError, SluiceError, UnavailableError
 
 if TYPE_CHECKING:
     from .client import Client, Dataset
@@ -85,19 +84,10 @@ class PlanIterator:
         s = self._pending[self._next_pending]
         self._next_pending += 1
         self.delivered += 1
-        if s.status == 0:
-            return s.name, s.data
-        if s.code == p.ErrorCode.TOO_LARGE:
-            # Larger than one answer: read in ranges instead.
-            try:
-                return s.name, self.dataset._read_ranges(s.name, 0, None)
-            except SluiceError as e:
-                err = e
-        else:
-            err = error_from_code(s.code, s.message, name=s.name)
-        if self._yield_errors:
-            return s.name, err
-        raise err
+        data = self.dataset._data_of(s)
+        if isinstance(data, SluiceError) and not self._yield_errors:
+            raise data
+        return s.name, data
 
     def samples(self) -> Iterator[p.Sample]:
         """Yields the raw :class:`sluice.protocol.Sample` records (with their
