@@ -511,7 +511,24 @@ const WINDOWS: usize = AHEAD as usize + 2;
 const WINDOWED_MAX: u64 = WINDOWS as u64 * WINDOW;
 
 /// One window of a file: fetched once, by whichever read needs it first.
-type Window = Arc<tokio::sync::OnceCell<Result<Arc<Chunk>, i32>>>;
+type Window = Arc<tokio::sync::OnceCell<Result<Arc<Held>, i32>>>;
+
+/// A window's bytes, counted in the node memory budget while an open file
+/// keeps them: a reader holding many files open cannot take the stage's
+/// memory past it (40 files of 32 MiB open at once took a stage with a
+/// 128 MiB budget to 490 MiB when windows were outside it).
+struct Held {
+    chunk: Chunk,
+    _budget: Reservation,
+}
+
+impl std::ops::Deref for Held {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.chunk
+    }
+}
 
 /// A file opened through the mount: the job it is read as, its bytes when
 /// a plan entry delivered it whole, else the windows read so far.
@@ -614,17 +631,56 @@ struct Source {
     job: Arc<Job>,
     dataset: Arc<Dataset>,
     name: String,
+    size: u64,
     metrics: DatasetMetrics,
     pin: Arc<Mutex<Option<Pinned>>>,
 }
 
 impl Source {
-    /// The window at `start`, fetched if nobody has yet.
-    async fn fetch(&self, start: u64, window: &Window) -> Result<Arc<Chunk>, i32> {
+    /// The window at `start`, fetched if nobody has yet and the node
+    /// budget has room for it (made from read-ahead nobody asked for yet
+    /// with `reclaim`, for a read that waits on the window). `None` when it
+    /// has not: the reader reads its range without keeping a window.
+    async fn fetch(
+        &self,
+        start: u64,
+        window: &Window,
+        reclaim: bool,
+    ) -> Option<Result<Arc<Held>, i32>> {
+        struct NoRoom;
         window
-            .get_or_init(|| async { self.read(start, WINDOW).await.map(Arc::new) })
+            .get_or_try_init(|| async {
+                let len = WINDOW.min(self.size.saturating_sub(start));
+                let budget = self.job.try_hold(len, reclaim).ok_or(NoRoom)?;
+                let read = self.read(start, len).await;
+                Ok::<_, NoRoom>(read.map(|chunk| {
+                    Arc::new(Held {
+                        chunk,
+                        _budget: budget,
+                    })
+                }))
+            })
             .await
-            .clone()
+            .ok()
+            .cloned()
+    }
+
+    /// Answers a read of `offset..end` straight from the source, keeping
+    /// nothing: a jump (random access), or windows the budget has no room
+    /// for. `first_read`: the open file's first read, which counts it as
+    /// a delivered sample.
+    async fn answer_directly(self, offset: u64, end: u64, first_read: bool, reply: ReplyData) {
+        match self.read(offset, end - offset).await {
+            Ok(chunk) => {
+                self.job.count_delivered_bytes(
+                    &self.metrics,
+                    chunk.len() as u64,
+                    u64::from(first_read),
+                );
+                reply.data(&chunk);
+            }
+            Err(e) => reply.error(e),
+        }
     }
 
     /// `len` bytes of the file from `offset`, read now, or the errno. Every
@@ -1334,6 +1390,7 @@ impl Filesystem for MountFs {
                 job: Arc::clone(&file.job),
                 dataset: Arc::clone(&file.dataset),
                 name: file.name.clone(),
+                size: file.size,
                 metrics: file.metrics.clone(),
                 pin: Arc::clone(&file.pin),
             };
@@ -1348,19 +1405,7 @@ impl Filesystem for MountFs {
                 // Random access (a jump, or a short run after one): just
                 // the range asked for, not windows the next read would not use.
                 drop(open);
-                return self.answer_soon(async move {
-                    match source.read(offset, end - offset).await {
-                        Ok(chunk) => {
-                            source.job.count_delivered_bytes(
-                                &source.metrics,
-                                chunk.len() as u64,
-                                u64::from(first_read),
-                            );
-                            reply.data(&chunk);
-                        }
-                        Err(e) => reply.error(e),
-                    }
-                });
+                return self.answer_soon(source.answer_directly(offset, end, first_read, reply));
             }
             let needed: Vec<(u64, Window)> = (first..=last)
                 .step_by(WINDOW as usize)
@@ -1379,7 +1424,7 @@ impl Filesystem for MountFs {
                 }
                 let source = source.clone();
                 self.runtime.spawn(async move {
-                    let _ = source.fetch(ahead, &window).await;
+                    let _ = source.fetch(ahead, &window, false).await;
                 });
             }
             (source, needed, end, first_read)
@@ -1399,19 +1444,21 @@ impl Filesystem for MountFs {
             };
             if let [(start, window)] = needed.as_slice() {
                 // Within one window (nearly every read): no copy here.
-                return match source.fetch(*start, window).await {
-                    Ok(chunk) => {
+                return match source.fetch(*start, window, true).await {
+                    Some(Ok(chunk)) => {
                         delivered(&source);
                         reply.data(&chunk[slice(&chunk, *start)]);
                     }
-                    Err(e) => reply.error(e),
+                    Some(Err(e)) => reply.error(e),
+                    None => source.answer_directly(offset, end, first_read, reply).await,
                 };
             }
             let mut out = Vec::with_capacity((end - offset) as usize);
             for (start, window) in &needed {
-                let chunk = match source.fetch(*start, window).await {
-                    Ok(chunk) => chunk,
-                    Err(e) => return reply.error(e),
+                let chunk = match source.fetch(*start, window, true).await {
+                    Some(Ok(chunk)) => chunk,
+                    Some(Err(e)) => return reply.error(e),
+                    None => return source.answer_directly(offset, end, first_read, reply).await,
                 };
                 out.extend_from_slice(&chunk[slice(&chunk, *start)]);
             }

@@ -474,6 +474,39 @@ class SluiceDataset(_data.Dataset):
         self._conn.close()
 
 
+def _even_share(everything: List[int], rank: int, world_size: int, even: Optional[str]) -> List[int]:
+    """Rank ``rank``'s share of an epoch's whole order ``everything``:
+    every ``world_size``-th entry from ``rank``, then made as long as every
+    other rank's as ``even`` says (see :class:`SluiceSampler`). The same
+    shares as ``DistributedSampler``'s with ``drop_last`` true (``"drop"``)
+    or false (``"pad"``)."""
+    share = everything[rank::world_size]
+    n = len(everything)
+    extra = n % world_size
+    if even is None or extra == 0:
+        return share
+    if even == "drop":
+        return share[:n // world_size]
+    # "pad": the padded order is the order followed by its own start, so
+    # a rank without an entry in the last round takes one from there.
+    return share + [everything[(rank - extra) % n]] if rank >= extra else share
+
+
+def _even_length(n: int, rank: int, world_size: int, even: Optional[str]) -> int:
+    """``len(_even_share(...))`` for an order of ``n`` entries."""
+    if even == "drop":
+        return n // world_size
+    if even == "pad" and n:
+        return -(-n // world_size)
+    return n // world_size + (1 if rank < n % world_size else 0)
+
+
+def _check_even(even: Optional[str]) -> Optional[str]:
+    if even not in (None, "pad", "drop"):
+        raise ValueError(f'even must be None, "pad" or "drop", got {even!r}')
+    return even
+
+
 class _PlanningSampler(_data.Sampler):
     """What the samplers that tell the stage an epoch's plan share: their
     own connection (``_conn``) and the plan it holds (``_plan``)."""
@@ -506,15 +539,27 @@ class SluiceSampler(_PlanningSampler):
 
     ``rank`` and ``world_size`` default to torch.distributed's when it is
     initialized, else 0 and 1. ``len()`` is this rank's share.
+
+    Shares differ by one sample when the data set's size is not a multiple
+    of the world size, and each sample is read once per epoch. Under
+    ``DistributedDataParallel``, where every rank must take the same number
+    of steps, pass ``even``: ``"pad"`` gives the ranks short of one sample
+    one of the epoch's first samples again (each rank gets
+    ``ceil(n / world_size)``; ``DistributedSampler``'s default), ``"drop"``
+    leaves the epoch's last ``n % world_size`` samples out (each rank gets
+    ``n // world_size``; ``DistributedSampler(drop_last=True)``). Either
+    yields exactly ``DistributedSampler``'s shares of this sampler's order.
     """
 
     def __init__(self, dataset: SluiceDataset, seed: int = 0, shuffle: bool = True,
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 even: Optional[str] = None) -> None:
         if not isinstance(dataset, SluiceDataset):
             raise TypeError(f"SluiceSampler needs a SluiceDataset, got {type(dataset).__name__}")
         self.dataset = dataset
         self.seed = seed
         self.shuffle = shuffle
+        self.even = _check_even(even)
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.epoch = 0
         self.plan_state: Optional[PlanState] = None
@@ -529,8 +574,7 @@ class SluiceSampler(_PlanningSampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        n, w = self.dataset.file_count, self.world_size
-        return n // w + (1 if self.rank < n % w else 0)
+        return _even_length(self.dataset.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[int]:
         ds = self._conn.get()
@@ -541,13 +585,16 @@ class SluiceSampler(_PlanningSampler):
         # the entries); a prefetch thread would claim them with NEXT.
         self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, prefetch=0)
         self.plan_state = self._plan.state
-        order = _plan.shuffle_plan(self.dataset.file_count, self.seed, self.epoch, self.shuffle,
-                                   self.rank, self.world_size)
+        everything = _plan.permutation(self.dataset.file_count, self.seed, self.epoch, self.shuffle)
+        order = _plan.shard(everything, self.rank, self.world_size)
         if len(order) != self._plan.length:
             raise error_from_code(ErrorCode.BAD_PLAN,
                                   f"the stage planned {self._plan.length} entries for rank {self.rank} "
                                   f"but the local derivation gives {len(order)}")
-        return self._indices(order)
+        # A padded index is read as any other (another rank's entry, so the
+        # read delivers it if that rank has not yet); a dropped one is left
+        # in the stage's plan, prefetched and never asked for.
+        return self._indices(_even_share(everything, self.rank, self.world_size, self.even))
 
     def _indices(self, order) -> Iterator[int]:
         """Yields ``order``; when the stage went away meanwhile (its
@@ -632,16 +679,18 @@ class MountSampler(_PlanningSampler):
     ``DataLoader``'s workers then open the files as usual: each open of a
     planned file is served from the stage's prefetch buffer and counts as
     that entry's delivery, so every file is read once, ahead, in plan order.
-    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``.
+    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``;
+    ``even`` evens the ranks' shares as :class:`SluiceSampler`'s does.
     """
 
     def __init__(self, paths: Sequence[str], address, seed: int = 0, shuffle: bool = True,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  labels: Optional[Dict[str, str]] = None, timeout: Optional[float] = 30.0,
-                 reconnect: float = 60.0) -> None:
+                 reconnect: float = 60.0, even: Optional[str] = None) -> None:
         self.job, self.dataset_name, self.names = _mount_names(paths)
         self.seed = seed
         self.shuffle = shuffle
+        self.even = _check_even(even)
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.epoch = 0
         self._conn = _PerProcess(address, self.dataset_name, self.job, labels, self.rank, self.world_size,
@@ -653,8 +702,7 @@ class MountSampler(_PlanningSampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        n, w = len(self.names), self.world_size
-        return n // w + (1 if self.rank < n % w else 0)
+        return _even_length(len(self.names), self.rank, self.world_size, self.even)
 
     def order(self) -> List[int]:
         """This rank's indices of the current epoch, in order."""
@@ -665,13 +713,15 @@ class MountSampler(_PlanningSampler):
             everything = _torch.randperm(n, generator=generator).tolist()
         else:
             everything = list(range(n))
-        return everything[self.rank::self.world_size]
+        return _even_share(everything, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[int]:
         order = self.order()
         ds = self._conn.get()
         # prefetch=0: the plan is never read here; the workers' opens
         # deliver its entries. Keeping it keeps the stage's buffer for it.
+        # A padded file is another rank's entry: its open here delivers that
+        # entry if the other rank has not opened the file yet.
         self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
         return iter(order)
 

@@ -181,7 +181,8 @@ def test_hits_cost_the_limiter_nothing(tmp_path, stage_factory):
 ])
 def test_bad_cache_settings_are_refused(tmp_path, args, says):
     (tmp_path / "ds").mkdir()
-    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={tmp_path / 'ds'}", "--socket",
+    run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
+                          "--dataset", f"ds={tmp_path / 'ds'}", "--socket",
                           str(tmp_path / "s.sock"), *args], capture_output=True, text=True, timeout=30)
     assert run.returncode != 0 and says in run.stderr, run.stderr
 

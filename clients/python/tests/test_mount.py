@@ -526,6 +526,35 @@ def test_large_planned_files_held_open_at_once_stay_within_the_budget(tmp_path, 
         assert list(plan) == []
 
 
+def test_unplanned_files_held_open_at_once_stay_within_the_budget(tmp_path, mount_stage):
+    """The windows a file read through the mount keeps count in the node
+    budget: a reader holding many files open cannot take the stage past it
+    (where the budget has no room, a read takes its range straight from
+    the source), and every byte still comes right."""
+    root = tmp_path / "shards"
+    root.mkdir()
+    files = {f"s{i:02d}.tar": os.urandom(8 * 2**20) for i in range(24)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage, mnt = mount_stage(root, "--memory-budget", "32MiB", "--mount-passthrough", "false")
+    held = [open(mnt / "@shards" / "ds" / name, "rb", buffering=0) for name in sorted(files)]
+    try:
+        for f, name in zip(held, sorted(files)):
+            # In order from the start: read in windows, the next ones ahead.
+            assert f.read(2 * 2**20) == files[name][:2 * 2**20], name
+        with open(f"/proc/{stage.proc.pid}/status") as status:
+            peak = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmHWM:"))
+        # Before: each open file's windows outside the budget (24 x 8 MiB).
+        assert peak <= 120 * 2**20, f"the stage's RSS peaked at {peak / 2**20:.0f} MiB"
+        for f, name in zip(reversed(held), reversed(sorted(files))):
+            assert f.read() == files[name][2 * 2**20:], name
+            f.seek(5 * 2**20 + 7)
+            assert f.read(100_000) == files[name][5 * 2**20 + 7:5 * 2**20 + 100_007], name
+    finally:
+        for f in held:
+            f.close()
+
+
 def test_a_reader_killed_while_the_limiter_holds_its_open_goes_at_once(tmp_path, mount_stage):
     """The kernel waits for the stage's answer to an open even when the
     opener is killed: an open the job's limiter holds (here behind a large
@@ -586,7 +615,8 @@ def test_a_tf_data_pipeline_reads_exact_bytes_through_the_mount_in_an_order_file
 
 def test_order_files_need_a_mount(tmp_path, dataset):
     root, _ = dataset
-    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
+    run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
+                          "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
                           "--mount-orders", str(tmp_path / "orders")], capture_output=True, text=True, timeout=30)
     assert run.returncode != 0
     assert "--mount-orders needs --mount" in run.stderr
@@ -610,7 +640,8 @@ def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, mount_stage, dat
 
 def test_a_missing_mount_directory_is_a_clear_error(tmp_path, dataset):
     root, _ = dataset
-    run = subprocess.run([str(stage_binary()), "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
+    run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
+                          "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
                           "--mount", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=30)
     assert run.returncode != 0
     assert f"the mount directory {tmp_path / 'nowhere'}" in run.stderr, run.stderr
@@ -673,6 +704,34 @@ def test_a_mount_sampler_refuses_paths_outside_a_job_directory(tmp_path):
         st.MountSampler([str(tmp_path / "ds" / "a.bin")], "/nowhere.sock")
     with pytest.raises(ValueError, match="one data set of one job"):
         st.MountSampler(["/m/@a/ds/x", "/m/@b/ds/y"], "/nowhere.sock")
+
+
+@pytest.mark.parametrize("even", [None, "pad", "drop"])
+def test_a_mount_samplers_even_shares_are_distributed_samplers(even):
+    pytest.importorskip("torch")
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    import sluice.torch as st
+
+    paths = [f"/m/@j/ds/f{i}" for i in range(23)]
+    world, seen = 4, []
+    for rank in range(world):
+        sampler = st.MountSampler(paths, "/nowhere.sock", seed=4, rank=rank, world_size=world, even=even)
+        sampler.set_epoch(1)
+        generator = torch.Generator()
+        generator.manual_seed(5)
+        everything = torch.randperm(len(paths), generator=generator).tolist()
+        if even is None:
+            expected = everything[rank::world]
+        else:
+            shares = DistributedSampler(everything, num_replicas=world, rank=rank, shuffle=False,
+                                        drop_last=even == "drop")
+            expected = [everything[i] for i in shares]
+        assert sampler.order() == expected
+        assert len(sampler) == len(expected)
+        seen += expected
+    assert sorted(set(seen)) == (list(range(23)) if even != "drop" else sorted(everything[:20]))
 
 
 def test_a_mount_sampler_takes_the_job_directory_under_the_mount_point(tmp_path, stage_factory):

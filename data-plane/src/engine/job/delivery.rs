@@ -530,6 +530,24 @@ impl Job {
         }
     }
 
+    /// Reserves `bytes` of the node budget for data the job keeps outside
+    /// its plans (a window of a file open through the mount), if the
+    /// budget has room; with `reclaim` (a reader waits on the data) room
+    /// is first made from read-ahead nobody has asked for yet (see
+    /// [`crate::engine::Memory::reclaim`]). `None` when there is none: the
+    /// caller reads what it needs without keeping it.
+    pub fn try_hold(self: &Arc<Self>, bytes: u64, reclaim: bool) -> Option<Reservation> {
+        let held = self.memory.try_reserve(bytes, false)
+            || (reclaim
+                && self.memory.reclaim(bytes, self) > 0
+                && self.memory.try_reserve(bytes, false));
+        if !held {
+            return None;
+        }
+        self.lock().reserved += bytes;
+        Some(self.reservation(NO_PLAN, bytes))
+    }
+
     /// Holds `bytes` of plan `plan` until dropped.
     fn reservation(self: &Arc<Self>, plan: u64, bytes: u64) -> Reservation {
         Reservation {
