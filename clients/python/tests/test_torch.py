@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -42,6 +46,91 @@ def _collect(loader):
     for names, datas in loader:
         out += [(n, _bytes(d)) for n, d in zip(names, datas)]
     return out
+
+
+@pytest.mark.parametrize("even", ["pad", "drop"])
+def test_even_shares_are_distributed_samplers_shares_of_the_plan_order(stage_factory, dataset, even):
+    from torch.utils.data import DistributedSampler
+
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    world = 5
+    assert len(files) % world, "the point is a data set that ranks cannot share evenly"
+    everything = splan.permutation(len(files), 7, 2)
+    counts = {}
+    for rank in range(world):
+        ds = SluiceDataset(stage.socket, "d", job=f"even-{even}")
+        sampler = SluiceSampler(ds, seed=7, rank=rank, world_size=world, even=even)
+        sampler.set_epoch(2)
+        torch_shares = DistributedSampler(everything, num_replicas=world, rank=rank, shuffle=False,
+                                          drop_last=even == "drop")
+        expected = [names[everything[i]] for i in torch_shares]
+        assert len(sampler) == len(expected) == (len(files) // world + (even == "pad"))
+        got = _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2 if rank == world - 1 else 0,
+                                  collate_fn=collate))
+        assert [n for n, _ in got] == expected
+        assert all(files[n] == d for n, d in got)
+        for n, _ in got:
+            counts[n] = counts.get(n, 0) + 1
+        sampler.close()
+        ds.close()
+    extra = len(files) % world
+    if even == "pad":
+        # The epoch's first samples are read again by the ranks short of one.
+        again = {names[i] for i in everything[:world - extra]}
+        assert counts == {n: 2 if n in again else 1 for n in files}
+    else:
+        left_out = {names[i] for i in everything[len(files) - extra:]}
+        assert counts == {n: 1 for n in files if n not in left_out}
+    with pytest.raises(ValueError, match='even must be None, "pad" or "drop"'):
+        SluiceSampler(SluiceDataset(stage.socket, "d", job="x"), even="yes")
+
+
+DDP_TRAINER = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+    from sluice.torch import SluiceDataset, SluiceSampler, collate
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
+    ds = SluiceDataset(sys.argv[1], "d", job="ddp")
+    sampler = SluiceSampler(ds, seed=3, even="pad")   # rank and world size from torch.distributed
+    model = DistributedDataParallel(torch.nn.Linear(1, 1))
+    steps = 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for names, samples in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=1, collate_fn=collate):
+            x = torch.tensor([[float(len(s))] for s in samples])
+            model(x).sum().backward()   # an all-reduce every step
+            steps += 1
+    print(dist.get_rank(), len(sampler), steps, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_ranks_of_a_ddp_job_take_the_same_number_of_steps_with_padded_shares(stage_factory, tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    # 9 files, 2 ranks, batches of 4: unpadded shares of 5 and 4 would be
+    # 2 and 1 batches, and rank 0's second all-reduce would wait forever.
+    for i in range(9):
+        (root / f"s{i}").write_bytes(os.urandom(100 + i))
+    stage = stage_factory({"d": root})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_TRAINER)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    ranks = [subprocess.Popen([sys.executable, str(script), stage.socket], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [r.communicate(timeout=120) for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    assert sorted(out.split() for out, _ in outs) == [["0", "5", "4"], ["1", "5", "4"]]
 
 
 @pytest.mark.parametrize("workers", [0, 4])
