@@ -1298,7 +1298,7 @@ impl Filesystem for MountFs {
         // entry no reader has started: it is read as an unplanned file is,
         // not whole into memory for as long as it is open (four readers of
         // 95 MiB files held 380 MiB on a 64 MiB budget).
-        let claim = match job.claim_planned(&dataset.name, &name) {
+        let claim = match job.claim_planned(&dataset.name, &name, None) {
             Some(claim) if size > WINDOWED_MAX => job.deliver_unread(claim),
             claim => claim,
         };

@@ -22,6 +22,9 @@ pub const FEATURE_SHARED_MEMORY: u32 = 1;
 /// `HELLO` feature bit (version 2): `PLAN` may name the trainer's run,
 /// which is part of the plan's identity.
 pub const FEATURE_RUNS: u32 = 2;
+/// `HELLO` feature bit (version 2): the connection may name its run with
+/// `RUN`, and its reads by name then deliver only that run's plan entries.
+pub const FEATURE_RUN_READS: u32 = 4;
 /// Bit of `PLAN`'s kind byte: the plan is followed by the `u64` run it
 /// belongs to.
 pub const PLAN_WITH_RUN: u8 = 0x80;
@@ -204,6 +207,11 @@ pub enum Request {
     HandOff {
         offsets: Vec<u64>,
     },
+    /// Version 2, feature `RUN_READS`: the trainer run this connection
+    /// reads for (0: none). A notification: it has no answer.
+    Run {
+        run: u64,
+    },
 }
 
 mod kind {
@@ -217,6 +225,7 @@ mod kind {
     pub const RELEASE: u8 = 0x08;
     pub const FETCH: u8 = 0x09;
     pub const HAND_OFF: u8 = 0x0A;
+    pub const RUN: u8 = 0x0B;
     pub const WELCOME: u8 = 0x81;
     pub const OPENED: u8 = 0x82;
     pub const FILES: u8 = 0x83;
@@ -287,6 +296,7 @@ impl Request {
             kind::HAND_OFF => Self::HandOff {
                 offsets: offsets(&mut d)?,
             },
+            kind::RUN => Self::Run { run: d.u64()? },
             kind::FETCH => {
                 let count = d.count(2)?;
                 Self::Fetch {
@@ -358,6 +368,9 @@ impl Request {
             Self::HandOff { offsets } => {
                 e.u8(kind::HAND_OFF);
                 encode_offsets(&mut e, offsets);
+            }
+            Self::Run { run } => {
+                e.u8(kind::RUN).u64(*run);
             }
             Self::Fetch { names } => {
                 e.u8(kind::FETCH).u32(len32(names.len()));
@@ -796,6 +809,7 @@ mod tests {
             Request::HandOff {
                 offsets: vec![8192],
             },
+            Request::Run { run: u64::MAX },
             Request::Fetch {
                 names: vec!["a/b.jpg".into(), "c".into()],
             },

@@ -22,9 +22,9 @@ use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
-    self, ErrorCode, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FrameReadError, MAX_LIST, MAX_NEXT,
-    MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec, ProtocolError, Request, Response,
-    SAMPLES_FRAME_BUDGET, Sample, TO_END,
+    self, ErrorCode, FEATURE_RUN_READS, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FrameReadError,
+    MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec, ProtocolError,
+    Request, Response, SAMPLES_FRAME_BUDGET, Sample, TO_END,
 };
 use crate::source::Pinned;
 use crate::trust::{Peer, TrainerAccess};
@@ -225,6 +225,12 @@ struct Connection {
     descriptor: Option<OwnedFd>,
     /// Whether `HELLO` was granted `RUNS` (a `PLAN` may name a run).
     runs: bool,
+    /// Whether `HELLO` was granted `RUN_READS` (the connection may say
+    /// `RUN`).
+    run_reads: bool,
+    /// The run whose plan entries this connection's reads by name deliver
+    /// (0: plans that name none), once it said `RUN`; before, any plan's.
+    reads_for: Option<u64>,
 }
 
 fn invalid(message: String) -> ProtocolError {
@@ -257,6 +263,8 @@ impl Connection {
             shared: None,
             descriptor: None,
             runs: false,
+            run_reads: false,
+            reads_for: None,
         }
     }
 
@@ -280,6 +288,10 @@ impl Connection {
                 Err(e) => Err(e),
             },
             Ok(Request::HandOff { offsets }) => match self.hand_off(&offsets) {
+                Ok(()) => return ControlFlow::Continue(()),
+                Err(e) => Err(e),
+            },
+            Ok(Request::Run { run }) => match self.run(run) {
                 Ok(()) => return ControlFlow::Continue(()),
                 Err(e) => Err(e),
             },
@@ -345,7 +357,8 @@ impl Connection {
             Request::Hello { .. }
             | Request::Bye
             | Request::Release { .. }
-            | Request::HandOff { .. } => unreachable!("handled above"),
+            | Request::HandOff { .. }
+            | Request::Run { .. } => unreachable!("handled above"),
             Request::Fetch { names } => self.fetch(names).await,
             Request::Open { dataset } => self.open(&dataset).await,
             Request::List { offset, limit } => self.list(offset, limit),
@@ -445,8 +458,9 @@ impl Connection {
         #[cfg(debug_assertions)]
         crate::fault::panic_job_if_asked(handle.job());
         self.job = Some(handle);
-        let mut granted = features & FEATURE_RUNS;
-        self.runs = granted != 0;
+        let mut granted = features & (FEATURE_RUNS | FEATURE_RUN_READS);
+        self.runs = granted & FEATURE_RUNS != 0;
+        self.run_reads = granted & FEATURE_RUN_READS != 0;
         if features & FEATURE_SHARED_MEMORY != 0 {
             granted |= self.grant_shared_memory();
         }
@@ -485,6 +499,24 @@ impl Connection {
     /// Takes back slots the job's trainers are done with.
     fn release(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
         self.shared()?.release(offsets)
+    }
+
+    /// Names the run this connection reads for: its whole-file reads by
+    /// name deliver only entries of that run's plans, so that another run
+    /// of the job (an evaluation pass, a restarted trainer) reading the
+    /// same files does not take them from a running epoch.
+    fn run(&mut self, run: u64) -> Result<(), ProtocolError> {
+        if !self.run_reads {
+            return Err(ProtocolError::new(
+                ErrorCode::OutOfOrder,
+                "RUN on a connection not granted RUN_READS: ask for it in HELLO",
+            ));
+        }
+        self.reads_for = Some(run);
+        if let Some(shared) = &mut self.shared {
+            shared.name_run(run);
+        }
+        Ok(())
     }
 
     /// Hands this connection's slots to its job.
@@ -703,10 +735,11 @@ impl Connection {
             )));
         }
         let job = Arc::clone(self.job());
+        let run = self.reads_for;
         let mut reads = tokio::task::JoinSet::new();
         for (position, name) in names.into_iter().enumerate() {
             let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));
-            reads.spawn(async move { (position, read_whole_file(job, dataset, name).await) });
+            reads.spawn(async move { (position, read_whole_file(job, dataset, name, run).await) });
         }
         let mut answers: Vec<(usize, Sample, Option<Reservation>)> = Vec::new();
         while let Some(done) = reads.join_next().await {
@@ -746,7 +779,8 @@ impl Connection {
         let job = Arc::clone(self.job());
         if offset == 0
             && length == TO_END
-            && let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await
+            && let Some((sample, reservation)) =
+                job.read_planned(&dataset.name, &name, self.reads_for).await
         {
             return data(sample).map(|data| (Response::Data(data), vec![reservation]));
         }
@@ -817,11 +851,13 @@ pub(crate) async fn read_range_now(
 }
 
 /// Reads file `name` whole for `FETCH`: the plan entry it is when one of the
-/// job's plans has it undelivered, else straight from storage.
+/// job's plans (of run `run`, when given) has it undelivered, else straight
+/// from storage.
 async fn read_whole_file(
     job: Arc<crate::engine::Job>,
     dataset: Arc<Dataset>,
     name: String,
+    run: Option<u64>,
 ) -> (Sample, Option<Reservation>) {
     if let Err(e) = check_name(&name) {
         let sample = Sample {
@@ -831,7 +867,7 @@ async fn read_whole_file(
         };
         return (sample, None);
     }
-    if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name).await {
+    if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name, run).await {
         return (sample, Some(reservation));
     }
     let metrics = job.metrics_for(&dataset.name);

@@ -220,7 +220,10 @@ class Client:
             the same plan share it (each entry is delivered to one of
             them), while a trainer restarted after a crash, under a new
             run, reads its epochs in full instead of meeting what its
-            predecessor's processes still hold or finished.
+            predecessor's processes still hold or finished. Reads by name
+            (``read`` and ``fetch`` of a whole file) deliver the entries of
+            this run's plans only, so another run's reads of the same files
+            never take them from its epochs.
             :mod:`sluice.torch` derives one per trainer process (a
             ``DataLoader`` worker takes its parent's). A stage older than
             this feature is not told it.
@@ -321,11 +324,12 @@ class Client:
             raise ValueError("shared_memory=True needs a UNIX socket to the stage and a platform with "
                              "socket.recv_fds and mmap.madvise (Linux, Python 3.9+)")
         want = version >= 2 and local and _shm.supported() and shared_memory is not False
-        features = (p.FEATURE_SHARED_MEMORY if want else 0) | (p.FEATURE_RUNS if self.run else 0)
+        runs = p.FEATURE_RUNS | p.FEATURE_RUN_READS if self.run else 0
+        features = (p.FEATURE_SHARED_MEMORY if want else 0) | runs
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
             self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
-            self._welcomed(self._call(hello, p.Welcome), version)
+            self._name_run(self._welcomed(self._call(hello, p.Welcome), version))
             return
         # The region's descriptor comes with WELCOME's first byte: receive
         # that frame with recvmsg, then read the rest through the file.
@@ -355,6 +359,15 @@ class Client:
         elif fd is not None:
             os.close(fd)
         self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
+        self._name_run(welcome)
+
+    def _name_run(self, welcome: p.Welcome) -> None:
+        """Names this client's run to a stage that granted ``RUN_READS``:
+        its reads by name (``read``, ``fetch``) then deliver only entries
+        of the run's plans, never another run's (an evaluation pass, a
+        restarted trainer) of the same job."""
+        if self._plan_run and welcome.features & p.FEATURE_RUN_READS:
+            self._sock.sendall(p.encode_run(self._plan_run))
 
     def _welcomed(self, welcome, version: int) -> p.Welcome:
         """Checks the answer to ``HELLO`` and records what it says."""

@@ -41,13 +41,14 @@ __all__ = [
     "ErrorCode",
     "FrameError",
     # messages
-    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye", "Release", "Fetch", "HandOff",
+    "Hello", "Open", "ListFiles", "Plan", "Next", "Read", "Bye", "Release", "Fetch", "HandOff", "Run",
     "Welcome", "Opened", "Files", "Planned", "Sample", "Samples", "Data",
     "Goodbye", "Error",
     # codec
     "encode_frame", "encode_hello", "encode_open", "encode_list",
     "encode_plan_indices", "encode_plan_names", "encode_plan_shuffle",
     "encode_next", "encode_read", "encode_bye", "encode_release", "encode_fetch", "encode_hand_off",
+    "encode_run",
     "encode_welcome", "encode_opened", "encode_files", "encode_planned",
     "encode_samples", "encode_data", "encode_goodbye", "encode_error",
     "decode_request", "decode_response", "split_frame", "read_response",
@@ -60,6 +61,9 @@ PROTOCOL_VERSION = 2
 FEATURE_SHARED_MEMORY = 1
 #: ``HELLO`` feature bit (version 2): ``PLAN`` may name the trainer's run.
 FEATURE_RUNS = 2
+#: ``HELLO`` feature bit (version 2): the connection may say ``RUN``, and its
+#: reads by name then deliver only that run's plan entries.
+FEATURE_RUN_READS = 4
 #: Bit of ``PLAN``'s kind byte: a ``u64 run`` follows the plan.
 PLAN_WITH_RUN = 0x80
 #: Largest trainer -> stage frame (``length`` field), 16 MiB.
@@ -87,6 +91,7 @@ class MsgType(enum.IntEnum):
     RELEASE = 0x08
     FETCH = 0x09
     HAND_OFF = 0x0A
+    RUN = 0x0B
     WELCOME = 0x81
     OPENED = 0x82
     FILES = 0x83
@@ -188,6 +193,10 @@ class Fetch(NamedTuple):
 
 class HandOff(NamedTuple):
     offsets: list
+
+
+class Run(NamedTuple):
+    run: int
 
 
 class Welcome(NamedTuple):
@@ -398,6 +407,13 @@ def encode_hand_off(offsets: Sequence[int]) -> bytes:
     return encode_frame(MsgType.HAND_OFF, _enc_offsets(offsets))
 
 
+def encode_run(run: int) -> bytes:
+    """Returns a ``RUN`` frame (version 2, feature ``RUN_READS``; it has no
+    answer)."""
+    _u(64, run, "run")
+    return encode_frame(MsgType.RUN, _U64.pack(run))
+
+
 def encode_fetch(names: Sequence[str]) -> bytes:
     """Returns a ``FETCH`` frame (version 2): whole files by name."""
     _u(32, len(names), "name count")
@@ -584,6 +600,8 @@ def decode_request(msg_type: int, payload) -> tuple:
     elif msg_type == MsgType.FETCH:
         n = d.u32("name count")
         msg = Fetch([d.text("file name") for _ in range(n)])
+    elif msg_type == MsgType.RUN:
+        msg = Run(d.u64("run"))
     else:
         raise FrameError(f"unknown request type 0x{msg_type:02x}")
     d.finish(MsgType(msg_type).name)

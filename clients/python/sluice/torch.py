@@ -193,29 +193,31 @@ class _SlotBatch:
             # process maps, so send the bytes instead.
             return (_stack, ([s.clone() for s in self.samples],))
         slots = [(o.offset, s.numel()) for o, s in zip(owners, self.samples)]
-        return (_rebuild_batch, (client.address, client.job, client.labels, region.ident, slots))
+        run = client._plan_run or None
+        return (_rebuild_batch, (client.address, client.job, client.labels, region.ident, slots, run))
 
 
 #: Connections the main process opened to map samples handed to it, by
-#: (address, job); kept for the process's life.
+#: (address, job, run); kept for the process's life.
 _mapping_clients: dict = {}
 
 
-def _rebuild_batch(address, job: str, labels, ident, slots):
+def _rebuild_batch(address, job: str, labels, ident, slots, run=None):
     """In the main process: the samples at ``slots`` of ``job``'s region
     ``ident`` (see :attr:`sluice.shm.Region.ident`), stacked (or a list when
-    their sizes differ)."""
+    their sizes differ). ``run``: the worker's trainer run, which the stage
+    holds the handed-off slots for until its last connection ends."""
     from . import shm as _shm
 
     region = _shm.region_of(ident)
     if region is None and address is not None:
-        key = (str(address), job)
+        key = (str(address), job, run)
         client = _mapping_clients.get(key)
         if client is not None and not client.closed:
             # Not its region: a connection to a stage that restarted since
             # (it only sends returns, so it never noticed): open a new one.
             client.close()
-        client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True)
+        client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True, run=run)
         region = _shm.region_of(ident)
     if region is None:
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
@@ -443,7 +445,9 @@ class SluiceDataset(_data.Dataset):
         self.sample = sample
         self._convert = _converter(sample)
         self.reconnect = reconnect
-        self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout, reconnect)
+        # Its reads name the trainer's run, which its sampler's plans share
+        # (see SluiceSampler): they deliver that run's entries only.
+        self._conn = _PerProcess(address, dataset, job, labels, 0, 1, timeout, reconnect, runs=True)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.total_bytes: int = ds.total_bytes
@@ -566,6 +570,8 @@ class SluiceSampler(_PlanningSampler):
         self._conn = _PerProcess(dataset.address, dataset.dataset, dataset.job, dataset.labels,
                                  self.rank, self.world_size, dataset.timeout, dataset.reconnect,
                                  runs=True)
+        # The dataset's runs: its workers' reads deliver this sampler's plans.
+        self._conn._nonce = dataset._conn._nonce
         self._conn.expected_digest = dataset.digest
         self._plan = None
 

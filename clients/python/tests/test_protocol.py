@@ -32,6 +32,7 @@ REQUESTS = [
     (p.encode_release([0, 4096, 2**40]), p.Release([0, 4096, 2**40])),
     (p.encode_release([]), p.Release([])),
     (p.encode_hand_off([8192]), p.HandOff([8192])),
+    (p.encode_run(2**64 - 1), p.Run(2**64 - 1)),
     (p.encode_fetch(["a/b.jpg", "c"]), p.Fetch(["a/b.jpg", "c"])),
 ]
 

@@ -111,6 +111,49 @@ def test_a_killed_trainers_slots_come_back_and_the_job_goes_on(stage_factory, da
         assert got == files
 
 
+HANDING_TRAINER = textwrap.dedent("""
+    import sys, time
+    from torch.utils.data import DataLoader
+    from sluice.torch import SluiceDataset, SluiceSampler, collate
+    ds = SluiceDataset(sys.argv[1], "d", job=sys.argv[2])
+    loader = DataLoader(ds, batch_size=8, sampler=SluiceSampler(ds, seed=1), num_workers=2, collate_fn=collate)
+    for i, batch in enumerate(loader):
+        if i == 2:
+            print("holding", flush=True)  # the workers' next batches wait, handed off, in the queue
+            time.sleep(600)
+""")
+
+
+def test_batches_handed_off_to_a_killed_trainer_come_back_once_its_run_is_gone(stage_factory, tmp_path):
+    """A DataLoader worker hands its batch's slots over for the main process
+    to map; a trainer killed with such batches still queued never returns
+    them. They are its run's, and come back once the run's last connection
+    (its workers') has ended, while another trainer keeps the job alive."""
+    pytest.importorskip("torch")
+    root = tmp_path / "even"
+    root.mkdir()
+    for i in range(400):
+        (root / f"s{i:03d}").write_bytes(os.urandom(64 * 1024))
+    stage = stage_factory({"d": root})
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    with sluice.Client(stage.socket, job="handed") as other:
+        other.dataset("d")
+        for _ in range(2):  # a trainer killed, then the one restarted in its place
+            proc = subprocess.Popen([sys.executable, "-c", HANDING_TRAINER, str(stage.socket), "handed"],
+                                    stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            try:
+                assert proc.stdout.readline() == "holding\n"
+                wait_for(lambda: lent(stage, "handed") > 0, what="batches handed off in the queue")
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            # Before: each kill left its queued batches lent (4.8 MiB)
+            # until the job's last connection ended.
+            wait_for(lambda: lent(stage, "handed") == 0, timeout=15,
+                     what="the killed trainer's handed-off slots to come back")
+
+
 def test_each_job_maps_only_its_own_region(stage_factory, tmp_path):
     secret = b"JOB-A-ONLY-" * 400
     a, b = tmp_path / "a", tmp_path / "b"

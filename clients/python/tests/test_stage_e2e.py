@@ -564,6 +564,48 @@ def test_each_run_of_a_job_has_plans_of_its_own(stage_factory, dataset):
         client(1 << 64)
 
 
+def test_reads_by_name_deliver_only_their_own_runs_plan_entries(stage_factory, dataset):
+    """A whole-file read by name of a connection that named its run (RUN)
+    delivers entries of that run's plans only: another run of the job
+    reading every file (an evaluation pass, a restarted trainer) leaves a
+    running epoch whole. A connection that named no run claims from any
+    of the job's plans, as before the feature (the mount's opens do)."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+    expected = [names[i] for i in splan.shuffle_plan(len(names), 4, 0, True, 0, 1)]
+    with sluice.Client(stage.socket, job="eval", run=1) as trainer, \
+            sluice.Client(stage.socket, job="eval", run=2) as other:
+        epoch = trainer.dataset("d").epoch(0, seed=4, batch=1, prefetch=0)
+        got = [next(epoch)]
+        ds = other.dataset("d")
+        assert dict(ds.fetch(names)) == files
+        assert all(ds.read(n) == files[n] for n in names[:5])
+        got += list(epoch)
+        assert [n for n, _ in got] == expected
+        assert all(files[n] == bytes(d) for n, d in got)
+        # Its own run's reads by name do deliver the plan's entries.
+        planned = trainer.dataset("d").epoch(1, seed=4, batch=1, prefetch=0)
+        with sluice.Client(stage.socket, job="eval", run=1) as worker:
+            assert dict(worker.dataset("d").fetch(names)) == files
+        assert list(planned) == []
+    with sluice.Client(stage.socket, job="compat", run=1) as trainer, \
+            sluice.Client(stage.socket, job="compat") as plain:
+        epoch = trainer.dataset("d").epoch(0, seed=4, batch=1, prefetch=0)
+        assert dict(plain.dataset("d").fetch(names)) == files
+        assert list(epoch) == []
+    # RUN needs the feature: a connection not granted it is refused (fatal).
+    raw = Raw(stage.socket)
+    try:
+        welcome = raw.call(p.encode_hello("eval", {}, 0, 1, features=p.FEATURE_RUNS))
+        assert welcome.features == p.FEATURE_RUNS
+        refused = raw.call(p.encode_run(3))
+        assert refused.code == p.ErrorCode.OUT_OF_ORDER and refused.fatal, refused
+        assert "not granted RUN_READS" in refused.message
+    finally:
+        raw.close()
+
+
 def test_workers_in_threads_share_a_plan(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})

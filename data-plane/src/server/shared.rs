@@ -33,6 +33,8 @@ pub struct Shared {
     region: Arc<Region>,
     /// This connection in the job's book.
     holder: u64,
+    /// The trainer run the connection named (`RUN`), counted in the book.
+    run: Option<u64>,
 }
 
 impl Shared {
@@ -41,6 +43,31 @@ impl Shared {
             job,
             region,
             holder: NEXT_HOLDER.fetch_add(1, Ordering::Relaxed),
+            run: None,
+        }
+    }
+
+    /// The connection now reads for trainer run `run` (0: none): the slots
+    /// it hands off are the run's.
+    pub fn name_run(&mut self, run: u64) {
+        let run = (run != 0).then_some(run);
+        if run == self.run {
+            return;
+        }
+        self.leave_run(false);
+        if let Some(run) = run {
+            self.job.lend_book().join_run(run);
+        }
+        self.run = run;
+    }
+
+    /// Leaves the connection's run, if it named one (see
+    /// [`Lending::leave_run`]).
+    fn leave_run(&mut self, keep: bool) {
+        if let Some(run) = self.run.take() {
+            // Dropped once the book's lock is let go.
+            let returned = self.job.lend_book().leave_run(run, keep);
+            drop(returned);
         }
     }
 
@@ -112,18 +139,23 @@ impl Shared {
         })
     }
 
-    /// Hands this connection's slots at `offsets` to the job.
+    /// Hands this connection's slots at `offsets` to its run, or to the
+    /// job when it named none.
     pub fn hand_off(&self, offsets: &[u64]) {
-        self.job.lend_book().hand_off(offsets, self.holder);
+        self.job
+            .lend_book()
+            .hand_off(offsets, self.holder, self.run);
     }
 
     /// The connection ended: its slots go back, or, when the stage ended
     /// it (`keep`), are handed to the job, so that a trainer still reading
     /// them never sees another sample written there; they come back when
-    /// the job's last connection ends.
-    pub fn end(self, keep: bool) {
+    /// the job's last connection ends. The same goes for its run's
+    /// handed-off slots when it was the run's last connection.
+    pub fn end(mut self, keep: bool) {
         if keep {
             self.job.lend_book().hand_off_all(self.holder);
+            self.leave_run(true);
         }
     }
 }
@@ -132,6 +164,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         let returned = self.job.lend_book().reclaim(self.holder);
         drop(returned);
+        self.leave_run(false);
     }
 }
 

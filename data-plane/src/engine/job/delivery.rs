@@ -347,23 +347,31 @@ impl Job {
     }
 
     /// Serves a whole-file `READ` of `name` from an active plan of this job
-    /// when one still has it undelivered: from the buffer, by waiting for the
+    /// (of trainer run `run` when given, 0 being plans that name none) when
+    /// one still has it undelivered: from the buffer, by waiting for the
     /// reader already fetching it, or by reading it now in its place.
-    /// Returns `None` when no plan holds the name.
+    /// Returns `None` when no such plan holds the name.
     pub async fn read_planned(
         self: &Arc<Self>,
         dataset: &str,
         name: &str,
+        run: Option<u64>,
     ) -> Option<(Sample, Reservation)> {
-        let claim = self.claim_planned(dataset, name)?;
+        let claim = self.claim_planned(dataset, name, run)?;
         self.deliver_claimed(claim, name).await
     }
 
     /// The first half of [`Job::read_planned`], which never waits: claims
-    /// `name`'s undelivered entry in an active plan, or `None` when no plan
-    /// holds it (so a caller can answer at once without a task).
-    pub fn claim_planned(&self, dataset: &str, name: &str) -> Option<PlannedClaim> {
-        self.claim_by_name(dataset, name).map(PlannedClaim)
+    /// `name`'s undelivered entry in an active plan (of run `run` when
+    /// given), or `None` when no plan holds it (so a caller can answer at
+    /// once without a task).
+    pub fn claim_planned(
+        &self,
+        dataset: &str,
+        name: &str,
+        run: Option<u64>,
+    ) -> Option<PlannedClaim> {
+        self.claim_by_name(dataset, name, run).map(PlannedClaim)
     }
 
     /// The second half of [`Job::read_planned`]: the claimed entry, from the
@@ -405,11 +413,11 @@ impl Job {
     }
 
     /// Claims the first undelivered entry of `name` in an active plan on
-    /// `dataset`, marking it started.
-    fn claim_by_name(&self, dataset: &str, name: &str) -> Option<Claimed> {
+    /// `dataset` (of run `run` when given), marking it started.
+    fn claim_by_name(&self, dataset: &str, name: &str, run: Option<u64>) -> Option<Claimed> {
         let mut st = self.lock();
         let found = st.plans.values_mut().find_map(|plan| {
-            if plan.dataset.name != dataset {
+            if plan.dataset.name != dataset || run.is_some_and(|r| plan.key.run != r) {
                 return None;
             }
             let file = plan.listing.position(name)?;

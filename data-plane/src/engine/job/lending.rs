@@ -5,8 +5,12 @@
 //!
 //! Any connection of the job may return any of the job's slots: a sample
 //! read by one process is often finished with in another. A connection's
-//! own slots come back when it ends, however it ends; slots handed to the
-//! job come back when the job's last connection ends. The job holds at most
+//! own slots come back when it ends, however it ends. Slots a connection
+//! that named its trainer run (`RUN`) handed off are the run's: they come
+//! back when the run's last connection ends (a trainer killed with batches
+//! its workers had handed over still unread, once its workers are gone
+//! too); other slots handed to the job come back when the job's last
+//! connection ends. The job holds at most
 //! [`Lending::limit`] bytes of lent slots, and every job's together at most
 //! half the node's budget; past that samples travel in the frame, so
 //! trainers that keep samples cannot take the job's buffer or the node's
@@ -29,12 +33,23 @@ use crate::chunk::Chunk;
 /// batches its clients receive ahead.
 pub const LENT_MIN: u64 = 64 << 20;
 
+/// Who holds a lent slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// The connection it was lent to.
+    Connection(u64),
+    /// Handed off by a connection of this trainer run.
+    Run(u64),
+    /// Handed off to the job.
+    Job,
+}
+
 /// A lent slot: its bytes, the budget bytes they hold, and who holds it.
 #[derive(Debug)]
 struct LentSlot {
     chunk: Chunk,
     budget: Lent,
-    holder: Option<u64>,
+    holder: Holder,
 }
 
 /// The slots a job has lent.
@@ -42,6 +57,8 @@ struct LentSlot {
 pub struct Lending {
     slots: HashMap<u64, LentSlot>,
     bytes: u64,
+    /// Connections (with shared memory) of each run named with `RUN`.
+    runs: HashMap<u64, usize>,
     /// Set once the stage stops: slots taken back keep their bytes here
     /// (their budget goes back) until the job is dropped.
     keeping: bool,
@@ -85,7 +102,7 @@ impl Lending {
         let slot = LentSlot {
             chunk,
             budget,
-            holder: Some(holder),
+            holder: Holder::Connection(holder),
         };
         if let Some(old) = self.slots.insert(offset, slot) {
             // Cannot happen (a slot is in one chunk at a time); keep the
@@ -105,15 +122,17 @@ impl Lending {
         Ok(())
     }
 
-    /// Hands the slots at `offsets` that connection `holder` holds to the
-    /// job. Slots already returned (by the process they were handed to) or
-    /// held by another connection are left as they are.
-    pub fn hand_off(&mut self, offsets: &[u64], holder: u64) {
+    /// Hands the slots at `offsets` that connection `holder` holds to its
+    /// run `run` (when it named one), else to the job. Slots already
+    /// returned (by the process they were handed to) or held by another
+    /// connection are left as they are.
+    pub fn hand_off(&mut self, offsets: &[u64], holder: u64, run: Option<u64>) {
+        let to = run.map_or(Holder::Job, Holder::Run);
         for offset in offsets {
             if let Some(slot) = self.slots.get_mut(offset)
-                && slot.holder == Some(holder)
+                && slot.holder == Holder::Connection(holder)
             {
-                slot.holder = None;
+                slot.holder = to;
             }
         }
     }
@@ -121,11 +140,41 @@ impl Lending {
     /// Hands every slot connection `holder` holds to the job (the stage
     /// ended the connection: its trainer may still read them).
     pub fn hand_off_all(&mut self, holder: u64) {
+        self.hand_over(Holder::Connection(holder), Holder::Job);
+    }
+
+    fn hand_over(&mut self, from: Holder, to: Holder) {
         for slot in self.slots.values_mut() {
-            if slot.holder == Some(holder) {
-                slot.holder = None;
+            if slot.holder == from {
+                slot.holder = to;
             }
         }
+    }
+
+    /// Counts a connection of run `run`.
+    pub fn join_run(&mut self, run: u64) {
+        *self.runs.entry(run).or_default() += 1;
+    }
+
+    /// A connection of run `run` ended (or named another run). When it was
+    /// the run's last, the slots handed off within the run come back: no
+    /// process of the run is left to read them. With `keep` (the stage
+    /// ended the connection, and the run's trainers may still read them)
+    /// they go to the job instead.
+    pub fn leave_run(&mut self, run: u64, keep: bool) -> Returned {
+        let Some(count) = self.runs.get_mut(&run) else {
+            return Returned::default();
+        };
+        *count -= 1;
+        if *count > 0 {
+            return Returned::default();
+        }
+        self.runs.remove(&run);
+        if keep {
+            self.hand_over(Holder::Run(run), Holder::Job);
+            return Returned::default();
+        }
+        self.take(|slot| slot.holder == Holder::Run(run))
     }
 
     /// From now on, slots taken back without a `RELEASE` are never reused
@@ -136,7 +185,7 @@ impl Lending {
 
     /// Takes back every slot connection `holder` holds (it ended).
     pub fn reclaim(&mut self, holder: u64) -> Returned {
-        self.take(|slot| slot.holder == Some(holder))
+        self.take(|slot| slot.holder == Holder::Connection(holder))
     }
 
     /// Takes back every slot (the job's last connection ended).
