@@ -808,7 +808,9 @@ def test_an_interrupted_request_leaves_the_client_usable(stage_factory, tmp_path
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()
         with pytest.raises(KeyboardInterrupt):
-            ds.fetch(names[:4])  # half a second at 8 MiB/s
+            # A second at 8 MiB/s: well past the interrupt, however late
+            # the timer runs on a loaded machine.
+            ds.fetch(names[:8])
         timer.join()
         for k in range(2):
             want = names[8 + 4 * k:12 + 4 * k]
