@@ -513,10 +513,11 @@ const WINDOWED_MAX: u64 = WINDOWS as u64 * WINDOW;
 /// One window of a file: fetched once, by whichever read needs it first.
 type Window = Arc<tokio::sync::OnceCell<Result<Arc<Held>, i32>>>;
 
-/// A window's bytes, counted in the node memory budget while an open file
-/// keeps them: a reader holding many files open cannot take the stage's
-/// memory past it (40 files of 32 MiB open at once took a stage with a
-/// 128 MiB budget to 490 MiB when windows were outside it).
+/// Bytes an open file keeps (a window, or the whole file a plan entry
+/// delivered), counted in the node memory budget while it keeps them: a
+/// reader holding many files open cannot take the stage's memory past it
+/// (40 files of 32 MiB open at once took a stage with a 128 MiB budget to
+/// 490 MiB when windows were outside it).
 struct Held {
     chunk: Chunk,
     _budget: Reservation,
@@ -537,7 +538,7 @@ struct Open {
     dataset: Arc<Dataset>,
     name: String,
     size: u64,
-    whole: Option<(Chunk, Reservation)>,
+    whole: Option<Held>,
     windows: Vec<(u64, Window)>,
     /// How the reader goes through the file.
     reads: Reads,
@@ -558,7 +559,7 @@ impl Open {
         dataset: Arc<Dataset>,
         name: String,
         size: u64,
-        whole: Option<(Chunk, Reservation)>,
+        whole: Option<Held>,
     ) -> Self {
         let metrics = job.metrics_for(&dataset.name);
         Self {
@@ -1321,7 +1322,10 @@ impl Filesystem for MountFs {
         self.answer_soon(async move {
             let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
-                    Ok(Payload::Bytes(chunk)) => Some((chunk, reservation)),
+                    Ok(Payload::Bytes(chunk)) => Some(Held {
+                        chunk,
+                        _budget: reservation,
+                    }),
                     Ok(Payload::Shared { .. }) => None,
                     // Larger than one buffered sample may be: delivered by
                     // this open all the same, its bytes read as an unplanned
@@ -1334,7 +1338,7 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
-            if let (Some((chunk, _)), Some(notifier)) = (&whole, notifier.get())
+            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
                 && chunk.len() as u64 == size
                 && size <= STORE_MAX
             {
@@ -1372,7 +1376,7 @@ impl Filesystem for MountFs {
             let Some(file) = open.get_mut(&fh) else {
                 return reply.error(libc::EBADF);
             };
-            if let Some((chunk, _)) = &file.whole {
+            if let Some(chunk) = &file.whole {
                 let bytes: &[u8] = chunk;
                 let start = usize::try_from(offset)
                     .unwrap_or(usize::MAX)

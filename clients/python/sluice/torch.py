@@ -802,8 +802,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        n, w = self.file_count, self.world_size
-        return n // w + (1 if self.rank < n % w else 0)
+        return _even_length(self.file_count, self.rank, self.world_size, None)
 
     def __iter__(self) -> Iterator[tuple]:
         info = _data.get_worker_info()

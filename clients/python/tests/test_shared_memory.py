@@ -135,8 +135,7 @@ def test_batches_handed_off_to_a_killed_trainer_come_back_once_its_run_is_gone(s
     for i in range(400):
         (root / f"s{i:03d}").write_bytes(os.urandom(64 * 1024))
     stage = stage_factory({"d": root})
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     with sluice.Client(stage.socket, job="handed") as other:
         other.dataset("d")
         for _ in range(2):  # a trainer killed, then the one restarted in its place

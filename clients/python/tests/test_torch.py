@@ -123,9 +123,8 @@ def test_ranks_of_a_ddp_job_take_the_same_number_of_steps_with_padded_shares(sta
         port = s.getsockname()[1]
     script = tmp_path / "ddp.py"
     script.write_text(DDP_TRAINER)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join(sys.path))
     ranks = [subprocess.Popen([sys.executable, str(script), stage.socket], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [r.communicate(timeout=120) for r in ranks]
