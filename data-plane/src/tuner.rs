@@ -11,6 +11,11 @@
 //!   not, storage is saturated: go back to the previous count and do not probe
 //!   above it again for a while (hysteresis, re-probed later so a faster
 //!   device is noticed).
+//!   On slow storage (reads of a millisecond or more: a filer's or an
+//!   object store's round trip, where concurrency scales much further than
+//!   on a local disk) a probe that paid off in proportion to its step is
+//!   followed by a step of four times, so that a job reaches hundreds of
+//!   reads in flight within a second instead of several.
 //! - **Buffer-bound** (consumers stall although the buffer is full): the
 //!   buffer is too small for the lead the plan needs. Grow it by half.
 //! - **Ahead** (no stall and a nearly full buffer for a second): the consumer
@@ -52,6 +57,14 @@ const PROBE_WINDOWS: u32 = 2;
 /// A probe gaining this much means reads still scale about linearly with
 /// readers: the next step doubles instead of adding half.
 const LINEAR_GAIN: f64 = 1.4;
+/// Reads at least this slow on average wait on a network round trip.
+const SLOW_READ: Duration = Duration::from_millis(1);
+/// The share of its step a probe on slow storage must gain (its gain over
+/// its reader ratio) for the next step to multiply the readers by
+/// [`FAST_STEP`].
+const FAST_SCALING: f64 = 0.8;
+/// Readers are multiplied by this after a proportional probe on slow storage.
+const FAST_STEP: u32 = 4;
 /// Gain a probe must show to be kept.
 const PROBE_GAIN: f64 = 1.05;
 /// Consumption the buffer should hold when shrinking, in seconds.
@@ -193,6 +206,9 @@ pub struct Tuner {
     steady: (u64, f64),
     /// Throughput gain of the last successful probe.
     last_gain: f64,
+    /// That gain over the probe's ratio of readers (1.0: throughput grew in
+    /// proportion to the readers).
+    last_scaling: f64,
     /// Consecutive windows with stalls although the buffer was full.
     full_stalls: u32,
     /// The cores reads can run on at once.
@@ -213,6 +229,7 @@ impl Tuner {
             settle: false,
             steady: (0, 0.0),
             last_gain: 2.0,
+            last_scaling: 1.0,
             full_stalls: 0,
             cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             cpu_bound: false,
@@ -283,7 +300,8 @@ impl Tuner {
         }
         if rates.stall > STALL_HIGH {
             self.ahead_ticks = 0;
-            return self.feed_starved(rates.occupancy, steady_rate);
+            let slow = !self.cpu_bound && mean_latency(obs) >= SLOW_READ;
+            return self.feed_starved(rates.occupancy, steady_rate, slow);
         }
         self.full_stalls = 0;
         self.shrink_when_ahead(&rates, obs, secs)
@@ -324,9 +342,11 @@ impl Tuner {
         if gain < PROBE_GAIN && stall > STALL_HIGH {
             self.ceiling = Some((probe.from, CEILING_TICKS));
             self.last_gain = 0.0;
+            self.last_scaling = 0.0;
             return ControlFlow::Break(self.apply(probe.from, self.buffer, Reason::ProbeFailed));
         }
         self.last_gain = gain;
+        self.last_scaling = gain * f64::from(probe.from) / f64::from(self.readers.max(1));
         ControlFlow::Continue(())
     }
 
@@ -339,7 +359,7 @@ impl Tuner {
     }
 
     /// Consumers stall: grows the buffer if it is full, the readers if not.
-    fn feed_starved(&mut self, occupancy: f64, steady_rate: f64) -> Option<Change> {
+    fn feed_starved(&mut self, occupancy: f64, steady_rate: f64, slow: bool) -> Option<Change> {
         if occupancy >= FULL {
             // Twice in a row: a single window can hold both the stall of
             // a new plan's first batch and the buffer filling after it.
@@ -352,17 +372,21 @@ impl Tuner {
             return self.apply(self.readers, buffer, Reason::BufferBound);
         }
         self.full_stalls = 0;
-        self.probe_more_readers(steady_rate)
+        self.probe_more_readers(steady_rate, slow)
     }
 
-    /// Grows the readers by half (doubles them after a linear gain), up to
-    /// the ceiling, and starts a probe that checks the growth paid off.
-    fn probe_more_readers(&mut self, steady_rate: f64) -> Option<Change> {
+    /// Grows the readers by half (doubles them after a linear gain, and
+    /// multiplies them by four on `slow` storage after a proportional
+    /// one), up to the ceiling, and starts a probe that checks the growth
+    /// paid off.
+    fn probe_more_readers(&mut self, steady_rate: f64, slow: bool) -> Option<Change> {
         let mut ceiling = self.ceiling.map_or(u32::MAX, |(c, _)| c);
         if self.cpu_bound {
             ceiling = ceiling.min(self.cores);
         }
-        let step = if self.last_gain >= LINEAR_GAIN {
+        let step = if slow && self.last_scaling >= FAST_SCALING {
+            self.readers * (FAST_STEP - 1)
+        } else if self.last_gain >= LINEAR_GAIN {
             self.readers
         } else {
             (self.readers / 2).max(1)
@@ -406,11 +430,7 @@ impl Tuner {
     /// Readers needed to sustain `reads_per_s` at the observed latency, with
     /// 50% headroom (Little's law: concurrency = throughput x latency).
     fn little(&self, reads_per_s: f64, obs: &Observation) -> u32 {
-        let latency = if obs.reads == 0 {
-            0.0
-        } else {
-            obs.read_time.as_secs_f64() / obs.reads as f64
-        };
+        let latency = mean_latency(obs).as_secs_f64();
         let needed = (reads_per_s * latency * 1.5).ceil() as u32 + 1;
         self.bounds.clamp_readers(needed)
     }
@@ -428,6 +448,15 @@ impl Tuner {
             buffer,
             reason,
         })
+    }
+}
+
+/// The mean latency of the window's storage reads (zero without reads).
+fn mean_latency(obs: &Observation) -> Duration {
+    if obs.reads == 0 {
+        Duration::ZERO
+    } else {
+        obs.read_time.div_f64(obs.reads as f64)
     }
 }
 
@@ -481,6 +510,35 @@ mod tests {
             trace[24..].iter().all(|&r| (15..=24).contains(&r)),
             "{trace:?}"
         );
+    }
+
+    /// A filer (10 ms a read) that scales linearly up to `best` readers.
+    fn slow_starved_window(readers: u32, best: u32) -> Observation {
+        let reads = u64::from(readers.min(best)) * 10;
+        Observation {
+            read_time: Duration::from_millis(10) * reads as u32,
+            reads,
+            delivered_bytes: reads * 100 * 1024,
+            ..starved_window(readers, best)
+        }
+    }
+
+    #[test]
+    fn slow_storage_that_scales_is_given_reads_in_flight_four_times_at_a_step() {
+        let bounds = Bounds {
+            max_readers: 512,
+            ..bounds()
+        };
+        let mut t = Tuner::new(bounds, 16, 64 * MIB);
+        let trace = run(&mut t, |r| slow_starved_window(r, 200), 40);
+        // 16 -> 64 -> 256 in two probes, where steps of two take four;
+        // then one more step, which does not pay off and is undone.
+        assert_eq!(&trace[..7], &[64, 64, 64, 256, 256, 256, 512], "{trace:?}");
+        assert!(trace[9..29].iter().all(|&r| r == 256), "{trace:?}");
+        // A local disk's fast reads keep the steps of two.
+        let mut t = Tuner::new(bounds, 16, 64 * MIB);
+        let trace = run(&mut t, |r| starved_window(r, 300), 7);
+        assert_eq!(&trace[..7], &[32, 32, 32, 64, 64, 64, 128], "{trace:?}");
     }
 
     #[test]
