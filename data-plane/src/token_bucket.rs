@@ -148,22 +148,25 @@ impl TokenBucket {
     }
 
     /// Blocks the calling (reader) thread until `bytes` and one operation may
-    /// go, and returns how long it was throttled; asks `wanted` between
-    /// naps and gives up, taking nothing, when it says no (`None`): a
-    /// caller that may stop wanting the bytes meanwhile.
+    /// go, telling `napped` of each nap as it ends (a wait that outlasts
+    /// the tuner's window counts in that window, not only once it is over);
+    /// asks `wanted` between naps and gives up, taking nothing, when it
+    /// says no (false): a caller that may stop wanting the bytes meanwhile.
     pub fn acquire_blocking_while(
         &self,
         bytes: u64,
         mut wanted: impl FnMut() -> bool,
-    ) -> Option<Duration> {
-        let start = Instant::now();
+        mut napped: impl FnMut(Duration),
+    ) -> bool {
         while let Err(wait) = self.try_acquire(bytes) {
             if !wanted() {
-                return None;
+                return false;
             }
+            let nap = Instant::now();
             std::thread::sleep(wait.min(MAX_NAP));
+            napped(nap.elapsed());
         }
-        Some(start.elapsed())
+        true
     }
 }
 
@@ -196,6 +199,27 @@ mod tests {
         for _ in 0..10_000 {
             assert!(tb.try_acquire(1 << 30).is_ok());
         }
+    }
+
+    #[test]
+    fn a_long_wait_is_told_nap_by_nap_and_a_caller_may_give_up() {
+        // 10 kB at 1000 B/s went through on a full bucket: the next read
+        // waits ten seconds, and is given up after a tenth of one.
+        let tb = limited(Some(1000), None);
+        assert!(tb.try_acquire(10_000).is_ok());
+        let start = Instant::now();
+        let (mut naps, mut told) = (0, Duration::ZERO);
+        let taken = tb.acquire_blocking_while(
+            100,
+            || start.elapsed() < Duration::from_millis(100),
+            |nap| {
+                naps += 1;
+                told += nap;
+            },
+        );
+        assert!(!taken);
+        assert!(naps >= 4, "{naps} naps");
+        assert!(told >= Duration::from_millis(80), "{told:?}");
     }
 
     #[test]

@@ -16,6 +16,8 @@ import sluice
 from sluice import plan as splan
 from sluice import protocol as p
 
+from sluice.bench.common import metric_value, parse_prometheus
+
 from conftest import http_get, make_dataset, sorted_names, wait_for
 
 
@@ -735,6 +737,36 @@ def test_limits_and_the_samples_frame_budget(stage_factory, tmp_path):
         assert isinstance(msg, p.Error) and msg.code == p.ErrorCode.INVALID_ARGUMENT and not msg.fatal
     raw.hello("j" * 128)
     raw.close()
+
+
+def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage_factory, tmp_path):
+    # A job held far below one sample per second (a controller squeezing a
+    # greedy job to its floor): its reader waits on the token bucket for a
+    # minute, and its trainer for the sample. Both waits must show in the
+    # job's throttled and stall seconds as they go, or the job looks
+    # unthrottled and fed, and is taken for one that wants no more than it
+    # reads.
+    root = tmp_path / "slow"
+    root.mkdir()
+    for name in ("a.bin", "b.bin"):  # the first goes on a full bucket
+        (root / name).write_bytes(b"x" * (64 << 10))
+    stage = stage_factory({"d": root}, "--rate-limit", "1KiB/s")
+
+    def seconds(name: str) -> float:
+        return metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")), name, job="squeezed") or 0.0
+
+    with sluice.Client(stage.socket, job="squeezed") as c:
+        it = iter(c.dataset("d").epoch(0, shuffle=False, batch=1))
+        assert next(it)[1] == b"x" * (64 << 10)
+        waiting = threading.Thread(target=lambda: next(it, None), daemon=True)
+        waiting.start()
+        wait_for(lambda: seconds("sluice_stage_throttled_seconds_total") >= 1.0, timeout=10,
+                 what="a second of throttling counted mid-wait")
+        wait_for(lambda: seconds("sluice_stage_consumer_stall_seconds_total") >= 1.0, timeout=10,
+                 what="a second of stall counted mid-wait")
+        assert waiting.is_alive(), "the second sample came through the limit"
+        # Closing waits for the NEXT in flight: the stage's stop ends it.
+        assert stage.stop() == 0
 
 
 def test_plan_ends_when_its_connections_are_gone(stage_factory, dataset):

@@ -22,6 +22,10 @@ use crate::storage::{MAX_FILE_BYTES, clamp_range, io_error, open_regular};
 /// trainer outside the readers.
 const NO_PLAN: u64 = u64::MAX;
 
+/// A trainer's wait for data is counted as stall at least this often while
+/// it lasts (the tuner's tick), not only once it ends.
+const STALL_SLICE: std::time::Duration = crate::tuner::TICK;
+
 /// A connection's attachment to a plan; detaches on drop.
 #[derive(Debug)]
 pub struct PlanHandle {
@@ -304,7 +308,8 @@ impl Job {
         positions: &[u32],
         metrics: &DatasetMetrics,
     ) -> Option<(Vec<Sample>, bool, u64)> {
-        let start = Instant::now();
+        // Since when the stall is not counted yet.
+        let mut uncounted = Instant::now();
         let mut waited = false;
         loop {
             let wake = {
@@ -334,7 +339,7 @@ impl Job {
                         }
                         drop(st);
                         if waited {
-                            self.count_stall(metrics, start.elapsed());
+                            self.count_stall(metrics, uncounted.elapsed());
                         }
                         return Some((samples, end, bytes));
                     }
@@ -342,7 +347,16 @@ impl Job {
             };
             waited = true;
             // notify_one leaves a permit if it fired before we got here.
-            wake.notified().await;
+            // A long wait is counted as it goes, so that every window it
+            // spans (the tuner's, the telemetry's) sees a stalled trainer.
+            if tokio::time::timeout(STALL_SLICE, wake.notified())
+                .await
+                .is_err()
+            {
+                let now = Instant::now();
+                self.count_stall(metrics, now - uncounted);
+                uncounted = now;
+            }
         }
     }
 

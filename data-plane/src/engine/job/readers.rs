@@ -355,16 +355,12 @@ impl Job {
                 .with_label_values(&["timeout"])
                 .inc();
         }
-        let Some(waited) = self.limiter.acquire_blocking_while(bytes, wanted) else {
-            return false;
-        };
-        if !waited.is_zero() {
+        self.limiter.acquire_blocking_while(bytes, wanted, |nap| {
             self.stats
                 .throttled_ns
-                .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
-            self.throttled_metric.inc_by(waited.as_secs_f64());
-        }
-        true
+                .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
+            self.throttled_metric.inc_by(nap.as_secs_f64());
+        })
     }
 }
 
