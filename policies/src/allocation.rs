@@ -247,7 +247,11 @@ fn capacity(pool: &PoolInput, resource: Resource, problems: &mut Vec<Problem>) -
 /// Splits a job's shares among its stages; readers and buffers are filled
 /// in later, per node.
 fn job_allocation(job: &JobInput, bandwidth: Share, ops: Option<Share>) -> JobAllocation {
-    let demands: Vec<Option<f64>> = job.stages.iter().map(|s| s.demand).collect();
+    let demands: Vec<(Option<f64>, bool)> = job
+        .stages
+        .iter()
+        .map(|s| (s.demand, s.wants_more))
+        .collect();
     let parts = split(bandwidth.rate, &demands);
     let stages = job
         .stages

@@ -240,6 +240,7 @@ fn snapshot<'p>(
         let observed = on.iter().map(|s| ObservedStage {
             stage: s.id.to_owned(),
             demand: on_stage(s).and_then(|d| d.bytes_per_second),
+            wants_more: on_stage(s).is_some_and(|d| d.wants_more),
             memory_budget: s.memory_budget,
         });
         let rates = Rates {

@@ -16,6 +16,8 @@ pub struct ObservedStage {
     /// Bytes per second the job wants from this stage; `None` when not
     /// measured yet.
     pub demand: Option<f64>,
+    /// Whether the job wants more than `demand` there.
+    pub wants_more: bool,
     /// The stage's memory budget for all buffers (0: not limited).
     pub memory_budget: u64,
 }
@@ -47,7 +49,7 @@ impl Snapshot {
         let spec = policy.spec();
         let stages = stages
             .into_iter()
-            .map(|s| StageInput::from_policy(&s.stage, spec, s.memory_budget, s.demand))
+            .map(|s| StageInput::from_policy(spec, s))
             .collect();
         self.jobs.push(JobInput {
             demand,
@@ -98,22 +100,21 @@ impl StageInput {
     /// buffer bounds, the maximum defaulting to and capped by the stage's
     /// memory budget (0: not limited; then a policy without a maximum
     /// leaves the buffer unbounded, shown as `u64::MAX`).
-    pub fn from_policy(
-        stage: &str,
-        spec: &JobPolicySpec,
-        memory_budget: u64,
-        demand: Option<f64>,
-    ) -> Self {
+    pub fn from_policy(spec: &JobPolicySpec, observed: ObservedStage) -> Self {
         let prefetch = &spec.prefetch;
-        let max = match (prefetch.buffer.max.map(|b| b.bytes()), memory_budget) {
+        let max = match (
+            prefetch.buffer.max.map(|b| b.bytes()),
+            observed.memory_budget,
+        ) {
             (Some(max), 0) => max,
             (Some(max), budget) => max.min(budget),
             (None, 0) => u64::MAX,
             (None, budget) => budget,
         };
         StageInput {
-            stage: stage.to_owned(),
-            demand,
+            stage: observed.stage,
+            demand: observed.demand,
+            wants_more: observed.wants_more,
             readers: Bounds {
                 min: prefetch.readers.min,
                 max: prefetch.readers.max,
@@ -160,6 +161,7 @@ spec:
         ObservedStage {
             stage: id.to_owned(),
             demand: None,
+            wants_more: false,
             memory_budget: budget,
         }
     }

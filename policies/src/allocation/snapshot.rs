@@ -135,6 +135,11 @@ pub struct StageInput {
     /// Bytes per second the job wants from this stage; `None` when not
     /// measured yet.
     pub demand: Option<f64>,
+    /// Whether the job wants more than `demand` there (its readers wait on
+    /// its limit while its trainers wait for data); false when its demand
+    /// is what it consumes.
+    #[serde(default)]
+    pub wants_more: bool,
     /// Reader threads the job may run on this stage.
     pub readers: Bounds<u32>,
     /// Prefetch-buffer bytes the job may hold on this stage.

@@ -11,27 +11,46 @@ use super::{Bounds, JobAllocation, JobInput, NodeInput, NodeResource, Problem};
 /// measured demand can only rise once it is allowed to read).
 pub const IDLE_STAGE_FLOOR: f64 = 0.05;
 
-/// Splits `total` among stages in proportion to their measured demand.
-/// Stages with no (or zero, or unusable) demand get [`IDLE_STAGE_FLOOR`]
-/// of an even share each; when no stage has reported any demand the split
-/// is even. The parts sum to `total`.
-pub fn split(total: f64, demands: &[Option<f64>]) -> Vec<f64> {
+/// Splits `total` among stages by their measured demand, each given as
+/// `(demand, wants_more)`. A stage that is held back by something other
+/// than its allocation (its trainers compute, or its storage is slow:
+/// `wants_more` false) gets its demand first, and the stages that want
+/// more share the rest in proportion to their demands; when there is not
+/// enough for that, or no stage wants more, every stage gets a part in
+/// proportion to its demand. Stages with no (or zero, or unusable) demand
+/// get [`IDLE_STAGE_FLOOR`] of an even share each; when no stage has
+/// reported any demand the split is even. The parts sum to `total`.
+pub fn split(total: f64, demands: &[(Option<f64>, bool)]) -> Vec<f64> {
     let n = demands.len();
     if n == 0 {
         return Vec::new();
     }
     let even = total / n as f64;
-    let usable = |d: &Option<f64>| d.filter(|d| d.is_finite() && *d > 0.0);
-    let reported: f64 = demands.iter().filter_map(usable).sum();
+    let usable = |d: Option<f64>| d.filter(|d| d.is_finite() && *d > 0.0);
+    let sum = |more: Option<bool>| -> f64 {
+        demands
+            .iter()
+            .filter(|(_, m)| more.is_none_or(|more| *m == more))
+            .filter_map(|(d, _)| usable(*d))
+            .sum()
+    };
+    let reported = sum(None);
     if reported <= 0.0 {
         return vec![even; n];
     }
-    let idle = demands.iter().filter(|d| usable(d).is_none()).count();
+    let idle = demands.iter().filter(|(d, _)| usable(*d).is_none()).count();
     let floor = even * IDLE_STAGE_FLOOR;
     let rest = total - floor * idle as f64;
+    let (held, wanting) = (sum(Some(false)), sum(Some(true)));
+    let served_first = wanting > 0.0 && held < rest;
     demands
         .iter()
-        .map(|d| usable(d).map_or(floor, |d| rest * d / reported))
+        .map(|&(d, more)| match usable(d) {
+            None => floor,
+            Some(d) if served_first && !more => d,
+            Some(d) if served_first => (rest - held) * d / wanting,
+            Some(d) => rest * d / reported,
+        })
         .collect()
 }
 

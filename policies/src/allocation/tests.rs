@@ -37,6 +37,7 @@ fn stage(id: &str, demand: Option<f64>) -> StageInput {
     StageInput {
         stage: id.to_owned(),
         demand,
+        wants_more: false,
         readers: Bounds { min: 1, max: 16 },
         buffer: Bounds { min: 4, max: 64 },
     }
@@ -232,15 +233,53 @@ fn unknown_pools_and_bad_weights_are_reported() {
 
 #[test]
 fn stages_split_by_measured_demand() {
-    assert_close(&split(900.0, &[Some(100.0), Some(200.0)]), &[300.0, 600.0]);
-    assert_close(&split(900.0, &[None, None, None]), &[300.0; 3]);
-    assert_close(&split(900.0, &[Some(0.0), Some(0.0)]), &[450.0; 2]);
+    let held = |ds: &[Option<f64>]| ds.iter().map(|&d| (d, false)).collect::<Vec<_>>();
+    assert_close(
+        &split(900.0, &held(&[Some(100.0), Some(200.0)])),
+        &[300.0, 600.0],
+    );
+    assert_close(&split(900.0, &held(&[None, None, None])), &[300.0; 3]);
+    assert_close(&split(900.0, &held(&[Some(0.0), Some(0.0)])), &[450.0; 2]);
     // An idle stage keeps 5% of an even share (15 of 300) to grow from.
     assert_close(
-        &split(900.0, &[Some(1.0), None, Some(3.0)]),
+        &split(900.0, &held(&[Some(1.0), None, Some(3.0)])),
         &[221.25, 15.0, 663.75],
     );
     assert!(split(900.0, &[]).is_empty());
+}
+
+#[test]
+fn a_stage_held_back_by_its_trainers_gets_its_demand_before_stages_that_want_more() {
+    // One rank reads as fast as it may (wants more, at 1.5x its 89), the
+    // other's trainer computes and consumes 10 (11 with headroom): the
+    // paced stage gets its 11, not 11/144 of the share (7.6, which would
+    // stall it, make it want more and swing the split to 50/50).
+    assert_close(
+        &split(100.0, &[(Some(133.5), true), (Some(11.0), false)]),
+        &[89.0, 11.0],
+    );
+    // Two stages that want more share what the held one leaves, by demand.
+    assert_close(
+        &split(
+            100.0,
+            &[(Some(30.0), true), (Some(10.0), false), (Some(60.0), true)],
+        ),
+        &[30.0, 10.0, 60.0],
+    );
+    // Too little for the held stages' demands: every part in proportion.
+    assert_close(
+        &split(100.0, &[(Some(100.0), true), (Some(300.0), false)]),
+        &[25.0, 75.0],
+    );
+    // An unmeasured stage keeps its floor (5% of an even third) beside them.
+    let floor = 100.0 / 3.0 * 0.05;
+    assert_close(
+        &split(
+            100.0,
+            &[(Some(200.0), true), (Some(10.0), false), (None, false)],
+        ),
+        &[90.0 - floor, 10.0, floor],
+    );
 }
 
 #[test]
@@ -366,6 +405,7 @@ prop_compose! {
             .map(|(s, demand)| StageInput {
                 stage: format!("s{s}"),
                 demand,
+                wants_more: false,
                 readers: Bounds { min: readers.0, max: readers.0 + readers.1 },
                 buffer: Bounds { min: buffer.0, max: buffer.0 + buffer.1 },
             })
