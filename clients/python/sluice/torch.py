@@ -755,6 +755,13 @@ class SluiceIterableDataset(_data.IterableDataset):
         prefetch: batches a background thread of each iterating process
             receives ahead (see :meth:`sluice.Dataset.epoch`); 0 receives
             them in ``next()``.
+        even: ``None`` (default), ``"pad"`` or ``"drop"``: makes every
+            rank's share as long, as :class:`SluiceSampler`'s ``even`` does
+            (``DistributedSampler``'s shares over the epoch's order), so
+            that the ranks of a ``DistributedDataParallel`` job take the
+            same number of steps. The share (each worker's part of it) is
+            then planned as explicit indices, derived locally from the
+            same seed, instead of as a ``SHUFFLE`` plan.
 
     Call :meth:`set_epoch` before each epoch; iterating an epoch that this
     trainer process already read in full yields nothing in workers and
@@ -773,7 +780,7 @@ class SluiceIterableDataset(_data.IterableDataset):
                  transform: Optional[Callable[[object], object]] = None,
                  labels: Optional[Mapping[str, str]] = None, on_error: str = "raise",
                  timeout: Optional[float] = None, prefetch: int = DEFAULT_PREFETCH,
-                 sample: str = "tensor", reconnect: float = 60.0) -> None:
+                 sample: str = "tensor", reconnect: float = 60.0, even: Optional[str] = None) -> None:
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
@@ -790,6 +797,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.sample = sample
         self._convert = _converter(sample)
         self.on_error = on_error
+        self.even = _check_even(even)
         self.epoch = 0
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
                                  reconnect, runs=True)
@@ -802,19 +810,26 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return _even_length(self.file_count, self.rank, self.world_size, None)
+        return _even_length(self.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[tuple]:
         info = _data.get_worker_info()
-        if info is not None and info.num_workers > 1:
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if workers > 1:
             # Each worker reads its own share of the rank's order (every
             # num_workers-th entry), as a plan of its own: a worker that
             # loses its stage resumes its plan alone, exactly once.
-            self._conn.rank = info.id * self.world_size + self.rank
-            self._conn.world_size = self.world_size * info.num_workers
+            self._conn.rank = worker * self.world_size + self.rank
+            self._conn.world_size = self.world_size * workers
         ds = self._conn.get()
-        it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
-                      on_error=self.on_error, prefetch=self.prefetch)
+        if self.even is None:
+            it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
+                          on_error=self.on_error, prefetch=self.prefetch)
+        else:
+            everything = _plan.permutation(self.file_count, self.seed, self.epoch, self.shuffle)
+            share = _even_share(everything, self.rank, self.world_size, self.even)[worker::workers]
+            it = ds.plan_indices(share, self.epoch, batch=self.batch, on_error=self.on_error,
+                                 prefetch=self.prefetch)
         if it.state == PlanState.COMPLETE and _data.get_worker_info() is None:
             raise RuntimeError(
                 f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "

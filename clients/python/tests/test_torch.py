@@ -48,24 +48,37 @@ def _collect(loader):
     return out
 
 
-@pytest.mark.parametrize("even", ["pad", "drop"])
-def test_even_shares_are_distributed_samplers_shares_of_the_plan_order(stage_factory, dataset, even):
+#: Ranks of the even-share tests: the tests' data set does not split
+#: evenly between them.
+EVEN_WORLD = 5
+
+
+def _distributed_shares(files, even):
+    """The epoch's order (seed 7, epoch 2) and, for each rank of
+    ``EVEN_WORLD``, ``DistributedSampler``'s share of it as names."""
     from torch.utils.data import DistributedSampler
 
+    assert len(files) % EVEN_WORLD, "the point is a data set that ranks cannot share evenly"
+    names = sorted_names(files)
+    everything = splan.permutation(len(files), 7, 2)
+    return everything, [[names[everything[i]] for i in DistributedSampler(
+        everything, num_replicas=EVEN_WORLD, rank=rank, shuffle=False, drop_last=even == "drop")]
+        for rank in range(EVEN_WORLD)]
+
+
+@pytest.mark.parametrize("even", ["pad", "drop"])
+def test_even_shares_are_distributed_samplers_shares_of_the_plan_order(stage_factory, dataset, even):
     root, files = dataset
     stage = stage_factory({"d": root})
     names = sorted_names(files)
-    world = 5
-    assert len(files) % world, "the point is a data set that ranks cannot share evenly"
-    everything = splan.permutation(len(files), 7, 2)
+    world = EVEN_WORLD
+    everything, shares = _distributed_shares(files, even)
     counts = {}
     for rank in range(world):
         ds = SluiceDataset(stage.socket, "d", job=f"even-{even}")
         sampler = SluiceSampler(ds, seed=7, rank=rank, world_size=world, even=even)
         sampler.set_epoch(2)
-        torch_shares = DistributedSampler(everything, num_replicas=world, rank=rank, shuffle=False,
-                                          drop_last=even == "drop")
-        expected = [names[everything[i]] for i in torch_shares]
+        expected = shares[rank]
         assert len(sampler) == len(expected) == (len(files) // world + (even == "pad"))
         got = _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2 if rank == world - 1 else 0,
                                   collate_fn=collate))
@@ -85,6 +98,29 @@ def test_even_shares_are_distributed_samplers_shares_of_the_plan_order(stage_fac
         assert counts == {n: 1 for n in files if n not in left_out}
     with pytest.raises(ValueError, match='even must be None, "pad" or "drop"'):
         SluiceSampler(SluiceDataset(stage.socket, "d", job="x"), even="yes")
+
+
+@pytest.mark.parametrize("even", ["pad", "drop"])
+def test_iterable_even_shares_are_distributed_samplers_shares_split_between_workers(stage_factory, dataset,
+                                                                                   even):
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    world = EVEN_WORLD
+    _everything, shares = _distributed_shares(files, even)
+    for rank, workers in ((0, 0), (3, 2), (4, 3)):
+        ds = SluiceIterableDataset(stage.socket, "d", job=f"iter-even-{even}", seed=7, rank=rank,
+                                   world_size=world, batch=3, even=even)
+        ds.set_epoch(2)
+        expected = shares[rank]
+        assert len(ds) == len(expected) == (len(files) // world + (even == "pad"))
+        got = _collect(DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate))
+        assert sorted(n for n, _ in got) == sorted(expected), f"rank {rank}, {workers} workers"
+        assert all(files[n] == d for n, d in got)
+        if workers == 0:
+            assert [n for n, _ in got] == expected
+        ds.close()
+    with pytest.raises(ValueError, match='even must be None, "pad" or "drop"'):
+        SluiceIterableDataset(stage.socket, "d", job="x", even="yes")
 
 
 DDP_TRAINER = textwrap.dedent("""
