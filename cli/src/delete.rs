@@ -2,7 +2,9 @@
 //! NAME` and `delete datasetcache NAME`: the controller records the
 //! deletion as a new revision, which is printed. `delete policy` lets the
 //! controller find the kind; when several kinds share the name it says
-//! which commands would delete each.
+//! which commands would delete each. Deleting a JobPolicy that running
+//! jobs are under notes those jobs on standard error: they lose its
+//! limits and guarantees at once.
 
 use sluice_proto::v1;
 use tonic::Code;
@@ -27,6 +29,11 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
         name: name.clone(),
     };
     let response = client::block_on(async {
+        // Asked before the deletion, which moves the jobs off the policy.
+        let under = match kind {
+            "" | "JobPolicy" => jobs_under(controller, name).await,
+            _ => Vec::new(),
+        };
         let deleted = client::call(controller, |mut admin| async move {
             admin.delete_policy(request).await
         })
@@ -40,17 +47,25 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
                     .unwrap_or_else(|| format!("sluicectl: {}", CallError::Refused(status))))
             }
             Err(e) => Err(format!("sluicectl: {e}")),
-            Ok(deleted) => Ok(deleted),
+            Ok(deleted) => Ok((deleted, under)),
         }
     });
     match response {
-        Ok(deleted) => {
+        Ok((deleted, under)) => {
             // An older controller does not say which kind it deleted.
             let word = match deleted.kind.as_str() {
                 "" => word.to_owned(),
                 found => short_kind(found),
             };
             println!("{word}/{name} deleted (revision {})", deleted.revision);
+            let job_policy =
+                deleted.kind == "JobPolicy" || (deleted.kind.is_empty() && kind == "JobPolicy");
+            if job_policy && !under.is_empty() {
+                eprintln!(
+                    "sluicectl: note: running jobs were under jobpolicy/{name}: {}; each is now under the next JobPolicy that selects it, or under none (its stages' own settings, no limit or guarantee)",
+                    under.join(", ")
+                );
+            }
             Exit::Ok
         }
         Err(line) => {
@@ -59,6 +74,25 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
             Exit::Failed
         }
     }
+}
+
+/// Returns the jobs the controller has under the JobPolicy `name` (none
+/// when it cannot say: the note is only a courtesy).
+async fn jobs_under(controller: &Controller, name: &str) -> Vec<String> {
+    let listed = client::call(controller, |mut admin| async move {
+        admin.list_jobs(v1::ListJobsRequest {}).await
+    })
+    .await;
+    listed.map_or_else(
+        |_| Vec::new(),
+        |jobs| {
+            jobs.jobs
+                .into_iter()
+                .filter(|j| j.policy == name)
+                .map(|j| j.id)
+                .collect()
+        },
+    )
 }
 
 /// Returns, when several kinds of policy are named `name`, the line that

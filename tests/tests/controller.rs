@@ -462,6 +462,14 @@ async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
     );
     let (_, after, _) = sluicectl(&c.grpc, &["get", "policies", "-o", "json"]);
     assert_eq!(before, after, "a refused apply changes nothing");
+    // Deleting the policy a running job is under says which jobs lose it.
+    let (code, out, err) = sluicectl(&c.grpc, &["delete", "jobpolicy", "vision"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("jobpolicy/vision deleted"), "{out}");
+    assert!(
+        err.starts_with("sluicectl: note: running jobs were under jobpolicy/vision: resnet;"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
