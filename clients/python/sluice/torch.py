@@ -310,6 +310,12 @@ class _PerProcess:
         # `run`); pickled with the rest.
         self._nonce: Optional[bytes] = os.urandom(16) if runs else None
         self._run: Optional[Tuple[int, int]] = None  # (pid, run) of this process
+        # The process (pid, start time) that pickled this copy, if one did
+        # (a trainer handing it to a worker it spawns), and the process that
+        # unpickled it (a worker forked from another holds a copy of its
+        # parent's object, which may have been pickled by anyone).
+        self._pickled_by: Optional[Tuple[int, bytes]] = None
+        self._unpickled_in: Optional[int] = None
         self.dataset_name = dataset
         self.job = job
         self.labels = dict(labels or {})
@@ -366,26 +372,55 @@ class _PerProcess:
             return None
         pid = os.getpid()
         if self._run is None or self._run[0] != pid:
-            trainer = os.getppid() if _data.get_worker_info() is not None else pid
+            pickled_for_me = self._pickled_by if self._unpickled_in == pid else None
+            trainer = _trainer_of_worker(pickled_for_me) if _data.get_worker_info() is not None else pid
             self._run = (pid, _run_of(self._nonce, trainer))
         return self._run[1]
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_client"] = state["_dataset"] = state["_pid"] = state["_run"] = None
+        pid = os.getpid()
+        state["_pickled_by"] = (pid, _stat_fields(pid)[1])
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._unpickled_in = os.getpid()
+
+
+def _stat_fields(pid: int) -> Tuple[Optional[int], bytes]:
+    """Process ``pid``'s parent and start time (``(None, b"")`` when it is
+    gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Fields 4 and 22, counted after the command name's closing
+            # parenthesis.
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[1]), fields[19]
+    except (OSError, IndexError, ValueError):
+        return None, b""
+
+
+def _trainer_of_worker(pickled_by: Optional[Tuple[int, bytes]]) -> int:
+    """The trainer process of this ``DataLoader`` worker: its parent
+    (``fork``, ``spawn``), or, under ``forkserver``, whose server forks the
+    workers, its grandparent, recognised as the process that pickled the
+    worker's copy of the dataset for it (``pickled_by``; None for a copy
+    inherited by fork)."""
+    parent = os.getppid()
+    if pickled_by is not None and pickled_by[0] != parent:
+        grandparent = _stat_fields(parent)[0]
+        if grandparent is not None and pickled_by == (grandparent, _stat_fields(grandparent)[1]):
+            return grandparent
+    return parent
 
 
 def _run_of(nonce: bytes, pid: int) -> int:
     """The run (see :class:`sluice.Client`) of the trainer process ``pid``
     for an object's ``nonce``: derived from the process's id and start
     time, so a reused pid is another run."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # Field 22, counted after the command name's closing parenthesis.
-            started = f.read().rpartition(b")")[2].split()[19]
-    except (OSError, IndexError):
-        started = b""
+    started = _stat_fields(pid)[1]
     digest = hashlib.blake2b(nonce + b"%d:" % pid + started, digest_size=8).digest()
     return int.from_bytes(digest, "big") or 1
 
@@ -770,7 +805,7 @@ class SluiceIterableDataset(_data.IterableDataset):
 
     Plans name the trainer process's run (see :class:`sluice.Client`),
     derived from a random value of the object and the process's id and
-    start time (a worker takes its parent's): a trainer restarted after a
+    start time (a worker takes its trainer's): a trainer restarted after a
     crash, with a new object or this one, reads its epochs in full even
     while the crashed one's workers still hold their plans.
     """

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import in_ci, job_metric, sorted_names, wait_for
+from conftest import http_get, in_ci, job_metric, sorted_names, wait_for
 
 try:
     import torch  # noqa: F401
@@ -121,6 +121,30 @@ def test_iterable_even_shares_are_distributed_samplers_shares_split_between_work
         ds.close()
     with pytest.raises(ValueError, match='even must be None, "pad" or "drop"'):
         SluiceIterableDataset(stage.socket, "d", job="x", even="yes")
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_started_without_fork_read_their_trainers_plan(stage_factory, dataset, context):
+    # Under forkserver the workers' parent is the fork server, not the
+    # trainer: they must still name the trainer's run, or their reads miss
+    # the sampler's plan, and every sample is read twice from storage (once
+    # prefetched for the plan, once for the worker) with the plan's bytes
+    # held until the job ends.
+    from sluice.bench.common import metric_value, parse_prometheus
+
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job=f"ctx-{context}")
+    sampler = SluiceSampler(ds, seed=4)
+    got = _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context,
+                              collate_fn=collate))
+    assert sorted(n for n, _ in got) == sorted(files)
+    assert all(files[n] == d for n, d in got)
+    reads = metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")),
+                         "sluice_stage_storage_reads_total", job=f"ctx-{context}")
+    assert reads == len(files)
+    sampler.close()
+    ds.close()
 
 
 DDP_TRAINER = textwrap.dedent("""
