@@ -15,7 +15,8 @@
 //!   object store's round trip, where concurrency scales much further than
 //!   on a local disk) a probe that paid off in proportion to its step is
 //!   followed by a step of four times, so that a job reaches hundreds of
-//!   reads in flight within a second instead of several.
+//!   reads in flight within a second instead of several; a step of four
+//!   that gains less than half of its ratio is cut back to a step of two.
 //! - **Buffer-bound** (consumers stall although the buffer is full): the
 //!   buffer is too small for the lead the plan needs. Grow it by half.
 //! - **Ahead** (no stall and a nearly full buffer for a second): the consumer
@@ -24,6 +25,10 @@
 //!   buffer toward a quarter second of consumption.
 //! - **Throttled**: the limiter, not the readers, sets the pace; readers are
 //!   trimmed to what the allowed rate needs.
+//! - **Memory-bound** (consumers stall while readers wait for room in the
+//!   node's memory budget, which other jobs' buffers hold): more readers
+//!   would only wait with them, so none are added, and readers are trimmed
+//!   to what the reads that do fit need.
 //! - **Store throttled** (an object store answered 503 SlowDown or 429
 //!   during the window): fewer reads in flight, by a quarter each window
 //!   it throttles, and that count is a ceiling for a while: asking a
@@ -65,6 +70,12 @@ const SLOW_READ: Duration = Duration::from_millis(1);
 const FAST_SCALING: f64 = 0.8;
 /// Readers are multiplied by this after a proportional probe on slow storage.
 const FAST_STEP: u32 = 4;
+/// The share of its ratio a step of [`FAST_STEP`] must gain to be kept
+/// whole; one that gains less (but enough to keep some) is cut back to a
+/// step of two: several jobs probing one filer at once see muted gains,
+/// and a step of four kept on a 5% gain left hundreds of readers where
+/// dozens read as fast.
+const FAST_KEEP: f64 = 0.5;
 /// Gain a probe must show to be kept.
 const PROBE_GAIN: f64 = 1.05;
 /// Consumption the buffer should hold when shrinking, in seconds.
@@ -109,10 +120,15 @@ pub struct Observation {
     pub reads_blocked: Option<f64>,
     /// Time readers spent waiting on the limiter.
     pub throttled: Duration,
+    /// Whether readers found no room in the node's memory budget.
+    pub memory_short: bool,
     /// Requests the object stores read throttled (503, 429) in the window.
     pub store_throttled: u64,
     /// Buffer bytes in use at the end of the window.
     pub buffer_used: u64,
+    /// What the buffer may hold now: its size, or less when the job's share
+    /// of the node's memory budget is smaller (0: not known, its size).
+    pub buffer_room: u64,
     /// Whether any plan still has entries to fetch.
     pub has_work: bool,
 }
@@ -127,10 +143,11 @@ pub enum Reason {
     Throttled,
     CpuBound,
     StoreThrottled,
+    MemoryBound,
 }
 
 impl Reason {
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Starved,
         Self::ProbeFailed,
         Self::BufferBound,
@@ -138,6 +155,7 @@ impl Reason {
         Self::Throttled,
         Self::CpuBound,
         Self::StoreThrottled,
+        Self::MemoryBound,
     ];
 
     /// Returns the metric label for this reason.
@@ -150,6 +168,7 @@ impl Reason {
             Self::Throttled => "throttled",
             Self::CpuBound => "cpu_bound",
             Self::StoreThrottled => "store_throttled",
+            Self::MemoryBound => "memory_bound",
         }
     }
 }
@@ -179,7 +198,10 @@ impl Rates {
         Self {
             reads_per_s: obs.reads as f64 / secs,
             stall: obs.stall.as_secs_f64() / (secs * f64::from(obs.consumers.max(1))),
-            occupancy: obs.buffer_used as f64 / buffer.max(1) as f64,
+            // Full is full of what the buffer may hold: a job whose share
+            // of the node's budget is below its buffer size never reaches
+            // 75% of the size, and would look starved for readers forever.
+            occupancy: obs.buffer_used as f64 / room(buffer, obs.buffer_room).max(1) as f64,
             throttled: obs.throttled.as_secs_f64() / (secs * f64::from(readers)),
         }
     }
@@ -296,7 +318,12 @@ impl Tuner {
         }
         if rates.throttled > 0.3 {
             self.ahead_ticks = 0;
-            return self.trim_to_limiter(rates.reads_per_s, obs);
+            return self.trim_to_need(rates.reads_per_s, obs, Reason::Throttled);
+        }
+        if rates.stall > STALL_HIGH && obs.memory_short {
+            self.ahead_ticks = 0;
+            self.full_stalls = 0;
+            return self.trim_to_need(rates.reads_per_s, obs, Reason::MemoryBound);
         }
         if rates.stall > STALL_HIGH {
             self.ahead_ticks = 0;
@@ -345,16 +372,32 @@ impl Tuner {
             self.last_scaling = 0.0;
             return ControlFlow::Break(self.apply(probe.from, self.buffer, Reason::ProbeFailed));
         }
+        let ratio = f64::from(self.readers) / f64::from(probe.from.max(1));
+        if ratio >= f64::from(FAST_STEP) && gain < ratio * FAST_KEEP {
+            // A step of four that paid off by less than half of it: storage
+            // stopped scaling on the way. Keep the step of two that was
+            // the alternative, and take the next one carefully.
+            self.last_gain = 0.0;
+            self.last_scaling = 0.0;
+            let two = self.bounds.clamp_readers(probe.from.saturating_mul(2));
+            return ControlFlow::Break(self.apply(two, self.buffer, Reason::ProbeFailed));
+        }
         self.last_gain = gain;
-        self.last_scaling = gain * f64::from(probe.from) / f64::from(self.readers.max(1));
+        self.last_scaling = gain / ratio;
         ControlFlow::Continue(())
     }
 
-    /// Throttled: trims readers to what the allowed rate needs.
-    fn trim_to_limiter(&mut self, reads_per_s: f64, obs: &Observation) -> Option<Change> {
+    /// Throttled, or short of memory: trims readers to what the rate that
+    /// gets through needs.
+    fn trim_to_need(
+        &mut self,
+        reads_per_s: f64,
+        obs: &Observation,
+        reason: Reason,
+    ) -> Option<Change> {
         let needed = self.little(reads_per_s, obs);
         (needed < self.readers)
-            .then(|| self.apply(needed, self.buffer, Reason::Throttled))
+            .then(|| self.apply(needed, self.buffer, reason))
             .flatten()
     }
 
@@ -451,6 +494,12 @@ impl Tuner {
     }
 }
 
+/// The bytes a buffer of `buffer` may hold when the memory budget allows
+/// it `room` (0: not known).
+fn room(buffer: u64, room: u64) -> u64 {
+    if room == 0 { buffer } else { buffer.min(room) }
+}
+
 /// The mean latency of the window's storage reads (zero without reads).
 fn mean_latency(obs: &Observation) -> Duration {
     if obs.reads == 0 {
@@ -523,22 +572,59 @@ mod tests {
         }
     }
 
-    #[test]
-    fn slow_storage_that_scales_is_given_reads_in_flight_four_times_at_a_step() {
+    /// A tuner at its initial 16 readers with a remote store's ceiling.
+    fn remote_tuner() -> Tuner {
         let bounds = Bounds {
             max_readers: 512,
             ..bounds()
         };
-        let mut t = Tuner::new(bounds, 16, 64 * MIB);
+        Tuner::new(bounds, 16, 64 * MIB)
+    }
+
+    #[test]
+    fn slow_storage_that_scales_is_given_reads_in_flight_four_times_at_a_step() {
+        let mut t = remote_tuner();
         let trace = run(&mut t, |r| slow_starved_window(r, 200), 40);
         // 16 -> 64 -> 256 in two probes, where steps of two take four;
         // then one more step, which does not pay off and is undone.
         assert_eq!(&trace[..7], &[64, 64, 64, 256, 256, 256, 512], "{trace:?}");
         assert!(trace[9..29].iter().all(|&r| r == 256), "{trace:?}");
         // A local disk's fast reads keep the steps of two.
-        let mut t = Tuner::new(bounds, 16, 64 * MIB);
+        let mut t = remote_tuner();
         let trace = run(&mut t, |r| starved_window(r, 300), 7);
         assert_eq!(&trace[..7], &[32, 32, 32, 64, 64, 64, 128], "{trace:?}");
+    }
+
+    #[test]
+    fn a_step_of_four_past_where_storage_stops_scaling_is_cut_back_to_two() {
+        let mut t = remote_tuner();
+        let trace = run(&mut t, |r| slow_starved_window(r, 100), 30);
+        // 64 -> 256 gains 1.56x for 4x the readers: back to 128, then a
+        // step of half, which pays nothing and is undone.
+        assert_eq!(&trace[..7], &[64, 64, 64, 256, 256, 256, 128], "{trace:?}");
+        assert!(trace[12..].iter().all(|&r| r == 128), "{trace:?}");
+    }
+
+    #[test]
+    fn readers_short_of_memory_are_not_grown_but_trimmed() {
+        // Another job's buffers hold the node's budget: 40 reads of 10 ms
+        // fit per window whatever the readers, and consumers stall.
+        let squeezed = |_r: u32| Observation {
+            memory_short: true,
+            ..slow_starved_window(4, 4)
+        };
+        let mut t = Tuner::new(
+            Bounds {
+                max_readers: 512,
+                ..bounds()
+            },
+            64,
+            64 * MIB,
+        );
+        let trace = run(&mut t, squeezed, 20);
+        // 400 reads/s x 10 ms x 1.5, plus one: 7 readers.
+        assert_eq!(trace[0], 7, "{trace:?}");
+        assert!(trace.iter().all(|&r| r == 7), "{trace:?}");
     }
 
     #[test]
@@ -591,6 +677,35 @@ mod tests {
         // Demand comes back: it grows again (never latched off).
         let starved = starved_window(readers, 16);
         assert!(t.observe(&starved).is_some_and(|c| c.readers > readers));
+    }
+
+    #[test]
+    fn a_buffer_full_of_what_the_memory_budget_allows_counts_as_full() {
+        // The job's share of the node's budget is 64 MiB of its 256 MiB
+        // buffer, and that share is full: compute-bound, not starved.
+        let mut t = Tuner::new(bounds(), 32, 256 * MIB);
+        let full_share = Observation {
+            elapsed: TICK,
+            consumers: 1,
+            delivered_bytes: 2 * MIB,
+            reads: 20,
+            read_time: Duration::from_millis(10) * 20,
+            buffer_used: 60 * MIB,
+            buffer_room: 64 * MIB,
+            has_work: true,
+            ..Default::default()
+        };
+        let trace = run(&mut t, |_| full_share, 12);
+        assert!(trace.last() < Some(&8), "{trace:?}");
+        // With a stall on top it is the buffer, not the readers, that is
+        // short: the readers do not grow.
+        let stalled = Observation {
+            stall: TICK.mul_f64(0.5),
+            ..full_share
+        };
+        let readers = t.readers();
+        let trace = run(&mut t, |_| stalled, 12);
+        assert!(trace.iter().all(|&r| r <= readers), "{trace:?}");
     }
 
     #[test]

@@ -65,6 +65,8 @@ struct Stats {
     sampled_blocked: AtomicU64,
     stall_ns: AtomicU64,
     throttled_ns: AtomicU64,
+    /// Times a reader found work but no room in the node's memory budget.
+    memory_waits: AtomicU64,
     errors: AtomicU64,
     active_readers: AtomicU32,
 }
@@ -81,6 +83,7 @@ struct StatsSample {
     store_throttled: u64,
     stall_ns: u64,
     throttled_ns: u64,
+    memory_waits: u64,
 }
 
 #[derive(Debug)]
@@ -642,6 +645,7 @@ impl Job {
             store_throttled,
             stall_ns: self.stats.stall_ns.load(Ordering::Relaxed),
             throttled_ns: self.stats.throttled_ns.load(Ordering::Relaxed),
+            memory_waits: self.stats.memory_waits.load(Ordering::Relaxed),
         };
         let previous = st.last_tick.replace((now, sample));
         if let Some((at, before)) = previous {
@@ -657,7 +661,9 @@ impl Job {
                     .store_throttled
                     .saturating_sub(before.store_throttled),
                 throttled: Duration::from_nanos(sample.throttled_ns - before.throttled_ns),
+                memory_short: sample.memory_waits > before.memory_waits,
                 buffer_used: st.reserved,
+                buffer_room: st.effective_capacity(&self.memory),
                 has_work: st.plans.values().any(|p| p.remaining > 0),
             };
             if st.config.tuner

@@ -144,6 +144,9 @@ impl Job {
                                     break work;
                                 }
                             }
+                            if matches!(idle, Idle::OverBudget) {
+                                self.stats.memory_waits.fetch_add(1, Ordering::Relaxed);
+                            }
                             let short = u32::from(!matches!(idle, Idle::Nothing));
                             st.readers_idle += 1;
                             st.readers_short += short;
