@@ -10,8 +10,9 @@ use std::io::{self, IoSlice};
 use std::ops::ControlFlow;
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
@@ -53,7 +54,10 @@ pub async fn serve<S>(
 {
     let metrics = Arc::clone(engine.metrics());
     metrics.connections.inc();
-    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (rd, mut wr) = tokio::io::split(stream);
+    // Buffered, so that the trainer's end can be watched while a request
+    // is answered (see `trainer_left`) without losing what it sends next.
+    let mut rd = tokio::io::BufReader::new(rd);
     let mut conn = Connection::new(engine, stage_id, access, peer, unix);
     let ending = loop {
         let next = next_request(&mut rd, &mut wr, &metrics, &cancel);
@@ -80,7 +84,24 @@ pub async fn serve<S>(
             }
         };
         let ending = match next {
-            Ok(request) => conn.respond(request, &mut wr, &metrics).await,
+            Ok(request) => {
+                let present = Arc::clone(&conn.trainer_present);
+                let respond = conn.respond(request, &mut wr, &metrics);
+                tokio::pin!(respond);
+                tokio::select! {
+                    biased;
+                    ending = &mut respond => ending,
+                    left = trainer_left(&mut rd) => {
+                        if left {
+                            // Answered all the same (the request holds
+                            // claimed entries), but no longer the
+                            // trainer's stall.
+                            present.store(false, Ordering::Relaxed);
+                        }
+                        respond.await
+                    }
+                }
+            }
             Err(ending) => ControlFlow::Break(ending),
         };
         if let ControlFlow::Break(ending) = ending {
@@ -90,6 +111,15 @@ pub async fn serve<S>(
     conn.end(ending);
     let _ = wr.shutdown().await;
     metrics.connections.dec();
+}
+
+/// Waits until the trainer sends more or closes its end: true when it
+/// closed it (or the connection broke), false when a request is waiting
+/// in the buffer.
+async fn trainer_left<R: AsyncBufRead + Unpin>(rd: &mut R) -> bool {
+    rd.fill_buf()
+        .await
+        .map_or(true, |buffered| buffered.is_empty())
 }
 
 /// How long a connection may wait for its next request before it has said
@@ -231,6 +261,8 @@ struct Connection {
     /// The run whose plan entries this connection's reads by name deliver
     /// (0: plans that name none), once it said `RUN`; before, any plan's.
     reads_for: Option<u64>,
+    /// Cleared once the trainer has gone while a request is answered.
+    trainer_present: Arc<AtomicBool>,
 }
 
 fn invalid(message: String) -> ProtocolError {
@@ -265,6 +297,7 @@ impl Connection {
             runs: false,
             run_reads: false,
             reads_for: None,
+            trainer_present: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -619,6 +652,8 @@ impl Connection {
             .job()
             .attach_plan(key, fingerprint, dataset, listing, files)?;
         let length = handle.length;
+        let mut handle = handle;
+        handle.trainer_present = Some(Arc::clone(&self.trainer_present));
         self.plan = Some(handle);
         reply(Response::Planned {
             length,

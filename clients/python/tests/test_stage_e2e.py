@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -758,7 +761,11 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
     with sluice.Client(stage.socket, job="squeezed") as c:
         it = iter(c.dataset("d").epoch(0, shuffle=False, batch=1))
         assert next(it)[1] == b"x" * (64 << 10)
-        waiting = threading.Thread(target=lambda: next(it, None), daemon=True)
+        def wait_for_the_second():
+            with contextlib.suppress(sluice.SluiceError):  # the stage stops below
+                next(it, None)
+
+        waiting = threading.Thread(target=wait_for_the_second, daemon=True)
         waiting.start()
         wait_for(lambda: seconds("sluice_stage_throttled_seconds_total") >= 1.0, timeout=10,
                  what="a second of throttling counted mid-wait")
@@ -767,6 +774,35 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
         assert waiting.is_alive(), "the second sample came through the limit"
         # Closing waits for the NEXT in flight: the stage's stop ends it.
         assert stage.stop() == 0
+
+
+def test_a_killed_trainers_pending_next_is_no_stall(stage_factory, tmp_path):
+    # A trainer killed while it waits in NEXT for a batch the limit lets
+    # through slowly: the stage answers the request all the same (it holds
+    # claimed entries), but nobody waits for it any more.
+    root = tmp_path / "slow"
+    root.mkdir()
+    for i in range(32):
+        (root / f"s{i:02d}.bin").write_bytes(bytes([i]) * (256 << 10))
+    stage = stage_factory({"d": root}, "--rate-limit", "256KiB/s", "--readers", "2")
+
+    def stall() -> float:
+        return metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")),
+                            "sluice_stage_consumer_stall_seconds_total", job="killed") or 0.0
+
+    code = ("import sluice\n"
+            f"c = sluice.Client({stage.socket!r}, job='killed')\n"
+            "for _ in c.dataset('d').epoch(0, batch=16, prefetch=0): pass\n")
+    trainer = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        wait_for(lambda: stall() >= 1.0, timeout=10, what="the trainer to stall")
+    finally:
+        trainer.kill()
+        trainer.wait()
+    time.sleep(0.5)
+    before = stall()
+    time.sleep(3)
+    assert stall() - before < 0.5, "a dead trainer's wait was counted as stall"
 
 
 def test_plan_ends_when_its_connections_are_gone(stage_factory, dataset):

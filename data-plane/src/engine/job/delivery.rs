@@ -4,6 +4,7 @@
 
 use std::cell::Cell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use tracing::debug;
@@ -32,6 +33,9 @@ pub struct PlanHandle {
     job: Arc<Job>,
     id: Option<u64>,
     pub length: u32,
+    /// Cleared when the connection's trainer has gone while a request of
+    /// it is still being answered: its wait is then no trainer's stall.
+    pub trainer_present: Option<Arc<AtomicBool>>,
 }
 
 /// What `NEXT` returns: the samples, whether the plan is exhausted, and the
@@ -178,6 +182,7 @@ impl Job {
             job: Arc::clone(self),
             id,
             length,
+            trainer_present: None,
         };
         let mut st = self.lock();
         let full: PlanIdentity = (dataset.name.clone(), key);
@@ -287,7 +292,9 @@ impl Job {
             self.work.notify_one();
         }
         // The connection holds the plan, so it cannot be dropped under us.
-        let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics).await else {
+        let present = handle.trainer_present.as_deref();
+        let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics, present).await
+        else {
             return empty(true);
         };
         self.count_delivered(&metrics, &samples);
@@ -301,13 +308,17 @@ impl Job {
     /// Waits until every claimed position is fetched, then takes them.
     /// Returns the samples, whether the plan is exhausted, and their bytes;
     /// `None` if the plan was dropped meanwhile (every attached connection
-    /// left, which a map-style `READ` does not hold off).
+    /// left, which a map-style `READ` does not hold off). The wait counts
+    /// as the trainer's stall while `present` (when given) says its
+    /// trainer is still there.
     async fn wait_for(
         &self,
         id: u64,
         positions: &[u32],
         metrics: &DatasetMetrics,
+        present: Option<&AtomicBool>,
     ) -> Option<(Vec<Sample>, bool, u64)> {
+        let stalled = || present.is_none_or(|p| p.load(Ordering::Relaxed));
         // Since when the stall is not counted yet.
         let mut uncounted = Instant::now();
         let mut waited = false;
@@ -338,7 +349,7 @@ impl Job {
                             st.finish_plan(id);
                         }
                         drop(st);
-                        if waited {
+                        if waited && stalled() {
                             self.count_stall(metrics, uncounted.elapsed());
                         }
                         return Some((samples, end, bytes));
@@ -354,7 +365,9 @@ impl Job {
                 .is_err()
             {
                 let now = Instant::now();
-                self.count_stall(metrics, now - uncounted);
+                if stalled() {
+                    self.count_stall(metrics, now - uncounted);
+                }
                 uncounted = now;
             }
         }
@@ -398,7 +411,7 @@ impl Job {
         match claim.0 {
             Claimed::Buffered(id, pos, m) => {
                 // None: the plan was abandoned meanwhile; the caller reads directly.
-                let (mut samples, _, bytes) = self.wait_for(id, &[pos], &m).await?;
+                let (mut samples, _, bytes) = self.wait_for(id, &[pos], &m, None).await?;
                 self.count_delivered(&m, &samples);
                 let sample = samples.pop()?;
                 Some((sample, self.reservation(id, bytes)))
