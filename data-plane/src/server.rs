@@ -652,8 +652,6 @@ impl Connection {
             .job()
             .attach_plan(key, fingerprint, dataset, listing, files)?;
         let length = handle.length;
-        let mut handle = handle;
-        handle.trainer_present = Some(Arc::clone(&self.trainer_present));
         self.plan = Some(handle);
         reply(Response::Planned {
             length,
@@ -729,7 +727,9 @@ impl Connection {
             )
         })?;
         let job = Arc::clone(self.job());
-        let mut batch = job.next(handle, max_samples as usize).await;
+        let mut batch = job
+            .next(handle, max_samples as usize, Some(&self.trainer_present))
+            .await;
         let mut held = vec![batch.reservation];
         if let Some(shared) = &self.shared {
             shared.lend(&mut batch.samples, &mut held, |_| Some(0));

@@ -320,13 +320,12 @@ impl Tuner {
             self.ahead_ticks = 0;
             return self.trim_to_need(rates.reads_per_s, obs, Reason::Throttled);
         }
-        if rates.stall > STALL_HIGH && obs.memory_short {
-            self.ahead_ticks = 0;
-            self.full_stalls = 0;
-            return self.trim_to_need(rates.reads_per_s, obs, Reason::MemoryBound);
-        }
         if rates.stall > STALL_HIGH {
             self.ahead_ticks = 0;
+            if obs.memory_short {
+                self.full_stalls = 0;
+                return self.trim_to_need(rates.reads_per_s, obs, Reason::MemoryBound);
+            }
             let slow = !self.cpu_bound && mean_latency(obs) >= SLOW_READ;
             return self.feed_starved(rates.occupancy, steady_rate, slow);
         }

@@ -285,7 +285,7 @@ async fn run(
     let mut counted = 0;
     loop {
         let mut batch = tokio::select! {
-            batch = job.next(&plan, BATCH) => batch,
+            batch = job.next(&plan, BATCH, None) => batch,
             // Stopped, or a newer round began: its plan goes with it.
             () = stop.cancelled() => return Ok(State::Stopped),
         };

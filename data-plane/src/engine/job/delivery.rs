@@ -33,9 +33,6 @@ pub struct PlanHandle {
     job: Arc<Job>,
     id: Option<u64>,
     pub length: u32,
-    /// Cleared when the connection's trainer has gone while a request of
-    /// it is still being answered: its wait is then no trainer's stall.
-    pub trainer_present: Option<Arc<AtomicBool>>,
 }
 
 /// What `NEXT` returns: the samples, whether the plan is exhausted, and the
@@ -182,7 +179,6 @@ impl Job {
             job: Arc::clone(self),
             id,
             length,
-            trainer_present: None,
         };
         let mut st = self.lock();
         let full: PlanIdentity = (dataset.name.clone(), key);
@@ -257,8 +253,15 @@ impl Job {
         debug!(job = %self.id, rank = plan.key.rank, epoch = plan.key.epoch, freed = buffered, "plan abandoned");
     }
 
-    /// Claims the next entries of the plan and waits until they are fetched.
-    pub async fn next(self: &Arc<Self>, handle: &PlanHandle, max: usize) -> NextBatch {
+    /// Claims the next entries of the plan and waits until they are
+    /// fetched; the wait is the trainer's stall while `present` (when
+    /// given) says the trainer that asked is still there.
+    pub async fn next(
+        self: &Arc<Self>,
+        handle: &PlanHandle,
+        max: usize,
+        present: Option<&AtomicBool>,
+    ) -> NextBatch {
         let empty = |end| NextBatch {
             samples: Vec::new(),
             end,
@@ -292,7 +295,6 @@ impl Job {
             self.work.notify_one();
         }
         // The connection holds the plan, so it cannot be dropped under us.
-        let present = handle.trainer_present.as_deref();
         let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics, present).await
         else {
             return empty(true);
