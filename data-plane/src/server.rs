@@ -27,7 +27,8 @@ use crate::protocol::{
     MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec, ProtocolError,
     Request, Response, SAMPLES_FRAME_BUDGET, Sample, TO_END,
 };
-use crate::source::Pinned;
+use crate::source::{Pinned, changed};
+use crate::storage::clamp_range;
 use crate::trust::{Peer, TrainerAccess};
 use shared::Shared;
 
@@ -263,6 +264,19 @@ struct Connection {
     reads_for: Option<u64>,
     /// Cleared once the trainer has gone while a request is answered.
     trainer_present: Arc<AtomicBool>,
+    /// The file this connection is reading in ranges, while it has more.
+    ranged: Option<RangedRead>,
+}
+
+/// A file a trainer reads in ranges (a file too large for one answer): a
+/// `READ` that starts where the last one of the same file ended reads the
+/// version the first range read, as a reader holding the file open would,
+/// so ranges of two versions are never joined into one file's bytes.
+struct RangedRead {
+    dataset: Arc<str>,
+    name: String,
+    next: u64,
+    pin: Pinned,
 }
 
 fn invalid(message: String) -> ProtocolError {
@@ -298,6 +312,7 @@ impl Connection {
             run_reads: false,
             reads_for: None,
             trainer_present: Arc::new(AtomicBool::new(true)),
+            ranged: None,
         }
     }
 
@@ -819,8 +834,41 @@ impl Connection {
         {
             return data(sample).map(|data| (Response::Data(data), vec![reservation]));
         }
-        let sample = read_now(&job, dataset, name, offset, length).await;
-        data(sample).map(|data| (Response::Data(data), Vec::new()))
+        let resumed = self.ranged.take().filter(|r| {
+            offset > 0 && r.next == offset && r.name == name && *r.dataset == *dataset.name
+        });
+        let dataset_name: Arc<str> = Arc::from(dataset.name.as_str());
+        let metrics = job.metrics_for(&dataset.name);
+        let (sample, pinned) = read_range_now(
+            &job,
+            dataset,
+            name.clone(),
+            offset,
+            length,
+            resumed.map(|r| r.pin),
+            &metrics,
+        )
+        .await;
+        job.delivered(&metrics, &sample);
+        let chunk = data(sample)?;
+        if let Some(pin) = pinned {
+            let (start, want) = clamp_range(pin.size, offset, length);
+            let end = start + chunk.len() as u64;
+            if end < start + want {
+                // Shrunk in place since the first range was read: what is
+                // left is not the rest of what that range began.
+                return Err(changed(&name));
+            }
+            if end < pin.size {
+                self.ranged = Some(RangedRead {
+                    dataset: dataset_name,
+                    name,
+                    next: end,
+                    pin,
+                });
+            }
+        }
+        Ok((Response::Data(chunk), Vec::new()))
     }
 }
 
@@ -830,21 +878,6 @@ fn data(sample: Sample) -> Result<crate::chunk::Chunk, ProtocolError> {
         Payload::Bytes(chunk) => Ok(chunk),
         Payload::Shared { .. } => unreachable!("only connections lend samples"),
     }
-}
-
-/// Reads a byte range of `name` for the trainer now (not from a plan), off
-/// the async runtime, counted as delivered.
-async fn read_now(
-    job: &Arc<crate::engine::Job>,
-    dataset: Arc<Dataset>,
-    name: String,
-    offset: u64,
-    length: u64,
-) -> Sample {
-    let metrics = job.metrics_for(&dataset.name);
-    let (sample, _) = read_range_now(job, dataset, name, offset, length, None, &metrics).await;
-    job.delivered(&metrics, &sample);
-    sample
 }
 
 /// Reads a byte range of `name` now (not from a plan), off the async

@@ -39,6 +39,7 @@ from .errors import (
     NoDatasetError,
     ProtocolError,
     SluiceError,
+    SluiceIOError,
     StageTimeoutError,
     TooLargeError,
     UnavailableError,
@@ -56,6 +57,10 @@ DEFAULT_PREFETCH = 2
 
 #: Listed bytes one ``FETCH`` asks for at most (the stage's frame budget).
 FETCH_BYTES = 32 << 20
+
+#: Attempts at reading a file too large for one answer in ranges of one
+#: version (see ``Dataset._read_ranges``).
+RANGED_TRIES = 3
 
 #: Buffer of the socket file responses are read through. Measured with
 #: ``python -m sluice.bench receive``: 1 MiB lets 100 KiB samples be read
@@ -1023,6 +1028,26 @@ class Dataset:
         return self._size_of
 
     def _read_ranges(self, name: str, offset: int, length: Optional[int]) -> bytes:
+        """Reads a file too large for one answer in ranges, each ``READ``
+        starting where the last ended on one connection, so the stage reads
+        them all of one version of the file. A file replaced while it is
+        read (the stage answers its next range with an I/O error), or a
+        connection lost between ranges, starts the read over, up to
+        ``RANGED_TRIES`` times in all."""
+        for attempt in range(1, RANGED_TRIES + 1):
+            connection = self.client._connection
+            try:
+                parts = self._ranges(name, offset, length)
+            except SluiceIOError:
+                if attempt == RANGED_TRIES:
+                    raise
+                continue
+            if self.client._connection is connection:
+                return b"".join(parts)
+        raise SluiceIOError(f"{name!r} could not be read in ranges over one connection in {RANGED_TRIES} tries "
+                            "(the stage kept going away)", name=name)
+
+    def _ranges(self, name: str, offset: int, length: Optional[int]) -> List[bytes]:
         # Leave room for the frame's own fields and any slack the stage keeps.
         chunk = max(1 << 16, self.client.max_response_frame - (1 << 20))
         parts = []
@@ -1036,4 +1061,4 @@ class Dataset:
                 want -= len(data)
             if len(data) < n:
                 break
-        return b"".join(parts)
+        return parts

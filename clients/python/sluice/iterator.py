@@ -59,8 +59,9 @@ class PlanIterator:
                 ("the job", "a new run (Client(run=...)), a new epoch number")
             warnings.warn(
                 f"epoch {epoch} of job {c.job!r} (shard {c.rank} of {c.world_size}) was already read in "
-                f"full by {by} on this stage, so this iterator yields nothing; to read it again use "
-                f"{again} or a new job name", RuntimeWarning, stacklevel=3)
+                f"full by {by} on this stage, so this plan delivers nothing (its iterator yields nothing, "
+                f"and reads of its files are not prefetched); to read it again use {again} or a new job "
+                f"name", RuntimeWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch

@@ -254,6 +254,53 @@ def test_per_sample_errors_do_not_stop_the_epoch(stage_factory, dataset, tmp_pat
         assert next(it) == (names[1], files[names[1]])
 
 
+def test_a_file_changed_while_read_in_ranges_comes_whole_of_one_version(stage_factory, tmp_path):
+    """The ranges of a file too large for one answer are read of the version
+    the first one read: a file replaced (renamed over) after the first range
+    comes back whole as it was, and one shrunk in place is read again, whole
+    as it is now; never the bytes of two versions joined."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    size = p.MAX_RESPONSE_FRAME + 4096
+
+    def sparse(path, fill, length):  # only the marks take disk
+        with open(path, "wb") as f:
+            f.truncate(length)
+            for offset in (0, length // 2, length - 4):
+                f.seek(offset)
+                f.write(fill)
+
+    stage = stage_factory({"d": root}, "--memory-budget", "64MiB")
+    with sluice.Client(stage.socket, job="torn") as c:
+        for change in ("replace", "shrink"):
+            sparse(root / "big.bin", b"AAAA", size)
+            sparse(tmp_path / "new.bin", b"BBBB", size)
+            ds = c.dataset("d")
+            calls = []
+            call = ds._call
+
+            def changing_after_the_first_range(frame, expect, change=change):
+                out = call(frame, expect)
+                calls.append(len(out.data))
+                if len(calls) == 1 and change == "replace":
+                    os.rename(tmp_path / "new.bin", root / "big.bin")
+                elif len(calls) == 1:
+                    os.truncate(root / "big.bin", size - 2048)
+                return out
+
+            ds._call = changing_after_the_first_range
+            data = ds.read("big.bin")
+            marks = {bytes(data[o:o + 4]) for o in (0, len(data) // 2, len(data) - 4)}
+            if change == "replace":
+                assert len(data) == size and marks == {b"AAAA"}, (len(data), marks)
+                assert len(calls) == 2
+            else:
+                # The shrunk file is read again from its start.
+                assert len(data) == size - 2048 and data[:4] == b"AAAA", (len(data), data[:4])
+                assert len(calls) == 3  # two ranges, the second refused; then two again
+            del data
+
+
 def test_read_ranges(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})
