@@ -50,6 +50,45 @@ impl Owner {
             gid: meta.gid(),
         }
     }
+
+    /// This file's owner with the permission bits a reader keeps who
+    /// reaches it through the directories `path` (a symlink's target's
+    /// directories, which the mount does not show on the way to it): a
+    /// class of the file (its owner, its group, the others) keeps its bits
+    /// only if whoever is in that class may search every directory of
+    /// `path` whichever of the directory's classes they are in, so nobody
+    /// reads through a symlink what the directories above its target keep
+    /// from them.
+    pub fn behind(self, path: &[Owner]) -> Self {
+        let search = |class: u16, dir: &Owner| dir.perm & class != 0;
+        let (user, group, other) = (0o100, 0o010, 0o001);
+        let mut perm = self.perm;
+        for dir in path {
+            let dir_owner_is_owner = dir.uid == self.uid;
+            let dir_group_is_group = dir.gid == self.gid;
+            // The file's owner is the directory's owner, or in its group or not.
+            let owner = if dir_owner_is_owner {
+                search(user, dir)
+            } else {
+                search(group, dir) && search(other, dir)
+            };
+            // The file's group members may own the directory, be in its
+            // group (surely so when it is the same), or not.
+            let grouped = (dir_owner_is_owner || search(user, dir))
+                && search(group, dir)
+                && (dir_group_is_group || search(other, dir));
+            // Anyone else may own the directory or be in its group.
+            let others = (dir_owner_is_owner || search(user, dir))
+                && (dir_group_is_group || search(group, dir))
+                && search(other, dir);
+            for (keeps, bits) in [(owner, 0o700), (grouped, 0o070), (others, 0o007)] {
+                if !keeps {
+                    perm &= !bits;
+                }
+            }
+        }
+        Self { perm, ..self }
+    }
 }
 
 /// What listing a source found: its samples, and the directories with
@@ -112,4 +151,43 @@ pub fn check_name(name: &str) -> Result<(), ProtocolError> {
         return forbidden("it is not a plain relative path");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Owner;
+
+    fn owner(perm: u16, uid: u32, gid: u32) -> Owner {
+        Owner { perm, uid, gid }
+    }
+
+    #[test]
+    fn a_file_behind_directories_keeps_what_every_class_may_search_for() {
+        let file = owner(0o644, 1000, 100);
+        assert_eq!(file.behind(&[]).perm, 0o644);
+        assert_eq!(file.behind(&[owner(0o755, 0, 0)]).perm, 0o644);
+        // The owner's private directory: only the owner gets through.
+        assert_eq!(file.behind(&[owner(0o700, 1000, 100)]).perm, 0o600);
+        // Its group's: the owner and the group, not the others.
+        assert_eq!(file.behind(&[owner(0o750, 1000, 100)]).perm, 0o640);
+        // Another user's private directory: nobody but root.
+        assert_eq!(file.behind(&[owner(0o700, 0, 0)]).perm, 0);
+        // Another group's directory open to its group only: whoever is in
+        // a class of the file may or may not be in it, so nobody.
+        assert_eq!(file.behind(&[owner(0o750, 0, 7)]).perm, 0);
+        // Every directory on the way counts.
+        let path = [
+            owner(0o755, 0, 0),
+            owner(0o711, 0, 0),
+            owner(0o750, 1000, 100),
+        ];
+        assert_eq!(file.behind(&path).perm, 0o640);
+        // Set-id and sticky bits are the file's own, kept as they are.
+        assert_eq!(
+            owner(0o4755, 1000, 100)
+                .behind(&[owner(0o700, 1000, 100)])
+                .perm,
+            0o4700
+        );
+    }
 }

@@ -208,7 +208,7 @@ pub fn mount(
 /// one whose session ended while a reader still held it; returns whether
 /// there was one.
 fn detach_stale(dir: &Path) -> anyhow::Result<bool> {
-    match std::fs::metadata(dir) {
+    match metadata_within(dir, STAT_PATIENCE)? {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             if !detach(dir) {
                 anyhow::bail!(
@@ -224,6 +224,36 @@ fn detach_stale(dir: &Path) -> anyhow::Result<bool> {
         Ok(meta) if !meta.is_dir() => anyhow::bail!("{} is not a directory", dir.display()),
         Ok(_) => Ok(false),
     }
+}
+
+/// How long the mount directory's `stat` may take at start before the
+/// stage gives up on it.
+const STAT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// `stat` of `dir`, on a thread of its own so that a directory that never
+/// answers (a sluice mount whose stage is stopped or hung, a hung network
+/// file system) fails the start in `patience` instead of holding it
+/// forever, in a wait no signal ends. The thread is left to its `stat`.
+fn metadata_within(
+    dir: &Path,
+    patience: Duration,
+) -> anyhow::Result<std::io::Result<std::fs::Metadata>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = dir.to_owned();
+    std::thread::Builder::new()
+        .name("mount-stat".to_owned())
+        .spawn(move || {
+            let _ = tx.send(std::fs::metadata(&path));
+        })
+        .context("cannot start a thread")?;
+    rx.recv_timeout(patience).map_err(|_| {
+        anyhow::anyhow!(
+            "the mount directory {} does not answer within {} s: a mount there is served by a stage that is stopped or hung (stop it, or run `umount -l {}` as root), or it is on a file system that does not answer",
+            dir.display(),
+            patience.as_secs(),
+            dir.display()
+        )
+    })
 }
 
 /// Takes the stage's mount at `dir` away as the process exits without
@@ -368,6 +398,10 @@ struct Known {
     name: Box<[u8]>,
     /// Lookups answered and not forgotten yet (the kernel's count of them).
     lookups: u64,
+    /// A file's version and size whose pages the kernel may keep: what it
+    /// was when an open last let the kernel keep them (see
+    /// [`may_keep_pages`]).
+    kept: Option<(u64, u64)>,
 }
 
 impl Nodes {
@@ -412,6 +446,7 @@ impl Nodes {
                 parent,
                 name: key.1.clone(),
                 lookups: 1,
+                kept: None,
             },
         );
         self.by_name.insert(key, ino);
@@ -713,6 +748,55 @@ impl Source {
     }
 }
 
+/// Whether an open of the file `name` at `ino`, listed as `listed`
+/// (version and size), may let the kernel keep the pages it holds of it
+/// (`FOPEN_KEEP_CACHE`). The first open since the kernel looked the file
+/// up may; a later one asks a local source what the file is now (a
+/// `stat`), and when it is not what it was when the pages were kept (a
+/// file replaced between epochs, before the stage lists it again) the
+/// kernel drops them, so the reader never gets the old file's cached
+/// pages joined to the new one's read through the stage. An object
+/// store's files are not asked (a request each); its objects' pages go
+/// when the listing shows a new version (`FUSE_AUTO_INVAL_DATA`).
+fn may_keep_pages(
+    nodes: &Mutex<Nodes>,
+    ino: u64,
+    dataset: &Dataset,
+    name: &str,
+    listed: (u64, u64),
+) -> bool {
+    let kept = match lock(nodes).known.get_mut(&ino) {
+        // A new inode: the kernel holds no pages of it yet.
+        Some(Known {
+            kept: kept @ None, ..
+        }) => {
+            *kept = Some(listed);
+            return true;
+        }
+        Some(known) => known.kept,
+        None => return true,
+    };
+    let Some(now) = dataset.source().local_version(name) else {
+        return true;
+    };
+    if Some(now) == kept {
+        return true;
+    }
+    if let Some(known) = lock(nodes).known.get_mut(&ino) {
+        known.kept = Some(now);
+    }
+    false
+}
+
+/// The open flags that let the kernel keep a file's pages, or not.
+fn cache_flags(keep: bool) -> u32 {
+    if keep {
+        fuser::consts::FOPEN_KEEP_CACHE
+    } else {
+        0
+    }
+}
+
 /// The errno of a read through the mount that failed with `e`; a failure
 /// of the source is logged (once a minute, with how many there were).
 fn failed(e: &ProtocolError) -> i32 {
@@ -862,7 +946,14 @@ impl MountFs {
     /// it is opened). Where the data set is not a local directory, or the
     /// kernel refuses the file, it is read through windows instead; the
     /// first refusal ends passthrough for the mount (logged once).
-    fn open_passthrough(&self, opener: u32, ino: u64, fh: u64, file: Open, reply: ReplyOpen) {
+    fn open_passthrough(
+        &self,
+        opener: u32,
+        ino: u64,
+        fh: u64,
+        (file, keep): (Open, u32),
+        reply: ReplyOpen,
+    ) {
         let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
         let (passthrough, backings) = (Arc::clone(&self.passthrough), Arc::clone(&self.backings));
         self.runtime.spawn_blocking(move || {
@@ -910,7 +1001,7 @@ impl MountFs {
                 }
                 Err(()) => {
                     open.insert(fh, file);
-                    reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+                    reply.opened(fh, keep);
                 }
             }
         });
@@ -1283,6 +1374,7 @@ impl Filesystem for MountFs {
             dataset,
             name,
             size,
+            version,
             ..
         }) = self.node(ino)
         else {
@@ -1303,21 +1395,24 @@ impl Filesystem for MountFs {
             Some(claim) if size > WINDOWED_MAX => job.deliver_unread(claim),
             claim => claim,
         };
+        let listed = (version, size);
         let Some(claim) = claim else {
+            let keep = cache_flags(may_keep_pages(&self.nodes, ino, &dataset, &name, listed));
             if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
                 return self.open_passthrough(
                     req.pid(),
                     ino,
                     fh,
-                    Open::new(job, dataset, name, size, None),
+                    (Open::new(job, dataset, name, size, None), keep),
                     reply,
                 );
             }
             lock(&open).insert(fh, Open::new(job, dataset, name, size, None));
-            return reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+            return reply.opened(fh, keep);
         };
         let readers = Arc::clone(&self.readers);
         let notifier = Arc::clone(&self.notifier);
+        let nodes = Arc::clone(&self.nodes);
         let stored_bytes = self.counters.stored_bytes.clone();
         self.answer_soon(async move {
             let whole = match job.deliver_claimed(claim, &name).await {
@@ -1338,6 +1433,7 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
+            let mut stored = false;
             if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
                 && chunk.len() as u64 == size
                 && size <= STORE_MAX
@@ -1345,14 +1441,30 @@ impl Filesystem for MountFs {
                 // Read from the page cache from here on; kept for a read
                 // that comes anyway (pages reclaimed before it, O_DIRECT).
                 match notifier.store(ino, 0, chunk) {
-                    Ok(()) => stored_bytes.inc_by(size),
+                    Ok(()) => {
+                        stored_bytes.inc_by(size);
+                        stored = true;
+                    }
                     Err(e) => {
                         tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
                     }
                 }
             }
+            // The pages the kernel keeps must be of the bytes this open
+            // reads: all of them when the whole file was stored; else it
+            // keeps none of a file read from the buffer (a sample read
+            // since the kernel's pages were), and those of a file read as
+            // an unplanned one only while it is as they were.
+            let keep = if stored {
+                if let Some(known) = lock(&nodes).known.get_mut(&ino) {
+                    known.kept = Some(listed);
+                }
+                true
+            } else {
+                whole.is_none() && may_keep_pages(&nodes, ino, &dataset, &name, listed)
+            };
             lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
-            reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE);
+            reply.opened(fh, cache_flags(keep));
         });
     }
 
@@ -1675,6 +1787,7 @@ mod tests {
                 parent: ROOT,
                 name: Box::from(&b"@x"[..]),
                 lookups: 1,
+                kept: None,
             },
         );
         nodes.forget(a, 1);
@@ -1688,6 +1801,7 @@ mod tests {
                     parent: ROOT,
                     name: Box::from(&b"@y"[..]),
                     lookups: 1,
+                    kept: None,
                 },
             );
             nodes.looked_up(ROOT, b"@a", job_root("a"))

@@ -105,6 +105,16 @@ impl Source {
         }
     }
 
+    /// The version and size the listed file `name` has now, where asking
+    /// costs no request to remote storage (a local file's `stat`); `None`
+    /// for an object, or a file that cannot be examined. Blocking.
+    pub fn local_version(&self, name: &str) -> Option<(u64, u64)> {
+        match self {
+            Self::Dir(d) => d.version(name).ok(),
+            Self::S3(_) => None,
+        }
+    }
+
     /// Reads `name` (a checked name a trainer gave) whole into a buffer
     /// from `alloc`. Blocking.
     pub fn read_unlisted(

@@ -457,6 +457,20 @@ def test_order_files_that_are_not_plain_files_or_run_away_are_refused(tmp_path, 
     (orders / "long").mkdir()
     (orders / "long" / "ds").write_bytes(b"x" * 100_000)
     write_order(orders / "many" / "ds", names * (1100 // len(names) + 1))
+    # A job directory that is a link is not followed: the stage would read
+    # the files of wherever it points, and write its error files there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "ds").write_text("root-only line\n")
+    os.symlink(elsewhere, orders / "linked-job")
+    # Nor is an error file that is a link: it would be written through.
+    (orders / "bad-error").mkdir()
+    (orders / "bad-error" / "ds").write_text("no-such-file\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    os.symlink(victim, orders / "bad-error" / "ds.error")
+    (orders / "not a job").mkdir()
+    write_order(orders / "not a job" / "ds", names[:1])
     for job, reason in [("fifo", "not a regular file"), ("link", "symbolic link"),
                         ("long", "longer than 4096 bytes"), ("many", "more than")]:
         error = orders / job / "ds.error"
@@ -464,12 +478,42 @@ def test_order_files_that_are_not_plain_files_or_run_away_are_refused(tmp_path, 
         text = error.read_text()
         assert reason in text, text
         assert "root-only" not in text and len(text) < 1000, text
+    wait_for(lambda: "linked-job" in stage.stderr_tail() and "not a job" in stage.stderr_tail(),
+             what="the link and the bad name named in the log")
+    assert "symbolic link" in stage.stderr_tail()
+    assert sorted(os.listdir(elsewhere)) == ["ds"], "nothing written through the linked job directory"
+    assert "root-only" not in stage.stderr_tail()
+    assert victim.read_text() == "untouched\n"
     # The scan goes on: a good order of another job is taken up.
     reads = lambda: job_metric(stage, "sluice_stage_storage_reads_total", "ok")  # noqa: E731
     write_order(orders / "ok" / "ds", names[:3])
     wait_for(lambda: reads() == 3, what="a later order file taken up")
     with open(mnt / "@ok" / "ds" / names[0], "rb") as f:
         assert f.read() == files[names[0]]
+
+
+def test_a_file_replaced_between_reads_opens_as_one_version(tmp_path, mount_stage):
+    """A file replaced in the source (written beside it and renamed over,
+    as between epochs) after a reader read part of it through the mount:
+    the next open reads one version whole, never the kernel's cached pages
+    of the old file joined to the new one's read through the stage."""
+    root = tmp_path / "data"
+    root.mkdir()
+    versions = [os.urandom(500_000) for _ in range(3)]
+    (root / "f.bin").write_bytes(versions[0])
+    stage, mnt = mount_stage(root)
+    path = mnt / "ds" / "f.bin"
+    for old, new in zip(versions, versions[1:]):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 0) == old[:4096]  # some of its pages cached
+        finally:
+            os.close(fd)
+        (root / ".f.tmp").write_bytes(new)
+        os.rename(root / ".f.tmp", root / "f.bin")
+        got = path.read_bytes()
+        assert got in (old, new), "bytes of two versions of the file"
+        assert got == new, "the replaced file read as it was (its size is the same, so no listing hides it)"
 
 
 def test_a_planned_file_too_large_to_buffer_opens_all_the_same(tmp_path, mount_stage):
@@ -906,6 +950,15 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
     (root / "open.bin").write_bytes(b"readable")
     (root / "secret.bin").write_bytes(b"secret")
     (root / "closed" / "inner.bin").write_bytes(b"inner")
+    # Symlinks in an open directory to a readable file and a readable
+    # directory in the closed one: locally only the owner reaches them.
+    (root / "closed" / "sub").mkdir()
+    (root / "closed" / "sub" / "deep.bin").write_bytes(b"deep")
+    (root / "closed" / "linked.bin").write_bytes(b"linked")
+    (root / "links").mkdir()
+    (root / "links" / "file").symlink_to("../closed/linked.bin")
+    (root / "links" / "dir").symlink_to("../closed/sub")
+    os.chmod(root / "closed" / "linked.bin", 0o644)
     os.chmod(root / "open.bin", 0o644)
     os.chmod(root / "secret.bin", 0o600)
     os.chmod(root / "closed", 0o700)
@@ -926,6 +979,9 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
         assert seen.st_mtime == 1_000_000_000
         assert stat.S_IMODE(seen.st_mode) == 0o444
         assert stat.S_IMODE(os.stat(os.path.join(mnt, "ds", "secret.bin")).st_mode) == 0o400
+        # Through a symlink, what the directories above its target allow.
+        assert stat.S_IMODE(os.stat(os.path.join(mnt, "ds", "links", "file")).st_mode) == 0o400
+        assert stat.S_IMODE(os.stat(os.path.join(mnt, "ds", "links", "dir")).st_mode) == 0o500
         if os.geteuid() == 0:
             # Another user reads what the source lets it read, and nothing else.
             def cat(path: str) -> int:
@@ -934,6 +990,8 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
             assert cat("@team-a/ds/open.bin") == 0
             assert cat("@team-a/ds/secret.bin") != 0
             assert cat("@team-a/ds/closed/inner.bin") != 0
+            assert cat("@team-a/ds/links/file") != 0
+            assert cat("@team-a/ds/links/dir/deep.bin") != 0
             # The `trainers:` rules: not a job this user may claim.
             assert cat("@other/ds/open.bin") != 0
             assert cat("ds/open.bin") != 0, "the default job is not one of team-*"
@@ -951,6 +1009,25 @@ def test_a_second_stage_on_a_live_mount_is_refused(tmp_path, mount_stage, datase
         StageProcess.start(str(stage_binary()), str(tmp_path / "second.sock"), {"other": str(root)},
                            ["--mount", str(mnt)])
     assert "already served by a running sluice stage" in str(e.value)
+    assert walk(mnt / "ds") == files, "the first stage's mount is untouched"
+
+
+def test_a_stage_started_on_the_mount_of_a_stage_that_does_not_answer_gives_up(tmp_path, mount_stage, dataset):
+    """The mount's first stage stopped (SIGSTOP: hung): a second one
+    started on its directory says so within seconds instead of waiting in
+    its `stat` for as long as the first stays stopped."""
+    root, files = dataset
+    stage, mnt = mount_stage(root)
+    os.kill(stage.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StageStartError) as e:
+            StageProcess.start(str(stage_binary()), str(tmp_path / "second.sock"), {"other": str(root)},
+                               ["--mount", str(mnt)], timeout=30)
+        assert time.monotonic() - t0 < 20
+        assert "does not answer within 5 s" in str(e.value) and "umount -l" in str(e.value)
+    finally:
+        os.kill(stage.proc.pid, signal.SIGCONT)
     assert walk(mnt / "ds") == files, "the first stage's mount is untouched"
 
 

@@ -12,7 +12,7 @@
 //! cannot be used changes nothing and gets its reason written beside it,
 //! in `<dataset>.error`; removing the order file drops its plan.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,11 +39,24 @@ const MAX_LINES_PER_FILE: usize = 4;
 /// How much of a refused line an error message repeats.
 const SHOWN: usize = 200;
 
+/// How many ignored names of the directory are remembered (and warned
+/// about, once each).
+const MAX_IGNORED: usize = 1024;
+
 /// What the error file of an order file is called.
 const ERROR_SUFFIX: &str = ".error";
 
 /// An order file's version: it changed when any of these did.
 type Stamp = (SystemTime, u64, u64);
+
+/// An order file found: `DIR/<job>/<dataset>`, named through its job's
+/// open directory (`path`) and as the operator sees it (`shown`).
+struct OrderFile {
+    job: String,
+    dataset: String,
+    path: PathBuf,
+    shown: PathBuf,
+}
 
 /// The plan made from one order file.
 struct Current {
@@ -61,6 +74,8 @@ pub struct Orders {
     mounts: Vec<PathBuf>,
     default_job: String,
     current: HashMap<(String, String), Current>,
+    /// What in the directory was ignored (and said so) already.
+    ignored: HashSet<PathBuf>,
     /// The epoch of the last plan made, of any job or data set: every
     /// order-file plan has its own key, so none is taken for one that
     /// completed before or for another data set's.
@@ -82,6 +97,7 @@ impl Orders {
             mounts,
             default_job,
             current: HashMap::new(),
+            ignored: HashSet::new(),
             epoch: 0,
         }
     }
@@ -124,7 +140,14 @@ impl Orders {
     /// removed ones. Blocking.
     pub fn scan(&mut self) {
         let mut seen = Vec::new();
-        for (job, dataset, path) in self.files() {
+        let (files, _held) = self.files();
+        for OrderFile {
+            job,
+            dataset,
+            path,
+            shown,
+        } in files
+        {
             // Not followed: a link could name any file the stage can read
             // (and its lines would be echoed into the error file).
             let Ok(meta) = std::fs::symlink_metadata(&path) else {
@@ -147,8 +170,8 @@ impl Orders {
                     info!(job = %key.0, dataset = %key.1, length, "order file taken up as the next epoch's plan");
                 }
                 Err(e) => {
-                    warn!(file = %path.display(), "order file refused: {e}");
-                    let _ = std::fs::write(&error_path, format!("{e}\n"));
+                    warn!(file = %shown.display(), "order file refused: {e}");
+                    write_error(&error_path, &e);
                     // Not read again until it changes; the plan before it stays.
                     self.current
                         .entry(key)
@@ -164,20 +187,56 @@ impl Orders {
         self.current.retain(|key, _| seen.contains(key));
     }
 
-    /// The order files present: (job, dataset, path).
-    fn files(&self) -> Vec<(String, String, PathBuf)> {
-        let mut out = Vec::new();
+    /// The order files present, each with the job directory it is read
+    /// through (held open while the scan uses it). A job directory is
+    /// opened without following a link (one in its place could make the
+    /// stage read, and write `.error` files into, any directory), and the
+    /// files in it are named through that open directory, so one swapped
+    /// for a link meanwhile is not followed either. A name that is not a
+    /// job's, or a link or a file where a job's directory should be, is
+    /// ignored with a warning, once.
+    fn files(&mut self) -> (Vec<OrderFile>, Vec<std::fs::File>) {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let (mut out, mut held) = (Vec::new(), Vec::new());
         let Ok(jobs) = std::fs::read_dir(&self.dir) else {
-            return out;
+            return (out, held);
         };
         for job in jobs.flatten() {
-            let Some(job_name) = job.file_name().to_str().map(str::to_owned) else {
-                continue;
+            let shown = job.path();
+            let job_name = job.file_name().to_str().map(str::to_owned);
+            let why = match (&job_name, job.file_type()) {
+                (Some(name), _) if !valid_job_id(name) => {
+                    Some("its name is not a job's ([A-Za-z0-9._-], 1 to 128 bytes)")
+                }
+                (None, _) => Some("its name is not UTF-8"),
+                (_, Ok(kind)) if kind.is_symlink() => {
+                    Some("it is a symbolic link; make the job's directory itself")
+                }
+                (_, Ok(kind)) if !kind.is_dir() => {
+                    Some("it is not a directory (order files go in DIR/<job>/<dataset>)")
+                }
+                _ => None,
             };
-            if !valid_job_id(&job_name) || !job.path().is_dir() {
+            if let Some(why) = why {
+                // Said once each (of a bounded number, a runaway writer
+                // being what it is).
+                if self.ignored.len() < MAX_IGNORED && self.ignored.insert(shown.clone()) {
+                    warn!(path = %shown.display(), "ignored in the order directory: {why}");
+                }
                 continue;
             }
-            let Ok(files) = std::fs::read_dir(job.path()) else {
+            let (Some(job_name), Ok(dir)) = (
+                job_name,
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+                    .open(&shown),
+            ) else {
+                continue;
+            };
+            let through = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+            let Ok(files) = std::fs::read_dir(&through) else {
                 continue;
             };
             for file in files.flatten() {
@@ -187,10 +246,16 @@ impl Orders {
                 if name.starts_with('.') || name.ends_with(ERROR_SUFFIX) {
                     continue;
                 }
-                out.push((job_name.clone(), name, file.path()));
+                out.push(OrderFile {
+                    job: job_name.clone(),
+                    path: through.join(&name),
+                    shown: shown.join(&name),
+                    dataset: name,
+                });
             }
+            held.push(dir);
         }
-        out
+        (out, held)
     }
 
     /// Makes the order file at `path` the plan of `job` over `dataset`;
@@ -323,6 +388,29 @@ impl Orders {
             }
         }
         out
+    }
+}
+
+/// Writes why an order file was refused beside it; never through a link
+/// put in the error file's place (that would write wherever it points).
+fn write_error(path: &Path, why: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    match file {
+        Ok(mut file) if file.metadata().is_ok_and(|m| m.is_file()) => {
+            let _ = writeln!(file, "{why}");
+        }
+        Ok(_) => {}
+        Err(e) => {
+            warn!(file = %path.display(), error = %e, "cannot write the order file's error file")
+        }
     }
 }
 

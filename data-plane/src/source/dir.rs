@@ -133,6 +133,13 @@ impl DirSource {
         Ok((path, size))
     }
 
+    /// The version and size the listed file `name` has now (a `stat`;
+    /// nothing is read, so it is not resolved and checked as a read is).
+    pub fn version(&self, name: &str) -> io::Result<(u64, u64)> {
+        let meta = std::fs::metadata(self.root.join(name))?;
+        Ok((mtime_version(&meta), meta.len()))
+    }
+
     /// Reads whole the file `name` resolved to. Blocking.
     pub fn read_resolved(
         &self,
@@ -283,30 +290,32 @@ impl Walk<'_> {
     /// Lists one entry of a directory as `name`: a file, or a directory's
     /// files.
     fn entry(&mut self, entry: &DirEntry, name: String) -> io::Result<()> {
-        let Some((file_type, target)) = self.follow(entry)? else {
+        let Some((file_type, target, through)) = self.follow(entry)? else {
             return Ok(());
         };
         if file_type.is_dir() {
-            self.subdir(target, name)?;
+            self.subdir(target, name, &through)?;
         } else if file_type.is_file() {
             let meta = std::fs::metadata(&target)?;
             self.out.files.push(FileEntry {
-                owner: Some(Owner::of(&meta)),
+                owner: Some(Owner::of(&meta).behind(&through)),
                 ..FileEntry::new(name, meta.len(), mtime_version(&meta))
             });
         }
         Ok(())
     }
 
-    /// Returns the type of `entry` and the canonical path to read it by:
-    /// its own (its directory's is canonical), or a symlink's target;
-    /// `None` (noted for the listing's warnings) for a symlink that
-    /// dangles, loops or leaves the root.
-    fn follow(&mut self, entry: &DirEntry) -> io::Result<Option<(FileType, PathBuf)>> {
+    /// Returns the type of `entry`, the canonical path to read it by (its
+    /// own, its directory's being canonical, or a symlink's target), and
+    /// the owners of the directories a symlink's target is beneath within
+    /// the root (none for an entry that is not a symlink); `None` (noted
+    /// for the listing's warnings) for a symlink that dangles, loops or
+    /// leaves the root.
+    fn follow(&mut self, entry: &DirEntry) -> io::Result<Option<(FileType, PathBuf, Vec<Owner>)>> {
         let path = entry.path();
         let file_type = entry.file_type()?;
         if !file_type.is_symlink() {
-            return Ok(Some((file_type, path)));
+            return Ok(Some((file_type, path, Vec::new())));
         }
         let resolved = match path.canonicalize() {
             Ok(resolved) => resolved,
@@ -321,20 +330,28 @@ impl Walk<'_> {
             return Ok(None);
         }
         let file_type = std::fs::metadata(&resolved)?.file_type();
-        Ok(Some((file_type, resolved)))
+        let mut through = Vec::new();
+        for dir in resolved.ancestors().skip(1) {
+            if !dir.starts_with(self.root) || dir == self.root {
+                break;
+            }
+            through.push(Owner::of(&std::fs::metadata(dir)?));
+        }
+        Ok(Some((file_type, resolved, through)))
     }
 
     /// Walks the subdirectory `dir` (canonical) listed as `name`, recording
     /// it when nothing is listed beneath it. Skips an ancestor (a cycle);
     /// one that cannot be read is an error its caller leaves out (see
     /// [`Walk::unreadable`]).
-    fn subdir(&mut self, dir: PathBuf, name: String) -> io::Result<()> {
+    fn subdir(&mut self, dir: PathBuf, name: String, through: &[Owner]) -> io::Result<()> {
         if self.ancestors.contains(&dir) {
             return Ok(());
         }
         let entries = std::fs::read_dir(&dir)?;
         if let Ok(meta) = std::fs::metadata(&dir) {
-            self.out.dir_owners.push((name.clone(), Owner::of(&meta)));
+            let owner = Owner::of(&meta).behind(through);
+            self.out.dir_owners.push((name.clone(), owner));
         }
         let before = (self.out.files.len(), self.out.empty_dirs.len());
         self.ancestors.push(dir.clone());
