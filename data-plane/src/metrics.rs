@@ -66,9 +66,26 @@ pub struct SourceMetrics {
     request_latency: prometheus::Histogram,
     retried: IntCounter,
     sample_errors: IntCounterVec,
+    /// The last request that failed and was tried again, and why: what a
+    /// sample that runs out of its deadline while requests are retried
+    /// names as the cause.
+    last_retried: Arc<std::sync::Mutex<Option<(std::time::Instant, String)>>>,
 }
 
 impl SourceMetrics {
+    /// Notes why a request that will be tried again failed.
+    pub fn note_retried(&self, why: String) {
+        *crate::sync::lock(&self.last_retried) = Some((std::time::Instant::now(), why));
+    }
+
+    /// Why the last request tried again failed, if it did after `since`.
+    pub fn retried_since(&self, since: std::time::Instant) -> Option<String> {
+        crate::sync::lock(&self.last_retried)
+            .as_ref()
+            .filter(|(at, _)| *at >= since)
+            .map(|(_, why)| why.clone())
+    }
+
     /// Counts one request that ended with `outcome` (one the source
     /// retries, if `retried`) after `elapsed`.
     pub fn request(&self, outcome: &str, retried: bool, elapsed: std::time::Duration) {
@@ -295,6 +312,7 @@ impl Metrics {
             request_latency: s.request_latency.with_label_values(&[dataset]),
             retried: s.retried.with_label_values(&[dataset]),
             sample_errors: s.sample_errors.clone(),
+            last_retried: Arc::default(),
         }
     }
 

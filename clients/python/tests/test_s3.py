@@ -133,7 +133,10 @@ def test_missing_and_denied_objects_are_their_samples_errors(s3, stage_factory):
     server, files = s3
     names = sorted_names(files)
     deleted, denied = names[3], next(n for n in names if n.startswith("d1/"))
-    grown = names[5]
+    grown, big = names[5], names[6]
+    # Listed larger than one response frame carries: a TOO_LARGE sample,
+    # read in ranges, as a local file that large is.
+    os.truncate(os.path.join(server.root, BUCKET, PREFIX, big), 260 << 20)
     with proxy(server, deny=f"/{PREFIX}/{denied}") as slow:
         stage = s3_stage(stage_factory, slow.endpoint)
         with sluice.Client(stage.socket, job="s3") as c:
@@ -149,7 +152,8 @@ def test_missing_and_denied_objects_are_their_samples_errors(s3, stage_factory):
     assert got[deleted].code == sluice.ErrorCode.NOT_FOUND and deleted in got[deleted].message
     assert got[denied].code == sluice.ErrorCode.IO_ERROR and "denied" in got[denied].message
     assert got[grown] == files[grown] + bytes((260 << 20) - len(files[grown]))
-    for name in set(names) - {deleted, denied, grown}:
+    assert got[big] == files[big] + bytes((260 << 20) - len(files[big]))
+    for name in set(names) - {deleted, denied, grown, big}:
         assert bytes(got[name]) == files[name]
     assert metric_sum(stage, "sluice_stage_source_errors_total", kind="not_found") >= 1
     assert metric_sum(stage, "sluice_stage_source_errors_total", kind="denied") >= 1
@@ -304,6 +308,20 @@ def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stag
         assert got[name].code == sluice.ErrorCode.IO_ERROR and "deadline" in got[name].message, got[name]
     assert took < 15, f"three samples past a 0.5 s deadline took {took:.1f} s"
     assert metric_sum(stage, "sluice_stage_source_errors_total", kind="deadline") >= 3
+
+
+def test_a_sample_past_its_deadline_names_why_its_tries_failed(s3, stage_factory):
+    server, files = s3
+    names = sorted_names(files)[:2]
+    stage = s3_stage(stage_factory, f"http://{server.address}", "--s3-deadline", "2s")
+    with sluice.Client(stage.socket, job="s3") as c:
+        ds = c.dataset("ds")
+        server.proc.kill()
+        server.proc.wait()
+        got = dict(ds.plan_names(names, epoch=0, on_error="yield"))
+    for name in names:
+        message = got[name].message
+        assert "2s deadline" in message and "Connection refused" in message, message
 
 
 def start_fails(tmp_path, *args: str, env=None) -> str:

@@ -129,7 +129,12 @@ def test_sluicectl_stage_loads_a_data_set_so_no_epoch_reads_the_source(tmp_path,
     for epoch in range(2):
         assert read_epoch(s, "ds", "train", epoch) == files
     assert s.source_reads("ds") == 40, "every epoch came from the cache"
-    described = s.ctl("describe", "dataset", "ds").stdout
+    def described_with_hits():
+        # The hits reach the controller with the stage's next telemetry.
+        out = s.ctl("describe", "dataset", "ds").stdout
+        return out if "Hits:      80" in out else None
+
+    described = wait_for(described_with_hits, timeout=10, what="the epochs' hits described")
     for line in ("Dataset:", "ds-cache", "stage-a (connected)", "Samples:", "40",
                  "Hits:", "80 (66.7% of lookups", "round", "done, 40/40 samples"):
         assert line in described, described

@@ -362,6 +362,10 @@ impl S3Source {
         buf: Buffer,
     ) -> Result<Chunk, ProtocolError> {
         let key = self.key(name)?;
+        if listed > MAX_FILE_BYTES {
+            // Served in ranges (`READ`), as a local file that large is.
+            return Err(too_large(name, listed));
+        }
         let read = async {
             if listed >= 2 * PART_BYTES {
                 self.read_parts(&key, listed, buf).await
@@ -555,7 +559,10 @@ impl S3Source {
                 past_deadline(&format!(": {e}"))
             }
             Ok(Err(e)) => self.sample_error(name, &e),
-            Err(_) => past_deadline(""),
+            Err(_) => match self.metrics.retried_since(started.into_std()) {
+                Some(why) => past_deadline(&format!("; its last failed try: {why}")),
+                None => past_deadline("; no try failed, the store was slow to answer"),
+            },
         };
         self.metrics.sample_errors(failed.0).inc();
         Err(failed.1)
@@ -1018,6 +1025,27 @@ impl Http {
             metrics.request(outcome.name(), outcome.retried(), start.elapsed());
         }
     }
+
+    fn note_retried(&self, why: impl FnOnce() -> String) {
+        if let Some(metrics) = &self.metrics {
+            metrics.note_retried(why());
+        }
+    }
+}
+
+/// An error with the errors beneath it (hyper's own says only "client
+/// error (Connect)"; the reason, "Connection refused", is its source's).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        next = cause.source();
+    }
+    text
 }
 
 impl fmt::Debug for Http {
@@ -1042,6 +1070,7 @@ impl HttpService for Http {
                     // Dropping the request closes its connection; the
                     // retry goes out on another.
                     self.count(Outcome::Connection, start);
+                    self.note_retried(|| format!("no answer within {limit:?}"));
                     return Err(HttpError::new(HttpErrorKind::Timeout, elapsed));
                 }
             },
@@ -1053,6 +1082,12 @@ impl HttpService for Http {
             Err(_) => Outcome::Connection,
         };
         self.count(outcome, start);
+        if outcome.retried() {
+            self.note_retried(|| match &answer {
+                Ok(response) => format!("the store answered {}", response.status()),
+                Err(e) => causes(e),
+            });
+        }
         match answer {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
