@@ -96,7 +96,17 @@ pub async fn lead(
                     return Ok(());
                 };
                 info!("took the leader lease: taking over");
-                take_office(&shared, policies.take()).await?;
+                // The stored policies are what the leader before served:
+                // `--policies` that no longer fit them must not leave the
+                // stages without any leader.
+                let sources = policies.take();
+                if let Err(e) = take_office(&shared, sources.clone()).await {
+                    if sources.is_none() {
+                        return Err(e);
+                    }
+                    tracing::error!(error = %format!("{e:#}"), "--policies cannot be applied over the stored policies: leading with the stored ones (fix the files, or apply them with `sluicectl apply` to see why)");
+                    take_office(&shared, None).await?;
+                }
                 info!("leading: serving stages");
                 lease
             }

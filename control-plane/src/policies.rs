@@ -73,12 +73,49 @@ pub async fn apply(
 }
 
 /// Applies `--policies` at start, like [`apply`], except that a file or
-/// directory holding no document is no error: it changes nothing.
+/// directory holding no document is no error (it changes nothing), and
+/// that a document the store already holds as an older revision of its
+/// policy is not applied again: the files have not changed since they
+/// were applied, and the newer revision (applied or deleted through the
+/// API since) stands. So a restart, or a standby taking over, never rolls
+/// back what an operator changed with `sluicectl`; a file whose text is
+/// new is applied as before.
 pub async fn apply_at_start(
     shared: &Shared,
     sources: Vec<Source>,
 ) -> Result<Vec<ChangeView>, ApiError> {
-    let docs = parse(&sources)?;
+    let mut docs = Vec::new();
+    for (source, policy) in parse(&sources)? {
+        let (kind, name) = (policy.kind().as_str(), policy.name());
+        let history = shared.store.policy_history(kind, name).await?;
+        let canonical = policy.canonical();
+        let latest = history.last();
+        let superseded = latest.is_some_and(|l| l.canonical.as_ref() != Some(&canonical))
+            && history
+                .iter()
+                .any(|r| r.canonical.as_ref() == Some(&canonical));
+        match latest {
+            Some(latest) if superseded => {
+                let now = if latest.is_tombstone() {
+                    "deleted"
+                } else {
+                    "changed"
+                };
+                let message = format!(
+                    "{kind}/{name} in {source} is an older revision of the policy, {now} since as revision {}: kept as it is (change the file to apply it again)",
+                    latest.revision
+                );
+                tracing::warn!("--policies: {message}");
+                shared
+                    .event("policy.kept", format!("{kind}/{name}"), message)
+                    .await;
+            }
+            _ => docs.push((source, policy)),
+        }
+    }
+    if docs.is_empty() {
+        return Ok(Vec::new());
+    }
     apply_documents(shared, docs, false).await
 }
 

@@ -657,6 +657,85 @@ async fn policies_given_at_start_are_applied_once_and_reloaded() {
     assert!(format!("{e:#}").contains("static.yaml:2:1: "), "{e:#}");
 }
 
+/// `--policies` never rolls back what was changed through the API since
+/// the files were applied: a restart (or a standby taking over) with the
+/// same files keeps the newer stored revisions, even where the files no
+/// longer fit them; a file changed since is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_given_at_start_keep_what_was_changed_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let file = dir.path().join("static.yaml");
+    std::fs::write(&file, POLICY).unwrap();
+    let start_with_files = || async {
+        let mut config = ControllerConfig::for_tests(url.as_str());
+        config.policies = Some(file.clone());
+        let controller = Controller::bind(config).await.unwrap();
+        let grpc = controller.addresses().unwrap().grpc;
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(controller.run(cancel.clone()));
+        let admin = AdminServiceClient::connect(format!("http://{grpc}"))
+            .await
+            .unwrap();
+        (admin, cancel, task)
+    };
+    let current = |mut admin: AdminServiceClient<Channel>| async move {
+        let list = admin
+            .list_policies(ListPoliciesRequest {
+                include_history: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .policies;
+        let mut out: Vec<(String, u64, String)> = list
+            .into_iter()
+            .map(|p| (p.name, p.revision, p.yaml))
+            .collect();
+        out.sort();
+        out
+    };
+    let (mut admin, cancel, task) = start_with_files().await;
+    // Through the API: a larger pool, and a guarantee only it can give.
+    let grown = POLICY.replace("bandwidth: 1GB/s", "bandwidth: 4GB/s")
+        + "---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: big}
+spec:
+  selector: {matchLabels: {team: big}}
+  pool: shared
+  guarantee: {bandwidth: 3GB/s}
+";
+    admin
+        .apply_policies(apply_request(&grown, false))
+        .await
+        .unwrap();
+    cancel.cancel();
+    task.await.unwrap().unwrap();
+
+    let (admin, cancel, task) = start_with_files().await;
+    let kept = current(admin).await;
+    let revisions: Vec<(&str, u64)> = kept.iter().map(|(n, r, _)| (n.as_str(), *r)).collect();
+    assert_eq!(revisions, [("big", 1), ("shared", 2), ("vision", 1)]);
+    assert!(kept[1].2.contains("4GB/s"), "{}", kept[1].2);
+    cancel.cancel();
+    task.await.unwrap().unwrap();
+
+    // The file changed since: applied.
+    std::fs::write(
+        &file,
+        POLICY.replace("bandwidth: 1GB/s", "bandwidth: 8GB/s"),
+    )
+    .unwrap();
+    let (admin, cancel, task) = start_with_files().await;
+    let changed = current(admin).await;
+    assert_eq!((changed[1].0.as_str(), changed[1].1), ("shared", 3));
+    assert!(changed[1].2.contains("8GB/s"), "{}", changed[1].2);
+    cancel.cancel();
+    task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_misbehaving_stage_does_not_hold_up_the_others() {
     let dir = tempfile::tempdir().unwrap();
