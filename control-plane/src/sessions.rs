@@ -34,7 +34,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::state::{
     HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
 };
-use crate::store::{JobSighting, Labels, Record, StageHello};
+use crate::store::{JobSighting, Labels, Record, StageHello, check_stage_hello};
 
 /// Messages queued per session before pushes to it are dropped (a stage
 /// that does not read its stream cannot hold the control loop up).
@@ -91,6 +91,9 @@ impl StageService for Sessions {
                 "hello.stage_id is empty: set --stage-id",
             ));
         }
+        // Checked before the id is claimed: a refused hello leaves nothing
+        // behind (no stage that is then counted lost).
+        check_stage_hello(&hello.stage_id, &hello.node).map_err(crate::error::status)?;
         if self.bind_ids {
             named_by_certificate(certs.as_deref().map(Vec::as_slice), &hello.stage_id)?;
         }

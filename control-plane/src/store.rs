@@ -37,6 +37,7 @@ pub use leadership::Leadership;
 pub use model::{
     Applied, ApplyOutcome, DesiredSettings, Event, JobRecord, JobSighting, Labels, MAX_NAME_LEN,
     Nack, NewEvent, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord, StageState,
+    check_stage_hello,
 };
 
 use error::redact;

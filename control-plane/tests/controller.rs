@@ -736,6 +736,47 @@ spec:
     task.await.unwrap().unwrap();
 }
 
+/// A hello naming an id or node the store cannot keep is refused before
+/// anything is recorded: no stage is listed, and none is later counted
+/// lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_hello_leaves_no_stage_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    for (id, node) in [
+        ("x".repeat(300), "node-1".to_owned()),
+        ("evil\nstage".to_owned(), "node-1".to_owned()),
+        ("stage-1".to_owned(), "n\u{1b}[31mred".to_owned()),
+    ] {
+        let mut client = StageServiceClient::connect(format!("http://{}", c.grpc))
+            .await
+            .unwrap();
+        let (up, rx) = mpsc::channel(8);
+        let hello = pb::Hello {
+            stage_id: id,
+            node,
+            ..Default::default()
+        };
+        up.send(message(stage_message::Kind::Hello(hello)))
+            .await
+            .unwrap();
+        let refused = client.session(ReceiverStream::new(rx)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().len() < 300, "{}", refused.message());
+    }
+    // Past the stage timeout (1 s) and a few ticks: still nothing.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let metrics = http(&c.http, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains(r#"sluice_controller_stages{state="lost"} 0"#),
+        "{metrics}"
+    );
+    let stages = http(&c.http, "GET", "/api/v1/stages", "").await;
+    assert!(stages.ends_with("\r\n\r\n[]"), "{stages}");
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_misbehaving_stage_does_not_hold_up_the_others() {
     let dir = tempfile::tempdir().unwrap();

@@ -462,6 +462,16 @@ impl StageConfig {
                     .into(),
             ));
         }
+        let node = args.node.or(file.node).unwrap_or_else(hostname);
+        for (what, name) in [("--stage-id", &stage_id), ("--node", &node)] {
+            // What the controller would refuse in the stage's hello.
+            if name.len() > 253 || name.chars().any(char::is_control) {
+                return Err(ConfigError(format!(
+                    "{what} `{}` must be at most 253 bytes with no control characters (line breaks, escapes)",
+                    name.escape_debug()
+                )));
+            }
+        }
         for (i, rule) in file.trainers.iter().enumerate() {
             rule.validate(i).map_err(ConfigError)?;
         }
@@ -510,7 +520,7 @@ impl StageConfig {
             shared_memory: args.shared_memory.or(file.shared_memory).unwrap_or(true),
             controller,
             controller_tls,
-            node: args.node.or(file.node).unwrap_or_else(hostname),
+            node,
             labels,
             trainer_access,
             job,
@@ -1311,6 +1321,11 @@ mod tests {
                 .to_string()
                 .contains("stage id is empty")
         );
+        for (flag, value) in [("--stage-id", "evil\nstage"), ("--node", "n\u{1b}[31m")] {
+            let refused = StageConfig::from_args(args(&["--dataset", "d=/tmp", flag, value]));
+            let message = refused.unwrap_err().to_string();
+            assert!(message.contains("no control characters"), "{message}");
+        }
         for name in ["a", "a.b", "..a", "a@b", "_"] {
             let flag = format!("{name}=/tmp");
             assert!(

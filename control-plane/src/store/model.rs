@@ -285,11 +285,40 @@ pub struct Event {
 }
 
 pub(super) fn check_name(field: &'static str, value: &str) -> Result<(), StoreError> {
+    // The value as a message may repeat it: its start, escaped.
+    let shown = || {
+        let start: String = value.chars().take(64).collect();
+        let more = if start.len() < value.len() { "..." } else { "" };
+        format!("{}{more}", start.escape_debug())
+    };
     if value.is_empty() || value.len() > MAX_NAME_LEN {
         return Err(StoreError::Invalid {
             field,
-            reason: format!("`{value}` must be 1 to {MAX_NAME_LEN} bytes long"),
+            reason: format!(
+                "`{}` ({} bytes) must be 1 to {MAX_NAME_LEN} bytes long",
+                shown(),
+                value.len()
+            ),
         });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(StoreError::Invalid {
+            field,
+            reason: format!(
+                "`{}` holds a control character (a line break, an escape): tables and logs would show it raw",
+                shown()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks what a stage's hello names it by before anything is recorded
+/// of it: its id, and the node it runs on when it gives one.
+pub fn check_stage_hello(id: &str, node: &str) -> Result<(), StoreError> {
+    check_name("stage id", id)?;
+    if !node.is_empty() {
+        check_name("node", node)?;
     }
     Ok(())
 }
@@ -303,5 +332,10 @@ mod tests {
         assert!(check_name("stage id", "").is_err());
         assert!(check_name("stage id", &"x".repeat(MAX_NAME_LEN + 1)).is_err());
         assert!(check_name("stage id", "node-1").is_ok());
+        let long = check_name("stage id", &"x".repeat(10_000)).unwrap_err();
+        assert!(long.to_string().len() < 300, "{long}");
+        assert!(check_name("stage id", "evil\nstage").is_err());
+        assert!(check_stage_hello("stage-a", "n\u{1b}[31mred").is_err());
+        assert!(check_stage_hello("stage-a", "").is_ok());
     }
 }
