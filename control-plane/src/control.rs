@@ -200,8 +200,24 @@ fn all_back(shared: &Shared) -> bool {
 
 async fn mark_lost(shared: &Shared) {
     let timeout = shared.stage_timeout;
-    let (newly_lost, connected, lost) = {
+    let (left, newly_lost, connected, lost) = {
         let mut live = lock(&shared.live);
+        // Stages that ended their sessions and did not come back: they
+        // left (a sidecar whose training finished, a drained node), and
+        // are forgotten rather than counted lost.
+        let left: Vec<String> = live
+            .iter()
+            .filter(|(_, l)| l.session.is_none() && l.left.is_some_and(|t| t.elapsed() > timeout))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &left {
+            live.remove(id);
+        }
+        let mut desired = lock(&shared.desired);
+        for id in &left {
+            desired.remove(id);
+        }
+        drop(desired);
         let mut newly = Vec::new();
         for (id, l) in live.iter_mut() {
             if !l.lost && l.last_heard.elapsed() > timeout {
@@ -210,9 +226,20 @@ async fn mark_lost(shared: &Shared) {
             }
         }
         let lost = live.values().filter(|l| l.lost).count();
-        (newly, live.len() - lost, lost)
+        (left, newly, live.len() - lost, lost)
     };
     shared.metrics.set_stages(connected, lost);
+    for id in left {
+        info!(stage = %id, "stage ended its session and did not come back: forgotten");
+        if let Err(e) = shared.store.forget_stage(&id).await {
+            warn!(error = %e, stage = %id, "cannot forget the stage");
+        }
+        let message = format!("stage {id} ended its session and left");
+        shared
+            .event("stage.left", format!("stage/{id}"), message)
+            .await;
+    }
+    forget_unseen(shared).await;
     for id in newly_lost {
         warn!(stage = %id, "stage silent past the timeout: marked lost");
         if let Err(e) = shared.store.mark_stage_lost(&id).await {
@@ -221,6 +248,55 @@ async fn mark_lost(shared: &Shared) {
         let message = format!("stage {id} silent for more than {timeout:?}");
         shared
             .event("stage.lost", format!("stage/{id}"), message)
+            .await;
+    }
+}
+
+/// How long a lost stage, or a job no stage reports, is remembered.
+pub const FORGET_AFTER: Duration = Duration::from_secs(3600);
+
+/// Forgets, once a minute, lost stages and jobs not seen for
+/// [`FORGET_AFTER`]: a node drained for good, a job that ended.
+async fn forget_unseen(shared: &Shared) {
+    {
+        let mut last = lock(&shared.forgot_at);
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
+            return;
+        }
+        *last = Some(Instant::now());
+    }
+    let before_ms = crate::state::now_ms() - FORGET_AFTER.as_millis() as i64;
+    let forgotten = match shared.store.forget_unseen(before_ms).await {
+        Ok(forgotten) => forgotten,
+        Err(e) => {
+            warn!(error = %e, "cannot forget stages and jobs not seen for long");
+            return;
+        }
+    };
+    {
+        let mut live = lock(&shared.live);
+        for id in &forgotten.stages {
+            if live.get(id).is_some_and(|l| l.lost) {
+                live.remove(id);
+            }
+        }
+        let mut known = lock(&shared.known_jobs);
+        for id in &forgotten.jobs {
+            known.remove(id);
+        }
+        shared.metrics.jobs.set(known.len() as i64);
+    }
+    let after = format!("{} h", FORGET_AFTER.as_secs() / 3600);
+    for id in forgotten.stages {
+        let message = format!("stage {id} lost for more than {after}: forgotten");
+        shared
+            .event("stage.forgotten", format!("stage/{id}"), message)
+            .await;
+    }
+    for id in forgotten.jobs {
+        let message = format!("job {id} not seen for more than {after}: forgotten");
+        shared
+            .event("job.forgotten", format!("job/{id}"), message)
             .await;
     }
 }

@@ -123,7 +123,15 @@ impl StageService for Sessions {
                     };
                     match next {
                         Ok(Some(message)) => handle(&shared, &stage, message).await,
-                        Ok(None) => break,
+                        Ok(None) => {
+                            // The stage ended the stream: it is stopping.
+                            shared.with_live(&stage, |l| {
+                                if l.session.as_ref().is_some_and(|s| s.id == id) {
+                                    l.left = Some(Instant::now());
+                                }
+                            });
+                            break;
+                        }
                         Err(e) => {
                             debug!(error = %e, "session stream failed");
                             break;
@@ -163,6 +171,7 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
         // make the stage's jobs look gone to the other stages for a tick.
         live.last_heard = Instant::now();
         live.lost = false;
+        live.left = None;
         // A version the controller never published (or a newer one than it
         // knows): publish a fresh one over it.
         live.force_push = running != known && resend.is_none();

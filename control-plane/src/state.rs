@@ -112,6 +112,10 @@ pub struct LiveStage {
     /// Jobs last recorded in the store for this stage: labels, when.
     pub recorded_jobs: BTreeMap<String, (Arc<Labels>, Instant)>,
     pub lost: bool,
+    /// When the stage ended its session itself (a stage that stops ends
+    /// its stream; one that dies or is cut off goes silent): if it does
+    /// not come back within the stage timeout it left, and is forgotten.
+    pub left: Option<Instant>,
     /// Push a new version even if the settings did not change (the stage
     /// runs a version the controller does not know).
     pub force_push: bool,
@@ -215,6 +219,7 @@ impl LiveStage {
             seen_recorded: None,
             recorded_jobs: BTreeMap::new(),
             lost: false,
+            left: None,
             force_push: false,
             running_version: 0,
         }
@@ -247,6 +252,8 @@ pub struct Shared {
     /// What the last tick computed, for the views and the metrics.
     pub shares: Mutex<Shares>,
     pub known_jobs: Mutex<BTreeSet<String>>,
+    /// When stages and jobs not seen for long were last forgotten.
+    pub forgot_at: Mutex<Option<Instant>>,
     /// The staging round operators last asked for, per data set (kept in
     /// memory: stages remember the rounds they ran).
     pub staging_rounds: Mutex<BTreeMap<String, u64>>,
@@ -279,6 +286,7 @@ impl Shared {
             desired: Mutex::new(BTreeMap::new()),
             shares: Mutex::new(Shares::default()),
             known_jobs: Mutex::new(BTreeSet::new()),
+            forgot_at: Mutex::new(None),
             staging_rounds: Mutex::new(BTreeMap::new()),
             events: Notify::new(),
             recompute: Notify::new(),

@@ -35,9 +35,9 @@ mod sqlite;
 pub use error::StoreError;
 pub use leadership::Leadership;
 pub use model::{
-    Applied, ApplyOutcome, DesiredSettings, Event, JobRecord, JobSighting, Labels, MAX_NAME_LEN,
-    Nack, NewEvent, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord, StageState,
-    check_stage_hello,
+    Applied, ApplyOutcome, DesiredSettings, Event, Forgotten, JobRecord, JobSighting, Labels,
+    MAX_NAME_LEN, Nack, NewEvent, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord,
+    StageState, check_stage_hello,
 };
 
 use error::redact;
@@ -176,6 +176,17 @@ impl Store {
     /// Marks a stage lost (its `last_seen_ms` is kept).
     pub async fn mark_stage_lost(&self, id: &str) -> Result<(), StoreError> {
         dispatch!(self.set_stage_state(id, StageState::Lost, None))
+    }
+
+    /// Forgets a stage: its record and which jobs it reported.
+    pub async fn forget_stage(&self, id: &str) -> Result<(), StoreError> {
+        dispatch!(self.forget_stage(id))
+    }
+
+    /// Forgets the lost stages and the jobs last seen before `before_ms`,
+    /// and returns their ids.
+    pub async fn forget_unseen(&self, before_ms: i64) -> Result<Forgotten, StoreError> {
+        dispatch!(self.forget_unseen(before_ms))
     }
 
     /// Allocates the stage's next settings version: strictly greater than

@@ -777,6 +777,45 @@ async fn a_refused_hello_leaves_no_stage_behind() {
     c.task.await.unwrap().unwrap();
 }
 
+/// A stage that ends its session itself (it stops: a sidecar whose
+/// training finished) and does not come back within the stage timeout
+/// left: it is forgotten, not counted lost. One that comes back in time
+/// (a restart) is the same stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_ends_its_session_and_stays_away_is_forgotten_not_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let listed = |c: &Running| {
+        let http_addr = c.http.clone();
+        async move { http(&http_addr, "GET", "/api/v1/stages", "").await }
+    };
+    // Ended and back within the timeout (1 s): still there, connected.
+    let Session { up, down } = session(&c.grpc, 0).await;
+    drop(up);
+    drop(down);
+    let again = session(&c.grpc, 0).await;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        again.report().await;
+    }
+    assert!(listed(&c).await.contains(r#""state":"connected""#));
+    // Ended for good.
+    let Session { up, down } = again;
+    drop(up);
+    drop(down);
+    eventually("the stage forgotten", WAIT, || async {
+        listed(&c).await.ends_with("\r\n\r\n[]").then_some(())
+    })
+    .await;
+    let metrics = http(&c.http, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains(r#"sluice_controller_stages{state="lost"} 0"#),
+        "{metrics}"
+    );
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_misbehaving_stage_does_not_hold_up_the_others() {
     let dir = tempfile::tempdir().unwrap();

@@ -59,6 +59,7 @@ store_test_suite!(
     stages::unknown_stages_are_refused,
     stages::versions_and_state_survive_a_reopen,
     stages::jobs_collect_their_stages,
+    stages::stages_and_jobs_not_seen_for_long_are_forgotten,
     events::events_are_ordered_and_paged,
     events::concurrent_events_commit_in_seq_order,
     events::leadership_is_exclusive,

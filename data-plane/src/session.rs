@@ -36,6 +36,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A session that lasted this long resets the backoff.
 const STABLE_SESSION: Duration = Duration::from_secs(10);
 
+/// How long a stopping stage waits for the controller to close the
+/// session it ended.
+const LEAVE_GRACE: Duration = Duration::from_secs(1);
+
 /// Who this stage is, as its hello (and, with mutual TLS, its
 /// certificate) tells the controller.
 #[derive(Debug, Clone)]
@@ -67,9 +71,9 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
     let mut backoff = MIN_BACKOFF;
     loop {
         let started = tokio::time::Instant::now();
-        let result = cancel
-            .run_until_cancelled(session(&engine, &url, &identity))
-            .await;
+        // The session ends itself when `cancel` fires (see `session`).
+        let result = Some(session(&engine, &url, &identity, &cancel).await)
+            .filter(|_| !cancel.is_cancelled());
         engine.metrics().controller_connected.set(0);
         engine.set_controller_live(false);
         match result {
@@ -146,7 +150,12 @@ fn refusal(status: &tonic::Status) -> String {
 /// One session: connect, hello, then telemetry every half second (and at
 /// once when a job starts or leaves) and an answer to every settings push, until either
 /// side ends it.
-async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result<(), SessionError> {
+async fn session(
+    engine: &Arc<Engine>,
+    url: &str,
+    identity: &Identity,
+    stopping: &CancellationToken,
+) -> Result<(), SessionError> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
         .map_err(|e| SessionError::BadUrl {
             url: url.to_owned(),
@@ -159,22 +168,41 @@ async fn session(engine: &Arc<Engine>, url: &str, identity: &Identity) -> Result
         Some(tls) => endpoint.tls_config(tls.clone())?,
         None => endpoint,
     };
-    let channel = endpoint.connect().await?;
+    let Some(channel) = stopping.run_until_cancelled(endpoint.connect()).await else {
+        return Ok(());
+    };
     let (tx, rx) = mpsc::channel::<StageMessage>(16);
     let send = |kind| StageMessage { kind: Some(kind) };
     tx.send(send(stage_message::Kind::Hello(hello(engine, identity))))
         .await
         .map_err(|_| SessionError::Closed)?;
-    let mut inbound = StageServiceClient::new(channel)
-        .session(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+    let mut client = StageServiceClient::new(channel?);
+    // A stage stopping while its hello is answered still ends the session
+    // it opened (below), unless the answer takes longer than the grace.
+    let opened = tokio::select! {
+        opened = client.session(ReceiverStream::new(rx)) => opened,
+        () = async {
+            stopping.cancelled().await;
+            tokio::time::sleep(LEAVE_GRACE).await;
+        } => return Ok(()),
+    };
+    let mut inbound = opened?.into_inner();
     info!(%url, version = engine.settings_version(), "controller session up");
     engine.metrics().controller_connected.set(1);
     engine.set_controller_live(true);
     let mut ticker = tokio::time::interval(TELEMETRY_INTERVAL);
+    // The stage stops: the session is ended from this side (the end of
+    // the stream, which tells the controller the stage left rather than
+    // went silent), and the controller's end of it awaited a moment.
     loop {
         let reply = tokio::select! {
+            biased;
+            () = stopping.cancelled() => {
+                drop(tx);
+                let closed = async { while let Ok(Some(_)) = inbound.message().await {} };
+                let _ = tokio::time::timeout(LEAVE_GRACE, closed).await;
+                return Ok(());
+            }
             _ = ticker.tick() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
             () = engine.jobs_changed() => send(stage_message::Kind::Telemetry(convert::telemetry(engine))),
             message = inbound.message() => {

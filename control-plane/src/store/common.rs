@@ -62,6 +62,57 @@ macro_rules! common_queries {
         found(done.rows_affected(), id)
     }
 
+    pub(super) async fn forget_stage(&self, id: &str) -> Result<(), StoreError> {
+        const OP: &str = "forgetting a stage";
+        let mut tx = self.begin_write(OP).await?;
+        sqlx::query("DELETE FROM job_stages WHERE stage_id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(db(OP))?;
+        sqlx::query("DELETE FROM stages WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(db(OP))?;
+        tx.commit().await.map_err(db(OP))
+    }
+
+    pub(super) async fn forget_unseen(&self, before_ms: i64) -> Result<Forgotten, StoreError> {
+        const OP: &str = "forgetting stages and jobs not seen for long";
+        let mut tx = self.begin_write(OP).await?;
+        let stages: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM stages WHERE state = 'lost' AND last_seen_ms < $1 ORDER BY id",
+        )
+        .bind(before_ms)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db(OP))?;
+        let jobs: Vec<String> =
+            sqlx::query_scalar("SELECT id FROM jobs WHERE last_seen_ms < $1 ORDER BY id")
+                .bind(before_ms)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db(OP))?;
+        let deletes: [(&'static str, &Vec<String>); 4] = [
+            ("DELETE FROM job_stages WHERE stage_id = $1", &stages),
+            ("DELETE FROM stages WHERE id = $1", &stages),
+            ("DELETE FROM job_stages WHERE job_id = $1", &jobs),
+            ("DELETE FROM jobs WHERE id = $1", &jobs),
+        ];
+        for (sql, ids) in deletes {
+            for id in ids {
+                sqlx::query(sql)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db(OP))?;
+            }
+        }
+        tx.commit().await.map_err(db(OP))?;
+        Ok(Forgotten { stages, jobs })
+    }
+
     pub(super) async fn next_settings_version(&self, stage: &str) -> Result<u64, StoreError> {
         let version: Option<i64> = sqlx::query_scalar(
             "UPDATE stages SET settings_version = settings_version + 1 WHERE id = $1

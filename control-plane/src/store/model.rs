@@ -160,6 +160,13 @@ pub struct StageHello {
     pub running_version: u64,
 }
 
+/// What [`crate::store::Store::forget_unseen`] forgot.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    pub stages: Vec<String>,
+    pub jobs: Vec<String>,
+}
+
 /// Settings the controller wants a stage to run, under their version.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredSettings {

@@ -21,8 +21,8 @@ use super::StoreError;
 use super::error::{db, found, redact, stage_version};
 use super::file_lock::FileLock;
 use super::model::{
-    Applied, Event, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello, StageRecord,
-    StageState, check_name,
+    Applied, Event, Forgotten, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello,
+    StageRecord, StageState, check_name,
 };
 use super::revision::{self, ApplyPlan, HeadRow};
 use super::rows::{self, EventRow, JobRow, PolicyRow, StageRow};

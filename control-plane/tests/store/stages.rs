@@ -213,3 +213,53 @@ pub(crate) async fn jobs_collect_their_stages(f: &Fixture) {
     assert_eq!(got, [("eval", 1), ("train", 2)]);
     assert!(store.job("nope").await.unwrap().is_none());
 }
+
+pub(crate) async fn stages_and_jobs_not_seen_for_long_are_forgotten(f: &Fixture) {
+    let store = f.open().await;
+    // s1 lost long ago, s2 lost recently, s3 connected (seen long ago: a
+    // connected stage is forgotten only once lost); s4 leaves.
+    for (stage, seen) in [("s1", 100), ("s2", 5_000), ("s3", 100), ("s4", 5_000)] {
+        store
+            .stage_hello(&hello(stage, "n", 0), seen)
+            .await
+            .unwrap();
+    }
+    store.mark_stage_lost("s1").await.unwrap();
+    store.mark_stage_lost("s2").await.unwrap();
+    for (job, stage, seen) in [
+        ("old", "s1", 200),
+        ("recent", "s2", 5_000),
+        ("gone", "s4", 150),
+    ] {
+        let sighting = JobSighting {
+            job: job.into(),
+            labels: Labels::new(),
+            stage: stage.into(),
+        };
+        store.upsert_job(&sighting, seen).await.unwrap();
+    }
+    store.forget_stage("s4").await.unwrap();
+    let ids = |stages: Vec<sluice_controller::store::StageRecord>| {
+        stages.into_iter().map(|s| s.id).collect::<Vec<_>>()
+    };
+    assert_eq!(ids(store.stages().await.unwrap()), ["s1", "s2", "s3"]);
+    assert!(store.job("gone").await.unwrap().unwrap().stages.is_empty());
+
+    let forgotten = store.forget_unseen(1_000).await.unwrap();
+    assert_eq!(forgotten.stages, ["s1"]);
+    assert_eq!(forgotten.jobs, ["gone", "old"]);
+    assert_eq!(ids(store.stages().await.unwrap()), ["s2", "s3"]);
+    let jobs: Vec<String> = store
+        .jobs()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(jobs, ["recent"]);
+    // Nothing more to forget.
+    assert_eq!(
+        store.forget_unseen(1_000).await.unwrap(),
+        Default::default()
+    );
+}
