@@ -120,6 +120,14 @@ impl ControllerConfig {
                     .into(),
             });
         }
+        if let Some(policies) = &args.policies
+            && let Err(e) = std::fs::metadata(policies)
+        {
+            return Err(ConfigError {
+                flag: "--policies",
+                reason: format!("{}: {e}", policies.display()),
+            });
+        }
         Ok(Self {
             admin: admin_access(&args, grpc_addr, http_addr)?,
             grpc_addr,

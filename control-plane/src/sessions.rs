@@ -251,6 +251,19 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
     match message.kind {
         Some(stage_message::Kind::Telemetry(t)) => telemetry(shared, stage, t).await,
         Some(stage_message::Kind::Ack(a)) => {
+            let published = lock(&shared.desired).get(stage).map_or(0, |d| d.version);
+            if a.version > published {
+                // Not a version this controller sent: recording it would
+                // show the stage in sync with settings it never had.
+                shared.with_live(stage, |l| l.last_heard = Instant::now());
+                warn!(
+                    stage,
+                    version = a.version,
+                    published,
+                    "an ack of a settings version never published: ignored"
+                );
+                return;
+            }
             shared.with_live(stage, |l| {
                 l.last_heard = Instant::now();
                 l.acked(a.version);

@@ -239,6 +239,13 @@ async fn settings_flow(url: &str) {
     })
     .await;
     assert_eq!(stage(&mut admin).await.desired_version, pushed.version);
+    // An ack of a version never published, and a late one of an older
+    // version, change nothing.
+    for version in [pushed.version + 100, 0] {
+        s.send(stage_message::Kind::Ack(pb::Ack { version })).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stage(&mut admin).await.acked_version, pushed.version);
 
     // Reconnecting with an older version gets the desired one at once.
     drop(s);

@@ -673,6 +673,36 @@ async fn a_sqlite_store_serves_one_controller_and_must_be_a_writable_file() {
     let (code, err) = controller_exit(&format!("{url}?mode=ro"));
     assert_eq!(code, Some(64), "{err}");
     assert!(err.contains("is read-only"), "{err}");
+
+    let missing = dir.path().join("no-such-dir").join("c.db");
+    let (code, err) = controller_exit(&format!("sqlite://{}", missing.display()));
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("no-such-dir"), "{err}");
+}
+
+/// `--policies` naming nothing is a usage error (exit 64), found before
+/// any store is opened.
+#[test]
+fn policies_that_do_not_exist_are_a_usage_error() {
+    let out = Command::new("timeout")
+        .arg("10")
+        .arg(sluice_tests::binary("sluice-controller"))
+        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .args([
+            "--database-url",
+            "sqlite::memory:",
+            "--policies",
+            "/no/such/policies",
+        ])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(
+        err.contains("--policies") && err.contains("/no/such/policies"),
+        "{err}"
+    );
 }
 
 /// Every file in `policies/examples/` is a complete configuration that a

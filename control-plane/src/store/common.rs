@@ -324,7 +324,7 @@ macro_rules! common_record_queries {
                         Err(e) => return Ok(Err(e)),
                     };
                     let done = sqlx::query(
-                        "UPDATE stages SET acked_version = $2,
+                        "UPDATE stages SET acked_version = CASE WHEN acked_version > $2 THEN acked_version ELSE $2 END,
                  nack_reason  = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_reason END,
                  nack_version = CASE WHEN nack_version <= $2 THEN NULL ELSE nack_version END
              WHERE id = $1",

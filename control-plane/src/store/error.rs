@@ -148,6 +148,16 @@ impl StoreError {
                     source: sqlx::Error::Configuration(_),
                     ..
                 }
+        ) || matches!(
+            // A SQLite file in a directory that is not there, or not ours.
+            self,
+            Self::Lock { source, .. } if matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::PermissionDenied
+                    | std::io::ErrorKind::ReadOnlyFilesystem
+                    | std::io::ErrorKind::NotADirectory
+            )
         )
     }
 }
