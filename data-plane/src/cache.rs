@@ -245,8 +245,42 @@ struct State {
     /// Samples on their way to the disk tier (the writer's queue holds the
     /// same bytes): found here until written, so that another job's lookup
     /// meanwhile does not read them from the source again.
-    queued: HashMap<SampleKey, Arc<[u8]>>,
+    queued: Queued,
     tick: u64,
+}
+
+/// The samples on their way to the disk tier, and their bytes: at most
+/// [`DISK_QUEUE_BYTES`], which the node's stated memory overhead counts
+/// (a sample the writer has no room for is not kept on disk).
+#[derive(Debug, Default)]
+struct Queued {
+    samples: HashMap<SampleKey, Arc<[u8]>>,
+    bytes: u64,
+}
+
+impl Queued {
+    fn get(&self, key: &SampleKey) -> Option<&Arc<[u8]>> {
+        self.samples.get(key)
+    }
+
+    /// Queues `bytes` under `key` when they fit; whether they did.
+    fn insert(&mut self, key: &SampleKey, bytes: &Arc<[u8]>) -> bool {
+        let size = bytes.len() as u64;
+        if self.bytes + size > DISK_QUEUE_BYTES && !self.samples.is_empty() {
+            return false;
+        }
+        if let Some(old) = self.samples.insert(key.clone(), Arc::clone(bytes)) {
+            self.bytes -= old.len() as u64;
+        }
+        self.bytes += size;
+        true
+    }
+
+    fn remove(&mut self, key: &SampleKey) {
+        if let Some(old) = self.samples.remove(key) {
+            self.bytes -= old.len() as u64;
+        }
+    }
 }
 
 /// Where a looked-up sample is.
@@ -313,6 +347,10 @@ pub struct CacheReport {
 /// Samples waiting for the disk writer; more are not kept for the disk.
 const DISK_QUEUE: usize = 256;
 
+/// Bytes waiting for the disk writer, at most (one sample larger than
+/// this is queued alone).
+const DISK_QUEUE_BYTES: u64 = 32 << 20;
+
 impl Cache {
     /// Builds the cache. With a disk tier, the samples a previous stage left
     /// in its directory for `datasets` (source, name) are indexed again
@@ -331,7 +369,7 @@ impl Cache {
             disk: None,
             shares: HashMap::new(),
             pending: HashMap::new(),
-            queued: HashMap::new(),
+            queued: Queued::default(),
             tick: 0,
         };
         for (source, name) in datasets {
@@ -471,7 +509,7 @@ impl Cache {
         match disk::read(&path, key) {
             Ok(bytes) => {
                 self.metrics.hit(&label, DISK, bytes.len() as u64);
-                Some(Arc::from(bytes))
+                Some(bytes)
             }
             Err(e) => {
                 let mut st = lock(&self.state);
@@ -680,12 +718,15 @@ impl Cache {
             // in between reads the sample again; whoever joined gets them.
             drop(guard);
             let shared: Arc<[u8]> = Arc::from(bytes);
-            {
+            let queued = {
                 let mut st = lock(&self.state);
-                st.queued.insert(key.clone(), Arc::clone(&shared));
+                let queued = st.queued.insert(key, &shared);
                 st.pending.remove(key);
+                queued
+            };
+            if queued {
+                self.send_to_disk(key, &shared);
             }
-            self.send_to_disk(key, &shared);
             return Some(shared);
         };
         st.pending.remove(key);
@@ -724,10 +765,9 @@ impl Cache {
     fn offer_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
         if self.to_disk.is_some() {
             // Findable before the writer can take it off the queue.
-            lock(&self.state)
-                .queued
-                .insert(key.clone(), Arc::clone(bytes));
-            self.send_to_disk(key, bytes);
+            if lock(&self.state).queued.insert(key, bytes) {
+                self.send_to_disk(key, bytes);
+            }
         }
     }
 

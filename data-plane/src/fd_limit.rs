@@ -26,13 +26,18 @@ pub fn raise() -> usize {
 }
 
 /// The most trainer connections one listener holds at once: a quarter of
-/// the descriptors the stage may open (at least 64), so that the data
-/// files, the node cache's disk tier and the mount keep the rest.
+/// the descriptors the stage may open, so that the data files, the node
+/// cache's disk tier, the mount and `/metrics` keep the rest (a floor above
+/// that, under a low limit, let idle connections take every descriptor).
 pub fn connections_per_listener() -> usize {
     let soft = current().map_or(FALLBACK, |l| {
         usize::try_from(l.rlim_cur).unwrap_or(usize::MAX)
     });
-    (soft / 4).max(64)
+    per_listener(soft)
+}
+
+fn per_listener(soft: usize) -> usize {
+    (soft / 4).max(1)
 }
 
 /// The limit assumed where the system does not say.
@@ -56,9 +61,9 @@ mod tests {
         let limit = raise();
         assert!(limit >= 64);
         let most = connections_per_listener();
-        assert!(
-            most >= 64 && (most <= limit / 4 || most == 64),
-            "{most} of {limit}"
-        );
+        assert!(most >= 16 && most <= limit / 4, "{most} of {limit}");
+        // Under a low limit too: the other three quarters stay free.
+        assert_eq!(per_listener(64), 16);
+        assert_eq!(per_listener(3), 1);
     }
 }

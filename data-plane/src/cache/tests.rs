@@ -301,7 +301,7 @@ fn on_disk(c: &Cache, entries: u64) {
     };
     // ... and once the writer's queue is empty (what it will not keep is
     // served from the queue until then).
-    while written() < entries || !lock(&c.state).queued.is_empty() {
+    while written() < entries || !lock(&c.state).queued.samples.is_empty() {
         assert!(std::time::Instant::now() < deadline, "{:?}", c.report());
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -593,4 +593,22 @@ fn a_sample_on_its_way_to_disk_is_a_hit_not_a_second_read() {
         // At once, as another job would: queued or written, never missed.
         assert!(read(&c, "d", &k, 2), "f{i} was read from the source twice");
     }
+}
+
+#[test]
+fn the_disk_writers_queue_is_bounded_in_bytes() {
+    let source: Arc<str> = Arc::from("/data");
+    let big: Arc<[u8]> = vec![0u8; 20 << 20].into();
+    let mut q = Queued::default();
+    assert!(q.insert(&key(&source, "a", 20 << 20), &big));
+    assert!(
+        !q.insert(&key(&source, "b", 20 << 20), &big),
+        "40 MiB waiting"
+    );
+    q.remove(&key(&source, "a", 20 << 20));
+    assert_eq!(q.bytes, 0);
+    // One sample larger than the bound is queued alone.
+    let huge: Arc<[u8]> = vec![0u8; 40 << 20].into();
+    assert!(q.insert(&key(&source, "c", 40 << 20), &huge));
+    assert!(!q.insert(&key(&source, "d", 1), &Arc::from(&b"x"[..])));
 }

@@ -111,11 +111,20 @@ impl Lending {
         }
     }
 
-    /// Takes back the slots at `offsets` (whoever holds them); stops at
-    /// the first one the job did not lend.
+    /// Takes back the slots at `offsets` (whoever holds them); takes none
+    /// when one of them is not lent, or is named twice.
     pub fn release(&mut self, offsets: &[u64], returned: &mut Returned) -> Result<(), NotLent> {
-        for &offset in offsets {
-            let slot = self.slots.remove(&offset).ok_or(NotLent(offset))?;
+        // All or nothing: a list naming a slot not lent (or one twice)
+        // returns none of them.
+        let mut seen = std::collections::HashSet::with_capacity(offsets.len());
+        if let Some(&bad) = offsets
+            .iter()
+            .find(|&&offset| !self.slots.contains_key(&offset) || !seen.insert(offset))
+        {
+            return Err(NotLent(bad));
+        }
+        for offset in offsets {
+            let slot = self.slots.remove(offset).expect("checked above");
             self.bytes -= slot.chunk.footprint();
             returned.0.push(slot);
         }
