@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey};
@@ -126,6 +126,10 @@ async fn trainer_left<R: AsyncBufRead + Unpin>(rd: &mut R) -> bool {
 /// How long a connection may wait for its next request before it has said
 /// `HELLO` (trainers say it as soon as they connect).
 pub const HELLO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a trainer may take to read an answer before its connection is
+/// closed.
+pub const ANSWER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Which side ended a connection: it decides what becomes of the samples
 /// its trainer holds in shared memory.
@@ -361,9 +365,22 @@ impl Connection {
                 };
             }
         };
-        let written = match (self.descriptor.take(), self.unix) {
-            (Some(fd), Some(socket)) => send_with_fd(wr, socket, &response, &fd).await,
-            _ => send(wr, &response).await,
+        let descriptor = self.descriptor.take();
+        let writing = async {
+            match (descriptor, self.unix) {
+                (Some(fd), Some(socket)) => send_with_fd(wr, socket, &response, &fd).await,
+                _ => send(wr, &response).await,
+            }
+        };
+        // The answer holds the memory of the samples it carries until it is
+        // written: a trainer that stopped reading (hung, stopped) must not
+        // hold it, and with it the node's other jobs, for good.
+        let Ok(written) = tokio::time::timeout(ANSWER_PATIENCE, writing).await else {
+            warn!(
+                "a trainer did not take its answer within {} s: its connection is closed",
+                ANSWER_PATIENCE.as_secs()
+            );
+            return ControlFlow::Break(Ending::ByStage);
         };
         drop(reservation);
         if let Err(e) = written {

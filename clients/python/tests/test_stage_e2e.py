@@ -1012,6 +1012,38 @@ def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dat
     wait_for(served, timeout=5, what="the metrics port serving again once they left")
 
 
+def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage_factory, tmp_path):
+    """Connections that ask for samples and never read the answers (hung
+    or stopped trainers) hold the memory of what they were answered for
+    30 s at most: then they are closed, and another job reads its epoch
+    (before, such answers held a small node's whole budget for good)."""
+    root = tmp_path / "d"
+    root.mkdir()
+    files = {f"f{i:04d}.bin": os.urandom(64 << 10) for i in range(200)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root}, "--memory-budget", "32MiB")
+    stuck = []
+    for _ in range(4):
+        raw = Raw(stage.socket)
+        raw.hello("hung")
+        assert isinstance(raw.call(p.encode_open("d")), p.Opened)
+        assert isinstance(raw.call(p.encode_plan_indices(0, [j % 200 for j in range(8000)])), p.Planned)
+        raw.send(p.encode_next(4096))  # and never reads the answer
+        stuck.append(raw)
+    try:
+        time.sleep(2)
+        t0 = time.monotonic()
+        with sluice.Client(stage.socket, job="innocent", timeout=90) as c:
+            got = {name: bytes(data) for name, data in c.dataset("d").epoch(0, batch=64)}
+        assert got == files
+        assert time.monotonic() - t0 < 60
+        assert "did not take its answer within 30 s" in stage.stderr_tail()
+    finally:
+        for raw in stuck:
+            raw.close()
+
+
 def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, dataset):
     """Peers that connect to the TCP listener and say nothing (a port
     scanner, a client leaking sockets) are held to a quarter of the stage's
