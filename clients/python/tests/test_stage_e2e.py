@@ -808,9 +808,13 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
     with sluice.Client(stage.socket, job="squeezed") as c:
         it = iter(c.dataset("d").epoch(0, shuffle=False, batch=1))
         assert next(it)[1] == b"x" * (64 << 10)
+        came = []
+
         def wait_for_the_second():
-            with contextlib.suppress(sluice.SluiceError):  # the stage stops below
-                next(it, None)
+            try:
+                came.append(next(it, None))
+            except sluice.SluiceError as e:  # the stage stops below
+                came.append(e)
 
         waiting = threading.Thread(target=wait_for_the_second, daemon=True)
         waiting.start()
@@ -818,7 +822,7 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
                  what="a second of throttling counted mid-wait")
         wait_for(lambda: seconds("sluice_stage_consumer_stall_seconds_total") >= 1.0, timeout=10,
                  what="a second of stall counted mid-wait")
-        assert waiting.is_alive(), "the second sample came through the limit"
+        assert waiting.is_alive(), f"the wait for the second sample ended early: {came!r:.300}"
         # Closing waits for the NEXT in flight: the stage's stop ends it.
         assert stage.stop() == 0
 
