@@ -1033,21 +1033,6 @@ impl Http {
     }
 }
 
-/// An error with the errors beneath it (hyper's own says only "client
-/// error (Connect)"; the reason, "Connection refused", is its source's).
-fn causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text = format!("{text}: {more}");
-        }
-        next = cause.source();
-    }
-    text
-}
-
 impl fmt::Debug for Http {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Http")
@@ -1085,7 +1070,8 @@ impl HttpService for Http {
         if outcome.retried() {
             self.note_retried(|| match &answer {
                 Ok(response) => format!("the store answered {}", response.status()),
-                Err(e) => causes(e),
+                // hyper's own message says only "client error (Connect)".
+                Err(e) => sluice_proto::error_chain(e),
             });
         }
         match answer {
