@@ -155,16 +155,27 @@ pub fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
 
 /// [`http`] with extra header lines (`"Name: value\r\n"` each).
 pub fn http_with(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
+    try_http(addr, method, path, headers, body).unwrap()
+}
+
+/// [`http_with`] that returns the error of a server that went away
+/// mid-request (a replica killed by a chaos test) instead of failing.
+pub fn try_http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> std::io::Result<String> {
+    let mut s = TcpStream::connect(addr)?;
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
         body.len()
-    )
-    .unwrap();
+    )?;
     let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    s.read_to_string(&mut out)?;
+    Ok(out)
 }
 
 /// An admin client of the controller at `grpc` (plain text).
@@ -222,8 +233,8 @@ pub fn service(backends: Vec<(String, String)>) -> String {
     std::thread::spawn(move || {
         for client in listener.incoming().flatten() {
             let ready = backends.iter().find(|(_, http_addr)| {
-                TcpStream::connect(http_addr).is_ok()
-                    && http(http_addr, "GET", "/readyz", "").starts_with("HTTP/1.1 200")
+                try_http(http_addr, "GET", "/readyz", "", "")
+                    .is_ok_and(|answer| answer.starts_with("HTTP/1.1 200"))
             });
             let Some(server) = ready.and_then(|(grpc, _)| TcpStream::connect(grpc).ok()) else {
                 continue;
