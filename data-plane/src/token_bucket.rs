@@ -7,9 +7,17 @@
 //! negative, so the long-run rate stays exact for any sample size. Limits can
 //! change at any time; readers already waiting re-check within a few
 //! milliseconds and see the new rate.
+//!
+//! While a limit is in force, reads go through in the order they took their
+//! [`Ticket`]s: a job's readers take theirs as they pick work in plan order,
+//! so the sample the trainer waits for first is not passed over by a later
+//! one whose reader happened to reach the limiter first (with a bucket that
+//! lets one sample through a minute, that later sample took the minute and
+//! the trainer waited two).
 
 use crate::sync::lock;
-use std::sync::Mutex;
+use std::collections::BTreeSet;
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Longest single sleep while waiting for tokens, so a raised limit is seen
@@ -32,6 +40,12 @@ impl Default for Limits {
             ops_per_s: None,
             burst: Duration::from_millis(100),
         }
+    }
+}
+
+impl Limits {
+    fn unlimited(&self) -> bool {
+        self.bytes_per_s.is_none() && self.ops_per_s.is_none()
     }
 }
 
@@ -65,18 +79,65 @@ fn capacity(rate: u64, burst: Duration) -> f64 {
     (rate as f64 * burst.as_secs_f64()).max(1.0)
 }
 
+/// The line of tickets: `head` is the oldest not yet through (or given
+/// up); tickets done before their turn wait in `done_early` for it.
+#[derive(Debug, Default)]
+struct Line {
+    next: u64,
+    head: u64,
+    done_early: BTreeSet<u64>,
+    /// Readers waiting for their turn (woken when the head moves).
+    waiting: usize,
+}
+
+impl Line {
+    /// Marks ticket `n` done; true when the head moved.
+    fn done(&mut self, n: u64) -> bool {
+        if n != self.head {
+            self.done_early.insert(n);
+            return false;
+        }
+        self.head += 1;
+        while self.done_early.remove(&self.head) {
+            self.head += 1;
+        }
+        true
+    }
+}
+
 #[derive(Debug)]
 struct State {
     limits: Limits,
     bytes: Bucket,
     ops: Bucket,
     last: Instant,
+    line: Line,
 }
 
 /// A live-adjustable limiter on bytes/s and operations/s.
 #[derive(Debug)]
 pub struct TokenBucket {
     state: Mutex<State>,
+    turn: Condvar,
+}
+
+/// A read's place in the limiter's line, taken when the read is chosen and
+/// given back (through, or given up) when dropped. Taken while the job is
+/// unlimited, it holds no place: such reads go in any order.
+#[derive(Debug)]
+pub struct Ticket<'a> {
+    bucket: &'a TokenBucket,
+    place: Option<u64>,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let Some(n) = self.place else { return };
+        let mut s = lock(&self.bucket.state);
+        if s.line.done(n) && s.line.waiting > 0 {
+            self.bucket.turn.notify_all();
+        }
+    }
 }
 
 impl TokenBucket {
@@ -91,7 +152,9 @@ impl TokenBucket {
                 ops: full(limits.ops_per_s),
                 limits,
                 last: Instant::now(),
+                line: Line::default(),
             }),
+            turn: Condvar::new(),
         }
     }
 
@@ -120,53 +183,82 @@ impl TokenBucket {
             s.ops.tokens = s.ops.tokens.min(capacity(r, limits.burst));
         }
         s.limits = limits;
+        if limits.unlimited() && s.line.waiting > 0 {
+            self.turn.notify_all();
+        }
+    }
+
+    /// Takes a place in line for a read about to ask for its bytes.
+    pub fn ticket(&self) -> Ticket<'_> {
+        let mut s = lock(&self.state);
+        let place = (!s.limits.unlimited()).then(|| {
+            s.line.next += 1;
+            s.line.next - 1
+        });
+        Ticket {
+            bucket: self,
+            place,
+        }
     }
 
     /// Takes `bytes` and one operation if both are available now; otherwise
-    /// returns how long to wait before asking again.
-    pub fn try_acquire(&self, bytes: u64) -> Result<(), Duration> {
-        let mut s = lock(&self.state);
-        let limits = s.limits;
-        if limits.bytes_per_s.is_none() && limits.ops_per_s.is_none() {
-            return Ok(());
-        }
-        s.refill(Instant::now());
-        let wait = s
-            .bytes
-            .wait_for(limits.bytes_per_s, limits.burst, bytes as f64)
-            .max(s.ops.wait_for(limits.ops_per_s, limits.burst, 1.0));
-        if wait > 0.0 {
-            return Err(Duration::from_secs_f64(wait));
-        }
-        if limits.bytes_per_s.is_some() {
-            s.bytes.tokens -= bytes as f64;
-        }
-        if limits.ops_per_s.is_some() {
-            s.ops.tokens -= 1.0;
-        }
-        Ok(())
+    /// returns how long to wait before asking again, out of line.
+    #[cfg(test)]
+    fn try_acquire(&self, bytes: u64) -> Result<(), Duration> {
+        lock(&self.state).take(bytes)
     }
 
-    /// Blocks the calling (reader) thread until `bytes` and one operation may
-    /// go, telling `napped` of each nap as it ends (a wait that outlasts
-    /// the tuner's window counts in that window, not only once it is over);
-    /// asks `wanted` between naps and gives up, taking nothing, when it
-    /// says no (false): a caller that may stop wanting the bytes meanwhile.
+    /// Blocks the calling (reader) thread until it is `ticket`'s turn and
+    /// `bytes` and one operation may go, telling `napped` of each nap as it
+    /// ends (a wait that outlasts the tuner's window counts in that window,
+    /// not only once it is over); asks `wanted` between naps and gives up,
+    /// taking nothing, when it says no (false): a caller that may stop
+    /// wanting the bytes meanwhile. Either way the ticket's place goes to
+    /// the next in line.
     pub fn acquire_blocking_while(
         &self,
+        ticket: Ticket<'_>,
         bytes: u64,
         mut wanted: impl FnMut() -> bool,
         mut napped: impl FnMut(Duration),
     ) -> bool {
-        while let Err(wait) = self.try_acquire(bytes) {
+        loop {
+            let wait = {
+                let mut s = lock(&self.state);
+                match ticket.place {
+                    Some(n) if n != s.line.head && !s.limits.unlimited() => None,
+                    _ => match s.take(bytes) {
+                        Ok(()) => return true,
+                        Err(wait) => Some(wait.min(MAX_NAP)),
+                    },
+                }
+            };
+            // `wanted` may take the job's lock, which is held while tickets
+            // are taken: never call it with the limiter's lock held.
             if !wanted() {
                 return false;
             }
             let nap = Instant::now();
-            std::thread::sleep(wait.min(MAX_NAP));
+            match wait {
+                Some(wait) => std::thread::sleep(wait),
+                None => self.wait_for_turn(lock(&self.state), ticket.place),
+            }
             napped(nap.elapsed());
         }
-        true
+    }
+
+    /// Sleeps until the head of the line moves (or the limit is lifted),
+    /// for at most [`MAX_NAP`].
+    fn wait_for_turn(&self, mut s: MutexGuard<'_, State>, place: Option<u64>) {
+        if place == Some(s.line.head) || s.limits.unlimited() {
+            return;
+        }
+        s.line.waiting += 1;
+        let (mut s, _) = self
+            .turn
+            .wait_timeout(s, MAX_NAP)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        s.line.waiting -= 1;
     }
 }
 
@@ -178,6 +270,29 @@ impl State {
             .refill(self.limits.bytes_per_s, self.limits.burst, elapsed);
         self.ops
             .refill(self.limits.ops_per_s, self.limits.burst, elapsed);
+    }
+
+    /// Takes `bytes` and one operation if both buckets hold enough now.
+    fn take(&mut self, bytes: u64) -> Result<(), Duration> {
+        let limits = self.limits;
+        if limits.unlimited() {
+            return Ok(());
+        }
+        self.refill(Instant::now());
+        let wait = self
+            .bytes
+            .wait_for(limits.bytes_per_s, limits.burst, bytes as f64)
+            .max(self.ops.wait_for(limits.ops_per_s, limits.burst, 1.0));
+        if wait > 0.0 {
+            return Err(Duration::from_secs_f64(wait));
+        }
+        if limits.bytes_per_s.is_some() {
+            self.bytes.tokens -= bytes as f64;
+        }
+        if limits.ops_per_s.is_some() {
+            self.ops.tokens -= 1.0;
+        }
+        Ok(())
     }
 }
 
@@ -210,6 +325,7 @@ mod tests {
         let start = Instant::now();
         let (mut naps, mut told) = (0, Duration::ZERO);
         let taken = tb.acquire_blocking_while(
+            tb.ticket(),
             100,
             || start.elapsed() < Duration::from_millis(100),
             |nap| {
@@ -220,6 +336,56 @@ mod tests {
         assert!(!taken);
         assert!(naps >= 4, "{naps} naps");
         assert!(told >= Duration::from_millis(80), "{told:?}");
+    }
+
+    #[test]
+    fn limited_reads_go_through_in_ticket_order() {
+        // One read a minute: the first ticket's read takes the full bucket
+        // even when the second's reaches the limiter first.
+        let tb = limited(Some(1000), None);
+        let (first, second) = (tb.ticket(), tb.ticket());
+        let through = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let stop = Instant::now() + Duration::from_secs(2);
+                let taken =
+                    tb.acquire_blocking_while(second, 60_000, || Instant::now() < stop, |_| {});
+                through.store(taken, std::sync::atomic::Ordering::SeqCst);
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                tb.acquire_blocking_while(first, 60_000, || false, |_| {}),
+                "the head of the line goes on the full bucket"
+            );
+        });
+        assert!(
+            !std::sync::atomic::AtomicBool::into_inner(through),
+            "the second read waits for the minute the first one's bytes take"
+        );
+        // A ticket given up passes its turn on; one taken unlimited has none.
+        let tb = limited(Some(1000), None);
+        drop(tb.ticket());
+        assert!(tb.acquire_blocking_while(tb.ticket(), 10, || false, |_| {}));
+        let unlimited = TokenBucket::new(Limits::default());
+        let early = unlimited.ticket();
+        assert!(unlimited.acquire_blocking_while(unlimited.ticket(), 1 << 30, || false, |_| {}));
+        drop(early);
+    }
+
+    #[test]
+    fn lifting_the_limit_lets_the_line_go_at_once() {
+        let tb = limited(Some(1000), None);
+        let head = tb.ticket();
+        std::thread::scope(|scope| {
+            let waiter = scope.spawn(|| {
+                let stop = Instant::now() + Duration::from_secs(5);
+                tb.acquire_blocking_while(tb.ticket(), 1 << 20, || Instant::now() < stop, |_| {})
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            tb.set_limits(Limits::default());
+            assert!(waiter.join().unwrap(), "lifted while waiting its turn");
+        });
+        drop(head);
     }
 
     #[test]

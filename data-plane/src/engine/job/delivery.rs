@@ -692,7 +692,7 @@ impl Job {
         let start = Instant::now();
         let opened = dir.resolve(name).and_then(|path| {
             let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
-            if !self.throttle_while(size, wanted) {
+            if !self.throttle_while(self.limiter.ticket(), size, wanted) {
                 return Err(ProtocolError::new(
                     ErrorCode::Unavailable,
                     format!("the open of `{name}` was given up while the job's limiter held it"),

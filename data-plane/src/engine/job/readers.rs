@@ -24,6 +24,7 @@ use crate::metrics::{DatasetMetrics, Metrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::whole_footprint;
 use crate::sync::{wait, wait_timeout};
+use crate::token_bucket::Ticket;
 
 /// Reader threads a job whose plans all read object stores runs (each
 /// only picks work and starts reads; the runtime waits for them).
@@ -94,7 +95,9 @@ impl Job {
 
     fn reader_loop(self: Arc<Self>) {
         loop {
-            let work = {
+            // The limiter's line is taken in the order work is picked, which
+            // is plan order, under the job's lock.
+            let (work, ticket) = {
                 let mut st = self.lock();
                 loop {
                     if st.stopped || st.readers_running > st.threads_wanted() {
@@ -114,7 +117,7 @@ impl Job {
                             // there is more (each reader that finds work
                             // wakes the next, up to the running count).
                             self.wake_idle_reader(&st);
-                            break work;
+                            break (work, self.limiter.ticket());
                         }
                         Err(idle) => {
                             // A consumer waits on an entry the budget has no
@@ -141,7 +144,7 @@ impl Job {
                                 {
                                     st.over_waiting = None;
                                     st.in_flight += 1;
-                                    break work;
+                                    break (work, self.limiter.ticket());
                                 }
                             }
                             if matches!(idle, Idle::OverBudget) {
@@ -167,10 +170,12 @@ impl Job {
                 None => None,
                 Some(Lookup::Miss(fill)) => Some(fill),
                 Some(Lookup::Hit(bytes)) => {
+                    drop(ticket);
                     self.finish_cached(work, Ok(bytes));
                     continue;
                 }
                 Some(Lookup::Wait(flight)) => {
+                    drop(ticket);
                     if remote {
                         self.wait_remote(work, flight);
                     } else {
@@ -179,7 +184,7 @@ impl Job {
                     continue;
                 }
             };
-            self.throttle(work.file_bytes);
+            self.throttle_while(ticket, work.file_bytes, || true);
             if remote {
                 self.start_remote(work, fill);
             } else {
@@ -345,25 +350,33 @@ impl Job {
 
     /// Waits for the job's first settings (a new job under a controller),
     /// then for the limiter to allow a read of `bytes`, counting that wait.
+    /// The read queues behind those already waiting.
     pub(super) fn throttle(&self, bytes: u64) {
-        self.throttle_while(bytes, || true);
+        self.throttle_while(self.limiter.ticket(), bytes, || true);
     }
 
-    /// [`Job::throttle`] for a caller that may stop wanting the bytes
-    /// meanwhile (`wanted` says no): then returns false, having taken nothing.
-    pub(super) fn throttle_while(&self, bytes: u64, wanted: impl FnMut() -> bool) -> bool {
+    /// [`Job::throttle`] in `ticket`'s place in line, for a caller that may
+    /// stop wanting the bytes meanwhile (`wanted` says no): then returns
+    /// false, having taken nothing.
+    pub(super) fn throttle_while(
+        &self,
+        ticket: Ticket<'_>,
+        bytes: u64,
+        wanted: impl FnMut() -> bool,
+    ) -> bool {
         if self.gate.wait() {
             self.metrics
                 .job_starts
                 .with_label_values(&["timeout"])
                 .inc();
         }
-        self.limiter.acquire_blocking_while(bytes, wanted, |nap| {
-            self.stats
-                .throttled_ns
-                .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
-            self.throttled_metric.inc_by(nap.as_secs_f64());
-        })
+        self.limiter
+            .acquire_blocking_while(ticket, bytes, wanted, |nap| {
+                self.stats
+                    .throttled_ns
+                    .fetch_add(nap.as_nanos() as u64, Ordering::Relaxed);
+                self.throttled_metric.inc_by(nap.as_secs_f64());
+            })
     }
 }
 
