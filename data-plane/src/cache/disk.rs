@@ -119,9 +119,23 @@ pub(super) fn path_of(dir: &Path, key: &SampleKey) -> PathBuf {
     a.write(key.source.as_bytes());
     a.write(&[0]);
     a.write(key.name.as_bytes());
-    let b = checksum(&[key.version.to_le_bytes(), key.size.to_le_bytes()].concat()) ^ a.0;
-    let name = format!("{:016x}{:016x}", a.0, b);
+    // FNV-1a's top bits hardly depend on a name's last bytes (`f0000` to
+    // `f0399` fell in 4 subdirectories): mix them all in before the top
+    // byte picks the subdirectory.
+    let a = mix(a.0);
+    let b = checksum(&[key.version.to_le_bytes(), key.size.to_le_bytes()].concat()) ^ a;
+    let name = format!("{a:016x}{b:016x}");
     dir.join(&name[..2]).join(name)
+}
+
+/// A 64-bit finalizer (MurmurHash3's): every input bit moves every output
+/// bit with even odds.
+fn mix(mut h: u64) -> u64 {
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
 }
 
 /// A fast checksum of sample bytes (corruption, not adversaries: the
@@ -277,12 +291,18 @@ pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKe
                 continue;
             }
             let path = file.path();
-            let known = tmp
-                .is_none()
-                .then(|| indexed(dir, &path, sources))
-                .flatten();
+            let known = tmp.is_none().then(|| indexed(&path, sources)).flatten();
             match known {
-                Some((key, len)) => found.push((key, path, len)),
+                Some((key, len)) => {
+                    // A file named as an earlier release named it moves
+                    // to its name now, rather than be read again.
+                    let named = path_of(dir, &key);
+                    if named == path || moved(&path, &named) {
+                        found.push((key, named, len));
+                    } else {
+                        let _ = fs::remove_file(&path);
+                    }
+                }
                 None => {
                     let _ = fs::remove_file(&path);
                 }
@@ -293,8 +313,8 @@ pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKe
 }
 
 /// The key and footprint of the complete file at `path`, when it holds a
-/// sample of one of `sources` under its own name.
-fn indexed(dir: &Path, path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, u64)> {
+/// sample of one of `sources`.
+fn indexed(path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, u64)> {
     let (file, on_disk) = crate::storage::open_regular(path).ok()?;
     let h = read_header(&mut io::BufReader::new(file)).ok()?;
     let source = sources.iter().find(|s| ***s == *h.key.source)?;
@@ -302,10 +322,21 @@ fn indexed(dir: &Path, path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, 
         source: Arc::clone(source),
         ..h.key
     };
-    (path_of(dir, &key) == path && header_len(&key) + h.len == on_disk).then(|| {
+    (header_len(&key) + h.len == on_disk).then(|| {
         let len = footprint(&key, h.len);
         (key, len)
     })
+}
+
+/// Moves the file at `from` to `to` (in a subdirectory that may not exist
+/// yet), unless a file is there already.
+fn moved(from: &Path, to: &Path) -> bool {
+    if fs::symlink_metadata(to).is_ok() {
+        return false;
+    }
+    to.parent()
+        .is_some_and(|sub| fs::create_dir_all(sub).is_ok())
+        && fs::rename(from, to).is_ok()
 }
 
 /// Whether `name` is `digits` lowercase hexadecimal digits.

@@ -345,6 +345,38 @@ fn what_memory_does_not_keep_goes_to_disk_and_survives_a_restart() {
 }
 
 #[test]
+fn disk_files_spread_over_the_subdirectories_and_old_names_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    // Names that differ only at their end, as data sets name files: 400 of
+    // them hashed evenly fill about 200 of the 256 subdirectories.
+    let subdirs: std::collections::HashSet<_> = (0..400)
+        .map(|i| {
+            let path = disk::path_of(dir.path(), &key(&src, &format!("f{i:04}"), 10));
+            path.parent().unwrap().to_owned()
+        })
+        .collect();
+    assert!(subdirs.len() > 160, "{} subdirectories", subdirs.len());
+    // A file a stage left under another of the tier's names (an earlier
+    // release's) is kept, under its name now.
+    {
+        let c = tiered(dir.path(), 0, 10 * FILE);
+        assert!(!read(&c, "d", &key(&src, "f1", 10), 1));
+        on_disk(&c, 1);
+    }
+    let named = disk::path_of(dir.path(), &key(&src, "f1", 10));
+    let old = dir.path().join("00").join(format!("00{}", "1".repeat(30)));
+    std::fs::create_dir_all(old.parent().unwrap()).unwrap();
+    std::fs::rename(&named, &old).unwrap();
+    let c = tiered(dir.path(), 0, 10 * FILE);
+    assert!(named.exists() && !old.exists());
+    assert!(
+        read(&c, "d", &key(&src, "f1", 10), 0),
+        "kept across the move"
+    );
+}
+
+#[test]
 fn a_damaged_disk_file_is_a_miss_and_is_removed() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
