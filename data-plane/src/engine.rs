@@ -36,6 +36,12 @@ use crate::sync::lock;
 /// before it is forgotten.
 pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Jobs kept with nothing attached, at most: a new job past that makes the
+/// stage forget the one idle longest, so that a client naming job after
+/// job cannot make it keep their regions (a descriptor each) and readers
+/// for a minute each.
+pub const MAX_IDLE_JOBS: usize = 128;
+
 /// How long a job's shared-memory region hands out no slot before the free
 /// pages it keeps for reuse go back to the system: jobs that went quiet do
 /// not each keep theirs (with many jobs, many times the budget).
@@ -333,6 +339,9 @@ impl Engine {
         shared: bool,
     ) -> job::JobHandle {
         let mut jobs = lock(&self.jobs);
+        if !jobs.contains_key(id) {
+            self.forget_idle_beyond(&mut jobs, MAX_IDLE_JOBS - 1);
+        }
         let mut started = false;
         let job = jobs
             .entry(id.to_owned())
@@ -370,6 +379,32 @@ impl Engine {
             self.jobs_changed.notify_one();
         }
         handle
+    }
+
+    /// Forgets the jobs idle longest until at most `most` are idle.
+    fn forget_idle_beyond(&self, jobs: &mut HashMap<String, Arc<Job>>, most: usize) {
+        let now = Instant::now();
+        let mut idle: Vec<(Duration, String)> = jobs
+            .iter()
+            .filter_map(|(id, job)| job.idle_since(now).map(|idle| (idle, id.clone())))
+            .collect();
+        if idle.len() <= most {
+            return;
+        }
+        let over = idle.len() - most;
+        idle.sort_unstable_by_key(|(idle, _)| std::cmp::Reverse(*idle));
+        for (_, id) in idle.into_iter().take(over) {
+            if let Some(job) = jobs.remove(&id) {
+                self.forget(&job);
+            }
+        }
+    }
+
+    /// Stops a job taken out of the table and uncounts it.
+    fn forget(&self, job: &Job) {
+        job.stop();
+        self.memory.jobs.fetch_sub(1, Ordering::Relaxed);
+        self.metrics.jobs.dec();
     }
 
     /// Returns a shared-memory region for a new job's buffers (as large as
@@ -556,9 +591,7 @@ impl Engine {
                 .idle_since(now)
                 .is_none_or(|idle| idle < JOB_IDLE_TIMEOUT);
             if !keep {
-                job.stop();
-                self.memory.jobs.fetch_sub(1, Ordering::Relaxed);
-                self.metrics.jobs.dec();
+                self.forget(job);
             }
             keep
         });

@@ -1048,6 +1048,27 @@ def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage
             raw.close()
 
 
+def test_a_client_naming_job_after_job_cannot_make_the_stage_keep_them_all(stage_factory, dataset):
+    """Each job with nothing attached is kept a minute (its trainers may
+    come back), but at most 128 of them: a client that connects as one new
+    job after another, with shared memory (a region, a descriptor, each),
+    cannot make the stage keep them all, and the jobs attached are kept."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="attached") as kept:
+        for i in range(300):
+            raw = Raw(stage.socket)
+            welcome = raw.call(p.encode_hello(f"churn-{i}", version=2, features=p.FEATURE_SHARED_MEMORY))
+            assert isinstance(welcome, p.Welcome), welcome
+            assert isinstance(raw.call(p.encode_bye()), p.Goodbye)
+            raw.close()
+        jobs = stage_metric(stage, "sluice_stage_jobs")
+        assert jobs <= 130, f"{jobs} jobs kept"
+        fds = len(os.listdir(f"/proc/{stage.proc.pid}/fd"))
+        assert fds < 200, f"the stage holds {fds} descriptors"
+        assert dict(kept.dataset("d").epoch(0)) == files
+
+
 def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, dataset):
     """Peers that connect to the TCP listener and say nothing (a port
     scanner, a client leaking sockets) are held to a quarter of the stage's
