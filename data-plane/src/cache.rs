@@ -286,9 +286,16 @@ impl Queued {
 /// Where a looked-up sample is.
 enum Found {
     Memory(Arc<[u8]>),
-    /// On disk at the path; the label of the data set's share.
-    Disk(PathBuf, String),
+    /// On disk; the label of the data set's share.
+    Disk(OnDisk),
     Nowhere,
+}
+
+/// A sample the disk tier holds, as [`Cache::locate`] found it.
+struct OnDisk {
+    path: PathBuf,
+    label: String,
+    checked: bool,
 }
 
 /// The node cache: a memory tier and an optional local-disk tier.
@@ -492,37 +499,90 @@ impl Cache {
         })
     }
 
-    /// Returns a cached sample's bytes, counting a hit, or `None` (counting
-    /// nothing: a read of part of a sample is not offered to the cache).
-    pub fn peek(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
-        self.find(dataset, key)
-    }
-
     /// The sample's bytes from memory or disk (a disk file that fails its
     /// check is removed), counting the hit.
     fn find(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
-        let (path, label) = match self.locate(dataset, key) {
-            Found::Memory(bytes) => return Some(bytes),
-            Found::Disk(path, label) => (path, label),
+        match self.locate(dataset, key) {
+            Found::Memory(bytes) => Some(bytes),
+            Found::Disk(found) => self.read_checked(key, &found),
+            Found::Nowhere => None,
+        }
+    }
+
+    /// `len` bytes from `offset` of a cached sample (a range within it),
+    /// counting a hit of those bytes, or `None`. A disk file is read
+    /// whole, and checked, only the first time: a large sample read in
+    /// windows (as the mount reads one) costs its size once, not once a
+    /// window.
+    pub fn peek_range(
+        &self,
+        dataset: &str,
+        key: &SampleKey,
+        offset: u64,
+        len: u64,
+    ) -> Option<Vec<u8>> {
+        if offset.checked_add(len)? > key.size {
+            return None;
+        }
+        let range = |bytes: &[u8]| {
+            let start = usize::try_from(offset).ok()?;
+            let end = start.checked_add(usize::try_from(len).ok()?)?;
+            bytes.get(start..end).map(<[u8]>::to_vec)
+        };
+        let found = match self.locate(dataset, key) {
+            Found::Memory(bytes) => return range(&bytes),
+            Found::Disk(found) => found,
             Found::Nowhere => return None,
         };
-        match disk::read(&path, key) {
+        if !found.checked {
+            return range(&self.read_checked(key, &found)?);
+        }
+        let mut buf = vec![0; usize::try_from(len).ok()?];
+        match disk::read_range(&found.path, key, offset, &mut buf) {
+            Ok(()) => {
+                self.metrics.hit(&found.label, DISK, len);
+                Some(buf)
+            }
+            Err(e) => {
+                self.drop_failed(key, &found, &e);
+                None
+            }
+        }
+    }
+
+    /// Reads a sample the disk tier holds, whole, and checks it (marking
+    /// it checked), counting the hit; a file that fails is removed.
+    fn read_checked(&self, key: &SampleKey, found: &OnDisk) -> Option<Arc<[u8]>> {
+        match disk::read(&found.path, key) {
             Ok(bytes) => {
-                self.metrics.hit(&label, DISK, bytes.len() as u64);
+                self.metrics.hit(&found.label, DISK, bytes.len() as u64);
+                if !found.checked
+                    && let Some(file) = lock(&self.state)
+                        .disk
+                        .as_mut()
+                        .and_then(|d| d.tier.get_mut(key))
+                {
+                    file.checked = true;
+                }
                 Some(bytes)
             }
             Err(e) => {
-                let mut st = lock(&self.state);
-                if let Some(disk) = st.disk.as_mut() {
-                    if let Some(failed) = disk.failed_checks.note(WARN_EVERY) {
-                        tracing::warn!(path = %path.display(), error = %e, failed, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
-                    }
-                    if let Some((file, len)) = disk.tier.remove(key) {
-                        let _ = std::fs::remove_file(&file.path);
-                        self.metrics.evicted(&label, DISK, len);
-                    }
-                }
+                self.drop_failed(key, found, &e);
                 None
+            }
+        }
+    }
+
+    /// Removes a disk file that failed a read or its check.
+    fn drop_failed(&self, key: &SampleKey, found: &OnDisk, e: &std::io::Error) {
+        let mut st = lock(&self.state);
+        if let Some(disk) = st.disk.as_mut() {
+            if let Some(failed) = disk.failed_checks.note(WARN_EVERY) {
+                tracing::warn!(path = %found.path.display(), error = %e, failed, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
+            }
+            if let Some((file, len)) = disk.tier.remove(key) {
+                let _ = std::fs::remove_file(&file.path);
+                self.metrics.evicted(&found.label, DISK, len);
             }
         }
     }
@@ -558,11 +618,15 @@ impl Cache {
         if let Some(file) = disk.tier.get(key)
             && file.ready
         {
-            let path = file.path.clone();
+            let found = OnDisk {
+                path: file.path.clone(),
+                label: share.label.clone(),
+                checked: file.checked,
+            };
             if self.policy == CachePolicy::Lru {
                 disk.tier.touch(key, tick);
             }
-            return Found::Disk(path, share.label.clone());
+            return Found::Disk(found);
         }
         for file in self.drop_other_versions(&mut disk.tier, DISK, key, &share.label) {
             // Unlinked under the lock: a writer of the same path (the
@@ -804,6 +868,7 @@ impl Cache {
             let file = DiskFile {
                 path: path.clone(),
                 ready: false,
+                checked: true,
             };
             disk.tier.insert(key.clone(), file, size, st.tick);
             let label = |k: &SampleKey| {
@@ -924,7 +989,12 @@ fn open_disk(
         let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
         metrics.admitted(label, DISK, len);
         st.tick += 1;
-        tier.insert(key, DiskFile { path, ready: true }, len, st.tick);
+        let file = DiskFile {
+            path,
+            ready: true,
+            checked: false,
+        };
+        tier.insert(key, file, len, st.tick);
     }
     metrics
         .capacity

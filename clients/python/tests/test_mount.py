@@ -227,6 +227,36 @@ def test_files_read_with_no_order_fill_the_node_cache_for_later_readers(mount_st
     assert reads("second") == 0
 
 
+def test_a_file_on_the_disk_cache_read_in_windows_costs_its_size_once(tmp_path, mount_stage):
+    """A file the mount reads in windows, from the node cache's disk tier:
+    each window reads its own bytes from the disk file, not the whole file
+    (16 MiB read in 1 MiB windows read 256 MiB, and took seconds)."""
+    root, cache = tmp_path / "data", tmp_path / "cache"
+    root.mkdir()
+    cache.mkdir()
+    data = os.urandom(16 << 20)
+    (root / "big.bin").write_bytes(data)
+    stage, mnt = mount_stage(root, "--cache-memory", "0", "--cache-dir", str(cache),
+                             "--cache-disk", "64MiB", "--mount-passthrough", "false")
+    with sluice.Client(stage.socket, job="fill") as c:
+        assert dict(c.dataset("ds").epoch(0)) == {"big.bin": data}
+
+    def disk_hit_bytes() -> int:
+        samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+        return int(metric_value(samples, "sluice_stage_cache_hit_bytes_total", tier="disk") or 0)
+
+    wait_for(lambda: metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")),
+                                  "sluice_stage_cache_entries", tier="disk") == 1,
+             what="the file on the disk tier")
+    before = disk_hit_bytes()
+    with open(mnt / "@reader" / "ds" / "big.bin", "rb") as f:
+        got = b"".join(iter(lambda: f.read(1 << 20), b""))
+    assert got == data
+    assert job_metric(stage, "sluice_stage_storage_reads_total", "reader") == 0, "served by the cache"
+    read = disk_hit_bytes() - before
+    assert len(data) <= read <= 2 * len(data), f"{read} bytes read from the disk tier for {len(data)}"
+
+
 def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mount_stage):
     """A planned file opened before a reader reached it is read at once;
     with the node cache holding it, from there, not from storage."""

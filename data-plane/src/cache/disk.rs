@@ -110,6 +110,10 @@ pub(super) struct DiskFile {
     pub path: PathBuf,
     /// Written completely (readers skip a file still being written).
     pub ready: bool,
+    /// Its bytes are known to match their checksum: this stage wrote
+    /// them, or read them whole and checked them. Ranges of such a file
+    /// are read alone.
+    pub checked: bool,
 }
 
 /// The path of `key`'s file beneath `dir`: `dir/ab/ab0123...` (256
@@ -263,6 +267,31 @@ pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Arc<[u8]>> {
         return Err(bad("the bytes do not match the checksum"));
     }
     Ok(bytes)
+}
+
+/// Reads `buf.len()` bytes from `offset` of the sample in the file at
+/// `path`, which must hold `key` whole (its header and length are
+/// checked; its bytes are not, see [`DiskFile::checked`]).
+pub(super) fn read_range(
+    path: &Path,
+    key: &SampleKey,
+    offset: u64,
+    buf: &mut [u8],
+) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let (file, on_disk) = crate::storage::open_regular(path)?;
+    let header = read_header(&mut io::BufReader::with_capacity(4 << 10, &file))?;
+    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
+    if header.key != *key {
+        return Err(bad("the file holds another sample"));
+    }
+    if header_len(key) + header.len != on_disk {
+        return Err(bad("the file's length does not match its header"));
+    }
+    if offset.saturating_add(buf.len() as u64) > header.len {
+        return Err(bad("the range ends past the sample"));
+    }
+    file.read_exact_at(buf, header_len(key) + offset)
 }
 
 /// The files a previous stage left in `dir` whose source is one of

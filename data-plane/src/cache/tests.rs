@@ -412,6 +412,40 @@ fn a_damaged_disk_file_is_a_miss_and_is_removed() {
 }
 
 #[test]
+fn ranges_of_a_disk_file_are_read_alone_once_it_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let k = key(&src, "a", 100);
+    {
+        let c = tiered(dir.path(), 0, 10 * FILE);
+        assert!(!read(&c, "d", &k, 7));
+        on_disk(&c, 1);
+        // Written by this cache: checked, so a range is read alone (the
+        // hit counts its bytes, not the sample's).
+        assert_eq!(c.peek_range("d", &k, 10, 5), Some(vec![7; 5]));
+        assert_eq!(c.report().datasets[0].hit_bytes, 5);
+        assert_eq!(c.peek_range("d", &k, 98, 5), None, "past the end");
+    }
+    // Found at start, a file is read whole and checked on its first
+    // range: a flipped byte is found then, and the file dropped.
+    let path = disk::path_of(dir.path(), &k);
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let c = tiered(dir.path(), 0, 10 * FILE);
+    assert_eq!(c.peek_range("d", &k, 0, 5), None);
+    assert!(!path.exists());
+    // Whole again, it is checked on its first range and read alone after.
+    assert!(!read(&c, "d", &k, 3));
+    on_disk(&c, 1);
+    drop(c);
+    let c = tiered(dir.path(), 0, 10 * FILE);
+    assert_eq!(c.peek_range("d", &k, 0, 2), Some(vec![3; 2]));
+    assert_eq!(c.peek_range("d", &k, 50, 2), Some(vec![3; 2]));
+    assert_eq!(c.report().datasets[0].hit_bytes, 100 + 2);
+}
+
+#[test]
 fn the_disk_tier_keeps_a_stable_subset_too() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();

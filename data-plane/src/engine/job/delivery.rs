@@ -524,12 +524,13 @@ impl Job {
             .cache_lookup(dataset, name, 0, TO_END, None)
             .map(|(l, _)| l)
         {
-            Some(Lookup::Hit(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
-            Some(Lookup::Wait(flight)) => {
+            Some(Cached::Whole(Lookup::Hit(bytes))) => return (Ok(copied(&bytes)), reserved.get()),
+            Some(Cached::Range(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
+            Some(Cached::Whole(Lookup::Wait(flight))) => {
                 let data = flight.wait_blocking().map(|bytes| copied(&bytes));
                 return (data, reserved.get());
             }
-            Some(Lookup::Miss(fill)) => Some(fill),
+            Some(Cached::Whole(Lookup::Miss(fill))) => Some(fill),
             None => None,
         };
         let size = match charged_size(dataset, name) {
@@ -618,9 +619,12 @@ impl Job {
                 (chunk, cached.clone())
             };
             match lookup {
-                Lookup::Hit(bytes) => return Ok(range(&bytes)),
-                Lookup::Wait(flight) => return flight.wait_blocking().map(|b| range(&b)),
-                Lookup::Miss(miss) => fill = Some((miss, cached)),
+                Cached::Range(bytes) => return Ok((Chunk::from_vec(bytes), cached)),
+                Cached::Whole(Lookup::Hit(bytes)) => return Ok(range(&bytes)),
+                Cached::Whole(Lookup::Wait(flight)) => {
+                    return flight.wait_blocking().map(|b| range(&b));
+                }
+                Cached::Whole(Lookup::Miss(miss)) => fill = Some((miss, cached)),
             }
         }
         let source = dataset.source();
@@ -643,7 +647,7 @@ impl Job {
     /// The node cache's answer for listed sample `name`, and the version it
     /// answers of: a lookup (which may make this reader the one to read
     /// it) when the read of `length` bytes from `offset` is the whole
-    /// sample, else only whether it holds the bytes. `None` without a
+    /// sample, else the bytes of the range if it holds them. `None` without a
     /// cache, a listing of `name`, or (with `pin`) that version of it.
     fn cache_lookup(
         &self,
@@ -652,7 +656,7 @@ impl Job {
         offset: u64,
         length: u64,
         pin: Option<&Pinned>,
-    ) -> Option<(Lookup, Pinned)> {
+    ) -> Option<(Cached, Pinned)> {
         let cache = self.cache.as_ref()?;
         // The sample as last listed, which may be newer than the listing
         // the caller's connection holds: a sample changed or deleted since
@@ -664,11 +668,19 @@ impl Job {
             return None;
         }
         if offset == 0 && length >= key.size && key.size <= MAX_FILE_BYTES {
-            return Some((cache.lookup(&dataset.name, &key), cached));
+            return Some((Cached::Whole(cache.lookup(&dataset.name, &key)), cached));
         }
-        let bytes = cache.peek(&dataset.name, &key)?;
-        Some((Lookup::Hit(bytes), cached))
+        let (start, len) = clamp_range(key.size, offset, length);
+        let bytes = cache.peek_range(&dataset.name, &key, start, len)?;
+        Some((Cached::Range(bytes), cached))
     }
+}
+
+/// What the node cache answers a read: a lookup of the whole sample, or
+/// the bytes of a range within it.
+enum Cached {
+    Whole(Lookup),
+    Range(Vec<u8>),
 }
 
 impl Job {
