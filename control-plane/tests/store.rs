@@ -188,8 +188,16 @@ async fn a_read_only_sqlite_store_is_refused_at_open() {
         .unwrap();
     store.apply_policy(JOB, "p", "t").await.unwrap();
     store.close().await;
-    for params in ["mode=ro", "immutable=1"] {
-        let url = format!("sqlite://{}?{params}", path.display());
+    // A file that does not exist yet is refused as read-only too, not
+    // with SQLite's "unable to open database file".
+    let missing = dir.path().join("missing.db");
+    for (file, params) in [
+        (&path, "mode=ro"),
+        (&path, "immutable=1"),
+        (&missing, "mode=ro"),
+        (&missing, "cache=shared&immutable=true"),
+    ] {
+        let url = format!("sqlite://{}?{params}", file.display());
         let err = Store::open(&url).await.unwrap_err();
         assert!(matches!(err, StoreError::ReadOnly { .. }), "{url}: {err:?}");
         assert!(err.is_configuration());

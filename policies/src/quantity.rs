@@ -78,11 +78,12 @@ fn scale(
         return Err(QuantityError::new(kind, input, reason));
     }
     if matches!(unit, "K" | "KB" | "Kb" | "kb") {
-        return Err(QuantityError::new(
-            kind,
-            input,
-            "`K`/`KB` is ambiguous: write `kB` for 1000 bytes or `KiB` for 1024 bytes",
-        ));
+        let fix = if kind == "operation rate" {
+            "`K` is ambiguous: write `k` for 1000 operations, for example `20k ops/s`"
+        } else {
+            "`K`/`KB` is ambiguous: write `kB` for 1000 bytes or `KiB` for 1024 bytes"
+        };
+        return Err(QuantityError::new(kind, input, fix));
     }
     let Some(&(_, factor)) = units.iter().find(|(name, _)| *name == unit) else {
         return Err(QuantityError::new(
@@ -423,6 +424,12 @@ mod tests {
         assert!(
             ambiguous.contains("`kB`") && ambiguous.contains("`KiB`"),
             "{ambiguous}"
+        );
+        // An operation rate has no bytes: its hint names what it takes.
+        let ops = OpsRate::parse("20K ops/s").unwrap_err().to_string();
+        assert!(
+            ops.contains("`k`") && !ops.contains("kB") && OpsRate::parse("20k ops/s").is_ok(),
+            "{ops}"
         );
         assert!(
             ByteSize::parse("-5MiB")

@@ -43,6 +43,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .plan import shuffle_plan
+from .protocol import PlanState
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "Dataset",
     "FileList",
     "PlanIterator",
+    "PlanState",
     "parse_address",
     "shuffle_plan",
     "ErrorCode",

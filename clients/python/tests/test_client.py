@@ -68,7 +68,7 @@ def test_epoch_order_matches_local_derivation(fake, data):
             assert all(files[n] == d for n, d in got)
             with pytest.warns(RuntimeWarning, match="already read in full"):
                 again = ds.epoch(4, seed=9)
-            assert again.state == p.PlanState.COMPLETE and list(again) == []
+            assert again.state == sluice.PlanState.COMPLETE and list(again) == []
 
 
 def test_a_run_is_named_only_to_a_stage_that_grants_runs(fake, data):

@@ -92,6 +92,12 @@ impl SqliteStore {
             url: redact(url),
             source,
         };
+        // Refused before connecting: a read-only URL naming a file that
+        // does not exist yet fails there with SQLite's bare "unable to
+        // open database file".
+        if read_only(url) {
+            return Err(StoreError::ReadOnly { url: redact(url) });
+        }
         let options = SqliteConnectOptions::from_str(url)
             .map_err(open_err)?
             .create_if_missing(true)
@@ -232,6 +238,20 @@ impl SqliteStore {
         .map_err(db("recording a stage hello"))?;
         rows::stage_from_row(row)
     }
+}
+
+/// Whether the URL's parameters open the database read-only.
+fn read_only(url: &str) -> bool {
+    let Some((_, query)) = url.split_once('?') else {
+        return false;
+    };
+    query.split('&').any(|param| match param.split_once('=') {
+        Some(("mode", mode)) => mode.eq_ignore_ascii_case("ro"),
+        Some(("immutable", on)) => ["1", "true", "yes", "on"]
+            .iter()
+            .any(|v| on.eq_ignore_ascii_case(v)),
+        _ => false,
+    })
 }
 
 /// Fails with [`StoreError::ReadOnly`] when the database refuses writes
