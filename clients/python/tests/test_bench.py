@@ -28,6 +28,64 @@ def test_dataset_is_written_once_and_reused(tmp_path):
     evict(other.paths())  # must not raise without root
 
 
+def test_a_directory_holding_other_files_is_refused_and_left_alone(tmp_path):
+    """--dir naming a user's own data set: the benchmark would replace and
+    remove its files, so it refuses, and the files stay."""
+    import pytest
+    from sluice.bench.dataset import DatasetError
+    mine = tmp_path / "mine"
+    (mine / "data" / "images").mkdir(parents=True)
+    (mine / "data" / "images" / "cat.jpg").write_bytes(b"precious")
+    with pytest.raises(DatasetError, match="did not write"):
+        prepare(str(mine), 5, 100, log=lambda _: None)
+    assert (mine / "data" / "images" / "cat.jpg").read_bytes() == b"precious"
+    assert sorted(os.listdir(mine)) == ["data"]
+    with pytest.raises(DatasetError, match="not a directory"):
+        prepare(str(mine / "data" / "images" / "cat.jpg"), 5, 100, log=lambda _: None)
+    # A benchmark's own directory, interrupted before its manifest, is
+    # still its own: written again.
+    ours = tmp_path / "ours"
+    prepare(str(ours), 5, 100, log=lambda _: None)
+    os.remove(ours / "manifest.json")
+    assert prepare(str(ours), 6, 100, log=lambda _: None).files == 6
+
+
+def test_the_cache_optimum_counts_whole_samples():
+    from sluice.bench.cache import _optimum_hit_ratio
+    assert _optimum_hit_ratio([4096], 2048) == 0
+    assert _optimum_hit_ratio([4096] * 3, 6144) == 1 / 3
+    assert _optimum_hit_ratio([100, 300, 200, 400], 300) == 0.5
+
+
+def test_a_terminated_benchmark_exits_as_an_interrupted_one(tmp_path):
+    """SIGTERM (a scheduler, timeout(1)) unwinds the run as Ctrl-C does:
+    the stage it started goes with it."""
+    import signal
+    import time
+    bin_dir = str(stage_binary().parent)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "clients" / "python"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.bench", "prefetch", "--files", "2000", "--size", "4KiB",
+         "--dir", str(tmp_path / "bench"), "--loaders", "sluice", "--compute-ms", "100", "--bin-dir", bin_dir],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "running sluice" not in line:
+            line = proc.stderr.readline()
+            assert line, "the benchmark ended before it ran"
+        time.sleep(1.0)
+        stages = subprocess.run(["pgrep", "-P", str(proc.pid), "sluice-stage"], capture_output=True, text=True)
+        assert stages.stdout.split(), "the benchmark's stage runs"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "terminated" in err, err[-2000:]
+    for pid in stages.stdout.split():
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower(), \
+            f"stage {pid} outlived the benchmark"
+
+
 def test_prefetch_bench_runs_and_prints_one_json_object(tmp_path):
     bin_dir = str(stage_binary().parent)
     env = dict(os.environ, PYTHONPATH=str(REPO / "clients" / "python"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 _SUBCOMMANDS = {
@@ -60,19 +61,31 @@ def main(argv=None) -> int:
         from .cache import main as run
     else:
         from .receive import main as run
+    from .dataset import DatasetError
     from .harness import HarnessError
     from .stage import StageStartError
 
+    # SIGTERM (a scheduler, `timeout`, `kill`) unwinds as Ctrl-C does, so
+    # the stages, mounts and directories a run started go with it.
+    terminated = []
+
+    def terminate(signum, _frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return run(argv[1:])
-    except (TimeoutError, StageStartError, HarnessError) as e:
-        # A process the benchmark needs did not come up: its own words,
-        # on one line, not a traceback.
+    except (TimeoutError, StageStartError, HarnessError, DatasetError) as e:
+        # A process the benchmark needs did not come up, or its data set
+        # cannot be written: its own words, on one line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 128 + (terminated[0] if terminated else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

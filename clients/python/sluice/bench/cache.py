@@ -34,7 +34,6 @@ from typing import List, Optional
 
 from ..client import Client
 from .common import add_dataset_args, add_stage_args, fetch_metrics, load_dataset, log, metric_value
-from .dataset import evict
 from .harness import HarnessError
 from .stage import StageProcess, StageStartError, find_stage_binary
 from .storage import Storage, open_storage
@@ -95,6 +94,18 @@ def _start(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: st
                               stderr_path=f"{tmp}/stage-{policy}.stderr", timeout=120)
 
 
+def _optimum_hit_ratio(sizes, cache_bytes: int) -> float:
+    """The best share of an epoch's samples a cache of ``cache_bytes`` can
+    answer under a fresh random order: it keeps as many whole samples as
+    fit (the smallest), and each is read once an epoch."""
+    kept, room = 0, cache_bytes
+    for size in sorted(sizes):
+        if size > room:
+            break
+        kept, room = kept + 1, room - size
+    return kept / len(sizes)
+
+
 def _memory(stage: StageProcess, cache_bytes: int) -> dict:
     """The stage's peak RSS and its budget."""
     peak = stage.peak_rss_bytes()
@@ -110,7 +121,7 @@ def _epochs(binary: str, tmp: str, storage: Storage, cache_bytes: int, policy: s
     try:
         counters = _Counters(stage)
         for epoch in range(args.epochs):
-            evict(storage.view.paths())
+            storage.evict()
             before = counters.now()
             t0 = time.perf_counter()
             n = _epoch(stage, storage, "cache-bench", epoch, args.seed, args.batch)
@@ -133,7 +144,7 @@ def _shared(binary: str, tmp: str, storage: Storage, cache_bytes: int, args) -> 
     time."""
     stage = _start(binary, tmp, storage, cache_bytes, "stable", args.stage_arg)
     try:
-        evict(storage.view.paths())
+        storage.evict()
         counters = _Counters(stage)
         before = counters.now()
         got = {}
@@ -182,13 +193,14 @@ def main(argv: Optional[list] = None) -> int:
     total = ds.total_bytes
     cache_bytes = int(total * args.fraction)
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+    optimum = _optimum_hit_ratio(ds.sizes, cache_bytes)
     result = {"files": args.files, "dataset_bytes": total, "cache_bytes": cache_bytes,
-              "optimum_hit_ratio": cache_bytes / total}
+              "optimum_hit_ratio": optimum}
     try:
         with open_storage(args.store, args.latency, latency_ms, ds, args.bin_dir, repo) as storage, \
                 tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
             log(f"data set {format_bytes(total)}, cache {format_bytes(cache_bytes)} "
-                f"(optimum hit ratio {cache_bytes / total:.1%})")
+                f"(optimum hit ratio {optimum:.1%})")
             for policy in ("stable", "lru"):
                 run = _epochs(binary, tmp, storage, cache_bytes, policy, args)
                 rows = run["epochs"]

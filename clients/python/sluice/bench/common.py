@@ -25,7 +25,7 @@ from .stage import StageProcess, StageStartError, find_stage_binary
 from .units import format_bytes, parse_bytes, parse_duration_ms
 
 __all__ = [
-    "add_dataset_args", "add_stage_args", "add_loader_args", "load_dataset", "loader_options", "stage_binary_or_exit", "log",
+    "add_dataset_args", "add_stage_args", "add_loader_args", "dataset_options", "load_dataset", "loader_options", "stage_binary_or_exit", "log",
     "StageSession", "stage_session", "Timeline", "read_epochs",
     "WindowRate", "window_rate", "rolling_rate", "first_reach",
     "parse_byte_rate", "parse_ops_rate", "epochs_for",
@@ -72,6 +72,14 @@ def add_stage_args(ap, memory: bool = True, prefetch: bool = True) -> None:
 
 def load_dataset(args) -> BenchDataset:
     """Validates the data set options and returns the (reused or written) data set."""
+    size, stdev = dataset_options(args)
+    return prepare(args.dir, args.files, size, stdev, log=log)
+
+
+def dataset_options(args) -> Tuple[int, int]:
+    """Validates the data set options, exiting with a clear error on a bad
+    one, and sets ``args.dir`` when none was given; returns the sample size
+    and its standard deviation in bytes."""
     try:
         size = parse_bytes(args.size)
         stdev = parse_bytes(args.size_stdev)
@@ -89,7 +97,7 @@ def load_dataset(args) -> BenchDataset:
     if args.dir is None:
         suffix = f"-sd{format_bytes(stdev)}" if stdev else ""
         args.dir = os.path.join("bench-out", f"{args.files}x{format_bytes(size)}{suffix}")
-    return prepare(args.dir, args.files, size, stdev, log=log)
+    return size, stdev
 
 
 def add_loader_args(ap, loaders: Sequence[str], workers: str) -> None:
@@ -116,9 +124,12 @@ def loader_options(args, known: Sequence[str]) -> Tuple[List[str], List[int], fl
         raise SystemExit(f"error: --loaders: choose from {', '.join(known)}")
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --workers takes comma-separated worker counts, not {args.workers!r}") from None
+    try:
         latency_ms = parse_duration_ms(args.latency)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(f"error: --latency: {e}") from None
     if not workers or min(workers) < 0:
         raise SystemExit("error: --workers must list worker counts >= 0")
     return loaders, workers, latency_ms

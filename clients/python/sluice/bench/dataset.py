@@ -2,7 +2,10 @@
 
 A data set lives in ``<dir>/data`` (the directory a stage serves) with a
 ``<dir>/manifest.json`` describing its shape; an existing data set with the
-same shape is reused instead of rewritten.
+same shape is reused instead of rewritten. A benchmark rewrites only a
+directory it made (``manifest.json`` or the ``.sluice-bench`` marker says
+so): one holding other files (a user's own data set) is refused, never
+emptied.
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ import os
 import random
 from typing import List, NamedTuple
 
-__all__ = ["BenchDataset", "prepare", "evict"]
+__all__ = ["BenchDataset", "DatasetError", "prepare", "evict"]
 
 _FILES_PER_DIR = 1000
 _MANIFEST_VERSION = 1
+_MARKER = ".sluice-bench"
+
+
+class DatasetError(RuntimeError):
+    """The data set's directory cannot be used (not ours, or not writable)."""
 
 
 class BenchDataset(NamedTuple):
@@ -68,18 +76,43 @@ def prepare(dir: str, files: int, size: int, size_stdev: int = 0, seed: int = 0,
     if _matches(manifest_path, shape, ds):
         log(f"reusing the data set in {root} ({files} files, {ds.total_bytes / 2**20:.0f} MiB)")
         return ds
+    _claim(dir, root, manifest_path)
     log(f"writing {files} files ({ds.total_bytes / 2**20:.0f} MiB) into {root} ...")
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)
-    for name, n in zip(names, sizes):
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(os.urandom(n))
-    _remove_strays(root, set(names))
-    with open(manifest_path, "w") as f:
-        json.dump(shape, f)
+    try:
+        if os.path.exists(manifest_path):
+            os.remove(manifest_path)
+        for name, n in zip(names, sizes):
+            path = os.path.join(root, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(os.urandom(n))
+        _remove_strays(root, set(names))
+        with open(manifest_path, "w") as f:
+            json.dump(shape, f)
+    except OSError as e:
+        raise DatasetError(f"cannot write the data set into {root}: {e.strerror or e}") from None
     return ds
+
+
+def _claim(dir: str, root: str, manifest_path: str) -> None:
+    """Marks ``dir`` as a benchmark's before anything is written into it;
+    refuses one that holds files no benchmark made."""
+    marker = os.path.join(dir, _MARKER)
+    if os.path.exists(dir) and not os.path.isdir(dir):
+        raise DatasetError(f"--dir {dir} is not a directory")
+    try:
+        if not (os.path.exists(marker) or os.path.exists(manifest_path)):
+            foreign = next((os.path.join(p, f) for p, _, fs in os.walk(root) for f in fs), None)
+            if foreign is not None:
+                raise DatasetError(
+                    f"--dir {dir}: {root} holds files this benchmark did not write (such as {foreign}), "
+                    "which writing the data set would replace or remove: give an empty directory, "
+                    "or one a benchmark made")
+        os.makedirs(dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write("A sluice benchmark data set: the benchmarks rewrite what is under data/.\n")
+    except OSError as e:
+        raise DatasetError(f"--dir {dir}: {e.strerror or e}") from None
 
 
 def _matches(manifest_path: str, shape: dict, ds: BenchDataset) -> bool:

@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional
 
 from .. import plan as splan
 from ..client import Client
-from .common import add_dataset_args, load_dataset, log, stage_binary_or_exit, stage_session
+from .common import add_dataset_args, dataset_options, load_dataset, log, stage_binary_or_exit, stage_session
 from .dataset import BenchDataset, evict, prepare
 from .stage import StageProcess
 from .units import format_bytes, parse_bytes
@@ -327,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "decode" in parts and (args.jpeg_files < 1 or args.jpeg_side < 8):
         raise SystemExit("error: --jpeg-files must be >= 1 and --jpeg-side >= 8")
     binary = stage_binary_or_exit(args.bin_dir)
-    ds = load_dataset(args)
+    dataset_options(args)  # checked up front, written only for the part that reads it
     hot, torch_rows = [], []
     if "hot" in parts:
         log("hot: socket vs shared memory ...")
@@ -338,6 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ImportError as e:
             raise SystemExit(f"error: the torch and decode parts need torch: {e}") from None
     if "torch" in parts:
+        ds = load_dataset(args)
         log(f"torch, cold: {ds.files} files of {format_bytes(ds.size)} ...")
         torch_rows += run_torch(args, binary, ds, "none", None)
     if "decode" in parts:

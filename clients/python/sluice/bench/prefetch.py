@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import List, Optional
 
 from . import loaders
@@ -99,7 +100,7 @@ class Bench:
 
     def threadpool(self, compute_s: float) -> List[dict]:
         out = []
-        for n in _ints(self.args.threads):
+        for n in _ints(self.args.threads, "--threads"):
             self._cold()
             r = loaders.run_threadpool(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed, n,
                                        self.storage.read)
@@ -112,7 +113,7 @@ class Bench:
         except ImportError as e:
             return [{"loader": "torch", "skipped": f"torch does not import: {e}"}]
         out = []
-        for n in _ints(self.args.torch_workers):
+        for n in _ints(self.args.torch_workers, "--torch-workers"):
             self._cold()
             r = loaders.run_torch(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed, n,
                                   self.storage.read)
@@ -150,13 +151,13 @@ class Bench:
         return _mark_best(out)
 
 
-def _ints(text: str) -> List[int]:
+def _ints(text: str, flag: str) -> List[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"error: {flag} takes comma-separated whole numbers, not {text!r}") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"expected positive integers, got {text!r}")
+        raise SystemExit(f"error: {flag} takes numbers of at least 1, not {text!r}")
     return values
 
 
@@ -235,6 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("error: --epochs must be >= 1")
     if args.repeat < 1:
         raise SystemExit("error: --repeat must be >= 1")
+    _ints(args.threads, "--threads")
+    _ints(args.torch_workers, "--torch-workers")
     auto = args.compute_ms.strip().lower() == "auto"
     if not auto:
         try:
@@ -304,4 +307,9 @@ def _run(args, selected, auto, compute_ms, ds, binary, binary_error, storage) ->
         if calibration is not None:
             doc["calibration"] = calibration
         print(json.dumps(doc))
+    if all("skipped" in r for r in results):
+        # Nothing was measured: a script or CI run must not take it for a result.
+        reasons = "; ".join(sorted({f"{r['loader']}: {r['skipped']}" for r in results}))
+        print(f"error: none of the loaders ran ({reasons})", file=sys.stderr)
+        return 1
     return 0

@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Callable, Iterator, List, Optional
 
-from .dataset import BenchDataset
+from .dataset import BenchDataset, evict
 from .s3 import (ACCESS_KEY, SECRET_KEY, S3Reader, S3Server, SlowHttp, find_s3_server, find_slowhttp_binary,
                  store_etags)
 from .slowfs import SlowFs, find_slowfs_binary
@@ -35,10 +35,13 @@ class Storage:
     are not files, and ``stage_args`` for the stage."""
 
     def __init__(self, kind: str, latency_ms: float, view: BenchDataset,
-                 read: Optional[Callable[[int], bytes]] = None, stage_args: Optional[List[str]] = None) -> None:
+                 read: Optional[Callable[[int], bytes]] = None, stage_args: Optional[List[str]] = None,
+                 source: Optional[BenchDataset] = None) -> None:
         self.kind = kind
         self.latency_ms = latency_ms
         self.view = view
+        # The data set as files on this machine, behind any harness.
+        self.source = source or view
         self.stage_args = stage_args or []
         if read is None:
             paths = view.paths()
@@ -50,6 +53,12 @@ class Storage:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "latency_ms": self.latency_ms}
+
+    def evict(self) -> None:
+        """Drops the data set's files from the page cache: the files the
+        store serves, whatever ``view`` names them (an ``s3://`` URL is not
+        a file)."""
+        evict(self.source.paths())
 
     def limit(self, seconds: float = 5.0, concurrency: int = LIMIT_CONCURRENCY) -> dict:
         """The harness's own rate: ``concurrency`` threads reading samples in
@@ -88,7 +97,7 @@ def open_storage(kind: str, latency: str, latency_ms: float, ds: BenchDataset, b
             fs = SlowFs.start(find_slowfs_binary(bin_dir), ds.root, os.path.join(tmp, "mnt"),
                               latency=latency, threads=SLOWFS_THREADS)
             with fs:
-                yield Storage("dir", latency_ms, ds._replace(root=fs.mountpoint))
+                yield Storage("dir", latency_ms, ds._replace(root=fs.mountpoint), source=ds)
             return
         # s3s-fs serves each directory of its root as a bucket.
         os.makedirs(os.path.join(tmp, "s3"))
@@ -104,4 +113,4 @@ def open_storage(kind: str, latency: str, latency_ms: float, ds: BenchDataset, b
                 return reader.read(names[i])
 
             yield Storage("s3", latency_ms, ds._replace(root=f"s3://{BUCKET}"), read,
-                          ["--s3-endpoint", proxy.endpoint])
+                          ["--s3-endpoint", proxy.endpoint], source=ds)
