@@ -84,10 +84,44 @@ pub struct SampleKey {
 pub enum Lookup {
     /// The sample's bytes.
     Hit(Arc<[u8]>),
+    /// On the disk tier: read it where it is wanted ([`DiskHit::read_into`]),
+    /// so that no copy outside the caller's budget holds it meanwhile.
+    Disk(DiskHit),
     /// Not cached and nobody reads it: read it, then [`Fill::complete`].
     Miss(Fill),
     /// Another reader is reading it: wait for its outcome.
     Wait(Arc<Flight>),
+}
+
+/// A sample the disk tier holds, found by [`Cache::lookup`].
+#[derive(Debug)]
+pub struct DiskHit {
+    cache: Arc<Cache>,
+    key: SampleKey,
+    found: OnDisk,
+}
+
+impl DiskHit {
+    /// The sample's length in bytes.
+    pub fn len(&self) -> usize {
+        self.key.size as usize
+    }
+
+    /// Reads the sample into `buf` (exactly [`DiskHit::len`] bytes) and
+    /// checks it, counting the hit. False when the file failed (it is
+    /// dropped from the tier): look the sample up again.
+    pub fn read_into(self, buf: &mut [u8]) -> bool {
+        match disk::read_into(&self.found.path, &self.key, buf) {
+            Ok(()) => {
+                self.cache.read_well(&self.key, &self.found, buf.len());
+                true
+            }
+            Err(e) => {
+                self.cache.drop_failed(&self.key, &self.found, &e);
+                false
+            }
+        }
+    }
 }
 
 /// What a shared read gives its waiters.
@@ -292,6 +326,7 @@ enum Found {
 }
 
 /// A sample the disk tier holds, as [`Cache::locate`] found it.
+#[derive(Debug)]
 struct OnDisk {
     path: PathBuf,
     label: String,
@@ -475,13 +510,21 @@ impl Cache {
 
     /// Looks a sample up; `dataset` is the stage's name for its data set.
     pub fn lookup(self: &Arc<Self>, dataset: &str, key: &SampleKey) -> Lookup {
-        if let Some(bytes) = self.find(dataset, key) {
-            return Lookup::Hit(bytes);
+        match self.locate(dataset, key) {
+            Found::Memory(bytes) => return Lookup::Hit(bytes),
+            Found::Disk(found) => {
+                return Lookup::Disk(DiskHit {
+                    cache: Arc::clone(self),
+                    key: key.clone(),
+                    found,
+                });
+            }
+            Found::Nowhere => {}
         }
         let mut st = lock(&self.state);
         let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
-        // Another reader's fill may have landed since `find` let go of the
-        // lock: it must not be read a second time.
+        // Another reader's fill may have landed since `locate` let go of
+        // the lock: it must not be read a second time.
         if let Some(bytes) = st.memory.get(key).or_else(|| st.queued.get(key)) {
             self.metrics.hit(label, MEMORY, bytes.len() as u64);
             return Lookup::Hit(Arc::clone(bytes));
@@ -497,16 +540,6 @@ impl Cache {
             key: Some(key.clone()),
             flight,
         })
-    }
-
-    /// The sample's bytes from memory or disk (a disk file that fails its
-    /// check is removed), counting the hit.
-    fn find(&self, dataset: &str, key: &SampleKey) -> Option<Arc<[u8]>> {
-        match self.locate(dataset, key) {
-            Found::Memory(bytes) => Some(bytes),
-            Found::Disk(found) => self.read_checked(key, &found),
-            Found::Nowhere => None,
-        }
     }
 
     /// `len` bytes from `offset` of a cached sample (a range within it),
@@ -555,21 +588,27 @@ impl Cache {
     fn read_checked(&self, key: &SampleKey, found: &OnDisk) -> Option<Arc<[u8]>> {
         match disk::read(&found.path, key) {
             Ok(bytes) => {
-                self.metrics.hit(&found.label, DISK, bytes.len() as u64);
-                if !found.checked
-                    && let Some(file) = lock(&self.state)
-                        .disk
-                        .as_mut()
-                        .and_then(|d| d.tier.get_mut(key))
-                {
-                    file.checked = true;
-                }
+                self.read_well(key, found, bytes.len());
                 Some(bytes)
             }
             Err(e) => {
                 self.drop_failed(key, found, &e);
                 None
             }
+        }
+    }
+
+    /// Counts a disk hit of `len` bytes read whole and checked, and marks
+    /// the file checked.
+    fn read_well(&self, key: &SampleKey, found: &OnDisk, len: usize) {
+        self.metrics.hit(&found.label, DISK, len as u64);
+        if !found.checked
+            && let Some(file) = lock(&self.state)
+                .disk
+                .as_mut()
+                .and_then(|d| d.tier.get_mut(key))
+        {
+            file.checked = true;
         }
     }
 

@@ -130,6 +130,7 @@ impl Stage {
     /// Opens the datasets and binds the trainer socket, the optional TCP
     /// listener and the metrics listener.
     pub async fn bind(config: StageConfig) -> anyhow::Result<Self> {
+        heap::map_large_blocks();
         let descriptors = fd_limit::raise();
         tracing::debug!(descriptors, "open file limit");
         if let Some(limit) = memory_limit::container()

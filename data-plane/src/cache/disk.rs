@@ -242,31 +242,59 @@ fn read_header(f: &mut impl Read) -> io::Result<Header> {
     })
 }
 
-/// Reads `key`'s bytes from `path`, verifying that the file holds that key
-/// whole and intact.
-pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Arc<[u8]>> {
-    let (file, _) = crate::storage::open_regular(path)?;
+/// Opens the file at `path` past its header, which must name `key` and
+/// the file's length (checked before anything is allocated for it: a
+/// damaged header must not ask for a terabyte).
+fn open_holding(path: &Path, key: &SampleKey) -> io::Result<(io::BufReader<fs::File>, Header)> {
+    let (file, on_disk) = crate::storage::open_regular(path)?;
     let mut f = io::BufReader::with_capacity(8 << 10, file);
     let header = read_header(&mut f)?;
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     if header.key != *key {
         return Err(bad("the file holds another sample"));
     }
-    // The length is checked against the file before anything is
-    // allocated for it: a damaged header must not ask for a terabyte.
-    if header_len(key) + header.len != f.get_ref().metadata()?.len() {
+    if header_len(key) + header.len != on_disk {
         return Err(bad("the file's length does not match its header"));
     }
+    Ok((f, header))
+}
+
+/// Reads `key`'s bytes from `path`, verifying that the file holds that key
+/// whole and intact.
+pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Arc<[u8]>> {
+    let (mut f, header) = open_holding(path, key)?;
     // Read into the shared buffer the cache hands out: a hit in flight
     // holds its bytes once, not once read and once shared.
     // (Collected from an iterator of known length: one allocation, no Vec.)
     let mut bytes: Arc<[u8]> = std::iter::repeat_n(0u8, header.len as usize).collect();
     let buf = Arc::get_mut(&mut bytes).expect("a new Arc has no other holder");
+    read_checked(&mut f, &header, buf)?;
+    Ok(bytes)
+}
+
+/// Reads the sample in the file at `path`, which must hold `key`, into
+/// `buf` (exactly its length), and checks it.
+pub(super) fn read_into(path: &Path, key: &SampleKey, buf: &mut [u8]) -> io::Result<()> {
+    let (mut f, header) = open_holding(path, key)?;
+    if header.len != buf.len() as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the file holds another length of the sample",
+        ));
+    }
+    read_checked(&mut f, &header, buf)
+}
+
+/// Reads the bytes after `header` into `buf` and checks their sum.
+fn read_checked(f: &mut impl Read, header: &Header, buf: &mut [u8]) -> io::Result<()> {
     f.read_exact(buf)?;
     if checksum(buf) != header.sum {
-        return Err(bad("the bytes do not match the checksum"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the bytes do not match the checksum",
+        ));
     }
-    Ok(bytes)
+    Ok(())
 }
 
 /// Reads `buf.len()` bytes from `offset` of the sample in the file at
@@ -279,19 +307,14 @@ pub(super) fn read_range(
     buf: &mut [u8],
 ) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
-    let (file, on_disk) = crate::storage::open_regular(path)?;
-    let header = read_header(&mut io::BufReader::with_capacity(4 << 10, &file))?;
-    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
-    if header.key != *key {
-        return Err(bad("the file holds another sample"));
-    }
-    if header_len(key) + header.len != on_disk {
-        return Err(bad("the file's length does not match its header"));
-    }
+    let (f, header) = open_holding(path, key)?;
     if offset.saturating_add(buf.len() as u64) > header.len {
-        return Err(bad("the range ends past the sample"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the range ends past the sample",
+        ));
     }
-    file.read_exact_at(buf, header_len(key) + offset)
+    f.get_ref().read_exact_at(buf, header_len(key) + offset)
 }
 
 /// The files a previous stage left in `dir` whose source is one of

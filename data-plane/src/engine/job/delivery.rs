@@ -530,6 +530,14 @@ impl Job {
                 let data = flight.wait_blocking().map(|bytes| copied(&bytes));
                 return (data, reserved.get());
             }
+            Some(Cached::Whole(Lookup::Disk(hit))) => {
+                let len = hit.len();
+                let mut buf = alloc(len);
+                if hit.read_into(&mut buf.as_mut_slice()[..len]) {
+                    return (Ok(Chunk::pooled(buf, 0, len)), reserved.get());
+                }
+                None // the file failed its check and is gone: read the source
+            }
             Some(Cached::Whole(Lookup::Miss(fill))) => Some(fill),
             None => None,
         };
@@ -623,6 +631,13 @@ impl Job {
                 Cached::Whole(Lookup::Hit(bytes)) => return Ok(range(&bytes)),
                 Cached::Whole(Lookup::Wait(flight)) => {
                     return flight.wait_blocking().map(|b| range(&b));
+                }
+                Cached::Whole(Lookup::Disk(hit)) => {
+                    // A whole lookup is of the whole sample: no range to cut.
+                    let mut bytes = vec![0; hit.len()];
+                    if hit.read_into(&mut bytes) {
+                        return Ok((Chunk::from_vec(bytes), cached));
+                    }
                 }
                 Cached::Whole(Lookup::Miss(miss)) => fill = Some((miss, cached)),
             }

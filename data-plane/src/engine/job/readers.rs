@@ -94,7 +94,7 @@ impl Job {
     }
 
     fn reader_loop(self: Arc<Self>) {
-        loop {
+        'next: loop {
             // The limiter's line is taken in the order work is picked, which
             // is plan order, under the job's lock.
             let (work, ticket) = {
@@ -166,22 +166,36 @@ impl Job {
             };
             self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
             let remote = work.dataset.source().remote().is_some();
-            let fill = match self.look_up(&work) {
-                None => None,
-                Some(Lookup::Miss(fill)) => Some(fill),
-                Some(Lookup::Hit(bytes)) => {
-                    drop(ticket);
-                    self.finish_cached(work, Ok(bytes));
-                    continue;
-                }
-                Some(Lookup::Wait(flight)) => {
-                    drop(ticket);
-                    if remote {
-                        self.wait_remote(work, flight);
-                    } else {
-                        self.finish_cached(work, flight.wait_blocking());
+            let fill = loop {
+                match self.look_up(&work) {
+                    None => break None,
+                    Some(Lookup::Miss(fill)) => break Some(fill),
+                    Some(Lookup::Hit(bytes)) => {
+                        drop(ticket);
+                        self.finish_cached(work, Ok(bytes));
+                        continue 'next;
                     }
-                    continue;
+                    // Read straight into the job's buffer: a copy of its
+                    // own would be memory outside the budget while read.
+                    Some(Lookup::Disk(hit)) => {
+                        let len = hit.len();
+                        let mut buf = self.buffer(len);
+                        if hit.read_into(&mut buf.as_mut_slice()[..len]) {
+                            drop(ticket);
+                            self.finish_hit(work, Ok(Chunk::pooled(buf, 0, len)));
+                            continue 'next;
+                        }
+                        // The file failed its check and is gone: look again.
+                    }
+                    Some(Lookup::Wait(flight)) => {
+                        drop(ticket);
+                        if remote {
+                            self.wait_remote(work, flight);
+                        } else {
+                            self.finish_cached(work, flight.wait_blocking());
+                        }
+                        continue 'next;
+                    }
                 }
             };
             self.throttle_while(ticket, work.file_bytes, || true);
@@ -234,13 +248,20 @@ impl Job {
     /// its plan, in a buffer of the job's own.
     fn finish_cached(&self, work: Work, outcome: Outcome) {
         let data = outcome.map(|bytes| {
-            self.stats
-                .cache_hit_bytes
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             let mut buf = self.buffer(bytes.len());
             buf.as_mut_slice()[..bytes.len()].copy_from_slice(&bytes);
             Chunk::pooled(buf, 0, bytes.len())
         });
+        self.finish_hit(work, data);
+    }
+
+    /// Hands an entry the cache answered, in the job's buffer, to its plan.
+    fn finish_hit(&self, work: Work, data: Result<Chunk, ProtocolError>) {
+        if let Ok(chunk) = &data {
+            self.stats
+                .cache_hit_bytes
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
         if let Err(e) = &data {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
             work.metrics.error(e.code);
