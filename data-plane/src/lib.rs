@@ -287,7 +287,10 @@ impl Stage {
             tracker: tracker.clone(),
         };
         let most = fd_limit::connections_per_listener();
-        let accept_unix = ctx.clone().run(Listener::Unix(unix), most);
+        let socket_file = Arc::new(std::sync::Mutex::new(socket_file));
+        let accept_unix = ctx
+            .clone()
+            .run(Listener::Unix(unix, Arc::clone(&socket_file)), most);
         let accept_tcp = async {
             if let Some(tcp) = tcp {
                 ctx.clone().run(Listener::Tcp(tcp), most).await;
@@ -395,11 +398,15 @@ async fn tick(engine: Arc<Engine>, cancel: CancellationToken) {
     }
 }
 
-/// A listener trainers connect through.
+/// A listener trainers connect through; the UNIX one with the file it
+/// bound, made again if it is removed.
 enum Listener {
-    Unix(UnixListener),
+    Unix(UnixListener, Arc<std::sync::Mutex<SocketFile>>),
     Tcp(TcpListener),
 }
+
+/// How often the trainer socket's file is checked for.
+const SOCKET_CHECK: Duration = Duration::from_secs(2);
 
 /// What every accepted connection is served with.
 #[derive(Clone)]
@@ -420,13 +427,13 @@ impl Accepting {
     /// accepted, so that peers which connect and stay (a port scanner, a
     /// client leaking sockets) cannot take the descriptors every job's
     /// reads need.
-    async fn run(self, listener: Listener, most: usize) {
+    async fn run(self, mut listener: Listener, most: usize) {
         let open = Arc::new(tokio::sync::Semaphore::new(most));
         let mut refused = Refusals::default();
         loop {
-            let accepted = match &listener {
-                Listener::Unix(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
-                    r.map(|(s, _)| {
+            let accepted = match &mut listener {
+                Listener::Unix(l, file) => self.accept_unix(l, file).await.map(|r| {
+                    r.map(|s| {
                         let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
                             return refused.count(&self.engine, "UNIX socket", most);
                         };
@@ -455,6 +462,39 @@ impl Accepting {
                 None => return,
                 Some(Ok(())) => {}
                 Some(Err(e)) => accept_failed(&e).await,
+            }
+        }
+    }
+
+    /// The next trainer on the UNIX socket (`None` once cancelled). Its
+    /// file is checked for meanwhile: one removed (a cleanup script, a
+    /// mistaken `rm`) left a stage that answered its health checks and
+    /// that no new trainer could reach, so it is bound again.
+    async fn accept_unix(
+        &self,
+        listener: &mut UnixListener,
+        file: &std::sync::Mutex<SocketFile>,
+    ) -> Option<std::io::Result<tokio::net::UnixStream>> {
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return None,
+                accepted = listener.accept() => return Some(accepted.map(|(s, _)| s)),
+                _ = tokio::time::sleep(SOCKET_CHECK) => {
+                    let path = crate::sync::lock(file).path.clone();
+                    if std::fs::symlink_metadata(&path).is_ok() {
+                        continue;
+                    }
+                    match bind_socket(&path) {
+                        Ok((bound, bound_file)) => {
+                            warn!(socket = %path.display(), "the trainer socket's file was removed: bound it again");
+                            *listener = bound;
+                            // The old file is gone: dropping its record
+                            // removes nothing (the path is the new one's).
+                            *crate::sync::lock(file) = bound_file;
+                        }
+                        Err(e) => warn!(socket = %path.display(), error = %format!("{e:#}"), "the trainer socket's file was removed and cannot be bound again"),
+                    }
+                }
             }
         }
     }

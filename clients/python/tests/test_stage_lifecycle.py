@@ -113,6 +113,27 @@ def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_pa
     assert not sock.exists()
 
 
+def test_a_removed_socket_file_is_bound_again(tmp_path, dataset):
+    """A socket file removed under a running stage (a cleanup script, a
+    mistaken rm) left a stage that answered its health checks and that no
+    new trainer could reach: it binds its socket again, its trainers
+    connected meanwhile go on, and it removes the new file when it stops."""
+    root, files = dataset
+    sock = tmp_path / "s.sock"
+    proc = _popen(sock, root)
+    try:
+        proc.stdout.readline()
+        with sluice.Client(str(sock), job="kept") as kept:
+            os.unlink(sock)
+            wait_for(lambda: _serving(sock), timeout=10, what="the socket bound again")
+            _read_all(sock, files)
+            assert dict(kept.dataset("d").epoch(0)) == files
+    finally:
+        assert _stop(proc) == 0
+    assert not sock.exists()
+    assert b"bound it again" in proc.stderr.read()
+
+
 def test_symlinks_left_out_of_a_listing_are_warned_of(tmp_path, dataset):
     """Links leaving the data set's directory (a Hugging Face cache's
     snapshot links into its blobs) and links that dangle or loop are not
