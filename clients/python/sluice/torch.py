@@ -326,7 +326,10 @@ class _PerProcess:
         self._pid: Optional[int] = None
         self._client: Optional[Client] = None
         self._dataset: Optional[Dataset] = None
+        # The listing this process's parent read: its digest, and its
+        # length, which the sampler's indices range over.
         self.expected_digest: Optional[int] = None
+        self.expected_count: Optional[int] = None
 
     def get(self) -> Dataset:
         if self._dataset is None or self._pid != os.getpid() or self._client.closed:
@@ -343,15 +346,21 @@ class _PerProcess:
             self._client = _connect_again(connect, self.reconnect) if known else connect()
             self._pid = os.getpid()
             ds = self._client.dataset(self.dataset_name)
-            if self.expected_digest is not None and ds.digest != self.expected_digest:
+            # A listing of another length makes the sampler's indices name
+            # other files, or none. One of the same length (a sample
+            # rewritten, a file replaced) is the one the stage plans over
+            # too: an index names the same file here and in its plan.
+            if self.expected_count is not None and ds.file_count != self.expected_count:
                 self._client.close()
                 self._dataset = None
                 raise error_from_code(
                     ErrorCode.BAD_PLAN,
-                    f"dataset {self.dataset_name!r} on the stage changed since this process's parent "
-                    f"listed it ({ds.file_count} files now); indices would name other files, so "
-                    "rebuild the dataset object")
+                    f"dataset {self.dataset_name!r} on the stage has {ds.file_count} files now, "
+                    f"{self.expected_count} when this process's parent listed it (files were added "
+                    "or removed); the sampler's indices would name other files, so rebuild the "
+                    "dataset object")
             self.expected_digest = ds.digest
+            self.expected_count = ds.file_count
             self._dataset = ds
         return self._dataset
 
@@ -608,6 +617,7 @@ class SluiceSampler(_PlanningSampler):
         # The dataset's runs: its workers' reads deliver this sampler's plans.
         self._conn._nonce = dataset._conn._nonce
         self._conn.expected_digest = dataset.digest
+        self._conn.expected_count = dataset.file_count
         self._plan = None
 
     def set_epoch(self, epoch: int) -> None:

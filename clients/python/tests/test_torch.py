@@ -225,6 +225,42 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
 
 
+def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factory, tmp_path):
+    """Between epochs a sample is rewritten with another size and another
+    renamed (the listing's length unchanged): workers started for the next
+    epoch read the new listing, as the stage plans over it, and deliver
+    every file once with its current bytes. A file added changes what the
+    sampler's indices range over: that is refused, saying so."""
+    import time
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"f{i:02d}": os.urandom(5000 + i) for i in range(20)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="changing")
+    sampler = SluiceSampler(ds, seed=3)
+
+    def epoch(n):
+        sampler.set_epoch(n)
+        return _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate))
+
+    assert dict(epoch(0)) == files
+    files["f03"] = os.urandom(7777)
+    (root / "f03").write_bytes(files["f03"])
+    os.rename(root / "f07", root / "g07")
+    files["g07"] = files.pop("f07")
+    time.sleep(5.5)  # the stage lists the data set again after 5 s
+    got = epoch(1)
+    assert sorted(n for n, _ in got) == sorted(files) and dict(got) == files
+    (root / "h00").write_bytes(b"new")
+    time.sleep(5.5)
+    with pytest.raises(sluice.BadPlanError, match="has 21 files now, 20 when"):
+        epoch(2)
+    sampler.close()
+    ds.close()
+
+
 @pytest.mark.parametrize("workers", [0, 4])
 def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers):
     root, files = dataset
