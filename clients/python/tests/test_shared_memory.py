@@ -187,6 +187,20 @@ def test_each_job_maps_only_its_own_region(stage_factory, tmp_path):
         assert bytes(ca.dataset("a").read("0.bin")) == secret + bytes([0])
 
 
+def test_a_release_naming_a_slot_twice_returns_none_and_says_so(stage_factory, tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(4):
+        (root / f"{i}.bin").write_bytes(bytes([i]) * 9000)
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="twice") as c:
+        held = [d for _, d in c.dataset("d").epoch(0)]
+        offset = held[0].obj.offset
+        c._notify(p.encode_release([offset, offset]))
+        with pytest.raises(sluice.BadReleaseError, match=f"offset {offset} more than once .*; none of its slots was returned"):
+            c.dataset("d").fetch(["0.bin"])
+
+
 @pytest.mark.parametrize("how", ["stage-off", "client-off", "tcp"])
 def test_the_socket_path_when_shared_memory_is_not_used(stage_factory, dataset, how):
     root, files = dataset

@@ -35,6 +35,8 @@ const MAX_LINE: usize = 4096;
 
 /// Lines an order file may have per file of its data set.
 const MAX_LINES_PER_FILE: usize = 4;
+/// Lines an order file may have whatever the data set's size.
+const MIN_MAX_LINES: usize = 1024;
 
 /// How much of a refused line an error message repeats.
 const SHOWN: usize = 200;
@@ -277,7 +279,7 @@ impl Orders {
             .files
             .len()
             .saturating_mul(MAX_LINES_PER_FILE)
-            .max(1024);
+            .max(MIN_MAX_LINES);
         let prefixes = self.prefixes(job, dataset);
         let mut files = Vec::new();
         let mut raw = Vec::new();
@@ -297,7 +299,7 @@ impl Orders {
             }
             if i > max_lines {
                 return Err(format!(
-                    "it has more than {max_lines} lines, {MAX_LINES_PER_FILE} per file of data set `{dataset}`"
+                    "it has more than {max_lines} lines, the most an order of data set `{dataset}` may have ({MAX_LINES_PER_FILE} per file of it, or {MIN_MAX_LINES})"
                 ));
             }
             let exact = std::str::from_utf8(&raw)

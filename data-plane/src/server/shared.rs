@@ -128,13 +128,20 @@ impl Shared {
         self.job.count_shared(lent);
     }
 
-    /// Takes back the slots at `offsets`; one the job did not lend is a
-    /// fatal error (a client that lost track of its slots).
+    /// Takes back the slots at `offsets`; one the job did not lend, or one
+    /// named twice, is a fatal error (a client that lost track of its
+    /// slots).
     pub fn release(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
         self.job.release_slots(offsets).map_err(|NotLent(offset)| {
+            let twice = offsets.iter().filter(|&&o| o == offset).count() > 1;
+            let why = if twice {
+                "more than once (each slot is returned once)"
+            } else {
+                "which the job does not hold"
+            };
             ProtocolError::new(
                 ErrorCode::BadRelease,
-                format!("RELEASE names offset {offset}, which the job does not hold"),
+                format!("RELEASE names offset {offset} {why}; none of its slots was returned"),
             )
         })
     }
