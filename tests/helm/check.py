@@ -16,6 +16,7 @@ import json
 import os
 import posixpath
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -400,7 +401,8 @@ def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | Non
             continue
         # The stage container's user (root with the mount) and group.
         sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
-        problems += run_cache_fixer(where, fixers[0], sc.get("runAsUser", 0), sc.get("runAsGroup", 0))
+        group = {**pod.get("securityContext", {}), **fixers[0].get("securityContext", {})}.get("runAsGroup", 0)
+        problems += run_cache_fixer(where, fixers[0], sc.get("runAsUser", 0), sc.get("runAsGroup", 0), group)
     record(f"{scenario}: node cache wiring", not problems, "; ".join(problems))
 
 
@@ -511,6 +513,39 @@ def standalone_alerts() -> None:
                 problems.append(f"{f.name}: panel {p.get('title')!r} counts disconnected stages "
                                 f"without saying standalone stages count as such")
     record("SluiceStageDisconnected only for stages with a controller", not problems, "; ".join(problems))
+
+
+def names_and_admin_port() -> None:
+    """Release names Helm accepts (dots, 53 characters) and a long
+    fullnameOverride give names Kubernetes takes (DNS labels: a Service's
+    must be one, a Job's goes into its pods' labels), none rendered twice.
+    Without tokens the controller's HTTP port, where the REST API takes
+    changes, admits only adminFrom even when metricsFrom is empty."""
+    label = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+    subdomain = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    problems = []
+    cases = {"team.prod": {}, "a" * 53: {}, "sluice": {"fullnameOverride": "f" * 62}}
+    with helm.Chart.load(str(CHART)) as chart:
+        for release, extra in cases.items():
+            values = {"sidecar": {"exampleJob": {"enabled": True}}, "networkPolicy": {"enabled": True}, **extra}
+            seen = set()
+            for _, o in objects(chart.render(values, name=release, namespace=NAMESPACE, is_install=True)):
+                key = (o["kind"], o["metadata"]["name"])
+                if key in seen:
+                    problems.append(f"release {release[:20]}: {key[0]} {key[1]} rendered twice")
+                seen.add(key)
+                if o["kind"] in ("Service", "Job") and not label.fullmatch(key[1]):
+                    problems.append(f"release {release[:20]}: {key[0]} name {key[1]!r} is not a DNS label")
+                if not (len(key[1]) <= 253 and subdomain.fullmatch(key[1])):
+                    problems.append(f"release {release[:20]}: {key[0]} name {key[1]!r} is not a DNS subdomain")
+    closed = {"auth": {"enabled": False}, "networkPolicy": {
+        "enabled": True, "adminFrom": [{"namespaceSelector": {"matchLabels": {"team": "ops"}}}]}}
+    for _, o in objects(render(closed)):
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"].endswith("-controller"):
+            for rule in o["spec"]["ingress"]:
+                if any(p["port"] == "http" for p in rule["ports"]) and not rule.get("from"):
+                    problems.append("auth off: the controller's HTTP port (the REST API) admits any source")
+    record("names of any release, and the admin port without tokens", not problems, "; ".join(problems))
 
 
 def documented_names() -> None:
@@ -699,23 +734,37 @@ def run_mount_maker(where: str, init: dict, parent: str, mount_dir: str, orders_
     return out
 
 
-def run_cache_fixer(where: str, init: dict, uid: int, gid: int) -> list[str]:
-    """Runs the init container's script on a directory holding a file of
-    another user (needs root, as the init container; skipped otherwise):
-    both must end up the stage's, the directory with mode 0750."""
+def run_cache_fixer(where: str, init: dict, uid: int, gid: int, group: int) -> list[str]:
+    """Runs the init container's script on a directory a stage of another
+    user left (0750, as the script set it then), as the container runs it:
+    root in the pod's `group`, with only the capabilities it adds (needs
+    root and setpriv; skipped otherwise). All must end up the stage's, the
+    directory with mode 0750."""
     cmd = init.get("command", [])
     if cmd[:2] != ["/bin/sh", "-c"] or len(cmd) != 3 or CACHE_DIR not in cmd[2]:
         return [f"{where}: init container {init['name']} command {cmd}, want /bin/sh -c on {CACHE_DIR}"]
     if os.geteuid() != 0:
         print(f"skip {where}: running the cache directory's init script (needs root)")
         return []
-    with tempfile.TemporaryDirectory(prefix="sluice-cache-") as d:
+    security = init.get("securityContext", {}).get("capabilities", {})
+    if "ALL" not in security.get("drop", []):
+        return [f"{where}: init container {init['name']} keeps capabilities it does not list (drop ALL)"]
+    if not shutil.which("setpriv"):
+        print(f"skip {where}: running the cache directory's init script (needs setpriv)")
+        return []
+    bounding = "-all" + "".join(f",+{c.lower()}" for c in security.get("add", []))
+    with tempfile.TemporaryDirectory(prefix="sluice-cache-") as base:
+        os.chmod(base, 0o711)
+        d = os.path.join(base, "cache")
         sub = Path(d) / "ab"
-        sub.mkdir()
+        sub.mkdir(parents=True)
         (sub / "sample").write_bytes(b"x")
         for path in (d, sub, sub / "sample"):
             os.chown(path, 4242, 4242)
-        proc = subprocess.run(["/bin/sh", "-c", cmd[2].replace(CACHE_DIR, d)], capture_output=True, text=True)
+        os.chmod(d, 0o750)
+        proc = subprocess.run(["setpriv", "--reuid=0", f"--regid={group}", "--clear-groups",
+                               f"--bounding-set={bounding}", "--inh-caps=-all",
+                               "/bin/sh", "-c", cmd[2].replace(CACHE_DIR, d)], capture_output=True, text=True)
         if proc.returncode != 0:
             return [f"{where}: init script failed: {(proc.stdout + proc.stderr).strip()}"]
         owners = {str(p): (os.stat(p).st_uid, os.stat(p).st_gid) for p in (d, sub, sub / "sample")}
@@ -801,6 +850,7 @@ def main() -> int:
         tls_files_readable(scenario, objs)
     limits_rendering()
     standalone_alerts()
+    names_and_admin_port()
     documented_names()
     documented_values()
     for name, (values, message) in MUST_FAIL.items():

@@ -3,18 +3,23 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Prefix of every resource name: <release>-<chart> unless overridden. */}}
+{{/* Prefix of every resource name: <release>-<chart> unless overridden.
+Dots (valid in a release name, not in a Service's) become dashes, and it
+is cut to 52 characters so that "-controller" and "-stage" names stay
+distinct within Kubernetes' 63. */}}
 {{- define "sluice.fullname" -}}
+{{- $full := "" }}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- $full = .Values.fullnameOverride }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- $full = .Release.Name }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- $full = printf "%s-%s" .Release.Name $name }}
 {{- end }}
 {{- end }}
+{{- $full | replace "." "-" | trunc 52 | trimSuffix "-" }}
 {{- end }}
 
 {{/* Labels common to every resource. */}}
