@@ -59,6 +59,11 @@ AUTH_VARIANTS = {
 # Values the chart must refuse, with a piece of the message it must give.
 MUST_FAIL = {
     "bad store type (values.schema.json)": ({"store": {"type": "mysql"}}, "value must be one of 'sqlite', 'postgres'"),
+    # The stage refuses these at start (exit 64): a crash-looping DaemonSet.
+    "node cache as large as the budget": ({"stage": {"memoryBudget": "1GiB", "cache": {"memory": "1GiB"}}},
+                                          "leaves the prefetch buffers less than 16MiB"),
+    "node cache leaving 8MiB": ({"stage": {"memoryBudget": "1GiB", "cache": {"memory": "1016MiB"}}},
+                                "leaves the prefetch buffers less than 16MiB"),
     "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
     "tls without a secret": ({"tls": {"enabled": True, "stageSecret": "s"}}, "tls.controllerSecret"),
     # The controller's server certificate is no client certificate: no default.

@@ -241,6 +241,31 @@ turns the tuner off, so it goes with none of the tuner's bounds.
 {{- end }}
 {{- end }}
 
+{{/*
+A byte size as the stage spells it (`1GiB`, `512MB`, `800Mi`, `1.5G`) in
+bytes, a float.
+*/}}
+{{- define "sluice.bytes" -}}
+{{- $s := trim (toString .) }}
+{{- $n := regexFind "^[0-9]+(\\.[0-9]+)?" $s | float64 }}
+{{- $unit := trimSuffix "B" (trim (trimPrefix (regexFind "^[0-9]+(\\.[0-9]+)?" $s) $s)) }}
+{{- $factors := dict "" 1 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- mulf $n (get $factors $unit | default 1) }}
+{{- end }}
+
+{{/* Refuses a node cache that leaves the prefetch buffers less than 16MiB of
+the memory budget, as the stage does at start (exit 64). */}}
+{{- define "sluice.stage.checkMemory" -}}
+{{- $st := .Values.stage }}
+{{- with $st.cache.memory }}
+{{- $cache := include "sluice.bytes" . | float64 }}
+{{- $budget := include "sluice.bytes" $st.memoryBudget | float64 }}
+{{- if and (gt $cache 0.0) (gt (addf $cache 16777216.0) $budget) }}
+{{- fail (printf "stage.cache.memory (%s) leaves the prefetch buffers less than 16MiB of stage.memoryBudget (%s), and the stage would refuse to start: raise memoryBudget (and the memory limit with it) or lower cache.memory" (toString .) (toString $st.memoryBudget)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The controller URL stages connect to. */}}
 {{- define "sluice.controller.url" -}}
 {{- printf "%s://%s.%s.svc:%d" (ternary "https" "http" .Values.tls.enabled) (include "sluice.controller.fullname" .) .Release.Namespace (.Values.controller.grpcPort | int) }}
@@ -363,6 +388,7 @@ cache-disk, mount, mount-orders, fuse.
 {{- $ctx := .ctx }}
 {{- $v := $ctx.Values.stage }}
 {{- include "sluice.stage.checkReaders" $ctx }}
+{{- include "sluice.stage.checkMemory" $ctx }}
 {{- if and $ctx.Values.tls.enabled (not (include "sluice.stage.hasController" $ctx)) }}
 {{- fail "tls.enabled secures the stages' session with a controller, and these stages have none (controller.enabled is false and no --controller in stage.extraArgs or SLUICE_CONTROLLER in stage.extraEnv): the stage refuses --tls-* without --controller. Set tls.enabled false, or give the stages a controller" }}
 {{- end }}
