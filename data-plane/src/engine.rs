@@ -31,6 +31,7 @@ use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
 use crate::shm::{Region, keep_for_budget};
 use crate::sync::lock;
+use crate::trust::{Peer, TrainerAccess};
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
@@ -321,6 +322,26 @@ impl Engine {
         lock(&self.jobs)
             .get(id)
             .map(|job| (job.labels(), job.connected()))
+    }
+
+    /// Whether the local user `uid`:`gid` may act as job `id` without
+    /// declaring labels (a read through the mount, an order file): the
+    /// `trainers:` rules, checked against the labels the job runs under.
+    pub fn may_join(
+        &self,
+        access: &TrainerAccess,
+        uid: u32,
+        gid: u32,
+        id: &str,
+    ) -> Result<(), String> {
+        if !access.restricts() {
+            return Ok(());
+        }
+        let runs_under = self
+            .labels_of(id)
+            .map(|(labels, _)| labels)
+            .unwrap_or_default();
+        access.check(&Peer::Unix { uid, gid }, id, &runs_under)
     }
 
     /// [`Engine::attach`] for a reader that declares no labels (a read

@@ -59,7 +59,7 @@ use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_range_now;
 use crate::source::{Pinned, changed};
 use crate::sync::lock;
-use crate::trust::{Peer, TrainerAccess};
+use crate::trust::TrainerAccess;
 use orders::Orders;
 use tree::{Entry, Trees};
 
@@ -141,6 +141,7 @@ pub fn mount(
                 .with_context(|| format!("the directory of order files {}", orders.display()))?;
             Some(Orders::new(
                 Arc::clone(&engine),
+                Arc::clone(&access),
                 orders.clone(),
                 dir,
                 default_job.to_owned(),
@@ -1015,21 +1016,10 @@ impl MountFs {
     /// rules, as for a trainer on the socket with the reader's uid and
     /// gid); refusals are logged.
     fn may_read_as(&self, req: &Request<'_>, job: &str) -> bool {
-        if !self.access.restricts() {
-            return true;
-        }
-        let peer = Peer::Unix {
-            uid: req.uid(),
-            gid: req.gid(),
-        };
-        // As a trainer joining without labels: checked against the labels
-        // the job runs under.
-        let runs_under = self
+        match self
             .engine
-            .labels_of(job)
-            .map(|(labels, _)| labels)
-            .unwrap_or_default();
-        match self.access.check(&peer, job, &runs_under) {
+            .may_join(&self.access, req.uid(), req.gid(), job)
+        {
             Ok(()) => true,
             Err(why) => {
                 warn!(%why, "a read through the mount was refused");

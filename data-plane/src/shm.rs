@@ -84,13 +84,35 @@ impl Region {
         let name = CString::new(format!("sluice-{name}"))
             .map_err(|_| io::Error::other("a region name holds a NUL byte"))?;
         // SAFETY: `name` is a valid C string; the flags are valid.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `raw` is a new descriptor nobody else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        File::from(fd.try_clone()?).set_len(size as u64)?;
+        let file = File::from(fd.try_clone()?);
+        file.set_len(size as u64)?;
+        // A trainer holds a descriptor of the region, which it could open
+        // again through /proc: readable by the stage's user alone, another
+        // user's trainer cannot open it for writing, and sealed, no holder
+        // can change its size (a region cut short under the stage's own
+        // mapping made its next copy into it a SIGBUS, the whole stage's
+        // end).
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o400))?;
+        // SAFETY: F_ADD_SEALS on a memfd made with MFD_ALLOW_SEALING.
+        let sealed = unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if sealed < 0 {
+            return Err(io::Error::last_os_error());
+        }
         // SAFETY: a fresh shared mapping of the whole memfd; the result is
         // checked below and unmapped only in `drop`.
         let ptr = unsafe {

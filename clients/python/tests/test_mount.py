@@ -415,6 +415,39 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
 
 
+def test_an_order_file_counts_as_its_owner_claiming_the_job(tmp_path, mount_stage, dataset):
+    """With `trainers:` rules, an order file is its owner's claim of the job
+    it orders for: a user who may write into the orders directory cannot
+    make the stage run a job the rules keep from them."""
+    root, files = dataset
+    orders = tmp_path / "orders"
+    config = tmp_path / "stage.yaml"
+    config.write_text("trainers:\n"
+                      f"  - uids: [{os.getuid()}]\n    jobs: ['mine-*']\n"
+                      "  - uids: [65534]\n    jobs: ['team-*']\n")
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders), "--config", str(config))
+    names = sorted(files)
+    reads = lambda job: job_metric(stage, "sluice_stage_storage_reads_total", job)  # noqa: E731
+    write_order(orders / "other" / "ds", names)
+    error = orders / "other" / "ds.error"
+    wait_for(error.exists, what="the order refused")
+    assert "its owner may not order for job `other`" in error.read_text()
+    assert reads("other") == 0
+    write_order(orders / "mine-1" / "ds", names)
+    wait_for(lambda: reads("mine-1") == len(names), what="the owner's own job prefetched")
+    if os.geteuid() == 0:
+        # Another user's file, for a job that user may claim, and for one it may not.
+        for job in ("team-b", "mine-2"):
+            (orders / job).mkdir()
+            tmp = orders / job / ".ds.tmp"
+            tmp.write_text("".join(f"{name}\n" for name in names[:3]))
+            os.chown(tmp, 65534, 65534)
+            os.rename(tmp, orders / job / "ds")
+        wait_for(lambda: reads("team-b") == 3, what="the other user's own job prefetched")
+        wait_for((orders / "mine-2" / "ds.error").exists, what="the other user's order refused")
+        assert reads("mine-2") == 0
+
+
 def stage_io_threads(stage) -> int:
     """The stage's threads for blocking work (the runtime's pool)."""
     tasks = f"/proc/{stage.proc.pid}/task"

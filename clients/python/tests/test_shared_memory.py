@@ -187,6 +187,55 @@ def test_each_job_maps_only_its_own_region(stage_factory, tmp_path):
         assert bytes(ca.dataset("a").read("0.bin")) == secret + bytes([0])
 
 
+def test_a_trainer_cannot_write_or_resize_the_region_it_is_handed(stage_factory, dataset):
+    """The descriptor a trainer receives is read-only, and opening it again
+    through /proc must not give more: the region is readable by the
+    stage's user alone and sealed against resizing. A trainer that cut it
+    short made the stage's next copy into it a SIGBUS, every job's end."""
+    import socket as socketlib
+    from sluice.shm import receive_with_fd
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    sock = socketlib.socket(socketlib.AF_UNIX)
+    sock.connect(stage.socket)
+    sock.sendall(p.encode_hello("sealed", version=2, features=p.FEATURE_SHARED_MEMORY))
+    _, fd = receive_with_fd(sock, 1 << 20)
+    assert fd is not None, "no region was handed over"
+    try:
+        assert os.fstat(fd).st_mode & 0o777 == 0o400
+        if os.geteuid() == 0:
+            # Another user's trainer cannot open it for writing at all.
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child's outcome is its status
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+                    os._exit(1)
+                except PermissionError:
+                    os._exit(0)
+                except BaseException:
+                    os._exit(2)
+            _, status = os.waitpid(child, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, "another user opened the region for writing"
+        # One that may (root, or the stage's own user) still cannot resize it.
+        try:
+            again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        except PermissionError:
+            again = None
+        if again is not None:
+            try:
+                with pytest.raises(PermissionError):
+                    os.ftruncate(again, 0)
+            finally:
+                os.close(again)
+    finally:
+        os.close(fd)
+        sock.close()
+    with sluice.Client(stage.socket, job="sealed") as c:
+        assert dict(c.dataset("d").epoch(0)) == files
+
+
 def test_a_release_naming_a_slot_twice_returns_none_and_says_so(stage_factory, tmp_path):
     root = tmp_path / "d"
     root.mkdir()

@@ -23,6 +23,7 @@ use tracing::{info, warn};
 
 use crate::engine::{Engine, JobHandle, PlanHandle, PlanKey};
 use crate::protocol::valid_job_id;
+use crate::trust::TrainerAccess;
 
 /// How often the directory is looked at.
 pub const POLL: Duration = Duration::from_millis(200);
@@ -70,6 +71,9 @@ struct Current {
 /// Order files found so far, by (job, dataset).
 pub struct Orders {
     engine: Arc<Engine>,
+    /// The `trainers:` rules: an order file's owner must be allowed the
+    /// job it orders for, as a trainer claiming it would be.
+    access: Arc<TrainerAccess>,
     dir: PathBuf,
     /// The mount directory as given and as resolved (a line may name a
     /// file under either): the first is the one errors show.
@@ -85,7 +89,13 @@ pub struct Orders {
 }
 
 impl Orders {
-    pub fn new(engine: Arc<Engine>, dir: PathBuf, mount: &Path, default_job: String) -> Self {
+    pub fn new(
+        engine: Arc<Engine>,
+        access: Arc<TrainerAccess>,
+        dir: PathBuf,
+        mount: &Path,
+        default_job: String,
+    ) -> Self {
         let given = std::path::absolute(mount).unwrap_or_else(|_| mount.to_owned());
         let mut mounts = vec![given];
         if let Ok(real) = mount.canonicalize()
@@ -95,6 +105,7 @@ impl Orders {
         }
         Self {
             engine,
+            access,
             dir,
             mounts,
             default_job,
@@ -272,7 +283,9 @@ impl Orders {
         let listing = ds
             .listing()
             .map_err(|e| format!("data set `{dataset}` cannot be listed: {e}"))?;
-        let mut reader = std::io::BufReader::new(open_regular(path)?);
+        let file = open_regular(path)?;
+        self.may_order(job, &file)?;
+        let mut reader = std::io::BufReader::new(file);
         // Each file at most a few times over, so a runaway file cannot take
         // the node's memory.
         let max_lines = listing
@@ -369,6 +382,20 @@ impl Orders {
 
     /// The data set name a line gives, with the mount path it may start
     /// with taken off.
+    /// Whether the owner of order `file` may give `job` its order: the
+    /// `trainers:` rules, as for a trainer of that uid and gid joining the
+    /// job without labels (a user who may write into the orders directory
+    /// must not make the stage run a job the rules keep from them).
+    fn may_order(&self, job: &str, file: &std::fs::File) -> Result<(), String> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        self.engine
+            .may_join(&self.access, meta.uid(), meta.gid(), job)
+            .map_err(|why| format!("its owner may not order for job `{job}`: {why}"))
+    }
+
     fn relative<'a>(&self, prefixes: &[String], line: &'a str) -> &'a str {
         prefixes
             .iter()

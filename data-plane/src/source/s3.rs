@@ -209,7 +209,7 @@ impl S3Source {
         };
         check(&lister, &probe, &prefix, &probed)
             .await
-            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+            .map_err(|e| without_userinfo(&format!("dataset `{dataset}` ({url}): {e}")))?;
         Ok(Self {
             url: url.to_owned(),
             bucket,
@@ -662,6 +662,27 @@ async fn into_chunk(
         len += piece.len();
     }
     Ok(Ok(Chunk::pooled(buf, 0, len)))
+}
+
+/// `text` with the user and password of every URL in it left out
+/// (`http://user:secret@host` shows as `http://host`): an endpoint given
+/// with credentials in it must not reach the log.
+fn without_userinfo(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        let authority_end = after
+            .find(|c: char| c == '/' || c.is_whitespace() || c == ')' || c == '`')
+            .unwrap_or(after.len());
+        rest = match after[..authority_end].rfind('@') {
+            Some(userinfo_end) => &after[userinfo_end + 1..],
+            None => after,
+        };
+    }
+    out.push_str(rest);
+    out
 }
 
 /// How long one request of a sample may take: a third of the sample's
@@ -1236,6 +1257,22 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn credentials_in_an_endpoint_url_are_not_shown() {
+        let said = super::without_userinfo(
+            "cannot reach the object store at http://admin:hunter2@10.0.0.1:9000 (error sending request for url (http://admin:hunter2@10.0.0.1:9000/b?list-type=2)); s3://bucket/x",
+        );
+        assert!(
+            !said.contains("hunter2") && !said.contains("admin"),
+            "{said}"
+        );
+        assert!(
+            said.contains("http://10.0.0.1:9000 (") && said.contains("s3://bucket/x"),
+            "{said}"
+        );
+        assert_eq!(super::without_userinfo("no url here"), "no url here");
+    }
+
     #[test]
     fn a_bucket_in_another_region_is_named_with_the_fix() {
         let wrong = super::ListError::Status(
