@@ -111,16 +111,7 @@ impl DiskHit {
     /// checks it, counting the hit. False when the file failed (it is
     /// dropped from the tier): look the sample up again.
     pub fn read_into(self, buf: &mut [u8]) -> bool {
-        match disk::read_into(&self.found.path, &self.key, buf) {
-            Ok(()) => {
-                self.cache.read_well(&self.key, &self.found, buf.len());
-                true
-            }
-            Err(e) => {
-                self.cache.drop_failed(&self.key, &self.found, &e);
-                false
-            }
-        }
+        self.cache.read_whole_into(&self.key, &self.found, buf)
     }
 }
 
@@ -568,7 +559,11 @@ impl Cache {
             Found::Nowhere => return None,
         };
         if !found.checked {
-            return range(&self.read_checked(key, &found)?);
+            let mut whole = vec![0; usize::try_from(key.size).ok()?];
+            return self
+                .read_whole_into(key, &found, &mut whole)
+                .then(|| range(&whole))
+                .flatten();
         }
         let mut buf = vec![0; usize::try_from(len).ok()?];
         match disk::read_range(&found.path, key, offset, &mut buf) {
@@ -583,17 +578,18 @@ impl Cache {
         }
     }
 
-    /// Reads a sample the disk tier holds, whole, and checks it (marking
-    /// it checked), counting the hit; a file that fails is removed.
-    fn read_checked(&self, key: &SampleKey, found: &OnDisk) -> Option<Arc<[u8]>> {
-        match disk::read(&found.path, key) {
-            Ok(bytes) => {
-                self.read_well(key, found, bytes.len());
-                Some(bytes)
+    /// Reads a sample the disk tier holds, whole, into `buf` (its length)
+    /// and checks it, counting the hit and marking the file checked; a file
+    /// that fails is removed (false).
+    fn read_whole_into(&self, key: &SampleKey, found: &OnDisk, buf: &mut [u8]) -> bool {
+        match disk::read_into(&found.path, key, buf) {
+            Ok(()) => {
+                self.read_well(key, found, buf.len());
+                true
             }
             Err(e) => {
                 self.drop_failed(key, found, &e);
-                None
+                false
             }
         }
     }

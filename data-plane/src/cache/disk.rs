@@ -259,19 +259,6 @@ fn open_holding(path: &Path, key: &SampleKey) -> io::Result<(io::BufReader<fs::F
     Ok((f, header))
 }
 
-/// Reads `key`'s bytes from `path`, verifying that the file holds that key
-/// whole and intact.
-pub(super) fn read(path: &Path, key: &SampleKey) -> io::Result<Arc<[u8]>> {
-    let (mut f, header) = open_holding(path, key)?;
-    // Read into the shared buffer the cache hands out: a hit in flight
-    // holds its bytes once, not once read and once shared.
-    // (Collected from an iterator of known length: one allocation, no Vec.)
-    let mut bytes: Arc<[u8]> = std::iter::repeat_n(0u8, header.len as usize).collect();
-    let buf = Arc::get_mut(&mut bytes).expect("a new Arc has no other holder");
-    read_checked(&mut f, &header, buf)?;
-    Ok(bytes)
-}
-
 /// Reads the sample in the file at `path`, which must hold `key`, into
 /// `buf` (exactly its length), and checks it.
 pub(super) fn read_into(path: &Path, key: &SampleKey, buf: &mut [u8]) -> io::Result<()> {
