@@ -75,7 +75,13 @@ def main(argv=None) -> int:
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        return run(argv[1:])
+        code = run(argv[1:])
+        if terminated:
+            # The interrupt landed in a finalizer, which Python reports and
+            # swallows: the run went on to its end, but it was terminated.
+            print("terminated", file=sys.stderr)
+            return 128 + terminated[0]
+        return code
     except (TimeoutError, StageStartError, HarnessError, DatasetError) as e:
         # A process the benchmark needs did not come up, or its data set
         # cannot be written: its own words, on one line, not a traceback.
