@@ -475,6 +475,9 @@ impl Accepting {
         listener: &mut UnixListener,
         file: &std::sync::Mutex<SocketFile>,
     ) -> Option<std::io::Result<tokio::net::UnixStream>> {
+        // A file that cannot be bound again is retried every check and
+        // warned about once a minute (with how many tries failed).
+        let mut unbound = crate::pace::Sparse::new();
         loop {
             tokio::select! {
                 _ = self.cancel.cancelled() => return None,
@@ -492,7 +495,11 @@ impl Accepting {
                             // removes nothing (the path is the new one's).
                             *crate::sync::lock(file) = bound_file;
                         }
-                        Err(e) => warn!(socket = %path.display(), error = %format!("{e:#}"), "the trainer socket's file was removed and cannot be bound again"),
+                        Err(e) => {
+                            if let Some(tries) = unbound.note(Duration::from_secs(60)) {
+                                warn!(socket = %path.display(), error = %format!("{e:#}"), tries, "the trainer socket's file was removed and cannot be bound again (tried every {}s)", SOCKET_CHECK.as_secs());
+                            }
+                        }
                     }
                 }
             }

@@ -64,6 +64,15 @@ MUST_FAIL = {
                                           "leaves the prefetch buffers less than 16MiB"),
     "node cache leaving 8MiB": ({"stage": {"memoryBudget": "1GiB", "cache": {"memory": "1016MiB"}}},
                                 "leaves the prefetch buffers less than 16MiB"),
+    # The kernel would kill the stage once its buffers fill (the stage only warns).
+    "memory limit below the budget": ({"stage": {"memoryBudget": "2GiB"}},
+                                      "leaves the stage less than 64MiB above stage.memoryBudget"),
+    "memory limit 32MiB above the budget": (
+        {"stage": {"memoryBudget": "1GiB", "resources": {"limits": {"memory": "1056Mi"}}}},
+        "stage.resources.limits.memory (1056Mi) leaves the stage less than 64MiB"),
+    "memory limit in decimal units": (
+        {"stage": {"memoryBudget": "1GiB", "resources": {"limits": {"memory": "1.1G"}}}},
+        "stage.resources.limits.memory (1.1G)"),
     "postgres without a secret": ({"store": {"type": "postgres"}}, "store.postgres.existingSecret"),
     "tls without a secret": ({"tls": {"enabled": True, "stageSecret": "s"}}, "tls.controllerSecret"),
     # The controller's server certificate is no client certificate: no default.
@@ -488,6 +497,20 @@ def limits_rendering() -> None:
     record("limits from a values file render as the stage takes them", not problems, "; ".join(problems))
 
 
+def memory_limits_accepted() -> None:
+    """Memory limits at least 64MiB above the budget render, in any unit;
+    a quantity the chart does not read (exponent notation) is left to the
+    stage's own warning rather than refused."""
+    cases = {"1.5Gi": "1GiB", "1088Mi": "1GiB", "2G": "1GiB", "1200000000": "1GiB", "1e12": "1GiB", "200Mi": "128MiB"}
+    problems = []
+    for limit, budget in cases.items():
+        try:
+            render({"stage": {"memoryBudget": budget, "resources": {"limits": {"memory": limit}}}})
+        except helm.HelmError as e:
+            problems.append(f"limit {limit} with budget {budget}: {e}")
+    record("memory limits at least 64MiB above the budget render", not problems, "; ".join(problems))
+
+
 def standalone_alerts() -> None:
     """SluiceStageDisconnected only where the stages are given a controller:
     a standalone stage reports sluice_stage_controller_connected 0 for good.
@@ -854,6 +877,7 @@ def main() -> int:
         properties(scenario, objs, values)
         tls_files_readable(scenario, objs)
     limits_rendering()
+    memory_limits_accepted()
     standalone_alerts()
     names_and_admin_port()
     documented_names()

@@ -253,10 +253,33 @@ bytes, a float.
 {{- mulf $n (get $factors $unit | default 1) }}
 {{- end }}
 
+{{/*
+A Kubernetes memory quantity (`1280Mi`, `1.5Gi`, `2G`, `1342177280`) in
+bytes, a float; empty for a form this does not read (`1e9`), which is then
+not checked here.
+*/}}
+{{- define "sluice.quantity" -}}
+{{- $s := trim (toString .) }}
+{{- if regexMatch "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$" $s }}
+{{- $n := regexFind "^[0-9]+(\\.[0-9]+)?" $s | float64 }}
+{{- $factors := dict "" 1 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- mulf $n (get $factors (trimPrefix (regexFind "^[0-9]+(\\.[0-9]+)?" $s) $s)) }}
+{{- end }}
+{{- end }}
+
 {{/* Refuses a node cache that leaves the prefetch buffers less than 16MiB of
-the memory budget, as the stage does at start (exit 64). */}}
+the memory budget, as the stage does at start (exit 64), and a memory limit
+that leaves the stage less than 64MiB above its budget (the kernel would
+kill it once its buffers fill; the stage only warns, at start). */}}
 {{- define "sluice.stage.checkMemory" -}}
 {{- $st := .Values.stage }}
+{{- with (($st.resources).limits).memory }}
+{{- $limit := include "sluice.quantity" . }}
+{{- $budget := include "sluice.bytes" $st.memoryBudget | float64 }}
+{{- if and $limit (lt ($limit | float64) (addf $budget 67108864.0)) }}
+{{- fail (printf "stage.resources.limits.memory (%s) leaves the stage less than 64MiB above stage.memoryBudget (%s): the kernel would kill it once its buffers fill. Raise the limit (budget + 64MiB, plus an eighth of the budget per job reading through shared memory at once) or lower memoryBudget" (toString .) (toString $st.memoryBudget)) }}
+{{- end }}
+{{- end }}
 {{- with $st.cache.memory }}
 {{- $cache := include "sluice.bytes" . | float64 }}
 {{- $budget := include "sluice.bytes" $st.memoryBudget | float64 }}
