@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::cache::SampleKey;
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Fnv64, Owner, Walked, check_name};
-use crate::protocol::ProtocolError;
+use crate::protocol::{ErrorCode, ProtocolError};
 use crate::source::Source;
 use crate::sync::lock;
 
@@ -334,7 +334,30 @@ impl Dataset {
         alloc: &dyn Fn(usize) -> Buffer,
     ) -> Result<Chunk, ProtocolError> {
         check_name(name)?;
-        self.source.read_listed(name, listed, alloc)
+        self.source
+            .read_listed(name, listed, alloc)
+            .map_err(|e| self.explained(e))
+    }
+
+    /// `e`, a failure to find or read a sample, saying why the listing the
+    /// sample was named by may be out of date: while the data set cannot
+    /// be listed again (its directory removed, the store away), its last
+    /// listing stands in, and a sample error alone would send the trainer
+    /// looking for one missing file.
+    pub fn explained(&self, mut e: ProtocolError) -> ProtocolError {
+        if !matches!(e.code, ErrorCode::NotFound | ErrorCode::IoError) {
+            return e;
+        }
+        let cached = lock(&self.cached);
+        if let (Some(failed), Some((at, _))) = (&cached.failed, &cached.listed) {
+            e.message = format!(
+                "{} (the data set cannot be listed again: {}; its listing of {}s ago stands in meanwhile)",
+                e.message,
+                failed.message,
+                at.elapsed().as_secs()
+            );
+        }
+        e
     }
 
     /// Reads `length` bytes (or to the end) of `name` from `offset`. The
@@ -352,7 +375,7 @@ impl Dataset {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{ErrorCode, TO_END};
+    use crate::protocol::TO_END;
     use std::os::unix::fs::symlink;
 
     fn fixture() -> (tempfile::TempDir, Dataset) {
@@ -464,6 +487,31 @@ mod tests {
         assert!(ds.listing().is_err());
         age(&ds, LISTING_TTL);
         assert_eq!(ds.listing().unwrap().digest, first.digest);
+    }
+
+    #[test]
+    fn a_sample_missing_while_the_last_listing_stands_in_says_so() {
+        let (dir, ds) = fixture();
+        ds.listing().unwrap();
+        let alloc = |len: usize| Buffer::heap(len);
+        let missing = ds.read_whole("nope.bin", 1, &alloc).unwrap_err();
+        assert!(
+            !missing.message.contains("listed again"),
+            "{}",
+            missing.message
+        );
+        std::fs::remove_dir_all(dir.path().join("root")).unwrap();
+        age(&ds, LISTING_TTL);
+        ds.listing().unwrap();
+        let e = ds.read_whole("top.bin", 10, &alloc).unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotFound, "{}", e.message);
+        assert!(
+            e.message.contains("`top.bin`")
+                && e.message.contains("the data set cannot be listed again")
+                && e.message.contains("stands in"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -53,7 +53,9 @@ impl DirSource {
     /// be examined, unreadable subdirectories among them (not the root:
     /// that is an error). Blocking.
     pub fn list(&self) -> io::Result<Walked> {
-        let entries = std::fs::read_dir(&self.root)?;
+        let at_root =
+            |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", self.root.display()));
+        let entries = std::fs::read_dir(&self.root).map_err(at_root)?;
         let mut walk = Walk {
             root: &self.root,
             out: Walked::default(),
@@ -61,10 +63,11 @@ impl DirSource {
             unreadable: LeftOut::default(),
             outside: LeftOut::default(),
             broken: LeftOut::default(),
+            not_utf8: LeftOut::default(),
         };
-        let root = std::fs::metadata(&self.root)?;
+        let root = std::fs::metadata(&self.root).map_err(at_root)?;
         walk.out.dir_owners.push((String::new(), Owner::of(&root)));
-        walk.entries(&self.root, entries, "")?;
+        walk.entries(entries, "")?;
         walk.unreadable.report(
             &self.root,
             "left entries out of the listing that could not be examined",
@@ -78,6 +81,10 @@ impl DirSource {
         walk.broken.report(
             &self.root,
             "left symlinks out of the listing that lead nowhere (dangling, or a loop)",
+        );
+        walk.not_utf8.report(
+            &self.root,
+            "left entries out of the listing whose names are not UTF-8 (sample names are UTF-8): rename them",
         );
         Ok(walk.out)
     }
@@ -226,6 +233,8 @@ struct Walk<'a> {
     outside: LeftOut,
     /// Symlinks that dangle or loop.
     broken: LeftOut,
+    /// Entries whose names are not UTF-8 (a directory's tree with it).
+    not_utf8: LeftOut,
 }
 
 /// Entries a walk left out for one reason, reported once per listing:
@@ -258,16 +267,20 @@ impl LeftOut {
 }
 
 impl Walk<'_> {
-    /// Collects the regular files among `entries`, those of `dir` (last of
-    /// the ancestors), named under `prefix`. Symlinks are followed when
+    /// Collects the regular files among `entries`, those of the last of
+    /// the ancestors, named under `prefix`. Symlinks are followed when
     /// their target stays beneath the root and is not an ancestor; a
     /// directory reached both by its own name and through a symlink is
     /// listed under both names, as `os.walk(followlinks=True)` does.
-    fn entries(&mut self, dir: &Path, entries: ReadDir, prefix: &str) -> io::Result<()> {
+    fn entries(&mut self, entries: ReadDir, prefix: &str) -> io::Result<()> {
         for entry in entries {
             let entry = entry?;
             let Some(file_name) = entry.file_name().to_str().map(str::to_owned) else {
-                tracing::warn!(dir = %dir.display(), "skipping a file whose name is not UTF-8");
+                let kind = match entry.file_type() {
+                    Ok(t) if t.is_dir() => "a directory: its whole tree is left out",
+                    _ => "left out",
+                };
+                self.not_utf8.note(entry.path(), || kind.to_owned());
                 continue;
             };
             let name = if prefix.is_empty() {
@@ -355,7 +368,7 @@ impl Walk<'_> {
         }
         let before = (self.out.files.len(), self.out.empty_dirs.len());
         self.ancestors.push(dir.clone());
-        let walked = self.entries(&dir, entries, &name);
+        let walked = self.entries(entries, &name);
         self.ancestors.pop();
         walked?;
         if (self.out.files.len(), self.out.empty_dirs.len()) == before {
@@ -429,10 +442,28 @@ mod tests {
     }
 
     #[test]
-    fn an_unreadable_root_is_an_error() {
+    fn names_that_are_not_utf8_are_left_out_with_their_trees() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let odd = std::ffi::OsStr::from_bytes(b"caf\xe9");
+        std::fs::create_dir_all(root.join("ok")).unwrap();
+        std::fs::create_dir_all(root.join(odd)).unwrap();
+        std::fs::write(root.join("ok/a"), b"1").unwrap();
+        std::fs::write(root.join("ok").join(odd), b"2").unwrap();
+        std::fs::write(root.join(odd).join("b"), b"3").unwrap();
+        assert_eq!(listed(&root), ["ok/a"]);
+    }
+
+    #[test]
+    fn an_unreadable_root_is_an_error_that_names_it() {
         let dir = tempfile::tempdir().unwrap();
         let source = DirSource::open("d", dir.path(), false).unwrap();
         std::fs::remove_dir(dir.path()).unwrap();
-        assert!(source.list().is_err());
+        let e = source.list().unwrap_err();
+        assert!(
+            e.to_string().contains(&dir.path().display().to_string()),
+            "{e}"
+        );
     }
 }

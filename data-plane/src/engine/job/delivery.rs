@@ -643,12 +643,15 @@ impl Job {
             }
         }
         let source = dataset.source();
-        let size = charged_size(dataset, name)?
+        let size = charged_size(dataset, name)
+            .map_err(|e| dataset.explained(e))?
             .saturating_sub(offset)
             .min(length);
         self.throttle(size);
         let start = Instant::now();
-        let data = source.read_range(name, offset, length, pin);
+        let data = source
+            .read_range(name, offset, length, pin)
+            .map_err(|e| dataset.explained(e));
         let read = data.as_ref().map(|(chunk, _)| chunk);
         self.count_storage_read(m, start.elapsed(), read.map(|c| c.len() as u64));
         // Only the version the cache was asked for goes into it.
