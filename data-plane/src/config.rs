@@ -52,7 +52,7 @@ pub struct Args {
     #[arg(long, env = "SLUICE_SOCKET")]
     pub socket: Option<PathBuf>,
     /// Also accept trainers over TCP on this address.
-    #[arg(long, env = "SLUICE_LISTEN")]
+    #[arg(long, env = "SLUICE_LISTEN", value_parser = parse_addr)]
     pub listen: Option<SocketAddr>,
     /// A dataset to serve, as NAME=DIR or NAME=s3://BUCKET/PREFIX
     /// (repeatable; comma-separated in the environment variable).
@@ -62,7 +62,7 @@ pub struct Args {
     #[arg(long, env = "SLUICE_MEMORY_BUDGET")]
     pub memory_budget: Option<ByteSize>,
     /// Address of the HTTP server for `/metrics` and `/healthz` [default: 127.0.0.1:7190].
-    #[arg(long, env = "SLUICE_METRICS_ADDR")]
+    #[arg(long, env = "SLUICE_METRICS_ADDR", value_parser = parse_addr)]
     pub metrics_addr: Option<SocketAddr>,
     /// This stage's id, for the controller (one session per id) and
     /// trainers [default: the host name; with a --socket other than
@@ -194,6 +194,12 @@ pub struct Args {
     pub labels: Vec<(String, String)>,
 }
 
+fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse().map_err(|_| {
+        format!("`{s}` is not an address: write IP:PORT, e.g. 127.0.0.1:7190 (0.0.0.0:7190 for every interface)")
+    })
+}
+
 fn parse_label(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
@@ -256,9 +262,10 @@ pub struct StageFile {
     /// QoS limits per job.
     #[serde(default)]
     pub limits: LimitsFile,
-    /// Which jobs and labels trainers may claim (none: any).
+    /// Which jobs and labels trainers may claim (left out: any; an empty
+    /// list is refused).
     #[serde(default)]
-    pub trainers: Vec<TrainerRule>,
+    pub trainers: Option<Vec<TrainerRule>>,
     /// How to reach the object store of `s3://` datasets.
     #[serde(default)]
     pub s3: S3File,
@@ -428,11 +435,13 @@ impl StageConfig {
         });
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
-        if file.labels.keys().any(String::is_empty) {
-            return Err(ConfigError(
-                "a label in `labels:` has an empty key: write `key: value`, e.g. `zone: eu-1`"
-                    .into(),
-            ));
+        for (key, value) in &file.labels {
+            sluice_policy::check_label(key, value)
+                .map_err(|e| ConfigError(format!("`labels:` in the configuration file: {e}")))?;
+        }
+        for (key, value) in &args.labels {
+            sluice_policy::check_label(key, value)
+                .map_err(|e| ConfigError(format!("--label {key}={value}: {e}")))?;
         }
         let mut labels = file.labels;
         labels.extend(args.labels);
@@ -452,6 +461,7 @@ impl StageConfig {
             .socket
             .or(file.socket)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
+        check_socket_path(&socket).map_err(ConfigError)?;
         let stage_id = args
             .stage_id
             .or(file.stage_id)
@@ -463,6 +473,12 @@ impl StageConfig {
             ));
         }
         let node = args.node.or(file.node).unwrap_or_else(hostname);
+        if node.trim().is_empty() {
+            return Err(ConfigError(
+                "the node name is empty: give --node (or `node:`) a name, or leave it out for the host name"
+                    .into(),
+            ));
+        }
         for (what, name) in [("--stage-id", &stage_id), ("--node", &node)] {
             // What the controller would refuse in the stage's hello.
             if name.len() > 253 || name.chars().any(char::is_control) {
@@ -472,10 +488,17 @@ impl StageConfig {
                 )));
             }
         }
-        for (i, rule) in file.trainers.iter().enumerate() {
+        if file.trainers.as_ref().is_some_and(Vec::is_empty) {
+            return Err(ConfigError(
+                "`trainers:` is an empty list, which would let every trainer claim any job: give at least one rule, or leave `trainers:` out for no restriction"
+                    .into(),
+            ));
+        }
+        let trainers = file.trainers.unwrap_or_default();
+        for (i, rule) in trainers.iter().enumerate() {
             rule.validate(i).map_err(ConfigError)?;
         }
-        let trainer_access = TrainerAccess::new(file.trainers);
+        let trainer_access = TrainerAccess::new(trainers);
         let mount_job = args
             .mount_job
             .or(file.mount_job)
@@ -490,6 +513,25 @@ impl StageConfig {
             Some(dir) => Some(MountOptions {
                 dir: {
                     apart_from_datasets("--mount", &dir, &datasets)?;
+                    if let Some(orders) = &orders {
+                        apart_from_datasets("--mount-orders", orders, &datasets)?;
+                        if orders.exists() && !orders.is_dir() {
+                            return Err(ConfigError(format!(
+                                "--mount-orders {} is not a directory: give the directory order files are written into (it is made if missing)",
+                                orders.display()
+                            )));
+                        }
+                    }
+                    let cache_dir = cache.disk.as_ref().map(|(d, _)| d);
+                    for (flag, path) in [
+                        ("--socket", Some(socket.as_path())),
+                        ("--mount-orders", orders.as_deref()),
+                        ("--cache-dir", cache_dir.map(PathBuf::as_path)),
+                    ] {
+                        if let Some(path) = path {
+                            outside_mount(flag, path, &dir)?;
+                        }
+                    }
                     dir
                 },
                 job: mount_job,
@@ -589,12 +631,12 @@ fn merge_datasets(
     }
     // The mount shows a dataset as DIR/<name> and a job as DIR/@<job>.
     let unreachable = |n: &str| n.is_empty() || n == "." || n == ".." || n.starts_with('@');
-    if let Some((name, _)) = datasets
-        .iter()
-        .find(|(n, _)| n.len() > 128 || n.contains(['/', '\0']) || unreachable(n))
-    {
+    if let Some((name, _)) = datasets.iter().find(|(n, _)| {
+        n.len() > 128 || n.contains('/') || n.chars().any(char::is_control) || unreachable(n)
+    }) {
         return Err(ConfigError(format!(
-            "dataset name `{name}` is invalid: at most 128 bytes, no `/`, not `.` or `..`, not starting with `@` (the mount's job directories), e.g. `imagenet`"
+            "dataset name `{}` is invalid: at most 128 bytes, no `/` or control characters (line breaks, escapes), not `.` or `..`, not starting with `@` (the mount's job directories), e.g. `imagenet`",
+            name.escape_debug()
         )));
     }
     // A URL of another kind (or a mistyped `s3://`) would be read as a
@@ -602,6 +644,8 @@ fn merge_datasets(
     for (name, location) in &datasets {
         let text = location.to_string_lossy();
         if text.starts_with("s3://") {
+            crate::source::parse_s3_url(&text)
+                .map_err(|e| ConfigError(format!("dataset `{name}`: {e}")))?;
             continue;
         }
         let scheme = text.split_once(':').map_or("", |(scheme, _)| scheme);
@@ -658,7 +702,7 @@ fn cache_options(
     datasets: &[(String, PathBuf)],
 ) -> Result<CacheOptions, ConfigError> {
     let memory = args.cache_memory.or(file.memory).map_or(0, ByteSize::bytes);
-    if memory > 0 && memory + MIN_PREFETCH > budget {
+    if memory > 0 && memory.saturating_add(MIN_PREFETCH) > budget {
         return Err(ConfigError(format!(
             "a cache of {} leaves the prefetch buffers less than {} of the memory budget ({}): \
              raise --memory-budget or lower --cache-memory",
@@ -722,6 +766,36 @@ fn cache_options(
         weights: file.weights.clone(),
         disk,
     })
+}
+
+/// Refuses a path of the stage's own (`flag`) at or beneath the mount
+/// directory `mount`: the mount hides it (a socket no trainer could reach,
+/// order files no one could write, a cache on a read-only view).
+fn outside_mount(flag: &str, path: &Path, mount: &Path) -> Result<(), ConfigError> {
+    if resolved(path).starts_with(resolved(mount)) {
+        return Err(ConfigError(format!(
+            "{flag} {} is inside --mount {}, which the mount hides once it is up: give a path outside the mount",
+            path.display(),
+            mount.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Why `path` cannot be the trainer socket, if it cannot: empty, or longer
+/// than a UNIX socket address holds (`sun_path`, 108 bytes with the NUL).
+pub fn check_socket_path(path: &Path) -> Result<(), String> {
+    let bytes = path.as_os_str().len();
+    if bytes == 0 {
+        return Err("--socket is empty: give the path of the UNIX socket trainers connect to, e.g. /run/sluice/stage.sock".into());
+    }
+    if bytes >= 108 {
+        return Err(format!(
+            "--socket {} is {bytes} bytes long: a UNIX socket path must be at most 107 bytes; choose a shorter one",
+            path.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses a directory of the stage's own (`flag`: `--cache-dir`, whose
@@ -799,6 +873,12 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
                 .ok()
                 .filter(|e| !e.is_empty())
         });
+    if let Some(endpoint) = &endpoint {
+        check_endpoint(
+            endpoint,
+            args.s3_endpoint.is_some() || file.endpoint.is_some(),
+        )?;
+    }
     let deadline = args
         .s3_deadline
         .or(file.deadline)
@@ -818,6 +898,30 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
         anonymous: args.s3_anonymous.or(file.anonymous).unwrap_or(false),
         deadline,
     })
+}
+
+/// Refuses an object store's endpoint that is not an `http(s)://HOST[:PORT]`
+/// URL (`given`: from --s3-endpoint or `s3.endpoint`, else from
+/// AWS_ENDPOINT_URL), before any request is tried with it.
+fn check_endpoint(endpoint: &str, given: bool) -> Result<(), ConfigError> {
+    let why = match url::Url::parse(endpoint) {
+        Ok(url) if !matches!(url.scheme(), "http" | "https") => {
+            format!("the scheme is `{}://`", url.scheme())
+        }
+        Ok(url) if url.host_str().is_none_or(str::is_empty) => "it names no host".to_owned(),
+        Ok(_) => return Ok(()),
+        Err(url::ParseError::RelativeUrlWithoutBase) => "it has no scheme".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    let from = if given {
+        "--s3-endpoint"
+    } else {
+        "AWS_ENDPOINT_URL"
+    };
+    Err(ConfigError(format!(
+        "{from} `{}` is not an object store's URL ({why}): write http(s)://HOST[:PORT], e.g. `http://minio:9000`",
+        endpoint.escape_debug()
+    )))
 }
 
 /// Whether `dir` is on a file system whose every read is a round trip over
@@ -1011,8 +1115,10 @@ fn buffer_sizes(
     }
     if !(min_buffer..=max_buffer).contains(&initial_buffer) {
         return Err(ConfigError(format!(
-            "initial buffer {} is outside the bounds",
-            ByteSize(initial_buffer)
+            "initial buffer {} is outside the bounds {}..{}: give --initial-buffer a size between them",
+            ByteSize(initial_buffer),
+            ByteSize(min_buffer),
+            ByteSize(max_buffer)
         )));
     }
     Ok((min_buffer, max_buffer, initial_buffer))
@@ -1049,9 +1155,14 @@ fn limits(args: &Args, file: &LimitsFile) -> Result<Limits, ConfigError> {
 fn check_controller(controller: Option<&str>, tls: bool) -> Result<(), ConfigError> {
     let refuse = |m: String| Err(ConfigError(m));
     match (controller, tls) {
-        (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => refuse(
-            format!("controller address `{url}` needs a scheme: write `http://{url}`"),
-        ),
+        (Some(url), _) if !(url.starts_with("http://") || url.starts_with("https://")) => {
+            refuse(match url.split_once("://") {
+                Some((scheme, rest)) => format!(
+                    "controller address `{url}` is `{scheme}://`: the controller speaks gRPC over `http://` (`https://` with --tls-*), e.g. `http://{rest}`"
+                ),
+                None => format!("controller address `{url}` needs a scheme: write `http://{url}`"),
+            })
+        }
         (Some(url), false) if url.starts_with("https://") => refuse(format!(
             "controller address `{url}` is https: give --tls-cert, --tls-key and \
              --tls-ca for mutual TLS"
@@ -1125,6 +1236,119 @@ mod tests {
         let mut argv = vec!["sluice-stage"];
         argv.extend_from_slice(extra);
         Args::try_parse_from(argv).unwrap()
+    }
+
+    /// The message of the configuration `flags` (over the YAML `yaml`)
+    /// is refused with; panics if it is taken.
+    fn refusal(flags: &[&str], yaml: &str) -> String {
+        let file: StageFile = serde_yaml_ng::from_str(yaml).unwrap();
+        match StageConfig::merge(args(flags), file) {
+            Ok(_) => panic!("{flags:?} over {yaml:?} was taken"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn mistyped_settings_are_refused_with_what_to_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let (data, mnt) = (dir.path().join("data"), dir.path().join("mnt"));
+        std::fs::create_dir_all(&data).unwrap();
+        let dataset = format!("d={}", data.display());
+        let mount = mnt.to_str().unwrap();
+        let in_mount = mnt.join("x");
+        let in_mount = in_mount.to_str().unwrap();
+        let in_data = data.join("orders");
+        let long_socket = format!("/tmp/{}", "s".repeat(120));
+        let cases: &[(&[&str], &str, &str)] = &[
+            (
+                &["--cache-memory", "18446744073709551615"],
+                "",
+                "leaves the prefetch buffers",
+            ),
+            (
+                &["--dataset", "a\nb=/tmp"],
+                "",
+                "no `/` or control characters",
+            ),
+            (
+                &["--label", "a b=c"],
+                "",
+                "--label a b=c: label key `a b` is not valid",
+            ),
+            (&["--label", "team=a\u{1b}b"], "", "label value"),
+            (
+                &[],
+                "labels: {'bad key!': x}",
+                "`labels:` in the configuration file",
+            ),
+            (&["--node", " "], "", "the node name is empty"),
+            (&[], "trainers: []", "`trainers:` is an empty list"),
+            (&[], "socket: ''", "--socket is empty"),
+            (&["--socket", &long_socket], "", "must be at most 107 bytes"),
+            (
+                &["--controller", "ftp://x:7070"],
+                "",
+                "is `ftp://`: the controller speaks gRPC over `http://`",
+            ),
+            (
+                &[
+                    "--mount",
+                    mount,
+                    "--mount-orders",
+                    in_data.to_str().unwrap(),
+                ],
+                "",
+                "--mount-orders",
+            ),
+            (&["--mount", mount, "--socket", in_mount], "", "--socket"),
+            (
+                &["--mount", mount, "--mount-orders", in_mount],
+                "",
+                "is inside --mount",
+            ),
+            (
+                &["--mount", mount, "--mount-orders", "/etc/hostname"],
+                "",
+                "is not a directory",
+            ),
+            (
+                &["--s3-endpoint", "http://127.0.0.1:99999"],
+                "",
+                "--s3-endpoint `http://127.0.0.1:99999` is not an object store's URL (invalid port number)",
+            ),
+            (
+                &["--s3-endpoint", "http://:7877"],
+                "",
+                "is not an object store's URL",
+            ),
+            (
+                &["--s3-endpoint", "minio:9000"],
+                "",
+                "is not an object store's URL",
+            ),
+            (
+                &["--s3-endpoint", "127.0.0.1:9000"],
+                "",
+                "(it has no scheme)",
+            ),
+            (
+                &["--initial-buffer", "1MiB"],
+                "",
+                "outside the bounds 4MiB..1GiB",
+            ),
+        ];
+        for (flags, yaml, said) in cases {
+            let mut all = vec!["--dataset", &dataset];
+            all.extend_from_slice(flags);
+            let e = refusal(&all, if yaml.is_empty() { "{}" } else { yaml });
+            assert!(e.contains(said), "{flags:?} {yaml:?}: {e}");
+        }
+        let e = refusal(&["--dataset", "d=s3://"], "{}");
+        assert!(e.contains("names no bucket"), "{e}");
+        for bad in ["localhost:7190", "7190"] {
+            let e = Args::try_parse_from(["sluice-stage", "--metrics-addr", bad]).unwrap_err();
+            assert!(e.to_string().contains("write IP:PORT"), "{e}");
+        }
     }
 
     #[test]

@@ -600,14 +600,7 @@ impl Drop for SocketFile {
 /// Binds the trainer socket with owner/group-only permissions, replacing a
 /// stale socket file but never a live stage's.
 fn bind_socket(path: &Path) -> anyhow::Result<(UnixListener, SocketFile)> {
-    // sockaddr_un's sun_path holds 108 bytes with the terminating NUL.
-    let bytes = path.as_os_str().len();
-    if bytes >= 108 {
-        bail!(
-            "--socket {} is {bytes} bytes long: a UNIX socket path must be at most 107 bytes; choose a shorter one",
-            path.display()
-        );
-    }
+    config::check_socket_path(path).map_err(anyhow::Error::msg)?;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {

@@ -23,7 +23,7 @@ mod dir;
 mod s3;
 
 pub use dir::DirSource;
-pub use s3::{S3Options, S3Source};
+pub use s3::{S3Options, S3Source, parse_url as parse_s3_url};
 
 /// A dataset's storage.
 #[derive(Debug)]

@@ -257,7 +257,18 @@ impl fmt::Display for ByteRate {
     }
 }
 
-quantity_type!(ByteRate, "byte rate", "a byte rate such as 800MiB/s");
+// A bare number is refused: `bandwidth: 800` reads as 800 bytes a second
+// to the stage, where whoever wrote it meant MiB/s.
+quantity_type!(
+    ByteRate,
+    "byte rate",
+    "a byte rate such as 800MiB/s",
+    |v: u64| Err::<ByteRate, _>(QuantityError::new(
+        "byte rate",
+        &v.to_string(),
+        format!("a rate ends in `/s`, for example `{v}MiB/s` (or `{v}/s` for bytes a second)")
+    ))
+);
 
 /// Operations per second: `20k ops/s`, `2000/s` or a plain number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

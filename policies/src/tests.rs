@@ -352,7 +352,7 @@ fn all_errors_of_an_apply_are_reported_in_order() {
         job("a", "  selector: {}\n  pool: shared\n  weight: 0\n"),
         job(
             "B",
-            "  selector: {}\n  pool: shared\n  limit: {bandwidth: 1}\n  guarantee: {bandwidth: 2}\n"
+            "  selector: {}\n  pool: shared\n  limit: {bandwidth: 1/s}\n  guarantee: {bandwidth: 2/s}\n"
         )
     );
     let e = errors(&text);

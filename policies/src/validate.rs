@@ -18,6 +18,7 @@ mod labels;
 mod prefetch;
 
 pub use cache::{DEFAULT_STAGING_RATE, DEFAULT_TENANT};
+pub use labels::check_label;
 
 use labels::{check_labels, label_key, selector};
 use prefetch::prefetch;

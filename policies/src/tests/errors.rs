@@ -154,9 +154,17 @@ fn impossible_values() {
     assert_eq!(
         error(&job(
             "train",
-            "  selector: {}\n  pool: shared\n  limit: {bandwidth: 0}\n"
+            "  selector: {}\n  pool: shared\n  limit: {bandwidth: 0/s}\n"
         )),
         "t.yaml:8:22: spec.limit.bandwidth: a limit of 0 would stop every read: leave it out for no limit"
+    );
+    // A bare number would be bytes a second, where MiB/s was meant.
+    assert_eq!(
+        error(&job(
+            "train",
+            "  selector: {}\n  pool: shared\n  limit: {bandwidth: 800}\n"
+        )),
+        "t.yaml:8:22: spec.limit.bandwidth: invalid byte rate `800`: a rate ends in `/s`, for example `800MiB/s` (or `800/s` for bytes a second)"
     );
     assert_eq!(
         error(&job(

@@ -31,7 +31,7 @@ pub(super) fn label_key(key: &str) -> Result<(), String> {
 
 /// A label value a trainer can send: at most 256 bytes, no control
 /// characters.
-fn label_value(value: &str) -> Result<(), String> {
+pub(super) fn label_value(value: &str) -> Result<(), String> {
     if value.len() <= 256 && !value.chars().any(char::is_control) {
         return Ok(());
     }
@@ -39,6 +39,12 @@ fn label_value(value: &str) -> Result<(), String> {
         "label value `{}` is not valid: use at most 256 bytes and no control characters",
         value.escape_debug()
     ))
+}
+
+/// Whether `key: value` is a label a trainer or a stage can send, and if
+/// not, why (for the stage's `--label` and `labels:`, checked at start).
+pub fn check_label(key: &str, value: &str) -> Result<(), String> {
+    label_key(key).and_then(|()| label_value(value))
 }
 
 pub(super) fn check_labels(check: &mut Check, path: &str, labels: &BTreeMap<String, String>) {
