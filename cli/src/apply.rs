@@ -68,7 +68,9 @@ fn request(sources: &[Source], dry_run: bool) -> Result<v1::ApplyPoliciesRequest
         }
     }
     if !errors.is_empty() {
-        return Err(errors);
+        // Nothing is sent: the other sources' mistakes are found here too,
+        // as `validate` finds them, rather than one at a time.
+        return Err(validate::load(sources).err().unwrap_or(errors));
     }
     Ok(v1::ApplyPoliciesRequest {
         sources: policy_sources,
@@ -145,5 +147,18 @@ mod tests {
         }];
         let errors = super::request(&bad, false).unwrap_err();
         assert!(errors[0].starts_with("l.yaml:1:4: "), "{errors:?}");
+
+        // Every source's mistakes at once, as `validate` gives them.
+        let zero = "apiVersion: sluice.dev/v1\nkind: StoragePool\nmetadata:\n  name: p1\nspec:\n  capacity:\n    bandwidth: 0B/s\n";
+        let both = [
+            bad[0].clone(),
+            Source {
+                name: "zero.yaml".into(),
+                bytes: zero.as_bytes().to_vec(),
+            },
+        ];
+        let errors = super::request(&both, false).unwrap_err();
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors[1].starts_with("zero.yaml:7:"), "{errors:?}");
     }
 }

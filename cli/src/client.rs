@@ -127,10 +127,15 @@ impl CallError {
                  nothing)",
                 REQUEST_TIMEOUT.as_secs()
             )),
-            Code::Unavailable => unreachable(match status.source() {
-                Some(source) => deepest_reason(source),
-                None => status.message().to_owned(),
-            }),
+            // A transport failure; an answer of the controller's own
+            // (a standby, a store outage) carries no source and is shown
+            // as the controller said it.
+            Code::Unavailable if status.source().is_some() || status.message().is_empty() => {
+                unreachable(match status.source() {
+                    Some(source) => deepest_reason(source),
+                    None => status.code().description().to_owned(),
+                })
+            }
             // Something answered, but not the AdminService: a stage, the
             // controller's HTTP port, some other server.
             Code::Unimplemented => unreachable(format!(
@@ -261,6 +266,39 @@ pub async fn connect(controller: &Controller) -> Result<Admin, CallError> {
     };
     if !(server.starts_with("http://") || server.starts_with("https://")) {
         return Err(bad_address());
+    }
+    // A host, and a port that is a number a port can be.
+    let authority = server
+        .parse::<tonic::codegen::http::Uri>()
+        .ok()
+        .and_then(|uri| uri.authority().cloned());
+    let usable = authority.is_some_and(|a| {
+        let after_host = a
+            .as_str()
+            .rsplit_once(']')
+            .map_or(a.as_str(), |(_, rest)| rest);
+        !a.host().is_empty()
+            && after_host
+                .rsplit_once(':')
+                .is_none_or(|(_, port)| port.parse::<u16>().is_ok())
+    });
+    if !usable {
+        return Err(bad_address());
+    }
+    let tls_given = [
+        &controller.tls_cert,
+        &controller.tls_key,
+        &controller.tls_ca,
+    ]
+    .iter()
+    .any(|p| p.as_deref().is_some_and(|p| !p.as_os_str().is_empty()));
+    if tls_given && server.starts_with("http://") {
+        let rest = server.trim_start_matches("http://");
+        return Err(CallError::Tls {
+            reason: format!(
+                "--tls-* are given but --server `{server}` is plain text: write `https://{rest}` (or leave the TLS files out)"
+            ),
+        });
     }
     let endpoint = Endpoint::from_shared(server.to_owned())
         .map_err(|_| bad_address())?
@@ -485,11 +523,48 @@ mod tests {
     }
 
     #[test]
-    fn unavailable_is_unreachable() {
-        let error = CallError::from_status("http://x:1", Status::unavailable("gone"));
+    fn a_bad_port_or_tls_files_for_plain_text_are_usage_errors() {
+        let at = |server: &str, cert: Option<&str>| Controller {
+            server: server.into(),
+            tls_cert: cert.map(PathBuf::from),
+            ..Controller::default()
+        };
+        for server in [
+            "http://127.0.0.1:99999",
+            "http://127.0.0.1:abc",
+            "http://:7070",
+        ] {
+            let e = block_on(connect(&at(server, None))).err().unwrap();
+            assert_eq!(e.exit(), Exit::Usage, "{server}: {e}");
+            assert!(e.to_string().contains("is not an address"), "{server}: {e}");
+        }
+        let e = block_on(connect(&at("http://127.0.0.1:7070", Some("c.pem"))))
+            .err()
+            .unwrap();
+        assert!(
+            e.to_string().contains("write `https://127.0.0.1:7070`"),
+            "{e}"
+        );
+        assert_eq!(e.exit(), Exit::Usage);
+    }
+
+    #[test]
+    fn unavailable_is_unreachable_unless_the_controller_said_so() {
+        let failed = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "gone");
+        let mut lost = Status::unavailable("transport error");
+        lost.set_source(std::sync::Arc::new(failed));
+        let error = CallError::from_status("http://x:1", lost);
         assert_eq!(
             error.to_string(),
             "cannot reach the controller at http://x:1: gone"
         );
+        // The controller's own answer (a store outage, a standby).
+        let said = Status::unavailable("store unavailable: the database does not answer");
+        let error = CallError::from_status("http://x:1", said);
+        assert_eq!(
+            error.to_string(),
+            "store unavailable: the database does not answer"
+        );
+        assert_eq!(error.exit(), Exit::Failed);
     }
 }

@@ -130,12 +130,27 @@ async fn snapshot(
 pub fn frame(server: &str, jobs: &[JobView], stages: &[StageView], now_millis: i64) -> String {
     let mut out = title(server, Some(stages), now_millis);
     out.push_str("\n\n");
-    if jobs.is_empty() {
-        out.push_str("no jobs yet\n");
+    // A job no stage serves now has left (the controller keeps it an hour,
+    // for `get jobs` and `describe job`).
+    let running: Vec<JobView> = jobs
+        .iter()
+        .filter(|j| !j.stages.is_empty())
+        .cloned()
+        .collect();
+    let left = jobs.len() - running.len();
+    if running.is_empty() {
+        out.push_str("no job is running\n");
     } else {
-        for line in jobs_table(jobs).render(TERMINAL_WIDTH) {
+        for line in jobs_table(&running).render(TERMINAL_WIDTH) {
             let _ = writeln!(out, "{line}");
         }
+    }
+    if left > 0 {
+        let _ = writeln!(
+            out,
+            "{left} job{} left within the hour: sluicectl get jobs",
+            if left == 1 { "" } else { "s" }
+        );
     }
     out.push('\n');
     if stages.is_empty() {
@@ -304,6 +319,41 @@ node-a-0  node-a  lost   3/3            yes   0
     #[test]
     fn an_empty_controller_says_so() {
         let text = frame("http://c:7070", &[], &[], 0);
-        assert!(text.contains("no jobs yet\n\nno stages yet\n"), "{text}");
+        assert!(
+            text.contains("no job is running\n\nno stages yet\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn jobs_no_stage_serves_are_counted_not_shown() {
+        let serving = v1::JobStage::default();
+        let running = JobView::from(v1::Job {
+            id: "resnet".into(),
+            stages: vec![serving],
+            ..v1::Job::default()
+        });
+        let gone = |id: &str| {
+            JobView::from(v1::Job {
+                id: id.into(),
+                ..v1::Job::default()
+            })
+        };
+        let text = frame(
+            "http://c:7070",
+            &[running, gone("bert"), gone("t5")],
+            &[],
+            0,
+        );
+        assert!(text.contains("resnet") && !text.contains("bert"), "{text}");
+        assert!(
+            text.contains("2 jobs left within the hour: sluicectl get jobs"),
+            "{text}"
+        );
+        let text = frame("http://c:7070", &[gone("bert")], &[], 0);
+        assert!(
+            text.contains("no job is running\n1 job left within the hour"),
+            "{text}"
+        );
     }
 }

@@ -106,6 +106,15 @@ impl ControllerConfig {
     pub fn from_args(args: Args) -> Result<Self, ConfigError> {
         let grpc_addr = addr("--grpc-addr", &args.grpc_addr)?;
         let http_addr = addr("--http-addr", &args.http_addr)?;
+        if grpc_addr == http_addr && grpc_addr.port() != 0 {
+            return Err(ConfigError {
+                flag: "--http-addr",
+                reason: format!(
+                    "`{http_addr}` is --grpc-addr too: give the admin HTTP API a port of its own, e.g. {}:7080",
+                    http_addr.ip()
+                ),
+            });
+        }
         let tls = server_tls(
             args.tls_cert.as_deref(),
             args.tls_key.as_deref(),
@@ -261,6 +270,11 @@ const MAX_TICK: Duration = Duration::from_secs(60);
 const MIN_STAGE_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
+    let example = if flag == "--stage-timeout" {
+        "5s"
+    } else {
+        "1s"
+    };
     let millis = Millis::parse(value).map_err(|e| ConfigError {
         flag,
         reason: e.to_string(),
@@ -268,7 +282,7 @@ fn duration(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
     if millis.0 == 0 {
         return Err(ConfigError {
             flag,
-            reason: format!("`{value}` is zero: write a positive duration such as `1s`"),
+            reason: format!("`{value}` is zero: write a positive duration such as `{example}`"),
         });
     }
     Ok(millis.duration())
@@ -317,6 +331,21 @@ mod tests {
                 &["--tick", "10s", "--stage-timeout", "5s"][..],
                 "--tick",
                 "not shorter than --stage-timeout",
+            ),
+            (
+                &["--stage-timeout", "0s"][..],
+                "--stage-timeout",
+                "such as `5s`",
+            ),
+            (
+                &[
+                    "--grpc-addr",
+                    "127.0.0.1:7070",
+                    "--http-addr",
+                    "127.0.0.1:7070",
+                ][..],
+                "--http-addr",
+                "is --grpc-addr too",
             ),
         ] {
             let e = parse(args).unwrap_err();

@@ -266,7 +266,11 @@ async fn forget_unseen(shared: &Shared) {
         *last = Some(Instant::now());
     }
     let before_ms = crate::state::now_ms() - FORGET_AFTER.as_millis() as i64;
-    let forgotten = match shared.store.forget_unseen(before_ms).await {
+    let forgotten = match shared
+        .store
+        .forget_unseen(before_ms, crate::store::KEPT_EVENTS)
+        .await
+    {
         Ok(forgotten) => forgotten,
         Err(e) => {
             warn!(error = %e, "cannot forget stages and jobs not seen for long");

@@ -62,6 +62,13 @@ pub fn configuration_error(e: &anyhow::Error) -> Option<&store::StoreError> {
         .filter(|store| store.is_configuration())
 }
 
+/// `--policies` that cannot be read or hold a document that is not valid
+/// on its own: an invalid configuration (exit 64), found before the store
+/// is opened.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidPolicies(pub String);
+
 /// How long a shutdown waits for requests in flight.
 pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -112,16 +119,22 @@ impl Controller {
         grpc: TcpListener,
         http: TcpListener,
     ) -> anyhow::Result<Self> {
-        let store = Store::open(&config.database_url)
-            .await
-            .context("opening the store")?;
+        // Read and checked before the store is opened: a mistake in them
+        // leaves no new database behind.
         let sources = match &config.policies {
             Some(path) => Some(
                 policies::read_sources(path)
-                    .with_context(|| format!("reading policies from {}", path.display()))?,
+                    .map_err(|e| InvalidPolicies(format!("reading {}: {e}", path.display())))
+                    .and_then(|sources| {
+                        policies::check_sources(&sources).map_err(InvalidPolicies)?;
+                        Ok(sources)
+                    })?,
             ),
             None => None,
         };
+        let store = Store::open(&config.database_url)
+            .await
+            .context("opening the store")?;
         let leadership = store
             .try_acquire_leadership()
             .await

@@ -24,7 +24,17 @@ fn main() -> ExitCode {
         // write on stderr, whose own failure panics.
         .log_internal_errors(false)
         .init();
-    let config = match ControllerConfig::from_args(Args::parse()) {
+    // A flag that does not parse is an invalid configuration too (64), as
+    // a value that parses but is refused is; `--help` and `--version` exit 0.
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(64);
+        }
+    };
+    let config = match ControllerConfig::from_args(args) {
         Ok(config) => config,
         Err(e) => {
             let _ = writeln!(
@@ -41,6 +51,10 @@ fn main() -> ExitCode {
         .expect("building the tokio runtime");
     match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<sluice_controller::InvalidPolicies>() => {
+            let _ = writeln!(std::io::stderr(), "sluice-controller: --policies: {e}");
+            ExitCode::from(64)
+        }
         Err(e) => match sluice_controller::configuration_error(&e) {
             Some(store) => {
                 let _ = writeln!(
@@ -51,7 +65,11 @@ fn main() -> ExitCode {
                 ExitCode::from(64)
             }
             None => {
-                let _ = writeln!(std::io::stderr(), "sluice-controller: {e:#}");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "sluice-controller: {}",
+                    with_causes(e.as_ref())
+                );
                 ExitCode::FAILURE
             }
         },
@@ -78,7 +96,13 @@ async fn run(config: ControllerConfig) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
-    let controller = Controller::bind(config).await?;
+    // Opening the store can take a while (a Postgres server that does not
+    // answer): a signal meanwhile ends the start.
+    let controller = tokio::select! {
+        controller = Controller::bind(config) => controller?,
+        _ = term.recv() => return Ok(()),
+        _ = int.recv() => return Ok(()),
+    };
     let auth = controller.auth();
     tokio::spawn(async move {
         while hup.recv().await.is_some() {

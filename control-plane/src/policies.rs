@@ -119,6 +119,13 @@ pub async fn apply_at_start(
     apply_documents(shared, docs, false).await
 }
 
+/// Checks `--policies` before the store is opened: every document parses
+/// and is valid on its own (how it fits the stored policies is checked
+/// when it is applied).
+pub fn check_sources(sources: &[Source]) -> Result<(), String> {
+    parse(sources).map(drop).map_err(|e| e.to_string())
+}
+
 /// Parses every source; returns each document with its source's name, or
 /// every error.
 fn parse(sources: &[Source]) -> Result<Vec<(String, Policy)>, ApiError> {

@@ -32,6 +32,10 @@ mod revision;
 mod rows;
 mod sqlite;
 
+/// How many of the newest events the store keeps (about 20,000 short jobs'
+/// worth); older ones are dropped once a minute.
+pub const KEPT_EVENTS: i64 = 100_000;
+
 pub use error::StoreError;
 pub use leadership::Leadership;
 pub use model::{
@@ -184,9 +188,14 @@ impl Store {
     }
 
     /// Forgets the lost stages and the jobs last seen before `before_ms`,
-    /// and returns their ids.
-    pub async fn forget_unseen(&self, before_ms: i64) -> Result<Forgotten, StoreError> {
-        dispatch!(self.forget_unseen(before_ms))
+    /// and returns their ids; drops the events older than the newest
+    /// `kept_events` (the controller keeps [`KEPT_EVENTS`]).
+    pub async fn forget_unseen(
+        &self,
+        before_ms: i64,
+        kept_events: i64,
+    ) -> Result<Forgotten, StoreError> {
+        dispatch!(self.forget_unseen(before_ms, kept_events))
     }
 
     /// Allocates the stage's next settings version: strictly greater than

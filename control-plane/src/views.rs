@@ -199,7 +199,20 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
     let allocation = lock(&shared.shares).jobs.get(&r.id).cloned();
     let mut stages = Vec::new();
     let (mut bytes, mut samples, mut stall) = (0.0, 0.0, 0.0f64);
-    for stage in &r.stages {
+    // Only the stages that serve the job now: a lost stage's last rates
+    // and settings would count toward the job's throughput and the limit
+    // in force long after it died (its share goes to the stages that
+    // remain), and a job every stage has let go of has left.
+    let serving = r.stages.iter().filter(|stage| {
+        live.get(*stage).is_some_and(|l| {
+            !l.lost
+                && l.left.is_none()
+                && l.latest()
+                    .and_then(|t| t.jobs.get(&r.id))
+                    .is_some_and(|j| j.counters.connections > 0)
+        })
+    });
+    for stage in serving {
         let (b, s, st) = rates(live.get(stage), &r.id);
         let d = desired.get(stage);
         bytes += b;

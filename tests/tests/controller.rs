@@ -609,11 +609,17 @@ async fn sluicectl_apply_of_empty_input_fails() {
 /// Runs the controller with `--database-url URL` until it exits (or 10 s
 /// pass); returns its exit code and standard error.
 fn controller_exit(url: &str) -> (Option<i32>, String) {
+    controller_exit_with(url, &[])
+}
+
+/// [`controller_exit`] with more flags.
+fn controller_exit_with(url: &str, flags: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
     let out = Command::new("timeout")
         .arg("10")
         .arg(sluice_tests::binary("sluice-controller"))
         .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
         .args(["--database-url", url])
+        .args(flags)
         .stdout(Stdio::null())
         .output()
         .unwrap();
@@ -678,27 +684,77 @@ async fn a_sqlite_store_serves_one_controller_and_must_be_a_writable_file() {
     let (code, err) = controller_exit(&format!("sqlite://{}", missing.display()));
     assert_eq!(code, Some(64), "{err}");
     assert!(err.contains("no-such-dir"), "{err}");
+
+    // A directory: refused before a lock file is made beside it.
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    for url in [
+        format!("sqlite://{}", sub.display()),
+        format!("sqlite://{}/", sub.display()),
+    ] {
+        let (code, err) = controller_exit(&url);
+        assert_eq!(code, Some(64), "{err}");
+        assert!(
+            err.contains("names a directory, not a database file"),
+            "{err}"
+        );
+    }
+    assert!(!dir.path().join("sub.lock").exists());
+    assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 0);
+}
+
+/// `--policies` with a document that is not valid is an invalid
+/// configuration (exit 64), found before the store is opened: no new
+/// database is left behind.
+#[test]
+fn invalid_policies_stop_the_start_before_the_store_is_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let policies = dir.path().join("zero.yaml");
+    std::fs::write(
+        &policies,
+        "apiVersion: sluice.dev/v1\nkind: StoragePool\nmetadata:\n  name: p1\nspec:\n  capacity:\n    bandwidth: 0B/s\n",
+    )
+    .unwrap();
+    let db = dir.path().join("new.db");
+    let (code, err) = controller_exit_with(
+        &format!("sqlite://{}", db.display()),
+        &["--policies".as_ref(), policies.as_os_str()],
+    );
+    assert_eq!(code, Some(64), "{err}");
+    assert!(
+        err.contains("--policies") && err.contains("zero.yaml:7:") && err.contains("bandwidth"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["zero.yaml"], "{err}");
+}
+
+/// A Postgres server that refuses connections is named as such at start,
+/// not hidden behind a pool's timeout.
+#[test]
+fn an_unreachable_postgres_says_why() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let (code, err) = controller_exit(&format!("postgres://u:secret@127.0.0.1:{port}/db"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("onnection refused"), "{err}");
+    assert!(!err.contains("pool timed out"), "{err}");
+    assert!(!err.contains("secret"), "{err}");
 }
 
 /// `--policies` naming nothing is a usage error (exit 64), found before
 /// any store is opened.
 #[test]
 fn policies_that_do_not_exist_are_a_usage_error() {
-    let out = Command::new("timeout")
-        .arg("10")
-        .arg(sluice_tests::binary("sluice-controller"))
-        .args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
-        .args([
-            "--database-url",
-            "sqlite::memory:",
-            "--policies",
-            "/no/such/policies",
-        ])
-        .stdout(Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(64), "{err}");
+    let (code, err) = controller_exit_with(
+        "sqlite::memory:",
+        &["--policies".as_ref(), "/no/such/policies".as_ref()],
+    );
+    assert_eq!(code, Some(64), "{err}");
     assert!(
         err.contains("--policies") && err.contains("/no/such/policies"),
         "{err}"

@@ -78,7 +78,11 @@ macro_rules! common_queries {
         tx.commit().await.map_err(db(OP))
     }
 
-    pub(super) async fn forget_unseen(&self, before_ms: i64) -> Result<Forgotten, StoreError> {
+    pub(super) async fn forget_unseen(
+        &self,
+        before_ms: i64,
+        kept_events: i64,
+    ) -> Result<Forgotten, StoreError> {
         const OP: &str = "forgetting stages and jobs not seen for long";
         let mut tx = self.begin_write(OP).await?;
         let stages: Vec<String> = sqlx::query_scalar(
@@ -109,8 +113,22 @@ macro_rules! common_queries {
                     .map_err(db(OP))?;
             }
         }
+        // The event log keeps its newest `kept_events`: every job that
+        // comes and goes adds a few, and a controller runs for months.
+        let events = sqlx::query(
+            "DELETE FROM events WHERE seq <= (SELECT MAX(seq) FROM events) - $1",
+        )
+        .bind(kept_events)
+        .execute(&mut *tx)
+        .await
+        .map_err(db(OP))?
+        .rows_affected();
         tx.commit().await.map_err(db(OP))?;
-        Ok(Forgotten { stages, jobs })
+        Ok(Forgotten {
+            stages,
+            jobs,
+            events,
+        })
     }
 
     pub(super) async fn next_settings_version(&self, stage: &str) -> Result<u64, StoreError> {

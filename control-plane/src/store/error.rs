@@ -35,6 +35,15 @@ pub enum StoreError {
         /// The URL as given.
         url: String,
     },
+    /// A SQLite URL that names a directory.
+    #[error(
+        "`{url}` names a directory, not a database file: write sqlite://DIR/FILE (for \
+         example sqlite:///var/lib/sluice/sluice.db)"
+    )]
+    Directory {
+        /// The URL as given.
+        url: String,
+    },
     /// Another controller (or another store in this process) holds the
     /// SQLite store's lock file: SQLite has no leader lease, so one store
     /// serves one controller.
@@ -122,6 +131,13 @@ pub enum StoreError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The database has not answered `op` for `after` (it is still asked).
+    #[error("the database has not answered {op} for {after:?}")]
+    NoAnswer {
+        /// What the store asked (`the try of the leader lease`).
+        op: &'static str,
+        after: std::time::Duration,
+    },
     /// The database failed while doing `op`.
     #[error("database error while {op}")]
     Database {
@@ -142,6 +158,7 @@ impl StoreError {
             self,
             Self::UnsupportedUrl { .. }
                 | Self::NoPath { .. }
+                | Self::Directory { .. }
                 | Self::InUse { .. }
                 | Self::ReadOnly { .. }
                 | Self::Open {

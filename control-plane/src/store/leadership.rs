@@ -82,6 +82,10 @@ impl std::fmt::Debug for Leadership {
     }
 }
 
+/// How long a try of the lease may go unanswered before a standby says
+/// that the store does not answer (at least a tick).
+const SLOW_STORE: Duration = Duration::from_secs(2);
+
 impl Leadership {
     pub(super) fn embedded() -> Self {
         Self {
@@ -126,7 +130,21 @@ impl Leadership {
                 () = cancel.cancelled() => return None,
                 _ = interval.tick() => {}
             }
-            let tried = store.try_acquire_leadership().await;
+            // A store that does not answer at once is said to be away while
+            // the try goes on (a pool tries for seconds before it fails),
+            // rather than that another controller leads.
+            let attempt = store.try_acquire_leadership();
+            tokio::pin!(attempt);
+            let tried = tokio::select! {
+                tried = &mut attempt => tried,
+                () = tokio::time::sleep(every.max(SLOW_STORE)) => {
+                    reached(Some(&StoreError::NoAnswer {
+                        op: "the try of the leader lease",
+                        after: every.max(SLOW_STORE),
+                    }));
+                    attempt.await
+                }
+            };
             reached(tried.as_ref().err());
             match tried {
                 Ok(Some(leadership)) => return Some(leadership),

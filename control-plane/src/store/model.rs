@@ -165,6 +165,9 @@ pub struct StageHello {
 pub struct Forgotten {
     pub stages: Vec<String>,
     pub jobs: Vec<String>,
+    /// How many of the oldest events went (the log keeps its newest
+    /// [`super::KEPT_EVENTS`]).
+    pub events: u64,
 }
 
 /// Settings the controller wants a stage to run, under their version.

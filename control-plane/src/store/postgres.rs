@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, PgTransaction, SqlSafeStr};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{Connection, PgPool, PgTransaction, SqlSafeStr};
 
 use super::StoreError;
 use super::error::{db, found, redact, stage_version};
@@ -86,6 +86,21 @@ impl PgStore {
         let options = PgConnectOptions::from_str(url)
             .map_err(open_err)?
             .application_name("sluice-controller");
+        // One connection first, outside the pool: a pool tries a failing
+        // connect again until its timeout and then says only that it timed
+        // out, hiding "connection refused" or a refused password.
+        match tokio::time::timeout(ACQUIRE_TIMEOUT, PgConnection::connect_with(&options)).await {
+            Ok(Ok(first)) => {
+                let _ = first.close().await;
+            }
+            Ok(Err(e)) => return Err(open_err(e)),
+            Err(_) => {
+                return Err(open_err(sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {ACQUIRE_TIMEOUT:?}"),
+                ))));
+            }
+        }
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(ACQUIRE_TIMEOUT)

@@ -112,6 +112,10 @@ impl SqliteStore {
             if database.as_os_str().is_empty() {
                 return Err(StoreError::NoPath { url: redact(url) });
             }
+            // Its lock file would be made beside it before SQLite refused it.
+            if database.is_dir() || database.as_os_str().as_encoded_bytes().ends_with(b"/") {
+                return Err(StoreError::Directory { url: redact(url) });
+            }
             Some(Arc::new(FileLock::acquire(&database)?))
         };
         let pool = if in_memory {

@@ -33,6 +33,18 @@ pub(crate) async fn events_are_ordered_and_paged(f: &Fixture) {
     let page = store.events_since(seqs[1], 2).await.unwrap();
     assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), seqs[2..4]);
     assert!(store.events_since(seqs[4], 10).await.unwrap().is_empty());
+
+    // The log keeps its newest events; seqs go on from the last.
+    let forgotten = store.forget_unseen(0, 2).await.unwrap();
+    assert_eq!(forgotten.events, 3);
+    let kept = store.events_since(0, 100).await.unwrap();
+    assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), seqs[3..]);
+    let next = store
+        .append_event(&event("policy.applied", 5))
+        .await
+        .unwrap();
+    assert!(next > seqs[4]);
+    assert_eq!(store.forget_unseen(0, 100).await.unwrap().events, 0);
 }
 
 pub(crate) async fn concurrent_events_commit_in_seq_order(f: &Fixture) {

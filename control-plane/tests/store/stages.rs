@@ -245,7 +245,7 @@ pub(crate) async fn stages_and_jobs_not_seen_for_long_are_forgotten(f: &Fixture)
     assert_eq!(ids(store.stages().await.unwrap()), ["s1", "s2", "s3"]);
     assert!(store.job("gone").await.unwrap().unwrap().stages.is_empty());
 
-    let forgotten = store.forget_unseen(1_000).await.unwrap();
+    let forgotten = store.forget_unseen(1_000, 100).await.unwrap();
     assert_eq!(forgotten.stages, ["s1"]);
     assert_eq!(forgotten.jobs, ["gone", "old"]);
     assert_eq!(ids(store.stages().await.unwrap()), ["s2", "s3"]);
@@ -259,7 +259,7 @@ pub(crate) async fn stages_and_jobs_not_seen_for_long_are_forgotten(f: &Fixture)
     assert_eq!(jobs, ["recent"]);
     // Nothing more to forget.
     assert_eq!(
-        store.forget_unseen(1_000).await.unwrap(),
+        store.forget_unseen(1_000, 100).await.unwrap(),
         Default::default()
     );
 }
