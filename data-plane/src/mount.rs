@@ -150,13 +150,28 @@ pub fn mount(
         None => None,
     };
     let readers = Arc::new(Readers::default());
+    let notifier: Arc<OnceLock<fuser::Notifier>> = Arc::default();
     let sweeper = {
-        let readers = Arc::clone(&readers);
+        let (readers, notifier) = (Arc::clone(&readers), Arc::clone(&notifier));
         runtime.spawn(async move {
             let mut every = tokio::time::interval(ATTACHED_IDLE / 2);
             loop {
                 every.tick().await;
-                readers.sweep();
+                let gone = readers.sweep();
+                let Some(notifier) = notifier.get().filter(|_| !gone.is_empty()) else {
+                    continue;
+                };
+                let notifier = notifier.clone();
+                // A write to /dev/fuse that the kernel handles then and there.
+                let _ = tokio::task::spawn_blocking(move || {
+                    for job in gone {
+                        let name = format!("@{job}");
+                        if let Err(e) = notifier.inval_entry(fuser::FUSE_ROOT_ID, OsStr::new(&name)) {
+                            tracing::debug!(job = %job, error = %e, "the kernel kept a gone job's directory");
+                        }
+                    }
+                })
+                .await;
             }
         })
     };
@@ -170,13 +185,12 @@ pub fn mount(
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
-        notifier: Arc::default(),
+        notifier: Arc::clone(&notifier),
         backings: Arc::default(),
         access,
         counters: Counters::new(engine.metrics()),
         engine,
     };
-    let notifier = Arc::clone(&fs.notifier);
     let mount_options = [
         MountOption::RO,
         MountOption::FSName("sluice".to_owned()),
@@ -824,7 +838,17 @@ const ATTACHED_IDLE: Duration = Duration::from_secs(10);
 #[derive(Default)]
 struct Readers {
     jobs: Mutex<HashMap<Arc<str>, Attached>>,
+    /// Jobs detached by [`Readers::sweep`], and since when.
+    detached: Mutex<HashMap<Arc<str>, Instant>>,
 }
+
+/// How long after a job was detached the kernel is told to drop its
+/// `@<job>` directory: the names and inodes under it are the job's own
+/// (the same file under another job is another inode), so a node that
+/// runs job after job would otherwise keep every one's until memory is
+/// short. Past the engine's keeping of an idle job; a job that comes back
+/// later looks its files up again.
+const DROP_JOB_PATHS: Duration = Duration::from_secs(90);
 
 struct Attached {
     handle: JobHandle,
@@ -843,7 +867,10 @@ impl Readers {
         });
         attached.open += 1;
         attached.idle_since = None;
-        Arc::clone(attached.handle.job())
+        let job = Arc::clone(attached.handle.job());
+        drop(jobs);
+        lock(&self.detached).remove(job.id());
+        job
     }
 
     /// A file of `job` was closed.
@@ -856,8 +883,9 @@ impl Readers {
         }
     }
 
-    /// Detaches the jobs idle for [`ATTACHED_IDLE`].
-    fn sweep(&self) {
+    /// Detaches the jobs idle for [`ATTACHED_IDLE`]; returns the jobs
+    /// detached [`DROP_JOB_PATHS`] ago and not read since.
+    fn sweep(&self) -> Vec<Arc<str>> {
         let idle: Vec<JobHandle> = {
             let mut jobs = lock(&self.jobs);
             let gone: Vec<Arc<str>> = jobs
@@ -865,12 +893,26 @@ impl Readers {
                 .filter(|(_, a)| a.idle_since.is_some_and(|t| t.elapsed() >= ATTACHED_IDLE))
                 .map(|(job, _)| Arc::clone(job))
                 .collect();
+            let mut detached = lock(&self.detached);
+            for job in &gone {
+                detached.insert(Arc::clone(job), Instant::now());
+            }
             gone.iter()
                 .filter_map(|job| jobs.remove(job).map(|a| a.handle))
                 .collect()
         };
         // Dropped outside the lock: the last handle of a job reports it.
         drop(idle);
+        let mut detached = lock(&self.detached);
+        let done: Vec<Arc<str>> = detached
+            .iter()
+            .filter(|(_, at)| at.elapsed() >= DROP_JOB_PATHS)
+            .map(|(job, _)| Arc::clone(job))
+            .collect();
+        for job in &done {
+            detached.remove(job);
+        }
+        done
     }
 }
 
@@ -1697,6 +1739,20 @@ mod tests {
 
     fn job_root(job: &str) -> Node {
         Node::JobRoot(Arc::from(job))
+    }
+
+    #[test]
+    fn a_job_detached_long_enough_has_its_paths_dropped_once_unless_read_again() {
+        let readers = Readers::default();
+        let long_ago = Instant::now() - DROP_JOB_PATHS;
+        {
+            let mut detached = lock(&readers.detached);
+            detached.insert(Arc::from("gone"), long_ago);
+            detached.insert(Arc::from("recent"), Instant::now());
+        }
+        assert_eq!(readers.sweep(), [Arc::<str>::from("gone")]);
+        assert!(readers.sweep().is_empty(), "told once");
+        assert!(lock(&readers.detached).contains_key("recent"));
     }
 
     #[test]

@@ -76,6 +76,14 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
             .filter(|_| !cancel.is_cancelled());
         engine.metrics().controller_connected.set(0);
         engine.set_controller_live(false);
+        // A session that lasted starts the backoff over; the wait is drawn
+        // before it is logged, so the log says what is waited.
+        if started.elapsed() >= STABLE_SESSION {
+            backoff = MIN_BACKOFF;
+        }
+        // Between half and all of it: stages that lost one controller do
+        // not reconnect in lockstep.
+        let delay = jittered(backoff, 0.5);
         match result {
             None => return,
             Some(Err(e @ SessionError::BadUrl { .. })) => {
@@ -91,24 +99,18 @@ pub async fn run(engine: Arc<Engine>, url: String, identity: Identity, cancel: C
                     "the controller is unreachable, or it requires TLS: then give an https:// URL \
                      with --tls-cert, --tls-key and --tls-ca"
                 };
-                warn!(error = %e, hint, retry_in = ?backoff, "controller session ended; keeping the last settings")
+                warn!(error = %e, hint, retry_in = ?delay, "controller session ended; keeping the last settings")
             }
             // Another stage holds this id: say so in its words (it names
             // the holder and the fix) and retry, to take over once it goes.
             Some(Err(SessionError::Refused(status))) if status.code() == Code::AlreadyExists => {
-                warn!(retry_in = ?backoff, "{}; retrying until that session ends", status.message())
+                warn!(retry_in = ?delay, "{}; retrying until that session ends", status.message())
             }
             Some(Err(e)) => {
-                warn!(error = %e, retry_in = ?backoff, "controller session ended; keeping the last settings")
+                warn!(error = %e, retry_in = ?delay, "controller session ended; keeping the last settings")
             }
             Some(Ok(())) => {}
         }
-        if started.elapsed() >= STABLE_SESSION {
-            backoff = MIN_BACKOFF;
-        }
-        // Between half and all of it: stages that lost one controller do
-        // not reconnect in lockstep.
-        let delay = jittered(backoff, 0.5);
         backoff = (backoff * 2).min(MAX_BACKOFF);
         if cancel
             .run_until_cancelled(tokio::time::sleep(delay))

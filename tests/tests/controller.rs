@@ -328,6 +328,21 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
         },
     )
     .await;
+    // The lost stage no longer counts toward the job: its last settings
+    // and rates would show the job over its cap.
+    let job = client
+        .get_job(GetJobRequest {
+            id: "resnet".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let serving: Vec<&str> = job.stages.iter().map(|s| s.stage_id.as_str()).collect();
+    assert_eq!(serving, ["stage-a"]);
+    assert_eq!(
+        job.settings.and_then(|s| s.bytes_per_second),
+        Some(100_000_000)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
