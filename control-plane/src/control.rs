@@ -146,6 +146,16 @@ async fn ride_out(
         .await;
         match attempt {
             Ok(Ok(Some(lease))) => {
+                // A session's messages wait while their store writes do
+                // (a job's sighting, an event): the stages in session went
+                // unheard because of the store, not of their own doing.
+                // Their timeout starts over, so the first lost check after
+                // the outage does not find them silent.
+                for l in lock(&shared.live).values_mut() {
+                    if l.session.is_some() {
+                        l.last_heard = Instant::now();
+                    }
+                }
                 *lock(&shared.outage) = None;
                 shared.metrics.store_up.set(1);
                 info!(

@@ -320,6 +320,10 @@ async fn a_postgres_outage_is_ridden_out() {
     );
     let api = http(&http_addr, "GET", "/api/v1/stages", "");
     assert!(api.starts_with("HTTP/1.1 503"), "{api}");
+    // A job new during the outage: the controller's session handler waits
+    // on its sighting's store write until the store answers.
+    let mut newcomer = trainer(&socket, "bert");
+    assert_eq!(read_sample(&mut newcomer), b"abc");
     assert!(http(&http_addr, "GET", "/metrics", "").contains("sluice_controller_store_up 0"));
     // Throughout the outage the controller runs, the stage keeps its
     // session and its trainers are served; a new trainer is welcome.
@@ -349,6 +353,11 @@ async fn a_postgres_outage_is_ridden_out() {
         .unwrap();
     let after = acked_above(&client, "stage-1", before).await;
     let converged = back.elapsed();
+    // The stage kept its session and reported throughout: it was never
+    // lost (a stage timeout past the return, to be sure).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = std::fs::read_to_string(dir.path().join("controller.log")).unwrap();
+    assert!(!log.contains("marked lost"), "{log}");
     report(
         "postgres outage",
         serde_json::json!({
