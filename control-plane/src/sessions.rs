@@ -125,11 +125,20 @@ impl StageService for Sessions {
                         Ok(Some(message)) => handle(&shared, &stage, message).await,
                         Ok(None) => {
                             // The stage ended the stream: it is stopping.
-                            shared.with_live(&stage, |l| {
-                                if l.session.as_ref().is_some_and(|s| s.id == id) {
+                            let current = shared.with_live(&stage, |l| {
+                                let current = l.session.as_ref().is_some_and(|s| s.id == id);
+                                if current {
                                     l.left = Some(Instant::now());
                                 }
+                                current
                             });
+                            // Stored, so that a leader taking over before the
+                            // stage timeout runs out knows it left.
+                            if current
+                                && let Err(e) = shared.store.record_stage_ended(&stage, now_ms()).await
+                            {
+                                debug!(error = %e, "cannot record that the stage ended its session");
+                            }
                             break;
                         }
                         Err(e) => {

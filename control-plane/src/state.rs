@@ -323,7 +323,17 @@ impl Shared {
             // A stage with a session (a leader that rode out a store
             // outage) keeps it.
             if s.state == crate::store::StageState::Connected {
-                live.entry(s.id).or_insert_with(|| LiveStage::new(now));
+                // One that ended its session itself (a stop the leader before
+                // saw) left unless it comes back within the stage timeout,
+                // counted from when it ended.
+                let ended = s.ended_ms.map(|ms| {
+                    let ago = u64::try_from(now_ms().saturating_sub(ms)).unwrap_or(0);
+                    now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
+                });
+                let stage = live.entry(s.id).or_insert_with(|| LiveStage::new(now));
+                if stage.session.is_none() {
+                    stage.left = stage.left.or(ended);
+                }
             }
         }
         self.metrics.jobs.set(jobs.len() as i64);

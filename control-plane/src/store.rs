@@ -182,6 +182,13 @@ impl Store {
         dispatch!(self.set_stage_state(id, StageState::Lost, None))
     }
 
+    /// Records that the stage ended its session itself at `ended_ms` (it is
+    /// stopping): a leader that takes over before it would have counted as
+    /// left still counts it left, not lost. Its next hello clears it.
+    pub async fn record_stage_ended(&self, id: &str, ended_ms: i64) -> Result<(), StoreError> {
+        dispatch!(self.record_stage_ended(id, ended_ms))
+    }
+
     /// Forgets a stage: its record and which jobs it reported.
     pub async fn forget_stage(&self, id: &str) -> Result<(), StoreError> {
         dispatch!(self.forget_stage(id))

@@ -149,3 +149,59 @@ async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
     .await;
     assert!(http(&b.http, "GET", "/metrics", "").contains("sluice_controller_leader 1"));
 }
+
+/// A stage stopped (SIGTERM) just before its leader dies left: the
+/// standby that takes over forgets it once the stage timeout has run from
+/// when it stopped, and never counts it lost (a lost-stage alert and a
+/// ghost for an hour, on every rollout that restarts both together).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_stopped_just_before_a_failover_left_and_was_not_lost() {
+    let Some(database) = TestDatabase::create("stopped_before_failover").await else {
+        return;
+    };
+    let url = database.url();
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = replica(url, &dir.path().join("a.log"));
+    let b = replica(url, &dir.path().join("b.log"));
+    assert_eq!(a.ready_line["role"], "leader");
+    let (command, _socket) = stage_command(dir.path(), "stage-1", &format!("http://{}", a.grpc));
+    let (mut stage, _) = support::start(command, &dir.path().join("stage.log"));
+    let leader = admin(&a.grpc).await;
+    eventually("the stage to connect", Duration::from_secs(10), || {
+        let mut leader = leader.clone();
+        async move {
+            let stages = leader.list_stages(ListStagesRequest {}).await.ok()?;
+            (stages.into_inner().stages.len() == 1).then_some(())
+        }
+    })
+    .await;
+
+    let pid = stage.0.id().to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", pid.as_str()])
+        .status();
+    assert!(sent.unwrap().success());
+    assert!(stage.0.wait().unwrap().success());
+    // Well within the stage timeout (2 s): the leader has seen the stage
+    // end its session, not yet that it stayed away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.process.0.kill().unwrap();
+    a.process.0.wait().unwrap();
+    eventually("the standby to turn ready", Duration::from_secs(10), || {
+        let ready = http(&b.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
+        async move { ready.then_some(()) }
+    })
+    .await;
+    let leader = admin(&b.grpc).await;
+    eventually("the stage to be forgotten", Duration::from_secs(10), || {
+        let mut leader = leader.clone();
+        async move {
+            let stages = leader.list_stages(ListStagesRequest {}).await.ok()?;
+            stages.into_inner().stages.is_empty().then_some(())
+        }
+    })
+    .await;
+    let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap();
+    assert!(!log.contains("marked lost"), "{log}");
+    assert!(log.contains("did not come back: forgotten"), "{log}");
+}

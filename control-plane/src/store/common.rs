@@ -62,6 +62,16 @@ macro_rules! common_queries {
         found(done.rows_affected(), id)
     }
 
+    pub(super) async fn record_stage_ended(&self, id: &str, ended_ms: i64) -> Result<(), StoreError> {
+        let done = sqlx::query("UPDATE stages SET ended_ms = $2 WHERE id = $1")
+            .bind(id)
+            .bind(ended_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(db("recording that a stage ended its session"))?;
+        found(done.rows_affected(), id)
+    }
+
     pub(super) async fn forget_stage(&self, id: &str) -> Result<(), StoreError> {
         const OP: &str = "forgetting a stage";
         let mut tx = self.begin_write(OP).await?;

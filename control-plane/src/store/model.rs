@@ -210,6 +210,9 @@ pub struct StageRecord {
     /// Its last rejection, cleared when it acknowledges that version or a
     /// later one.
     pub last_nack: Option<Nack>,
+    /// When it last ended its session itself (it was stopping), until its
+    /// next hello (Unix milliseconds).
+    pub ended_ms: Option<i64>,
 }
 
 impl StageRecord {

@@ -27,7 +27,7 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 macro_rules! stage_columns {
     () => {
         "id, node, labels::text, state, first_seen_ms, last_seen_ms, desired_version, \
-         desired_settings, acked_version, nack_version, nack_reason"
+         desired_settings, acked_version, nack_version, nack_reason, ended_ms"
     };
 }
 
@@ -65,13 +65,23 @@ pub(super) struct PgStore {
 
 fn migrator() -> Migrator {
     let initial = include_str!("../../migrations/postgres/0001_initial.sql");
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        "initial".into(),
-        MigrationType::Simple,
-        initial.into_sql_str(),
-        false,
-    )])
+    let ended = include_str!("../../migrations/postgres/0002_stage_ended.sql");
+    Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "initial".into(),
+            MigrationType::Simple,
+            initial.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            2,
+            "stage ended".into(),
+            MigrationType::Simple,
+            ended.into_sql_str(),
+            false,
+        ),
+    ])
 }
 
 impl PgStore {
@@ -206,7 +216,7 @@ impl PgStore {
                  node = excluded.node, labels = excluded.labels, state = 'connected',
                  last_seen_ms = excluded.last_seen_ms,
                  settings_version = GREATEST(stages.settings_version, excluded.settings_version),
-                 acked_version = excluded.acked_version
+                 acked_version = excluded.acked_version, ended_ms = NULL
              RETURNING ",
             stage_columns!()
         ))

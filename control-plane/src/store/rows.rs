@@ -39,10 +39,12 @@ pub(super) type StageRow = (
     Option<i64>,
     Option<i64>,
     Option<String>,
+    Option<i64>,
 );
 
 pub(super) fn stage_from_row(row: StageRow) -> Result<StageRecord, StoreError> {
-    let (id, node, labels, state, first_seen_ms, last_seen_ms, dv, ds, acked, nv, nr) = row;
+    let (id, node, labels, state, first_seen_ms, last_seen_ms, dv, ds, acked, nv, nr, ended_ms) =
+        row;
     let desired = match (dv, ds) {
         (Some(v), Some(document)) => Some(DesiredSettings {
             version: to_u64("desired version", v)?,
@@ -67,6 +69,7 @@ pub(super) fn stage_from_row(row: StageRow) -> Result<StageRecord, StoreError> {
         last_seen_ms,
         desired,
         last_nack,
+        ended_ms,
     })
 }
 

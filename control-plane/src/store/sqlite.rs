@@ -38,7 +38,7 @@ const SQLITE_READONLY: i32 = 8;
 macro_rules! stage_columns {
     () => {
         "id, node, labels, state, first_seen_ms, last_seen_ms, desired_version, \
-         desired_settings, acked_version, nack_version, nack_reason"
+         desired_settings, acked_version, nack_version, nack_reason, ended_ms"
     };
 }
 
@@ -74,13 +74,23 @@ pub(super) struct SqliteStore {
 
 fn migrator() -> Migrator {
     let initial = include_str!("../../migrations/sqlite/0001_initial.sql");
-    Migrator::with_migrations(vec![Migration::new(
-        1,
-        "initial".into(),
-        MigrationType::Simple,
-        initial.into_sql_str(),
-        false,
-    )])
+    let ended = include_str!("../../migrations/sqlite/0002_stage_ended.sql");
+    Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "initial".into(),
+            MigrationType::Simple,
+            initial.into_sql_str(),
+            false,
+        ),
+        Migration::new(
+            2,
+            "stage ended".into(),
+            MigrationType::Simple,
+            ended.into_sql_str(),
+            false,
+        ),
+    ])
 }
 
 impl SqliteStore {
@@ -228,7 +238,7 @@ impl SqliteStore {
                  node = excluded.node, labels = excluded.labels, state = 'connected',
                  last_seen_ms = excluded.last_seen_ms,
                  settings_version = MAX(settings_version, excluded.settings_version),
-                 acked_version = excluded.acked_version
+                 acked_version = excluded.acked_version, ended_ms = NULL
              RETURNING ",
             stage_columns!()
         ))
