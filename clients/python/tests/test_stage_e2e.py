@@ -827,6 +827,41 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
         assert stage.stop() == 0
 
 
+def test_a_batch_filled_one_sample_at_a_time_counts_as_stall_as_it_fills(stage_factory, tmp_path):
+    # A throttled job's batch of 32 fills over seconds, a sample each
+    # sixteenth of a second: the trainer's wait must show in the stall
+    # counter while it lasts, not in one jump when the batch is whole (the
+    # controller saw stall in every other window and took the job for one
+    # that wants no more than it gets).
+    root = tmp_path / "slow"
+    root.mkdir()
+    for i in range(64):
+        (root / f"s{i:02d}.bin").write_bytes(bytes([i]) * (64 << 10))
+    stage = stage_factory({"d": root}, "--rate-limit", "1MiB/s", "--burst-ms", "10")
+
+    def stall() -> float:
+        return metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")),
+                            "sluice_stage_consumer_stall_seconds_total", job="trickle") or 0.0
+
+    with sluice.Client(stage.socket, job="trickle") as c:
+        done = []
+        reading = threading.Thread(
+            target=lambda: done.extend(c.dataset("d").epoch(0, shuffle=False, batch=32, prefetch=0)),
+            daemon=True)
+        reading.start()
+        wait_for(lambda: stall() > 0.0, timeout=10, what="the trainer to stall")
+        # Sampled every 0.25 s for 1.5 s, while the second batch fills: the
+        # counter moves in nearly every sample.
+        samples = []
+        for _ in range(7):
+            samples.append(stall())
+            time.sleep(0.25)
+        reading.join(timeout=30)
+    moved = sum(1 for a, b in zip(samples, samples[1:]) if b > a)
+    assert moved >= 4, f"stall seconds sampled every 0.25 s: {samples}"
+    assert len(done) == 64
+
+
 def test_a_killed_trainers_pending_next_is_no_stall(stage_factory, tmp_path):
     # A trainer killed while it waits in NEXT for a batch the limit lets
     # through slowly: the stage answers the request all the same (it holds

@@ -361,12 +361,13 @@ impl Job {
             waited = true;
             // notify_one leaves a permit if it fired before we got here.
             // A long wait is counted as it goes, so that every window it
-            // spans (the tuner's, the telemetry's) sees a stalled trainer.
-            if tokio::time::timeout(STALL_SLICE, wake.notified())
-                .await
-                .is_err()
-            {
-                let now = Instant::now();
+            // spans (the tuner's, the telemetry's) sees a stalled trainer:
+            // at least every STALL_SLICE, whether it passed in silence or
+            // in wake-ups for entries that came one by one (a throttled job
+            // fills a batch of 32 over seconds, a wake-up each).
+            let _ = tokio::time::timeout(STALL_SLICE, wake.notified()).await;
+            let now = Instant::now();
+            if now - uncounted >= STALL_SLICE {
                 if stalled() {
                     self.count_stall(metrics, now - uncounted);
                 }
