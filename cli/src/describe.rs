@@ -129,12 +129,16 @@ pub fn job_text(job: &JobView) -> String {
             }
             fields.write(&mut out, 2);
         }
+        None if job.stages.is_empty() => {
+            out.push_str("  nothing: no stage serves the job now (its trainers left)\n");
+        }
         None => out.push_str("  nothing (no policy selects the job, or not computed yet)\n"),
     }
 
     out.push_str("In force (all stages):\n");
     match &job.settings {
         Some(settings) => settings_fields(settings).write(&mut out, 2),
+        None if job.stages.is_empty() => out.push_str("  nothing: no stage serves the job now\n"),
         None => out.push_str("  nothing pushed yet\n"),
     }
 

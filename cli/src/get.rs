@@ -161,7 +161,12 @@ pub fn jobs_table(jobs: &[JobView]) -> Table {
             j.pool.clone().unwrap_or_else(|| "-".into()),
             human::rate(j.throughput_bytes_per_second),
             human::percent(j.stall_fraction),
-            human::limit(limit),
+            // A job no stage serves has no limit in force but its cap.
+            if j.stages.is_empty() && limit.is_none() {
+                "-".to_owned()
+            } else {
+                human::limit(limit)
+            },
             j.stages.len().to_string(),
         ]);
     }

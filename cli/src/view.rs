@@ -145,8 +145,9 @@ pub struct LimitsView {
     pub guarantee_ops_per_second: Option<u64>,
     /// Cap on operations per second; `null` = none.
     pub limit_ops_per_second: Option<u64>,
-    /// Weight in the pool's fair sharing.
-    pub weight: f64,
+    /// Weight in the pool's fair sharing (a whole number, as policies
+    /// write it and the REST API gives it).
+    pub weight: u32,
     /// Priority; higher is served first.
     pub priority: i32,
 }
@@ -290,7 +291,8 @@ impl From<v1::JobLimits> for LimitsView {
             limit_bytes_per_second: l.limit_bytes_per_second,
             guarantee_ops_per_second: l.guarantee_ops_per_second,
             limit_ops_per_second: l.limit_ops_per_second,
-            weight: l.weight,
+            // Sent as a double; policies allow 1 to 10,000.
+            weight: l.weight.round() as u32,
             priority: l.priority,
         }
     }

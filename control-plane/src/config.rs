@@ -245,8 +245,8 @@ fn periods(args: &Args) -> Result<(Duration, Duration), ConfigError> {
         return Err(ConfigError {
             flag: "--stage-timeout",
             reason: format!(
-                "`{}` is shorter than two of a stage's telemetry reports (one a second): give at \
-                 least 2s",
+                "`{}` is under 2s: a stage that missed a few telemetry reports (it sends two a \
+                 second) would be counted lost: give at least 2s",
                 args.stage_timeout
             ),
         });

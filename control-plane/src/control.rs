@@ -230,7 +230,11 @@ async fn mark_lost(shared: &Shared) {
         drop(desired);
         let mut newly = Vec::new();
         for (id, l) in live.iter_mut() {
-            if !l.lost && l.last_heard.elapsed() > timeout {
+            // One that ended its session itself is waited for as left
+            // (its last report came before its session ended, so its
+            // silence would pass the timeout first).
+            let ended = l.session.is_none() && l.left.is_some();
+            if !l.lost && !ended && l.last_heard.elapsed() > timeout {
                 l.lost = true;
                 newly.push(id.clone());
             }
@@ -239,6 +243,7 @@ async fn mark_lost(shared: &Shared) {
         (left, newly, live.len() - lost, lost)
     };
     shared.metrics.set_stages(connected, lost);
+    shared.metrics.jobs.set(running_jobs(shared) as i64);
     for id in left {
         info!(stage = %id, "stage ended its session and did not come back: forgotten");
         if let Err(e) = shared.store.forget_stage(&id).await {
@@ -260,6 +265,19 @@ async fn mark_lost(shared: &Shared) {
             .event("stage.lost", format!("stage/{id}"), message)
             .await;
     }
+}
+
+/// How many jobs the stages in session serve now (trainers connected).
+fn running_jobs(shared: &Shared) -> usize {
+    let live = lock(&shared.live);
+    let serving = live
+        .values()
+        .filter(|l| !l.lost && l.session.is_some())
+        .filter_map(LiveStage::latest)
+        .flat_map(|t| t.jobs.iter())
+        .filter(|(_, j)| j.counters.connections > 0)
+        .map(|(job, _)| job.as_str());
+    serving.collect::<std::collections::BTreeSet<_>>().len()
 }
 
 /// How long a lost stage, or a job no stage reports, is remembered.
@@ -298,7 +316,6 @@ async fn forget_unseen(shared: &Shared) {
         for id in &forgotten.jobs {
             known.remove(id);
         }
-        shared.metrics.jobs.set(known.len() as i64);
     }
     let after = format!("{} h", FORGET_AFTER.as_secs() / 3600);
     for id in forgotten.stages {

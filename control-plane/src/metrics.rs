@@ -73,7 +73,10 @@ impl Metrics {
                 "sluice_controller_policy_revisions_total",
                 "Policy revisions stored by this controller (applies and deletes)",
             ),
-            jobs: gauge("sluice_controller_jobs", "Jobs known to the controller"),
+            jobs: gauge(
+                "sluice_controller_jobs",
+                "Jobs some stage serves now (trainers connected); jobs that left are not counted",
+            ),
             policies: gauge("sluice_controller_policies", "Live policies"),
             allocation: Arc::new(AllocationMetrics::new(&registry)),
             leader: gauge(

@@ -376,7 +376,6 @@ async fn telemetry(shared: &Shared, stage: &str, t: v1::Telemetry) {
         });
         let new = lock(&shared.known_jobs).insert(job.clone());
         if new {
-            shared.metrics.jobs.inc();
             let message = format!("job {job} appeared on stage {stage}");
             shared
                 .event("job.appeared", format!("job/{job}"), message)

@@ -336,7 +336,6 @@ impl Shared {
                 }
             }
         }
-        self.metrics.jobs.set(jobs.len() as i64);
         *lock(&self.known_jobs) = jobs.into_iter().map(|j| j.id).collect();
         Ok(())
     }

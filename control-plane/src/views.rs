@@ -137,8 +137,15 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
         state: if lost { "lost" } else { "connected" },
         // The store is told every few seconds; the controller hears more.
         last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
+        // The jobs it serves (trainers connected), not those it keeps idle.
         jobs: telemetry
-            .map(|t| t.jobs.keys().cloned().collect())
+            .map(|t| {
+                t.jobs
+                    .iter()
+                    .filter(|(_, j)| j.counters.connections > 0)
+                    .map(|(job, _)| job.clone())
+                    .collect()
+            })
             .unwrap_or_default(),
         memory_used_bytes: telemetry.map_or(0, |t| t.memory_used_bytes),
         software_version: hello.software_version,
@@ -257,7 +264,11 @@ pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
     let policies = shared.read_policies();
     let shares = lock(&shared.shares);
     let pools = policies.pools().map(|p| {
-        let mine: Vec<&JobView> = jobs.iter().filter(|j| j.pool == p.name()).collect();
+        // The jobs that draw from it now (one that left draws nothing).
+        let mine: Vec<&JobView> = jobs
+            .iter()
+            .filter(|j| j.pool == p.name() && !j.stages.is_empty())
+            .collect();
         let share = shares.pools.get(p.name());
         let sharing = serde_json::to_value(p.spec().sharing)
             .ok()

@@ -343,6 +343,12 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
         job.settings.and_then(|s| s.bytes_per_second),
         Some(100_000_000)
     );
+    // Jobs running: `resnet`; `second` read a file and left.
+    let metrics = http(&c.http, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("\nsluice_controller_jobs 1\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -808,4 +814,42 @@ async fn every_example_policy_applies() {
         assert_eq!(policies.len(), documents);
         assert!(policies.iter().all(|p| p["revision"] == 1), "{json}");
     }
+}
+
+/// A stage stopped with SIGTERM ends its session: once the stage timeout
+/// has run it left and is forgotten, and it is never counted lost on the
+/// way (its last report came before its session ended, so its silence
+/// passed the timeout first: a lost-stage alert for every clean stop).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_stops_left_and_was_never_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let c = controller(&db, "127.0.0.1:0");
+    let mut s = stage(dir.path(), "stage-1", &c.grpc);
+    let _trainer = trainer(&s.socket, "resnet");
+    let client = admin(&c.grpc).await;
+    eventually("the stage to connect", Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { (stages(&mut client).await.len() == 1).then_some(()) }
+    })
+    .await;
+    // Reports come twice a second; stop between two.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let pid = s.process.0.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert!(s.process.0.wait().unwrap().success());
+    eventually("the stage to be forgotten", Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move { stages(&mut client).await.is_empty().then_some(()) }
+    })
+    .await;
+    let log = std::fs::read_to_string(db.with_extension("log")).unwrap();
+    assert!(!log.contains("marked lost"), "{log}");
+    assert!(log.contains("did not come back: forgotten"), "{log}");
 }

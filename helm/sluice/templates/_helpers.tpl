@@ -206,7 +206,7 @@ as values.schema.json says) in milliseconds.
 {{- fail (printf "controller.tick %q is too long: the control loop must run at least once a minute" (toString $c.tick)) }}
 {{- end }}
 {{- if lt $timeout 2000.0 }}
-{{- fail (printf "controller.stageTimeout %q is shorter than two of a stage's telemetry reports (one a second): give at least 2s" (toString $c.stageTimeout)) }}
+{{- fail (printf "controller.stageTimeout %q is under 2s: a stage that missed a few telemetry reports (it sends two a second) would be counted lost: give at least 2s" (toString $c.stageTimeout)) }}
 {{- end }}
 {{- if ge $tick $timeout }}
 {{- fail (printf "controller.tick %q must be shorter than controller.stageTimeout %q: the control loop would notice a lost stage a tick late" (toString $c.tick) (toString $c.stageTimeout)) }}
