@@ -326,7 +326,10 @@ impl Shared {
                 // One that ended its session itself (a stop the leader before
                 // saw) left unless it comes back within the stage timeout,
                 // counted from when it ended.
-                let ended = s.ended_ms.map(|ms| {
+                // A mark older than the stage's last sighting is stale (a
+                // hello to a replica of an earlier release, which does not
+                // clear it).
+                let ended = s.ended_ms.filter(|&ms| ms >= s.last_seen_ms).map(|ms| {
                     let ago = u64::try_from(now_ms().saturating_sub(ms)).unwrap_or(0);
                     now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
                 });
