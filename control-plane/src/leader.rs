@@ -86,8 +86,13 @@ pub async fn lead(
                 // While the store cannot be reached, a standby says so
                 // rather than that another controller leads.
                 let reached = |error: Option<&crate::store::StoreError>| {
-                    *lock(&shared.outage) = error.map(|e| {
-                        format!("standby: cannot reach the store to try the leader lease ({e})")
+                    *lock(&shared.outage) = error.map(|e| match e {
+                        crate::store::StoreError::Newer { .. } => {
+                            format!("standby, and will not lead: {e}")
+                        }
+                        e => {
+                            format!("standby: cannot reach the store to try the leader lease ({e})")
+                        }
                     });
                     shared.metrics.store_up.set(i64::from(error.is_none()));
                 };

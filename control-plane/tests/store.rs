@@ -217,3 +217,49 @@ async fn sqlite_in_memory_keeps_its_data() {
     store.apply_policy(JOB, "p", "t").await.unwrap();
     assert_eq!(store.current_policies().await.unwrap().len(), 1);
 }
+
+/// A store a later release has migrated (a rollback without restoring the
+/// backup) is refused as such, an invalid configuration, not with the
+/// migrator's "previously applied but missing".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_from_a_later_release_is_refused() {
+    let fixture = Fixture::sqlite().await;
+    fixture.open().await.close().await;
+    let pool = sqlx::SqlitePool::connect(&fixture.url).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99, 'later', TRUE, X'00', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let e = Store::open(&fixture.url).await.unwrap_err();
+    assert!(matches!(e, StoreError::Newer { version: 99, .. }), "{e:?}");
+    assert!(e.is_configuration());
+    assert!(e.to_string().contains("from a later release"), "{e}");
+}
+
+/// A replica already running when a later release migrates the shared
+/// Postgres store stands by: it does not take the lease on a schema it
+/// does not know (it would write to it as leader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_does_not_lead_a_store_a_later_release_migrated() {
+    let Some(fixture) = Fixture::postgres("later_release_lease").await else {
+        return;
+    };
+    let store = fixture.open().await;
+    let pool = sqlx::PgPool::connect(&fixture.url).await.unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99, 'later', TRUE, '\\x00', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let e = store.try_acquire_leadership().await.unwrap_err();
+    assert!(matches!(e, StoreError::Newer { version: 99, .. }), "{e:?}");
+    store.close().await;
+    fixture.drop_database().await;
+}

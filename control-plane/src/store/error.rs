@@ -80,6 +80,19 @@ pub enum StoreError {
         /// The URL, password removed.
         url: String,
     },
+    /// The store was migrated by a later release, whose schema this one
+    /// does not know (a rollback without restoring the backup).
+    #[error(
+        "the {backend} store's schema is version {version}, from a later release of \
+         sluice-controller than this one (which knows up to {known}): run that release, or \
+         restore the backup taken before the upgrade (docs/operations.md, \"Upgrading\")"
+    )]
+    Newer {
+        /// `sqlite` or `postgres`.
+        backend: &'static str,
+        version: i64,
+        known: i64,
+    },
     /// The schema could not be brought up to date.
     #[error("cannot migrate the {backend} store schema")]
     Migrate {
@@ -159,6 +172,7 @@ impl StoreError {
             Self::UnsupportedUrl { .. }
                 | Self::NoPath { .. }
                 | Self::Directory { .. }
+                | Self::Newer { .. }
                 | Self::InUse { .. }
                 | Self::ReadOnly { .. }
                 | Self::Open {
@@ -217,6 +231,29 @@ pub(super) fn redact(url: &str) -> String {
     match rest[..at].split_once(':') {
         Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
         None => url.to_owned(),
+    }
+}
+
+/// Brings the schema up to date; a store migrated by a later release
+/// (one that has applied a version this release does not know) is
+/// refused as such.
+pub(super) async fn migrate<'a, A>(
+    migrator: &sqlx::migrate::Migrator,
+    pool: A,
+    backend: &'static str,
+) -> Result<(), StoreError>
+where
+    A: sqlx::Acquire<'a>,
+    <A::Connection as std::ops::Deref>::Target: sqlx::migrate::Migrate,
+{
+    match migrator.run(pool).await {
+        Ok(()) => Ok(()),
+        Err(sqlx::migrate::MigrateError::VersionMissing(version)) => Err(StoreError::Newer {
+            backend,
+            version,
+            known: migrator.iter().map(|m| m.version).max().unwrap_or(0),
+        }),
+        Err(source) => Err(StoreError::Migrate { backend, source }),
     }
 }
 

@@ -125,6 +125,7 @@ impl Leadership {
     ) -> Option<Self> {
         let mut interval = tokio::time::interval(every);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut told: Option<(String, std::time::Instant)> = None;
         loop {
             tokio::select! {
                 () = cancel.cancelled() => return None,
@@ -149,7 +150,16 @@ impl Leadership {
             match tried {
                 Ok(Some(leadership)) => return Some(leadership),
                 Ok(None) => debug!("another controller still holds the leader lease"),
-                Err(e) => warn!(error = %e, "cannot try the leader lease; trying again"),
+                // The same failure each tick is told once a minute.
+                Err(e) => {
+                    let text = e.to_string();
+                    if told.as_ref().is_none_or(|(said, at)| {
+                        *said != text || at.elapsed() >= Duration::from_secs(60)
+                    }) {
+                        warn!(error = %text, "cannot try the leader lease; trying again");
+                        told = Some((text, std::time::Instant::now()));
+                    }
+                }
             }
         }
     }

@@ -119,13 +119,7 @@ impl PgStore {
             .map_err(open_err)?;
         // The migrator holds an advisory lock while it runs, so replicas
         // starting together migrate once.
-        migrator()
-            .run(&pool)
-            .await
-            .map_err(|source| StoreError::Migrate {
-                backend: "postgres",
-                source,
-            })?;
+        super::error::migrate(&migrator(), &pool, "postgres").await?;
         Ok(Self { pool })
     }
 
@@ -156,6 +150,22 @@ impl PgStore {
     }
 
     pub(super) async fn try_acquire_leadership(&self) -> Result<Option<Leadership>, StoreError> {
+        // A replica of this release still running while a later one has
+        // migrated the store must not lead on a schema it does not know.
+        let version: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db("reading the store's schema version"))?;
+        let known = migrator().iter().map(|m| m.version).max().unwrap_or(0);
+        if version > known {
+            return Err(StoreError::Newer {
+                backend: "postgres",
+                version,
+                known,
+            });
+        }
         // A connection of its own: the lock must not go back to the pool
         // with it, and must end when (only when) this session ends.
         let conn = self

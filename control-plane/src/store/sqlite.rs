@@ -153,13 +153,7 @@ impl SqliteStore {
             return Err(e);
         }
         check_writable(&pool, url).await?;
-        migrator()
-            .run(&pool)
-            .await
-            .map_err(|source| StoreError::Migrate {
-                backend: "sqlite",
-                source,
-            })?;
+        super::error::migrate(&migrator(), &pool, "sqlite").await?;
         Ok(Self { pool, lock })
     }
 
