@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 
 use crate::metrics::Throughput;
 use crate::sessions::push;
-use crate::state::{Desired, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms};
+use crate::state::{Desired, LiveStage, SessionHandle, Shared, lock, now_ms};
 use crate::store::{Labels, Leadership, NewEvent, Record, StageHello, StoreError};
 
 /// How the loop ended.
@@ -270,13 +270,7 @@ async fn mark_lost(shared: &Shared) {
 /// How many jobs the stages in session serve now (trainers connected).
 fn running_jobs(shared: &Shared) -> usize {
     let live = lock(&shared.live);
-    let serving = live
-        .values()
-        .filter(|l| !l.lost && l.session.is_some())
-        .filter_map(LiveStage::latest)
-        .flat_map(|t| t.jobs.iter())
-        .filter(|(_, j)| j.counters.connections > 0)
-        .map(|(job, _)| job.as_str());
+    let serving = live.values().flat_map(LiveStage::serving);
     serving.collect::<std::collections::BTreeSet<_>>().len()
 }
 
@@ -348,16 +342,6 @@ struct Outcome {
     pending_stages: usize,
 }
 
-/// The jobs of a stage's report that have trainers there. A job without
-/// trainers on a stage is not reading there; one without trainers anywhere
-/// has left and gives its share back.
-fn reading(report: &Telemetry) -> impl Iterator<Item = (&String, &JobSample)> {
-    report
-        .jobs
-        .iter()
-        .filter(|(_, s)| s.counters.connections > 0)
-}
-
 /// A reporting stage as the coordinator reads it, copied out of the live
 /// state so the decision runs without holding the lock the sessions need.
 pub(crate) struct Report {
@@ -399,7 +383,8 @@ pub(crate) fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<Report>, Throu
         let Some(now) = l.latest() else {
             continue;
         };
-        let jobs = reading(now)
+        let jobs = now
+            .reading()
             .map(|(job, sample)| {
                 let window = l.window(job).map(|(w, _)| w);
                 if let Some(w) = window {
@@ -475,9 +460,10 @@ fn decide(shared: &Shared, coordinator: &mut Coordinator, exact: bool) -> Outcom
 
 /// Whether trainers read on a stage now (its staging jobs aside).
 fn trainers_read(stage: &LiveStage) -> bool {
-    stage
-        .latest()
-        .is_some_and(|t| reading(t).any(|(_, sample)| !sample.labels.contains_key(STAGING_LABEL)))
+    stage.latest().is_some_and(|t| {
+        t.reading()
+            .any(|(_, sample)| !sample.labels.contains_key(STAGING_LABEL))
+    })
 }
 
 /// What the loop carries from tick to tick.

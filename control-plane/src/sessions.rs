@@ -402,9 +402,7 @@ pub(crate) fn share_labels(report: &mut Telemetry, previous: Option<&Telemetry>)
 fn reading_windows(l: &LiveStage) -> BTreeMap<String, Option<Window>> {
     l.latest()
         .map(|r| {
-            r.jobs
-                .iter()
-                .filter(|(_, s)| s.counters.connections > 0)
+            r.reading()
                 .map(|(job, _)| (job.clone(), l.window(job).map(|(w, _)| w)))
                 .collect()
         })

@@ -94,6 +94,15 @@ pub struct Telemetry {
     pub cache: Option<sluice_proto::v1::CacheTelemetry>,
 }
 
+impl Telemetry {
+    /// The jobs of the report that have trainers on the stage. A job
+    /// without trainers on a stage is not reading there; one without
+    /// trainers anywhere has left and gives its share back.
+    pub fn reading(&self) -> impl Iterator<Item = (&String, &JobSample)> {
+        self.jobs.iter().filter(|(_, s)| s.counters.connections > 0)
+    }
+}
+
 /// A stage as the controller sees it now.
 #[derive(Debug, Clone)]
 pub struct LiveStage {
@@ -139,6 +148,21 @@ impl LiveStage {
     /// Returns the latest report.
     pub fn latest(&self) -> Option<&Telemetry> {
         self.reports.back()
+    }
+
+    /// The jobs the stage serves now: those its latest report shows
+    /// reading, unless it was lost or ended its session (its last report
+    /// is then no longer true).
+    pub fn serving(&self) -> impl Iterator<Item = &String> {
+        self.latest()
+            .filter(|_| !self.lost && self.left.is_none())
+            .into_iter()
+            .flat_map(|t| t.reading().map(|(job, _)| job))
+    }
+
+    /// Whether the stage serves `job` now (see [`LiveStage::serving`]).
+    pub fn serves(&self, job: &str) -> bool {
+        self.serving().any(|j| j == job)
     }
 
     /// Keeps a new report, forgetting those no window will start at.

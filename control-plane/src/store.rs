@@ -26,6 +26,7 @@ mod common;
 mod error;
 mod file_lock;
 pub mod leadership;
+mod migrations;
 mod model;
 mod postgres;
 mod revision;

@@ -139,13 +139,7 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
         last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
         // The jobs it serves (trainers connected), not those it keeps idle.
         jobs: telemetry
-            .map(|t| {
-                t.jobs
-                    .iter()
-                    .filter(|(_, j)| j.counters.connections > 0)
-                    .map(|(job, _)| job.clone())
-                    .collect()
-            })
+            .map(|t| t.reading().map(|(job, _)| job.clone()).collect())
             .unwrap_or_default(),
         memory_used_bytes: telemetry.map_or(0, |t| t.memory_used_bytes),
         software_version: hello.software_version,
@@ -210,15 +204,10 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
     // and settings would count toward the job's throughput and the limit
     // in force long after it died (its share goes to the stages that
     // remain), and a job every stage has let go of has left.
-    let serving = r.stages.iter().filter(|stage| {
-        live.get(*stage).is_some_and(|l| {
-            !l.lost
-                && l.left.is_none()
-                && l.latest()
-                    .and_then(|t| t.jobs.get(&r.id))
-                    .is_some_and(|j| j.counters.connections > 0)
-        })
-    });
+    let serving = r
+        .stages
+        .iter()
+        .filter(|stage| live.get(*stage).is_some_and(|l| l.serves(&r.id)));
     for stage in serving {
         let (b, s, st) = rates(live.get(stage), &r.id);
         let d = desired.get(stage);

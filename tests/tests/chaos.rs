@@ -35,7 +35,7 @@ use sluice_proto::v1::{ListPoliciesRequest, ListStagesRequest, StageState};
 use sluice_tests::postgres::TestDatabase;
 use support::{
     acked_above, admin, apply, controller_command, controller_command_at, eventually, http, policy,
-    read_sample, replica, service, stage_command, start, trainer,
+    read_sample, replica, service, stage_command, start, trainer, until_ready,
 };
 
 fn seconds(var: &str, default: u64) -> Duration {
@@ -71,14 +71,6 @@ fn missing(test: &str, what: &str) {
 
 fn readyz(http_addr: &str) -> String {
     http(http_addr, "GET", "/readyz", "")
-}
-
-async fn until_ready(http_addr: &str, within: Duration) {
-    eventually("the controller to turn ready", within, || {
-        let ready = readyz(http_addr).starts_with("HTTP/1.1 200");
-        async move { ready.then_some(()) }
-    })
-    .await;
 }
 
 fn limit(i: u64) -> String {

@@ -17,21 +17,47 @@ use sluice_proto::StageServiceClient;
 use sluice_proto::v1::{ListPoliciesRequest, ListStagesRequest};
 use sluice_tests::postgres::TestDatabase;
 use support::{
-    acked_above, admin, apply, eventually, http, policy, replica, service, stage_command, trainer,
+    Replica, acked_above, admin, apply, eventually, http, policy, replica, service, stage_command,
+    trainer, until_ready,
 };
+
+/// Two replicas on a database of their own, `a` started first (it leads).
+struct Pair {
+    // The database is left behind: replica B may still use it when a test
+    // ends, and the throwaway server goes anyway.
+    _database: TestDatabase,
+    dir: tempfile::TempDir,
+    a: Replica,
+    b: Replica,
+}
+
+/// Starts [`Pair`] on a new database named for `test`; `None` (skipped)
+/// without a Postgres server outside CI.
+async fn leader_and_standby(test: &str) -> Option<Pair> {
+    let database = TestDatabase::create(test).await?;
+    let dir = tempfile::tempdir().unwrap();
+    let a = replica(database.url(), &dir.path().join("a.log"));
+    let b = replica(database.url(), &dir.path().join("b.log"));
+    assert_eq!(a.ready_line["role"], "leader");
+    Some(Pair {
+        _database: database,
+        dir,
+        a,
+        b,
+    })
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
-    // The database is left behind: replica B still uses it when the test
-    // ends, and the throwaway server goes anyway.
-    let Some(database) = TestDatabase::create("standby_takes_over").await else {
+    let Some(Pair {
+        _database,
+        dir,
+        mut a,
+        b,
+    }) = leader_and_standby("standby_takes_over").await
+    else {
         return;
     };
-    let url = database.url();
-    let dir = tempfile::tempdir().unwrap();
-    let mut a = replica(url, &dir.path().join("a.log"));
-    let b = replica(url, &dir.path().join("b.log"));
-    assert_eq!(a.ready_line["role"], "leader");
     assert_eq!(b.ready_line["role"], "standby");
 
     // B is up and healthy, but not ready, and refuses stages and sluicectl.
@@ -77,11 +103,7 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
     // A dies without releasing anything: B takes over within seconds.
     a.process.0.kill().unwrap();
     a.process.0.wait().unwrap();
-    eventually("the standby to turn ready", Duration::from_secs(10), || {
-        let ready = http(&b.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
-        async move { ready.then_some(()) }
-    })
-    .await;
+    until_ready(&b.http, Duration::from_secs(10)).await;
     assert!(http(&b.http, "GET", "/metrics", "").contains("sluice_controller_leader 1"));
     let mut leader = admin(&b.grpc).await;
     let names: Vec<String> = leader
@@ -109,14 +131,15 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
-    let Some(database) = TestDatabase::create("frozen_leader").await else {
+    let Some(Pair {
+        _database,
+        dir: _dir,
+        a,
+        b,
+    }) = leader_and_standby("frozen_leader").await
+    else {
         return;
     };
-    let url = database.url();
-    let dir = tempfile::tempdir().unwrap();
-    let a = replica(url, &dir.path().join("a.log"));
-    let b = replica(url, &dir.path().join("b.log"));
-    assert_eq!(a.ready_line["role"], "leader");
     let signal = |name: &str| {
         let pid = a.process.0.id().to_string();
         let sent = std::process::Command::new("kill")
@@ -127,15 +150,8 @@ async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
     // Paused, its connections stay open (its kernel answers for them): the
     // server ends the lease session once it has sat idle too long.
     signal("-STOP");
-    eventually(
-        "the standby to take the lease",
-        Duration::from_secs(30),
-        || {
-            let ready = http(&b.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
-            async move { ready.then_some(()) }
-        },
-    )
-    .await;
+    // The standby takes the lease.
+    until_ready(&b.http, Duration::from_secs(30)).await;
     signal("-CONT");
     eventually(
         "the old leader to stand by",
@@ -156,14 +172,15 @@ async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
 /// ghost for an hour, on every rollout that restarts both together).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_stopped_just_before_a_failover_left_and_was_not_lost() {
-    let Some(database) = TestDatabase::create("stopped_before_failover").await else {
+    let Some(Pair {
+        _database,
+        dir,
+        mut a,
+        b,
+    }) = leader_and_standby("stopped_before_failover").await
+    else {
         return;
     };
-    let url = database.url();
-    let dir = tempfile::tempdir().unwrap();
-    let mut a = replica(url, &dir.path().join("a.log"));
-    let b = replica(url, &dir.path().join("b.log"));
-    assert_eq!(a.ready_line["role"], "leader");
     let (command, _socket) = stage_command(dir.path(), "stage-1", &format!("http://{}", a.grpc));
     let (mut stage, _) = support::start(command, &dir.path().join("stage.log"));
     let leader = admin(&a.grpc).await;
@@ -187,11 +204,7 @@ async fn a_stage_stopped_just_before_a_failover_left_and_was_not_lost() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.process.0.kill().unwrap();
     a.process.0.wait().unwrap();
-    eventually("the standby to turn ready", Duration::from_secs(10), || {
-        let ready = http(&b.http, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
-        async move { ready.then_some(()) }
-    })
-    .await;
+    until_ready(&b.http, Duration::from_secs(10)).await;
     let leader = admin(&b.grpc).await;
     eventually("the stage to be forgotten", Duration::from_secs(10), || {
         let mut leader = leader.clone();

@@ -234,29 +234,6 @@ pub(super) fn redact(url: &str) -> String {
     }
 }
 
-/// Brings the schema up to date; a store migrated by a later release
-/// (one that has applied a version this release does not know) is
-/// refused as such.
-pub(super) async fn migrate<'a, A>(
-    migrator: &sqlx::migrate::Migrator,
-    pool: A,
-    backend: &'static str,
-) -> Result<(), StoreError>
-where
-    A: sqlx::Acquire<'a>,
-    <A::Connection as std::ops::Deref>::Target: sqlx::migrate::Migrate,
-{
-    match migrator.run(pool).await {
-        Ok(()) => Ok(()),
-        Err(sqlx::migrate::MigrateError::VersionMissing(version)) => Err(StoreError::Newer {
-            backend,
-            version,
-            known: migrator.iter().map(|m| m.version).max().unwrap_or(0),
-        }),
-        Err(source) => Err(StoreError::Migrate { backend, source }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::redact;

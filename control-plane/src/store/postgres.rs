@@ -6,13 +6,13 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
-use sqlx::{Connection, PgPool, PgTransaction, SqlSafeStr};
+use sqlx::{Connection, PgPool, PgTransaction};
 
 use super::StoreError;
 use super::error::{db, found, redact, stage_version};
 use super::leadership::Leadership;
+use super::migrations::{self, Steps};
 use super::model::{
     Applied, Event, Forgotten, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello,
     StageRecord, StageState, check_name,
@@ -63,26 +63,17 @@ pub(super) struct PgStore {
     pool: PgPool,
 }
 
-fn migrator() -> Migrator {
-    let initial = include_str!("../../migrations/postgres/0001_initial.sql");
-    let ended = include_str!("../../migrations/postgres/0002_stage_ended.sql");
-    Migrator::with_migrations(vec![
-        Migration::new(
-            1,
-            "initial".into(),
-            MigrationType::Simple,
-            initial.into_sql_str(),
-            false,
-        ),
-        Migration::new(
-            2,
-            "stage ended".into(),
-            MigrationType::Simple,
-            ended.into_sql_str(),
-            false,
-        ),
-    ])
-}
+/// The schema's migrations (see [`migrations`]).
+const MIGRATIONS: &Steps = &[
+    (
+        "initial",
+        include_str!("../../migrations/postgres/0001_initial.sql"),
+    ),
+    (
+        "stage ended",
+        include_str!("../../migrations/postgres/0002_stage_ended.sql"),
+    ),
+];
 
 impl PgStore {
     common_queries!();
@@ -119,7 +110,7 @@ impl PgStore {
             .map_err(open_err)?;
         // The migrator holds an advisory lock while it runs, so replicas
         // starting together migrate once.
-        super::error::migrate(&migrator(), &pool, "postgres").await?;
+        migrations::migrate(MIGRATIONS, &pool, "postgres").await?;
         Ok(Self { pool })
     }
 
@@ -158,7 +149,7 @@ impl PgStore {
         .fetch_one(&self.pool)
         .await
         .map_err(db("reading the store's schema version"))?;
-        let known = migrator().iter().map(|m| m.version).max().unwrap_or(0);
+        let known = migrations::latest(MIGRATIONS);
         if version > known {
             return Err(StoreError::Newer {
                 backend: "postgres",

@@ -13,13 +13,13 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{SqlSafeStr, SqlitePool, SqliteTransaction};
+use sqlx::{SqlitePool, SqliteTransaction};
 
 use super::StoreError;
 use super::error::{db, found, redact, stage_version};
 use super::file_lock::FileLock;
+use super::migrations::{self, Steps};
 use super::model::{
     Applied, Event, Forgotten, JobRecord, PolicyDocument, PolicyRevision, Record, StageHello,
     StageRecord, StageState, check_name,
@@ -72,26 +72,17 @@ pub(super) struct SqliteStore {
     lock: Option<Arc<FileLock>>,
 }
 
-fn migrator() -> Migrator {
-    let initial = include_str!("../../migrations/sqlite/0001_initial.sql");
-    let ended = include_str!("../../migrations/sqlite/0002_stage_ended.sql");
-    Migrator::with_migrations(vec![
-        Migration::new(
-            1,
-            "initial".into(),
-            MigrationType::Simple,
-            initial.into_sql_str(),
-            false,
-        ),
-        Migration::new(
-            2,
-            "stage ended".into(),
-            MigrationType::Simple,
-            ended.into_sql_str(),
-            false,
-        ),
-    ])
-}
+/// The schema's migrations (see [`migrations`]).
+const MIGRATIONS: &Steps = &[
+    (
+        "initial",
+        include_str!("../../migrations/sqlite/0001_initial.sql"),
+    ),
+    (
+        "stage ended",
+        include_str!("../../migrations/sqlite/0002_stage_ended.sql"),
+    ),
+];
 
 impl SqliteStore {
     common_queries!();
@@ -153,7 +144,7 @@ impl SqliteStore {
             return Err(e);
         }
         check_writable(&pool, url).await?;
-        super::error::migrate(&migrator(), &pool, "sqlite").await?;
+        migrations::migrate(MIGRATIONS, &pool, "sqlite").await?;
         Ok(Self { pool, lock })
     }
 

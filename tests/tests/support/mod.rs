@@ -153,6 +153,16 @@ pub fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
     http_with(addr, method, path, "", body)
 }
 
+/// Waits until the controller at `http_addr` answers `/readyz` with 200
+/// (a standby that took the lease, a leader back from an outage).
+pub async fn until_ready(http_addr: &str, within: Duration) {
+    eventually("the controller to turn ready", within, || {
+        let ready = http(http_addr, "GET", "/readyz", "").starts_with("HTTP/1.1 200");
+        async move { ready.then_some(()) }
+    })
+    .await;
+}
+
 /// [`http`] with extra header lines (`"Name: value\r\n"` each).
 pub fn http_with(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> String {
     try_http(addr, method, path, headers, body).unwrap()
