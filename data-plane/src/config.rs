@@ -435,6 +435,17 @@ impl StageConfig {
         });
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
+        if !datasets
+            .iter()
+            .any(|(_, l)| l.to_str().is_some_and(|l| l.starts_with("s3://")))
+            && let Some(flag) = s3_given(&args, &file.s3)
+        {
+            // Not refused: a chart's values may set the object store for
+            // every stage while this one reads local data sets only.
+            tracing::warn!(
+                "{flag} has no effect: no data set is in an object store (`--dataset NAME=s3://BUCKET/PREFIX`)"
+            );
+        }
         for (key, value) in &file.labels {
             sluice_policy::check_label(key, value)
                 .map_err(|e| ConfigError(format!("`labels:` in the configuration file: {e}")))?;
@@ -499,15 +510,18 @@ impl StageConfig {
             rule.validate(i).map_err(ConfigError)?;
         }
         let trainer_access = TrainerAccess::new(trainers);
-        let mount_job = args
-            .mount_job
-            .or(file.mount_job)
-            .unwrap_or_else(|| DEFAULT_MOUNT_JOB.to_owned());
-        if !crate::protocol::valid_job_id(&mount_job) {
+        let given_job = args.mount_job.or(file.mount_job);
+        if let Some(job) = &given_job
+            && !crate::protocol::valid_job_id(job)
+        {
             return Err(ConfigError(format!(
-                "--mount-job `{mount_job}` is not a job id: use 1 to 128 letters, digits, `.`, `_` and `-`"
+                "--mount-job `{job}` is not a job id: use 1 to 128 letters, digits, `.`, `_` and `-`"
             )));
         }
+        let mount_job = given_job
+            .clone()
+            .unwrap_or_else(|| DEFAULT_MOUNT_JOB.to_owned());
+        let passthrough = args.mount_passthrough.or(file.mount_passthrough);
         let orders = args.mount_orders.or(file.mount_orders);
         let mount = match args.mount.or(file.mount) {
             Some(dir) => Some(MountOptions {
@@ -536,14 +550,22 @@ impl StageConfig {
                 },
                 job: mount_job,
                 orders,
-                passthrough: args
-                    .mount_passthrough
-                    .or(file.mount_passthrough)
-                    .unwrap_or(true),
+                passthrough: passthrough.unwrap_or(true),
             }),
             None if orders.is_some() => {
                 return Err(ConfigError(
                     "--mount-orders needs --mount: order files say in which order the mount's files will be opened".into(),
+                ));
+            }
+            // Said without the mount it shapes, a flag would be ignored.
+            None if given_job.is_some() => {
+                return Err(ConfigError(
+                    "--mount-job needs --mount: it names the job of reads through the mount that name none".into(),
+                ));
+            }
+            None if passthrough.is_some() => {
+                return Err(ConfigError(
+                    "--mount-passthrough needs --mount: it says whether the mount's large files are passed through".into(),
                 ));
             }
             None => None,
@@ -898,6 +920,34 @@ fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
         anonymous: args.s3_anonymous.or(file.anonymous).unwrap_or(false),
         deadline,
     })
+}
+
+/// Returns the first of the `--s3-*` flags (or `s3:` keys) given, if any.
+fn s3_given(args: &Args, file: &S3File) -> Option<&'static str> {
+    [
+        (
+            "--s3-endpoint",
+            args.s3_endpoint.is_some() || file.endpoint.is_some(),
+        ),
+        (
+            "--s3-region",
+            args.s3_region.is_some() || file.region.is_some(),
+        ),
+        (
+            "--s3-path-style",
+            args.s3_path_style.is_some() || file.path_style.is_some(),
+        ),
+        (
+            "--s3-anonymous",
+            args.s3_anonymous.is_some() || file.anonymous.is_some(),
+        ),
+        (
+            "--s3-deadline",
+            args.s3_deadline.is_some() || file.deadline.is_some(),
+        ),
+    ]
+    .into_iter()
+    .find_map(|(flag, given)| given.then_some(flag))
 }
 
 /// Refuses an object store's endpoint that is not an `http(s)://HOST[:PORT]`
@@ -1335,6 +1385,13 @@ mod tests {
                 &["--initial-buffer", "1MiB"],
                 "",
                 "outside the bounds 4MiB..1GiB",
+            ),
+            (&["--mount-job", "train"], "", "--mount-job needs --mount"),
+            (&[], "mount_job: train", "--mount-job needs --mount"),
+            (
+                &["--mount-passthrough", "false"],
+                "",
+                "--mount-passthrough needs --mount",
             ),
         ];
         for (flags, yaml, said) in cases {
