@@ -8,7 +8,7 @@ use sluice_proto::v1::{self, ApplyOutcome};
 
 use crate::args::ApplyArgs;
 use crate::client::{self, Controller};
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 use crate::input::{self, STDIN_NAME, Source};
 use crate::validate;
 
@@ -41,7 +41,7 @@ pub fn run(controller: &Controller, args: &ApplyArgs) -> Exit {
     match response {
         Ok(response) => {
             for change in &response.changes {
-                println!("{}", change_line(change, response.dry_run));
+                exit::say(&format!("{}\n", change_line(change, response.dry_run)));
             }
             Exit::Ok
         }

@@ -317,7 +317,9 @@ pub async fn connect(controller: &Controller) -> Result<Admin, CallError> {
         .connect()
         .await
         .map_err(|e| unreachable(deepest_reason(&e)))?;
-    Ok(AdminServiceClient::with_interceptor(channel, bearer))
+    // Views of thousands of jobs with their labels run past tonic's
+    // default of 4 MiB; the controller is the caller's own.
+    Ok(AdminServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(usize::MAX))
 }
 
 /// Connects, then runs one request; a failure of either is a [`CallError`].

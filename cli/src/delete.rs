@@ -12,7 +12,7 @@ use tonic::Code;
 use crate::apply::short_kind;
 use crate::args::DeleteTarget;
 use crate::client::{self, CallError, Controller};
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 
 /// Runs `delete`: prints `pool/NAME deleted (revision N)` (the kind the
 /// controller deleted).
@@ -57,7 +57,10 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
                 "" => word.to_owned(),
                 found => short_kind(found),
             };
-            println!("{word}/{name} deleted (revision {})", deleted.revision);
+            exit::say(&format!(
+                "{word}/{name} deleted (revision {})\n",
+                deleted.revision
+            ));
             let job_policy =
                 deleted.kind == "JobPolicy" || (deleted.kind.is_empty() && kind == "JobPolicy");
             if job_policy && !under.is_empty() {

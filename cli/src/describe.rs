@@ -7,7 +7,7 @@ use sluice_proto::v1;
 
 use crate::args::DescribeTarget;
 use crate::client::{self, CallError, Controller};
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
 use crate::view::{JobView, PoolView, SettingsView, StageView};
@@ -16,7 +16,7 @@ use crate::view::{JobView, PoolView, SettingsView, StageView};
 pub fn run(controller: &Controller, target: &DescribeTarget) -> Exit {
     match client::block_on(fetch(controller, target)) {
         Ok(text) => {
-            print!("{text}");
+            exit::say(&text);
             Exit::Ok
         }
         Err(e) => client::report(&e),

@@ -22,3 +22,15 @@ impl From<Exit> for ExitCode {
         ExitCode::from(exit as u8)
     }
 }
+
+/// Writes `text` on standard output. A reader that went away (`| head`)
+/// is not worth a panic: there is no one left to tell, and the command
+/// ends there, quietly.
+pub fn say(text: &str) {
+    use std::io::Write;
+    if let Err(e) = std::io::stdout().lock().write_all(text.as_bytes())
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(Exit::Ok as i32);
+    }
+}

@@ -9,7 +9,7 @@ use sluice_proto::v1;
 
 use crate::args::{Format, GetArgs, Listing};
 use crate::client::{self, CallError, Controller};
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
 use crate::view::{JobView, PolicyView, PoolView, StageView};
@@ -18,7 +18,7 @@ use crate::view::{JobView, PolicyView, PoolView, StageView};
 pub fn run(controller: &Controller, args: &GetArgs) -> Exit {
     match client::block_on(fetch(controller, args.what)) {
         Ok(listed) => {
-            print!("{}", listed.render(args.output, human::now_millis()));
+            exit::say(&listed.render(args.output, human::now_millis()));
             Exit::Ok
         }
         Err(e) => client::report(&e),

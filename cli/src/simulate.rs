@@ -11,10 +11,10 @@
 mod render;
 
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 
 use crate::args::SimulateArgs;
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 use crate::input::{self, InputError, Source};
 use crate::validate;
 use sluice_policy::simulation::{Scenario, simulate};
@@ -57,8 +57,7 @@ pub fn run(args: &SimulateArgs) -> Exit {
     };
     let report = simulate(&scenario, &set);
     let text = render::render(&report, args.output, args.all_ticks);
-    // A closed pipe (`| head`) is not worth a panic.
-    let _ = io::stdout().lock().write_all(text.as_bytes());
+    exit::say(&text);
     Exit::Ok
 }
 

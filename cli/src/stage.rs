@@ -9,7 +9,7 @@ use sluice_proto::v1;
 use crate::args::StageArgs;
 use crate::client::{self, CallError, Controller};
 use crate::describe::staging_line;
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 
 /// How often progress is asked for and printed.
 const POLL: Duration = Duration::from_secs(1);
@@ -28,12 +28,12 @@ async fn stage(controller: &Controller, args: &StageArgs) -> Result<Exit, CallEr
         admin.stage_dataset(v1::StageDatasetRequest { name }).await
     })
     .await?;
-    println!(
-        "staging round {} of {} asked of {}",
+    exit::say(&format!(
+        "staging round {} of {} asked of {}\n",
         asked.round,
         args.dataset,
         asked.stages.join(", ")
-    );
+    ));
     if args.no_wait {
         return Ok(Exit::Ok);
     }
@@ -76,7 +76,7 @@ async fn stage(controller: &Controller, args: &StageArgs) -> Result<Exit, CallEr
                 Some(p) => staging_line(Some(p)),
                 None => "waiting for the stage to start the round".to_owned(),
             };
-            println!("{}: {line}", stage.stage);
+            exit::say(&format!("{}: {line}\n", stage.stage));
         }
         if finished == asked.stages.len() {
             return Ok(if failed { Exit::Failed } else { Exit::Ok });

@@ -14,7 +14,7 @@ use sluice_proto::v1;
 
 use crate::args::TopArgs;
 use crate::client::{self, Admin, CallError, Controller};
-use crate::exit::Exit;
+use crate::exit::{self, Exit};
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
 use crate::view::{JobView, StageView};
@@ -39,7 +39,7 @@ pub fn run(controller: &Controller, args: &TopArgs) -> Exit {
         if args.once {
             return match snapshot(admin, server).await {
                 Ok((jobs, stages)) => {
-                    print!("{}", frame(server, &jobs, &stages, human::now_millis()));
+                    exit::say(&frame(server, &jobs, &stages, human::now_millis()));
                     Exit::Ok
                 }
                 Err(e) => client::report(&e),

@@ -27,6 +27,7 @@ mod leader;
 mod metrics;
 mod policies;
 mod recorder;
+mod screen;
 mod sessions;
 mod state;
 pub mod store;
@@ -42,6 +43,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 use tracing::{Instrument, info, info_span};
 
@@ -205,19 +207,21 @@ impl Controller {
             .spawn(async move { ("token file watch", watch.await) }.instrument(info_span!("auth")));
         // Tokens are checked before the leader gate: a caller without one
         // learns nothing, not even that this replica stands by.
-        let routes = Routes::new(StageServiceServer::with_interceptor(
-            sessions::Sessions::new(shared.clone(), self.config.bind_stage_ids),
-            gate.clone(),
+        let stages = StageServiceServer::new(sessions::Sessions::new(
+            shared.clone(),
+            self.config.bind_stage_ids,
         ))
-        .add_service(AdminServiceServer::with_interceptor(
-            admin::Admin::new(shared.clone()),
-            gate,
-        ))
-        .into_axum_router()
-        .layer(axum::middleware::from_fn_with_state(
-            self.auth.clone(),
-            auth::grpc_gate,
-        ));
+        .max_decoding_message_size(sessions::MAX_STAGE_MESSAGE);
+        let routes = Routes::new(InterceptedService::new(stages, gate.clone()))
+            .add_service(AdminServiceServer::with_interceptor(
+                admin::Admin::new(shared.clone()),
+                gate,
+            ))
+            .into_axum_router()
+            .layer(axum::middleware::from_fn_with_state(
+                self.auth.clone(),
+                auth::grpc_gate,
+            ));
         let grpc = server
             .add_routes(routes.into())
             .serve_with_incoming_shutdown(TcpIncoming::from(self.grpc), async move {

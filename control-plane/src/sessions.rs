@@ -17,7 +17,7 @@
 //! the certificate.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustls_pki_types::{CertificateDer, ServerName};
@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::screen;
 use crate::state::{
     HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
 };
@@ -39,6 +40,10 @@ use crate::store::{JobSighting, Labels, Record, StageHello, check_stage_hello};
 /// Messages queued per session before pushes to it are dropped (a stage
 /// that does not read its stream cannot hold the control loop up).
 const DOWNSTREAM_DEPTH: usize = 16;
+
+/// The largest message a stage may send: a report of a stage serving
+/// hundreds of jobs, each with dozens of labels, fits many times over.
+pub const MAX_STAGE_MESSAGE: usize = 16 << 20;
 
 /// How often a job a stage keeps reporting is recorded again in the store
 /// (its `last_seen`); new jobs and label changes are recorded at once.
@@ -94,6 +99,7 @@ impl StageService for Sessions {
         // Checked before the id is claimed: a refused hello leaves nothing
         // behind (no stage that is then counted lost).
         check_stage_hello(&hello.stage_id, &hello.node).map_err(crate::error::status)?;
+        screen::hello(&hello).map_err(Status::invalid_argument)?;
         if self.bind_ids {
             named_by_certificate(certs.as_deref().map(Vec::as_slice), &hello.stage_id)?;
         }
@@ -142,7 +148,7 @@ impl StageService for Sessions {
                             break;
                         }
                         Err(e) => {
-                            debug!(error = %e, "session stream failed");
+                            refused_stream(&shared, &stage, id, e);
                             break;
                         }
                     }
@@ -258,7 +264,12 @@ fn closed(shared: &Shared, stage: &str, session: u64) {
 async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
     let subject = format!("stage/{stage}");
     match message.kind {
-        Some(stage_message::Kind::Telemetry(t)) => telemetry(shared, stage, t).await,
+        Some(stage_message::Kind::Telemetry(mut t)) => {
+            if let Some((dropped, why)) = screen::telemetry(&mut t) {
+                dropped_from_report(stage, dropped, &why);
+            }
+            telemetry(shared, stage, t).await;
+        }
         Some(stage_message::Kind::Ack(a)) => {
             let published = lock(&shared.desired).get(stage).map_or(0, |d| d.version);
             if a.version > published {
@@ -288,12 +299,13 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
         Some(stage_message::Kind::Nack(n)) => {
             heard(shared, stage);
             shared.metrics.nacks.inc();
-            if let Err(e) = shared.store.record_nack(stage, n.version, &n.reason).await {
+            let reason = screen::line(&n.reason);
+            if let Err(e) = shared.store.record_nack(stage, n.version, &reason).await {
                 warn!(error = %e, "cannot record a nack");
             }
             let message = format!(
-                "stage {stage} rejected settings version {}: {}",
-                n.version, n.reason
+                "stage {stage} rejected settings version {}: {reason}",
+                n.version
             );
             shared.event("settings.nacked", subject, message).await;
         }
@@ -301,6 +313,48 @@ async fn handle(shared: &Shared, stage: &str, message: StageMessage) {
             warn!("ignored a second hello or an empty message");
         }
     }
+}
+
+/// A stage's stream that failed: one the stage reset (it was killed, its
+/// connection dropped) is only logged at debug; one that broke because of
+/// what the stage sent (a message over [`MAX_STAGE_MESSAGE`], one that
+/// does not decode) is warned about, and the stage is told why its
+/// session ends.
+fn refused_stream(shared: &Shared, stage: &str, session: u64, e: Status) {
+    if matches!(e.code(), tonic::Code::Cancelled | tonic::Code::Unknown) {
+        debug!(error = %e, "session stream failed");
+        return;
+    }
+    warn!(code = ?e.code(), "the stage's message was refused, ending its session: {}", e.message());
+    let tx = lock(&shared.live)
+        .get(stage)
+        .and_then(|l| l.session.as_ref())
+        .filter(|s| s.id == session)
+        .map(|s| s.tx.clone());
+    if let Some(tx) = tx {
+        let _ = tx.try_send(Err(e));
+    }
+}
+
+/// Warns, at most once a minute, that entries of stages' reports were
+/// dropped (see [`screen::telemetry`]).
+fn dropped_from_report(stage: &str, dropped: usize, why: &str) {
+    static WARNED: Mutex<(Option<Instant>, usize)> = Mutex::new((None, 0));
+    let mut warned = lock(&WARNED);
+    warned.1 += dropped;
+    if warned
+        .0
+        .is_some_and(|at| at.elapsed() < Duration::from_secs(60))
+    {
+        return;
+    }
+    let total = std::mem::take(&mut warned.1);
+    warned.0 = Some(Instant::now());
+    warn!(
+        stage,
+        dropped = total,
+        "dropped entries of stages' reports that no stage sends (the first: {why}); a stage of this release checks what trainers send"
+    );
 }
 
 fn heard(shared: &Shared, stage: &str) {

@@ -859,7 +859,7 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
     // Many jobs with long ids make each push to the stuck stage ~35 KB, so
     // 120 of them overflow HTTP/2 flow control and the session's queue.
     let jobs: Vec<pb::JobTelemetry> = std::iter::once("train".to_owned())
-        .chain((0..100).map(|n| format!("{n:0>250}")))
+        .chain((0..200).map(|n| format!("{n:0>128}")))
         .map(|job| pb::JobTelemetry {
             job,
             labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
@@ -894,6 +894,82 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
             }
         }
     }
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+/// What a stage of this release never sends is not kept or shown: job
+/// ids no trainer could claim are dropped from its reports (the rest
+/// kept), a refusal's reason is shown as one bounded line, and a message
+/// over the limit ends the session with a status that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let mut s = session(&c.grpc, 0).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let job = |id: &str| pb::JobTelemetry {
+        job: id.into(),
+        connections: 1,
+        ..Default::default()
+    };
+    let t = pb::Telemetry {
+        unix_millis: 2,
+        jobs: vec![
+            job("train"),
+            job("\u{1b}[2Jzzred"),
+            job(""),
+            job("line1\nline2"),
+            job(&"x".repeat(300)),
+        ],
+        ..Default::default()
+    };
+    s.send(stage_message::Kind::Telemetry(t)).await;
+    let nack = pb::Nack {
+        version: 1,
+        reason: format!("\u{1b}[2J{}", "y".repeat(100_000)),
+    };
+    s.send(stage_message::Kind::Nack(nack)).await;
+    let shown = eventually("the nack", WAIT, || {
+        let mut admin = admin.clone();
+        async move { stage(&mut admin).await.last_nack }
+    })
+    .await;
+    assert!(
+        !shown.reason.contains('\u{1b}'),
+        "{:?}",
+        &shown.reason[..40]
+    );
+    assert!(shown.reason.len() <= 1100, "{}", shown.reason.len());
+    assert_eq!(stage(&mut admin).await.jobs, ["train"]);
+    let listed = http(&c.http, "GET", "/api/v1/jobs", "").await;
+    assert!(
+        !listed.contains("zzred") && !listed.contains("line1"),
+        "{listed}"
+    );
+
+    // 20 MiB in one report: the session ends, saying why.
+    let big = pb::JobTelemetry {
+        labels: BTreeMap::from([("a".to_owned(), "x".repeat(20 << 20))]),
+        ..job("train")
+    };
+    let t = pb::Telemetry {
+        jobs: vec![big],
+        ..Default::default()
+    };
+    s.send(stage_message::Kind::Telemetry(t)).await;
+    let ended = loop {
+        match tokio::time::timeout(WAIT, s.down.message()).await {
+            Ok(Ok(Some(_))) => continue,
+            Ok(ended) => break ended,
+            Err(_) => panic!("the session did not end"),
+        }
+    };
+    let status = ended.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("16777216"), "{status:?}");
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }

@@ -718,22 +718,7 @@ pub enum FrameReadError {
     Io(#[from] std::io::Error),
 }
 
-/// Longest job id.
-pub const MAX_JOB_BYTES: usize = 128;
-
-/// Whether `job` is a job id trainers may claim: 1 to [`MAX_JOB_BYTES`]
-/// letters, digits, `.`, `_` and `-`.
-pub fn valid_job_id(job: &str) -> bool {
-    // `.` and `..` would name directories, not jobs, in the mount's `@job`
-    // paths and the order files' directory.
-    !job.is_empty()
-        && job != "."
-        && job != ".."
-        && job.len() <= MAX_JOB_BYTES
-        && job
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
+pub use sluice_policy::{MAX_JOB_ID_BYTES as MAX_JOB_BYTES, valid_job_id};
 
 #[cfg(test)]
 mod tests {

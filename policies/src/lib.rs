@@ -65,7 +65,10 @@ pub use model::{
 pub use quantity::{ByteRate, ByteSize, Millis, OpsRate, QuantityError};
 pub use selector::{Labels, Operator, Requirement, Selector, Witness, WitnessValue};
 pub use set::{Action, Change, DeleteError, PolicySet, policy_for_job};
-pub use validate::{DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_READERS, MAX_WEIGHT, check_label};
+pub use validate::{
+    DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_JOB_ID_BYTES, MAX_READERS, MAX_WEIGHT, check_label,
+    valid_job_id,
+};
 
 /// Parses and validates every document of a YAML (or JSON) stream.
 /// `source` names the text in error locations (a file path, `-`, or what

@@ -592,6 +592,17 @@ spec:
         (0, "pool/dup deleted (revision 2)\n"),
         "{err}"
     );
+    // Into a pipe its reader closed (`| head` done early): a quiet end.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(sluice_tests::binary("sluicectl"))
+        .arg(format!("--server=http://{}", c.grpc))
+        .args(["get", "policies"])
+        .stdout(writer)
+        .output()
+        .expect("sluicectl runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!((out.status.code(), err.as_ref()), (Some(0), ""));
 }
 
 /// `sluicectl apply -f -` with nothing on standard input (a generator that

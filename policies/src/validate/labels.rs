@@ -41,6 +41,24 @@ pub(super) fn label_value(value: &str) -> Result<(), String> {
     ))
 }
 
+/// Longest job id.
+pub const MAX_JOB_ID_BYTES: usize = 128;
+
+/// Whether `job` is a job id trainers may claim: 1 to [`MAX_JOB_ID_BYTES`]
+/// letters, digits, `.`, `_` and `-`. Stages take no other from trainers,
+/// and the controller no other from stages.
+pub fn valid_job_id(job: &str) -> bool {
+    // `.` and `..` would name directories, not jobs, in the mount's `@job`
+    // paths and the order files' directory.
+    !job.is_empty()
+        && job != "."
+        && job != ".."
+        && job.len() <= MAX_JOB_ID_BYTES
+        && job
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// Whether `key: value` is a label a trainer or a stage can send, and if
 /// not, why (for the stage's `--label` and `labels:`, checked at start).
 pub fn check_label(key: &str, value: &str) -> Result<(), String> {
