@@ -17,7 +17,9 @@ holding samples never stalls reading. A sample stays valid after its
 connection ends: the client copies the pages of the samples it still
 holds before it ends a connection, or as soon as it finds it ended
 (:meth:`Region.close`), and the stage does not reuse the slots of a
-connection it ended itself.
+connection it ended itself. A child forked while samples are alive gets
+its own copy of them at the fork (:meth:`Region._forked`): its parent may
+give them back while the child still refers to them.
 
 A process may hand its samples to another process of the same job without
 copying them (:meth:`Region.hand_off`): the stage then counts them as the
@@ -283,6 +285,19 @@ class Region:
             self._keep(offset, length)
         self._wake.set()
 
+    def _forked(self) -> None:
+        """In a child forked while this process mapped the region: the
+        connection is the parent's, and the parent gives its samples back
+        whenever it drops them, after which the stage writes other samples
+        into their slots. The samples alive at the fork are copied into
+        the child's own memory now, so that they stay what they were."""
+        self._open = False
+        self._flush = None
+        self._flusher = None
+        self._returned.clear()
+        for offset, length in list(self._live.items()):
+            self._keep(offset, length)
+
     def _keep(self, offset: int, length: int) -> None:
         """Gives this process its own copy of a sample's pages: a write to
         each page of the private mapping copies it (copy-on-write), and
@@ -305,6 +320,15 @@ _REGIONS: "weakref.WeakValueDictionary[Tuple[int, int], Region]" = weakref.WeakV
 def register(region: Region) -> None:
     """Records ``region`` as this process's mapping of its memory file."""
     _REGIONS[region.ident] = region
+
+
+def _after_fork_in_child() -> None:
+    for region in list(_REGIONS.values()):
+        region._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def region_of(ident: Tuple[int, int]) -> Optional[Region]:

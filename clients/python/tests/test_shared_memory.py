@@ -504,6 +504,37 @@ def test_samples_held_after_close_keep_their_bytes(stage_factory, even_files):
     read_on_and_check_held(stage, "after-close", files, held)
 
 
+def test_samples_a_forked_child_inherits_keep_their_bytes_when_the_parent_drops_them(stage_factory, even_files):
+    """The parent gives back what it drops and reads on, and the stage
+    reuses those slots; a child forked while the samples were alive still
+    refers to them, and must keep seeing its files."""
+    root, files = even_files
+    stage = stage_factory({"d": root})
+    c = sluice.Client(stage.socket, job="forked")
+    held = hold(c, 16)
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r), os.close(done_w)
+        os.write(ready_w, b"x")
+        os.read(done_r, 1)
+        changed = sum(bytes(data) != files[name] for name, data in held)
+        os._exit(10 + changed if changed else 0)
+    os.close(ready_w), os.close(done_r)
+    os.read(ready_r, 1)
+    del held
+    gc.collect()
+    for epoch in range(1, 4):
+        for name, data in c.dataset("d").epoch(epoch, seed=epoch, batch=16):
+            assert bytes(data) == files[name]
+    del data
+    c.close()
+    os.write(done_w, b"x")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"{os.waitstatus_to_exitcode(status) - 10} of 16 samples changed"
+
+
 def test_samples_held_after_their_client_is_dropped_keep_their_bytes(stage_factory, even_files):
     """No close(): the client goes with the function that opened it, and
     its samples outlive it."""
