@@ -773,43 +773,82 @@ impl Source {
 /// pages joined to the new one's read through the stage. An object
 /// store's files are not asked (a request each); its objects' pages go
 /// when the listing shows a new version (`FUSE_AUTO_INVAL_DATA`).
+///
+/// The pages are the inode's, shared by every open of it: while another
+/// open reads the file as it was (`held`: one of the same job, data set
+/// and name is alive), they are neither dropped nor refilled with the new
+/// file, which this open reads past them ([`Pages::Bypass`]).
 fn may_keep_pages(
     nodes: &Mutex<Nodes>,
     ino: u64,
     dataset: &Dataset,
     name: &str,
     listed: (u64, u64),
-) -> bool {
+    held: impl FnOnce() -> bool,
+) -> Pages {
     let kept = match lock(nodes).known.get_mut(&ino) {
         // A new inode: the kernel holds no pages of it yet.
         Some(Known {
             kept: kept @ None, ..
         }) => {
             *kept = Some(listed);
-            return true;
+            return Pages::Keep;
         }
         Some(known) => known.kept,
-        None => return true,
+        None => return Pages::Keep,
     };
     let Some(now) = dataset.source().local_version(name) else {
-        return true;
+        return Pages::Keep;
     };
     if Some(now) == kept {
-        return true;
+        return Pages::Keep;
+    }
+    if held() {
+        return Pages::Bypass;
     }
     if let Some(known) = lock(nodes).known.get_mut(&ino) {
         known.kept = Some(now);
     }
-    false
+    Pages::Drop
 }
 
-/// The open flags that let the kernel keep a file's pages, or not.
-fn cache_flags(keep: bool) -> u32 {
-    if keep {
-        fuser::consts::FOPEN_KEEP_CACHE
-    } else {
-        0
+/// What an open does with the kernel's pages of its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pages {
+    /// They are of the file as it is: read from them.
+    Keep,
+    /// They are of a file since replaced: dropped at the open.
+    Drop,
+    /// They are of a file since replaced that another open still reads:
+    /// kept for it, and this open's reads all come to the stage
+    /// (`FOPEN_DIRECT_IO`), filling none of them.
+    Bypass,
+}
+
+impl Pages {
+    /// The open flags that say it to the kernel.
+    fn flags(self) -> u32 {
+        use fuser::consts::{FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE};
+        match self {
+            Self::Keep => FOPEN_KEEP_CACHE,
+            Self::Drop => 0,
+            Self::Bypass => FOPEN_KEEP_CACHE | FOPEN_DIRECT_IO,
+        }
     }
+}
+
+/// Whether an open file of `job`'s `dataset`/`name` (the identity of the
+/// inode, within a job's path) other than `fh` is alive.
+fn held_elsewhere(
+    open: &Mutex<HashMap<u64, Open>>,
+    fh: u64,
+    job: &str,
+    dataset: &str,
+    name: &str,
+) -> bool {
+    lock(open).iter().any(|(other, file)| {
+        *other != fh && file.name == name && file.dataset.name == dataset && file.job.id() == job
+    })
 }
 
 /// The errno of a read through the mount that failed with `e`; a failure
@@ -1429,7 +1468,8 @@ impl Filesystem for MountFs {
         };
         let listed = (version, size);
         let Some(claim) = claim else {
-            let keep = cache_flags(may_keep_pages(&self.nodes, ino, &dataset, &name, listed));
+            let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
+            let keep = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held).flags();
             if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
                 return self.open_passthrough(
                     req.pid(),
@@ -1446,6 +1486,7 @@ impl Filesystem for MountFs {
         let notifier = Arc::clone(&self.notifier);
         let nodes = Arc::clone(&self.nodes);
         let stored_bytes = self.counters.stored_bytes.clone();
+        let open = Arc::clone(&self.open);
         self.answer_soon(async move {
             let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
@@ -1465,8 +1506,12 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
+            // Another open of the file reads the pages the kernel has: they
+            // are left to it, whatever version this open was delivered.
+            let held = held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let mut stored = false;
             if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
+                && !held
                 && chunk.len() as u64 == size
                 && size <= STORE_MAX
             {
@@ -1487,16 +1532,20 @@ impl Filesystem for MountFs {
             // keeps none of a file read from the buffer (a sample read
             // since the kernel's pages were), and those of a file read as
             // an unplanned one only while it is as they were.
-            let keep = if stored {
+            let pages = if stored {
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.kept = Some(listed);
                 }
-                true
+                Pages::Keep
+            } else if held && whole.is_some() {
+                Pages::Bypass
+            } else if whole.is_some() {
+                Pages::Drop
             } else {
-                whole.is_none() && may_keep_pages(&nodes, ino, &dataset, &name, listed)
+                may_keep_pages(&nodes, ino, &dataset, &name, listed, || held)
             };
             lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
-            reply.opened(fh, cache_flags(keep));
+            reply.opened(fh, pages.flags());
         });
     }
 

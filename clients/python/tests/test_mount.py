@@ -579,6 +579,32 @@ def test_a_file_replaced_between_reads_opens_as_one_version(tmp_path, mount_stag
         assert got == new, "the replaced file read as it was (its size is the same, so no listing hides it)"
 
 
+def test_a_file_replaced_while_another_reader_holds_it_reads_as_each_opened_it(tmp_path, mount_stage):
+    """Reader A opened the file and read part of it; the source is replaced
+    by a rename; reader B opens and reads the new file; A reads on. As on a
+    local directory, A reads the old file whole, at its size, and B the
+    new one: B's reads do not fill the pages A reads from (they did: A got
+    4 KiB of the old file, then the new one, cut to the new size). Once A
+    closed, an open reads the new file."""
+    root = tmp_path / "data"
+    root.mkdir()
+    old, new = os.urandom(100_000), os.urandom(60_000)
+    (root / "f.bin").write_bytes(old)
+    stage, mnt = mount_stage(root)
+    path = mnt / "ds" / "f.bin"
+    a = os.open(path, os.O_RDONLY)
+    try:
+        first = os.pread(a, 4096, 0)
+        (root / ".f.tmp").write_bytes(new)
+        os.rename(root / ".f.tmp", root / "f.bin")
+        assert path.read_bytes()[:len(new)] == new, "reader B"
+        rest = os.pread(a, 200_000, 4096)
+    finally:
+        os.close(a)
+    assert first + rest == old, "reader A: bytes of the new file, or cut to its size"
+    assert path.read_bytes()[:len(new)] == new, "an open after A closed"
+
+
 def test_a_planned_file_too_large_to_buffer_opens_all_the_same(tmp_path, mount_stage):
     """An order may list files larger than one buffered sample may be (a
     300 MiB shard): its open delivers it, and it is read as an unplanned
