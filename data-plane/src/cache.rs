@@ -253,6 +253,8 @@ struct Disk {
     tier: Tier<DiskFile>,
     /// The directory's marker, locked while this stage uses it.
     _claimed: std::fs::File,
+    /// Its identity: written into only while the directory holds it.
+    marker: disk::Marker,
     /// Writes that failed (a full or failing disk warns once a minute,
     /// not once a sample).
     failed_writes: Sparse,
@@ -321,7 +323,6 @@ enum Found {
 struct OnDisk {
     path: PathBuf,
     label: String,
-    checked: bool,
 }
 
 /// The node cache: a memory tier and an optional local-disk tier.
@@ -534,8 +535,8 @@ impl Cache {
     }
 
     /// `len` bytes from `offset` of a cached sample (a range within it),
-    /// counting a hit of those bytes, or `None`. A disk file is read
-    /// whole, and checked, only the first time: a large sample read in
+    /// counting a hit of those bytes, or `None`. Of a disk file, the blocks
+    /// the range touches are read and checked: a large sample read in
     /// windows (as the mount reads one) costs its size once, not once a
     /// window.
     pub fn peek_range(
@@ -558,13 +559,6 @@ impl Cache {
             Found::Disk(found) => found,
             Found::Nowhere => return None,
         };
-        if !found.checked {
-            let mut whole = vec![0; usize::try_from(key.size).ok()?];
-            return self
-                .read_whole_into(key, &found, &mut whole)
-                .then(|| range(&whole))
-                .flatten();
-        }
         let mut buf = vec![0; usize::try_from(len).ok()?];
         match disk::read_range(&found.path, key, offset, &mut buf) {
             Ok(()) => {
@@ -579,32 +573,18 @@ impl Cache {
     }
 
     /// Reads a sample the disk tier holds, whole, into `buf` (its length)
-    /// and checks it, counting the hit and marking the file checked; a file
-    /// that fails is removed (false).
+    /// and checks it, counting the hit; a file that fails is removed
+    /// (false).
     fn read_whole_into(&self, key: &SampleKey, found: &OnDisk, buf: &mut [u8]) -> bool {
         match disk::read_into(&found.path, key, buf) {
             Ok(()) => {
-                self.read_well(key, found, buf.len());
+                self.metrics.hit(&found.label, DISK, buf.len() as u64);
                 true
             }
             Err(e) => {
                 self.drop_failed(key, found, &e);
                 false
             }
-        }
-    }
-
-    /// Counts a disk hit of `len` bytes read whole and checked, and marks
-    /// the file checked.
-    fn read_well(&self, key: &SampleKey, found: &OnDisk, len: usize) {
-        self.metrics.hit(&found.label, DISK, len as u64);
-        if !found.checked
-            && let Some(file) = lock(&self.state)
-                .disk
-                .as_mut()
-                .and_then(|d| d.tier.get_mut(key))
-        {
-            file.checked = true;
         }
     }
 
@@ -656,7 +636,6 @@ impl Cache {
             let found = OnDisk {
                 path: file.path.clone(),
                 label: share.label.clone(),
-                checked: file.checked,
             };
             if self.policy == CachePolicy::Lru {
                 disk.tier.touch(key, tick);
@@ -898,12 +877,11 @@ impl Cache {
                 return Ok(false);
             };
             let path = disk::path_of(&disk.dir, &key);
-            let dir = disk.dir.clone();
+            let dir = (disk.dir.clone(), disk.marker);
             st.tick += 1;
             let file = DiskFile {
                 path: path.clone(),
                 ready: false,
-                checked: true,
             };
             disk.tier.insert(key.clone(), file, size, st.tick);
             let label = |k: &SampleKey| {
@@ -921,7 +899,7 @@ impl Cache {
             let _ = std::fs::remove_file(&file.path);
             self.metrics.evicted(&label, DISK, len);
         }
-        let written = disk::write(&dir, &path, &key, bytes);
+        let written = disk::write(&dir.0, dir.1, &path, &key, bytes);
         let mut st = lock(&self.state);
         let Some(disk) = st.disk.as_mut() else {
             return Ok(false);
@@ -1024,11 +1002,7 @@ fn open_disk(
         let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
         metrics.admitted(label, DISK, len);
         st.tick += 1;
-        let file = DiskFile {
-            path,
-            ready: true,
-            checked: false,
-        };
+        let file = DiskFile { path, ready: true };
         tier.insert(key, file, len, st.tick);
     }
     metrics
@@ -1045,6 +1019,7 @@ fn open_disk(
     Ok(Disk {
         dir: dir.to_owned(),
         tier,
+        marker: disk::Marker::of(&claimed)?,
         _claimed: claimed,
         failed_writes: Sparse::default(),
         failed_checks: Sparse::default(),

@@ -1,10 +1,13 @@
 //! The local-disk tier's files (`--cache-dir`): one file per sample, named
-//! by a hash of its key, holding a header (the full key, the length and a
-//! checksum of the bytes) and then the bytes. Files are written under a
-//! temporary name and renamed, and verified whenever they are read, so a
-//! torn write, a flipped bit or a file of another sample is a miss, never
-//! wrong bytes. The files outlive the stage: at start-up their headers are
-//! read back into the index.
+//! by a hash of its key, holding a header (the full key, the length, a
+//! checksum of the bytes and one of each [`SUM_BLOCK`] of them) and then
+//! the bytes. Files are written under a temporary name and renamed, and
+//! verified whenever they are read (a whole sample by its checksum, a
+//! range by those of the blocks it touches), so a torn write, a flipped
+//! bit or a file of another sample is a miss, never wrong bytes. The files
+//! outlive the stage: at start-up their headers are read back into the
+//! index. Files of the first format (`SLUICE1`, no block checksums) are
+//! read too; a range of one is checked by reading it whole.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -14,7 +17,12 @@ use std::sync::Arc;
 
 use super::SampleKey;
 
-const MAGIC: &[u8; 8] = b"SLUICE1\n";
+const MAGIC: &[u8; 8] = b"SLUICE2\n";
+/// The first format's: no block checksums.
+const MAGIC_V1: &[u8; 8] = b"SLUICE1\n";
+/// The bytes each block checksum covers: a range read reads and checks
+/// the blocks it touches, at most one more than it asks for at each end.
+const SUM_BLOCK: u64 = 1 << 20;
 /// A header longer than this is not one of ours.
 const MAX_HEADER: usize = 64 << 10;
 const TMP_SUFFIX: &str = ".tmp";
@@ -29,15 +37,18 @@ const BLOCK: u64 = 4096;
 /// Takes `dir` (which exists) for the disk tier: it must be one a stage
 /// made or be empty (a file system's `lost+found` aside), take writes, and
 /// not be in use by another stage. The returned file holds the lock: keep
-/// it open while the tier is used.
+/// it open while the tier is used; [`Marker::of`] names it.
 pub(super) fn claim(dir: &Path) -> io::Result<fs::File> {
     let refuse = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
     let marker = dir.join(MARKER);
+    // Without the marker, a directory holding nothing but the tier's own
+    // files is one a stage made and lost its marker (`rm -rf` of it raced
+    // the writer, which made a subdirectory again behind it).
     if fs::symlink_metadata(&marker).is_err()
         && let Some(name) = fs::read_dir(dir)?
             .filter_map(Result::ok)
+            .find(|e| e.file_name() != "lost+found" && !tier_own(e))
             .map(|e| e.file_name())
-            .find(|n| n != "lost+found")
     {
         return Err(refuse(format!(
             "--cache-dir {} holds `{}`, which is not the node cache's: give it an empty \
@@ -94,14 +105,72 @@ pub(super) fn claim(dir: &Path) -> io::Result<fs::File> {
     Ok(file)
 }
 
-/// The bytes a header for `key` takes.
-fn header_len(key: &SampleKey) -> u64 {
-    (MAGIC.len() + 4 + key.source.len() + 4 + key.name.len() + 32) as u64
+/// The marker file a stage claimed, by its identity: a directory removed
+/// under the stage and made again (by another stage taking the path) has
+/// another, and this stage writes nothing there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Marker {
+    dev: u64,
+    ino: u64,
+}
+
+impl Marker {
+    /// The identity of the claimed marker `file`.
+    pub(super) fn of(file: &fs::File) -> io::Result<Self> {
+        let m = file.metadata()?;
+        Ok(Self {
+            dev: m.dev(),
+            ino: m.ino(),
+        })
+    }
+
+    /// Whether the marker in `dir` is still this one; the error says why
+    /// not, for the warning.
+    fn still_in(self, dir: &Path) -> io::Result<()> {
+        let path = dir.join(MARKER);
+        let stop = "nothing is written to the disk tier until the stage restarts";
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.dev() == self.dev && m.ino() == self.ino => Ok(()),
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{} is not the marker this stage made (the directory was removed and made \
+                     again, by another stage taking its path?): {stop}",
+                    path.display()
+                ),
+            )),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{MARKER} is gone from {} (the directory was removed or emptied while the stage \
+                     ran): {stop}",
+                    dir.display()
+                ),
+            )),
+            Err(e) => Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot reach {} ({e}): nothing is written to the disk tier until it can",
+                    path.display()
+                ),
+            )),
+        }
+    }
+}
+
+/// Block checksums a sample of `len` bytes has.
+fn blocks(len: u64) -> u64 {
+    len.div_ceil(SUM_BLOCK)
+}
+
+/// The bytes a header for `key` holding `len` bytes takes.
+fn header_len(key: &SampleKey, len: u64) -> u64 {
+    (MAGIC.len() + 4 + key.source.len() + 4 + key.name.len() + 32) as u64 + 8 * blocks(len)
 }
 
 /// What the file of `key` holding `len` bytes takes on disk.
 pub(super) fn footprint(key: &SampleKey, len: u64) -> u64 {
-    (header_len(key) + len).div_ceil(BLOCK) * BLOCK
+    (header_len(key, len) + len).div_ceil(BLOCK) * BLOCK
 }
 
 /// Where a cached sample is on disk.
@@ -110,10 +179,6 @@ pub(super) struct DiskFile {
     pub path: PathBuf,
     /// Written completely (readers skip a file still being written).
     pub ready: bool,
-    /// Its bytes are known to match their checksum: this stage wrote
-    /// them, or read them whole and checked them. Ranges of such a file
-    /// are read alone.
-    pub checked: bool,
 }
 
 /// The path of `key`'s file beneath `dir`: `dir/ab/ab0123...` (256
@@ -167,54 +232,86 @@ fn header(key: &SampleKey, bytes: &[u8]) -> Vec<u8> {
     for n in [key.version, key.size, bytes.len() as u64, checksum(bytes)] {
         h.extend_from_slice(&n.to_le_bytes());
     }
+    for block in bytes.chunks(SUM_BLOCK as usize) {
+        h.extend_from_slice(&checksum(block).to_le_bytes());
+    }
     h
 }
 
 /// Writes `key`'s file in the tier's directory `dir`: header and bytes
-/// under a temporary name, then renamed into place. Nothing is written once
-/// the directory's marker is gone (the directory was removed or emptied
-/// while the stage ran): made again without it, the directory would be
-/// refused at the next start as holding files that are not the cache's.
-pub(super) fn write(dir: &Path, path: &Path, key: &SampleKey, bytes: &[u8]) -> io::Result<()> {
-    if fs::symlink_metadata(dir.join(MARKER)).is_err() {
+/// under a temporary name, then renamed into place. Nothing is written
+/// once the directory's marker is not the one this stage claimed (the
+/// directory was removed or emptied while the stage ran, maybe made again
+/// by another stage): made again without it, the directory would be
+/// refused at the next start as holding files that are not the cache's,
+/// and another stage's files are its own. A write that raced the removal
+/// takes back what it made.
+pub(super) fn write(
+    dir: &Path,
+    marker: Marker,
+    path: &Path,
+    key: &SampleKey,
+    bytes: &[u8],
+) -> io::Result<()> {
+    marker.still_in(dir)?;
+    let Some(sub) = path.parent() else {
         return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!(
-                "{MARKER} is gone from {} (the directory was removed or emptied while the stage \
-                 ran): nothing is written to the disk tier until the stage restarts",
-                dir.display()
-            ),
+            io::ErrorKind::InvalidInput,
+            "no subdirectory",
         ));
-    }
-    if let Some(parent) = path.parent() {
-        fs::create_dir_all(parent)?;
+    };
+    // Not `create_dir_all`: a removed tier directory is not made again.
+    match fs::create_dir(sub) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
     }
     let tmp = path.with_extension(TMP_SUFFIX.trim_start_matches('.'));
-    let mut f = fs::File::create(&tmp)?;
-    let written = f
-        .write_all(&header(key, bytes))
-        .and_then(|()| f.write_all(bytes));
-    if let Err(e) = written {
+    let written = fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(&header(key, bytes))?;
+        f.write_all(bytes)
+    });
+    let placed = written.and_then(|()| fs::rename(&tmp, path));
+    let kept = placed.and_then(|()| marker.still_in(dir));
+    if kept.is_err() {
         let _ = fs::remove_file(&tmp);
-        return Err(e);
+        let _ = fs::remove_file(path);
+        let _ = fs::remove_dir(sub);
     }
-    fs::rename(&tmp, path)
+    kept
 }
 
-/// A file's header: the key it holds, the length and checksum of its bytes.
+/// A file's header: the key it holds, the length and checksum of its
+/// bytes, and those of each block of them (`None`: a file of the first
+/// format, which has none).
 struct Header {
     key: SampleKey,
     len: u64,
     sum: u64,
+    blocks: Option<Vec<u64>>,
 }
 
-fn read_header(f: &mut impl Read) -> io::Result<Header> {
+impl Header {
+    /// The bytes it takes in its file.
+    fn len_on_disk(&self) -> u64 {
+        let v1 = (MAGIC.len() + 4 + self.key.source.len() + 4 + self.key.name.len() + 32) as u64;
+        match self.blocks {
+            Some(_) => header_len(&self.key, self.len),
+            None => v1,
+        }
+    }
+}
+
+/// Reads a header from a file of `on_disk` bytes (a length past it is
+/// refused before anything is allocated for its block checksums).
+fn read_header(f: &mut impl Read, on_disk: u64) -> io::Result<Header> {
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     let mut magic = [0u8; 8];
     f.read_exact(&mut magic)?;
-    if &magic != MAGIC {
-        return Err(bad("not a sluice cache file"));
-    }
+    let summed = match &magic {
+        m if m == MAGIC => true,
+        m if m == MAGIC_V1 => false,
+        _ => return Err(bad("not a sluice cache file")),
+    };
     let mut text = || -> io::Result<String> {
         let mut len = [0u8; 4];
         f.read_exact(&mut len)?;
@@ -230,6 +327,21 @@ fn read_header(f: &mut impl Read) -> io::Result<Header> {
     let mut n = [0u8; 32];
     f.read_exact(&mut n)?;
     let word = |i: usize| u64::from_le_bytes(n[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let len = word(2);
+    if len > on_disk {
+        return Err(bad("the file's length does not match its header"));
+    }
+    let blocks = if summed {
+        let mut sums = vec![0u8; 8 * blocks(len) as usize];
+        f.read_exact(&mut sums)?;
+        Some(
+            sums.chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                .collect(),
+        )
+    } else {
+        None
+    };
     Ok(Header {
         key: SampleKey {
             source: source.into(),
@@ -237,8 +349,9 @@ fn read_header(f: &mut impl Read) -> io::Result<Header> {
             version: word(0),
             size: word(1),
         },
-        len: word(2),
+        len,
         sum: word(3),
+        blocks,
     })
 }
 
@@ -248,12 +361,12 @@ fn read_header(f: &mut impl Read) -> io::Result<Header> {
 fn open_holding(path: &Path, key: &SampleKey) -> io::Result<(io::BufReader<fs::File>, Header)> {
     let (file, on_disk) = crate::storage::open_regular(path)?;
     let mut f = io::BufReader::with_capacity(8 << 10, file);
-    let header = read_header(&mut f)?;
+    let header = read_header(&mut f, on_disk)?;
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     if header.key != *key {
         return Err(bad("the file holds another sample"));
     }
-    if header_len(key) + header.len != on_disk {
+    if header.len_on_disk() + header.len != on_disk {
         return Err(bad("the file's length does not match its header"));
     }
     Ok((f, header))
@@ -285,8 +398,9 @@ fn read_checked(f: &mut impl Read, header: &Header, buf: &mut [u8]) -> io::Resul
 }
 
 /// Reads `buf.len()` bytes from `offset` of the sample in the file at
-/// `path`, which must hold `key` whole (its header and length are
-/// checked; its bytes are not, see [`DiskFile::checked`]).
+/// `path`, which must hold `key` whole, and checks them: the blocks the
+/// range touches are read and checked against their checksums (a file of
+/// the first format is read whole and checked).
 pub(super) fn read_range(
     path: &Path,
     key: &SampleKey,
@@ -294,14 +408,40 @@ pub(super) fn read_range(
     buf: &mut [u8],
 ) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
-    let (f, header) = open_holding(path, key)?;
-    if offset.saturating_add(buf.len() as u64) > header.len {
+    let (mut f, header) = open_holding(path, key)?;
+    let end = offset.saturating_add(buf.len() as u64);
+    if end > header.len {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "the range ends past the sample",
         ));
     }
-    f.get_ref().read_exact_at(buf, header_len(key) + offset)
+    let Some(sums) = &header.blocks else {
+        let mut whole = vec![0; header.len as usize];
+        read_checked(&mut f, &header, &mut whole)?;
+        buf.copy_from_slice(&whole[offset as usize..end as usize]);
+        return Ok(());
+    };
+    if buf.is_empty() {
+        return Ok(());
+    }
+    let (first, last) = (offset / SUM_BLOCK, (end - 1) / SUM_BLOCK);
+    let from = first * SUM_BLOCK;
+    let to = ((last + 1) * SUM_BLOCK).min(header.len);
+    let mut read = vec![0; (to - from) as usize];
+    f.get_ref()
+        .read_exact_at(&mut read, header.len_on_disk() + from)?;
+    for (i, block) in read.chunks(SUM_BLOCK as usize).enumerate() {
+        if sums.get(first as usize + i) != Some(&checksum(block)) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the bytes do not match the checksum",
+            ));
+        }
+    }
+    let start = (offset - from) as usize;
+    buf.copy_from_slice(&read[start..start + buf.len()]);
+    Ok(())
 }
 
 /// The files a previous stage left in `dir` whose source is one of
@@ -355,16 +495,18 @@ pub(super) fn scan(dir: &Path, sources: &[Arc<str>]) -> io::Result<Vec<(SampleKe
 /// sample of one of `sources`.
 fn indexed(path: &Path, sources: &[Arc<str>]) -> Option<(SampleKey, u64)> {
     let (file, on_disk) = crate::storage::open_regular(path).ok()?;
-    let h = read_header(&mut io::BufReader::new(file)).ok()?;
+    let h = read_header(&mut io::BufReader::new(file), on_disk).ok()?;
     let source = sources.iter().find(|s| ***s == *h.key.source)?;
+    if h.len_on_disk() + h.len != on_disk {
+        return None;
+    }
     let key = SampleKey {
         source: Arc::clone(source),
         ..h.key
     };
-    (header_len(&key) + h.len == on_disk).then(|| {
-        let len = footprint(&key, h.len);
-        (key, len)
-    })
+    // Counted as it takes room: a file of the first format by its size.
+    let len = on_disk.div_ceil(BLOCK) * BLOCK;
+    Some((key, len))
 }
 
 /// Moves the file at `from` to `to` (in a subdirectory that may not exist
@@ -376,6 +518,25 @@ fn moved(from: &Path, to: &Path) -> bool {
     to.parent()
         .is_some_and(|sub| fs::create_dir_all(sub).is_ok())
         && fs::rename(from, to).is_ok()
+}
+
+/// Whether the entry `e` of a tier's directory is one of its subdirectories
+/// holding only files named as the tier names its own.
+fn tier_own(e: &fs::DirEntry) -> bool {
+    let named = |name: &std::ffi::OsStr| {
+        let text = name.to_string_lossy();
+        is_hex(
+            std::ffi::OsStr::new(text.strip_suffix(TMP_SUFFIX).unwrap_or(&text)),
+            32,
+        )
+    };
+    e.file_type().is_ok_and(|t| t.is_dir())
+        && is_hex(&e.file_name(), 2)
+        && fs::read_dir(e.path()).is_ok_and(|files| {
+            files
+                .filter_map(Result::ok)
+                .all(|f| f.file_type().is_ok_and(|t| t.is_file()) && named(&f.file_name()))
+        })
 }
 
 /// Whether `name` is `digits` lowercase hexadecimal digits.

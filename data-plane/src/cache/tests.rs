@@ -429,37 +429,90 @@ fn a_damaged_disk_file_is_a_miss_and_is_removed() {
 }
 
 #[test]
-fn ranges_of_a_disk_file_are_read_alone_once_it_is_checked() {
+fn a_range_of_a_disk_file_is_checked_by_the_blocks_it_touches() {
     let dir = tempfile::tempdir().unwrap();
     let src: Arc<str> = "/data".into();
-    let k = key(&src, "a", 100);
-    {
-        let c = tiered(dir.path(), 0, 10 * FILE);
-        assert!(!read(&c, "d", &k, 7));
-        on_disk(&c, 1);
-        // Written by this cache: checked, so a range is read alone (the
-        // hit counts its bytes, not the sample's).
-        assert_eq!(c.peek_range("d", &k, 10, 5), Some(vec![7; 5]));
-        assert_eq!(c.report().datasets[0].hit_bytes, 5);
-        assert_eq!(c.peek_range("d", &k, 98, 5), None, "past the end");
-    }
-    // Found at start, a file is read whole and checked on its first
-    // range: a flipped byte is found then, and the file dropped.
+    // Three blocks of checksums: 1 MiB, 1 MiB and 512 KiB.
+    let size = (5 << 20) / 2;
+    let k = key(&src, "a", size);
+    let c = tiered(dir.path(), 0, 8 << 20);
+    assert!(!read(&c, "d", &k, 7));
+    on_disk(&c, 1);
+    // The hit counts the range's bytes, not the sample's.
+    assert_eq!(c.peek_range("d", &k, 10, 5), Some(vec![7; 5]));
+    assert_eq!(c.report().datasets[0].hit_bytes, 5);
+    assert_eq!(c.peek_range("d", &k, size - 2, 5), None, "past the end");
+    // A byte flipped in the last block, in the file this cache wrote: a
+    // range in the first block is read and served, one across the last
+    // is refused and the file dropped.
     let path = disk::path_of(dir.path(), &k);
     let mut bytes = std::fs::read(&path).unwrap();
     *bytes.last_mut().unwrap() ^= 0xff;
     std::fs::write(&path, &bytes).unwrap();
-    let c = tiered(dir.path(), 0, 10 * FILE);
-    assert_eq!(c.peek_range("d", &k, 0, 5), None);
+    assert_eq!(c.peek_range("d", &k, 0, 3), Some(vec![7; 3]));
+    assert_eq!(c.peek_range("d", &k, (2 << 20) - 1, 2), None);
     assert!(!path.exists());
-    // Whole again, it is checked on its first range and read alone after.
-    assert!(!read(&c, "d", &k, 3));
-    on_disk(&c, 1);
-    drop(c);
+    assert!(matches!(lookup(&c, "d", &k), Lookup::Miss(_)));
+}
+
+#[test]
+fn files_of_the_first_format_are_read_and_checked_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let src: Arc<str> = "/data".into();
+    let k = key(&src, "a", 100);
+    drop(tiered(dir.path(), 0, 10 * FILE));
+    // What the first release wrote: its header has no block checksums.
+    let bytes = vec![5u8; 100];
+    let mut file = b"SLUICE1\n".to_vec();
+    for part in [k.source.as_bytes(), k.name.as_bytes()] {
+        file.extend_from_slice(&(part.len() as u32).to_le_bytes());
+        file.extend_from_slice(part);
+    }
+    for n in [k.version, k.size, 100, disk::checksum(&bytes)] {
+        file.extend_from_slice(&n.to_le_bytes());
+    }
+    file.extend_from_slice(&bytes);
+    let path = disk::path_of(dir.path(), &k);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, &file).unwrap();
     let c = tiered(dir.path(), 0, 10 * FILE);
-    assert_eq!(c.peek_range("d", &k, 0, 2), Some(vec![3; 2]));
-    assert_eq!(c.peek_range("d", &k, 50, 2), Some(vec![3; 2]));
-    assert_eq!(c.report().datasets[0].hit_bytes, 100 + 2);
+    assert_eq!(c.peek_range("d", &k, 98, 2), Some(vec![5; 2]));
+    assert!(read(&c, "d", &k, 0), "read whole");
+    drop(c);
+    *file.last_mut().unwrap() ^= 0xff;
+    std::fs::write(&path, &file).unwrap();
+    let c = tiered(dir.path(), 0, 10 * FILE);
+    assert_eq!(c.peek_range("d", &k, 0, 2), None);
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_tier_directory_removed_and_made_again_by_another_stage_is_not_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    let src: Arc<str> = "/data".into();
+    let a = tiered(&tier, 0, 10 * FILE);
+    std::fs::remove_dir_all(&tier).unwrap();
+    // Another stage takes the path, and holds it.
+    std::fs::create_dir(&tier).unwrap();
+    let b = tiered(&tier, 0, 10 * FILE);
+    assert!(!read(&a, "d", &key(&src, "from-a", 10), 1));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !lock(&a.state).queued.samples.is_empty() {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let listed: Vec<_> = std::fs::read_dir(&tier)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(listed, [disk::MARKER], "the other stage's directory");
+    drop(b);
+    // Removed with nothing made in its place: not made again.
+    std::fs::remove_dir_all(&tier).unwrap();
+    assert!(!read(&a, "d", &key(&src, "again", 10), 1));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!tier.exists());
 }
 
 #[test]
@@ -503,6 +556,21 @@ fn a_directory_holding_other_files_is_refused_and_left_as_it_was() {
     std::fs::create_dir(fresh.path().join("lost+found")).unwrap();
     drop(tiered(fresh.path(), 0, FILE));
     assert!(fresh.path().join(disk::MARKER).exists());
+    // Nothing but the tier's own files (its marker lost to an `rm -rf`
+    // that raced the writer) is a tier's directory; one more file is not.
+    let src: Arc<str> = "/data".into();
+    let k = key(&src, "a", 10);
+    let c = tiered(fresh.path(), 0, 10 * FILE);
+    assert!(!read(&c, "d", &k, 4));
+    on_disk(&c, 1);
+    drop(c);
+    std::fs::remove_file(fresh.path().join(disk::MARKER)).unwrap();
+    let sub = disk::path_of(fresh.path(), &k).parent().unwrap().to_owned();
+    std::fs::write(sub.join("notes.txt"), b"keep").unwrap();
+    assert!(open_tiered(fresh.path(), 0, 10 * FILE, ("/data", "d")).is_err());
+    std::fs::remove_file(sub.join("notes.txt")).unwrap();
+    let c = tiered(fresh.path(), 0, 10 * FILE);
+    assert!(read(&c, "d", &k, 0), "its files found again");
 }
 
 #[test]
