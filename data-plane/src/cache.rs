@@ -592,6 +592,10 @@ impl Cache {
     fn drop_failed(&self, key: &SampleKey, found: &OnDisk, e: &std::io::Error) {
         let mut st = lock(&self.state);
         if let Some(disk) = st.disk.as_mut() {
+            self.metrics
+                .disk_failures
+                .with_label_values(&["check"])
+                .inc();
             if let Some(failed) = disk.failed_checks.note(WARN_EVERY) {
                 tracing::warn!(path = %found.path.display(), error = %e, failed, "dropping disk cache files that failed their check (read again from their source; this warning repeats at most once a minute)");
             }
@@ -918,6 +922,10 @@ impl Cache {
                 }
             },
             Err(e) => {
+                self.metrics
+                    .disk_failures
+                    .with_label_values(&["write"])
+                    .inc();
                 if let Some(failed) = disk.failed_writes.note(WARN_EVERY) {
                     tracing::warn!(
                         path = %path.display(),

@@ -758,6 +758,12 @@ fn cache_options(
     ) {
         (Some(dir), Some(size)) if size.bytes() > 0 => {
             apart_from_datasets("--cache-dir", &dir, datasets)?;
+            if std::fs::metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+                return Err(ConfigError(format!(
+                    "--cache-dir {} is not a directory: give the directory the disk tier lives in (it is made if missing)",
+                    dir.display()
+                )));
+            }
             Some((dir, size.bytes()))
         }
         (None, None) => None,
@@ -1385,6 +1391,11 @@ mod tests {
                 &["--initial-buffer", "1MiB"],
                 "",
                 "outside the bounds 4MiB..1GiB",
+            ),
+            (
+                &["--cache-dir", "/etc/hostname", "--cache-disk", "1GiB"],
+                "",
+                "--cache-dir /etc/hostname is not a directory",
             ),
             (&["--mount-job", "train"], "", "--mount-job needs --mount"),
             (&[], "mount_job: train", "--mount-job needs --mount"),

@@ -507,6 +507,8 @@ fn a_tier_directory_removed_and_made_again_by_another_stage_is_not_written() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(listed, [disk::MARKER], "the other stage's directory");
+    let failed = a.metrics.disk_failures.with_label_values(&["write"]).get();
+    assert_eq!(failed, 1, "counted where operators see it");
     drop(b);
     // Removed with nothing made in its place: not made again.
     std::fs::remove_dir_all(&tier).unwrap();

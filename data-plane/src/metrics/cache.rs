@@ -20,6 +20,8 @@ pub struct CacheMetrics {
     evictions: IntCounterVec,
     pub staging_bytes: IntCounterVec,
     pub staging_samples: IntGaugeVec,
+    /// Disk tier failures, by kind (`write`, `check`).
+    pub disk_failures: IntCounterVec,
 }
 
 /// A data set's cache counters, over the tiers asked for.
@@ -101,6 +103,13 @@ impl CacheMetrics {
                 "The latest staging round of a data set: samples looked at (state=done) \
                  of all its samples (state=total).",
                 &["dataset", "state"],
+            ),
+            disk_failures: r.counter(
+                "sluice_stage_cache_disk_failures_total",
+                "Disk tier failures: samples it could not write (kind=write: a full or failing \
+                 disk, or a directory removed under the stage) and files that failed their check \
+                 or could not be read (kind=check); each sample is read from its source instead.",
+                &["kind"],
             ),
         }
     }
