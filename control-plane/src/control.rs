@@ -77,7 +77,10 @@ pub async fn run(
         }
         let started = Instant::now();
         mark_lost(&shared).await;
-        if leading_since.elapsed() >= shared.stage_timeout || all_back(&shared) {
+        if leading_since.elapsed() >= shared.stage_timeout
+            || all_back(&shared)
+            || a_job_waits(&shared)
+        {
             control(&shared, &mut memory).await;
         }
         shared
@@ -206,6 +209,29 @@ fn all_back(shared: &Shared) -> bool {
     lock(&shared.live)
         .values()
         .all(|l| l.lost || (l.session.is_some() && l.has_window()))
+}
+
+/// Whether a job reads on a stage whose settings do not name it yet: its
+/// stage holds it at the gate for at most half a second, then lets it read
+/// unlimited, so it is not kept waiting for every stage to be back (a job
+/// started right after its stage, within a stage's first reports, waited
+/// for the stage's first measured window and read past its limit). Jobs
+/// the stages had before the controller started are named in the settings
+/// it reloaded.
+fn a_job_waits(shared: &Shared) -> bool {
+    let live = lock(&shared.live);
+    let desired = lock(&shared.desired);
+    live.iter()
+        .filter(|(_, l)| !l.lost && l.session.is_some())
+        .any(|(id, l)| {
+            let named = |job: &String| {
+                desired.get(id).is_some_and(|d| {
+                    d.settings.jobs.contains_key(job) || d.settings.unmanaged.contains(job)
+                })
+            };
+            l.latest()
+                .is_some_and(|t| t.reading().any(|(job, _)| !named(job)))
+        })
 }
 
 async fn mark_lost(shared: &Shared) {

@@ -55,8 +55,12 @@ fn sqlite_url(dir: &Path) -> String {
 }
 
 async fn start(url: &str) -> Running {
+    start_with(url, Duration::from_secs(1)).await
+}
+
+async fn start_with(url: &str, stage_timeout: Duration) -> Running {
     let mut config = ControllerConfig::for_tests(url);
-    config.stage_timeout = Duration::from_secs(1);
+    config.stage_timeout = stage_timeout;
     let controller = Controller::bind(config).await.unwrap();
     let addrs = controller.addresses().unwrap();
     let (grpc, http) = (addrs.grpc.to_string(), addrs.http.to_string());
@@ -888,7 +892,11 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
         // while the stuck stage still counts as serving the job.
         loop {
             let s = good.settings().await;
-            let got = s.jobs[0].settings.as_ref().unwrap().bytes_per_second;
+            // Pushed before the first policy: the job unmanaged.
+            let Some(job) = s.jobs.first() else {
+                continue;
+            };
+            let got = job.settings.as_ref().unwrap().bytes_per_second;
             if got == Some(rate) || got == Some(rate / 2) {
                 break;
             }
@@ -970,6 +978,35 @@ async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
     let status = ended.unwrap_err();
     assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
     assert!(status.message().contains("16777216"), "{status:?}");
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+/// A job that starts as its stage does, before the stage has reported for
+/// long enough to measure anything, gets its settings at once: its stage
+/// holds it for at most half a second, then lets it read unlimited. (The
+/// controller, which waits at its start for every stage's first measured
+/// window, waited for this stage's too, and the job read past its limit.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_starts_with_its_stage_gets_its_settings_within_the_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    admin
+        .apply_policies(apply_request(POLICY, false))
+        .await
+        .unwrap();
+    // One report, naming job `train`: no window yet.
+    let mut s = session(&c.grpc, 0).await;
+    let settings = tokio::time::timeout(Duration::from_millis(500), s.settings())
+        .await
+        .expect("settings within the stage's gate");
+    assert!(
+        settings.jobs.iter().any(|j| j.job == "train"),
+        "{settings:?}"
+    );
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }
