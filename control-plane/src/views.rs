@@ -137,9 +137,10 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
         state: if lost { "lost" } else { "connected" },
         // The store is told every few seconds; the controller hears more.
         last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
-        // The jobs it serves (trainers connected), not those it keeps idle.
-        jobs: telemetry
-            .map(|t| t.reading().map(|(job, _)| job.clone()).collect())
+        // The jobs it serves now (trainers connected), not those it keeps
+        // idle, nor those of a lost stage's last report.
+        jobs: live
+            .map(|l| l.serving().cloned().collect())
             .unwrap_or_default(),
         memory_used_bytes: telemetry.map_or(0, |t| t.memory_used_bytes),
         software_version: hello.software_version,

@@ -339,6 +339,10 @@ async fn policies_reach_both_stages_bad_ones_change_nothing_and_lost_stages_show
         .into_inner();
     let serving: Vec<&str> = job.stages.iter().map(|s| s.stage_id.as_str()).collect();
     assert_eq!(serving, ["stage-a"]);
+    // Nor does the stage view list jobs of its last report.
+    let lost = stages(&mut client).await;
+    let lost = lost.iter().find(|s| s.id == "stage-b").unwrap();
+    assert!(lost.jobs.is_empty(), "{:?}", lost.jobs);
     assert_eq!(
         job.settings.and_then(|s| s.bytes_per_second),
         Some(100_000_000)
