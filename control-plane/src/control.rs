@@ -222,15 +222,14 @@ fn a_job_waits(shared: &Shared) -> bool {
     let live = lock(&shared.live);
     let desired = lock(&shared.desired);
     live.iter()
-        .filter(|(_, l)| !l.lost && l.session.is_some())
+        .filter(|(_, l)| l.session.is_some())
         .any(|(id, l)| {
             let named = |job: &String| {
                 desired.get(id).is_some_and(|d| {
                     d.settings.jobs.contains_key(job) || d.settings.unmanaged.contains(job)
                 })
             };
-            l.latest()
-                .is_some_and(|t| t.reading().any(|(job, _)| !named(job)))
+            l.serving().any(|job| !named(job))
         })
 }
 

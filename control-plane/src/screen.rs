@@ -5,6 +5,7 @@
 //! reason, a staging error) is kept as a line an operator's terminal shows
 //! as written: control characters escaped, its length bounded.
 
+use sluice_policy::{MAX_DATASET_NAME_BYTES, valid_dataset_name};
 use sluice_proto::v1;
 
 /// The longest free text kept of a stage's message, in bytes.
@@ -13,9 +14,6 @@ pub const MAX_TEXT: usize = 1024;
 /// The most labels a job may carry in a report: a trainer may send 64,
 /// and a stage adds its own.
 const MAX_JOB_LABELS: usize = 256;
-
-/// The longest data set name a stage takes (`--dataset`).
-const MAX_DATASET: usize = 128;
 
 /// `text` as one bounded line: control characters (line breaks, escapes)
 /// escaped, at most [`MAX_TEXT`] bytes, `...` where it was cut.
@@ -36,23 +34,13 @@ pub fn line(text: &str) -> String {
     out
 }
 
-/// Whether `name` is a data set name a stage takes at its start.
-fn dataset_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_DATASET
-        && name != "."
-        && name != ".."
-        && !name.contains('/')
-        && !name.chars().any(char::is_control)
-}
-
 /// Why a job entry of a report is dropped, if it is.
 fn bad_job(job: &v1::JobTelemetry) -> Option<String> {
     // A stage's own job staging a data set is named apart from trainers'.
     let staging = job
         .job
         .strip_prefix(&sluice_policy::staging_job(""))
-        .is_some_and(dataset_name);
+        .is_some_and(valid_dataset_name);
     if !staging && !sluice_policy::valid_job_id(&job.job) {
         return Some(format!(
             "job id `{}` is not one trainers can claim",
@@ -92,7 +80,7 @@ pub fn telemetry(t: &mut v1::Telemetry) -> Option<(usize, String)> {
     });
     if let Some(cache) = &mut t.cache {
         cache.datasets.retain(|d| {
-            let ok = dataset_name(&d.dataset);
+            let ok = valid_dataset_name(&d.dataset);
             if !ok {
                 note(format!("data set name `{}` is not valid", line(&d.dataset)));
             }
@@ -117,9 +105,9 @@ pub fn hello(h: &v1::Hello) -> Result<(), String> {
     {
         return Err(format!("hello.labels: {}", line(&e)));
     }
-    if let Some(d) = h.datasets.iter().find(|d| !dataset_name(d)) {
+    if let Some(d) = h.datasets.iter().find(|d| !valid_dataset_name(d)) {
         return Err(format!(
-            "hello.datasets: `{}` is not a data set name (1 to {MAX_DATASET} bytes, no `/` or control characters)",
+            "hello.datasets: `{}` is not a data set name (1 to {MAX_DATASET_NAME_BYTES} bytes, no `/` or control characters)",
             line(d)
         ));
     }

@@ -866,7 +866,7 @@ impl Cache {
     /// returns whether the tier holds it (written now or before; no: no
     /// room, or a newer version came), or the write's error. Blocking.
     fn write_to_disk(&self, key: SampleKey, bytes: &[u8]) -> std::io::Result<bool> {
-        let (path, dir, size, evicted, label) = {
+        let (path, (dir, marker), size, evicted, label) = {
             let mut st = lock(&self.state);
             let st = &mut *st;
             let Some(disk) = st.disk.as_mut() else {
@@ -903,7 +903,7 @@ impl Cache {
             let _ = std::fs::remove_file(&file.path);
             self.metrics.evicted(&label, DISK, len);
         }
-        let written = disk::write(&dir.0, dir.1, &path, &key, bytes);
+        let written = disk::write(&dir, marker, &path, &key, bytes);
         let mut st = lock(&self.state);
         let Some(disk) = st.disk.as_mut() else {
             return Ok(false);

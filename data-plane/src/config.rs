@@ -429,15 +429,14 @@ impl StageConfig {
         let cache = cache_options(&args, &file.cache, memory_budget, &datasets)?;
         // Read once for every data set (unreadable: every one counts as local).
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        let remote = datasets.iter().any(|(_, location)| {
-            location.to_str().is_some_and(|l| l.starts_with("s3://"))
-                || on_network_file_system(&mounts, location)
-        });
+        let in_store =
+            |location: &PathBuf| location.to_str().is_some_and(|l| l.starts_with("s3://"));
+        let remote = datasets
+            .iter()
+            .any(|(_, location)| in_store(location) || on_network_file_system(&mounts, location));
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
         let s3 = s3_options(&args, &file.s3)?;
-        if !datasets
-            .iter()
-            .any(|(_, l)| l.to_str().is_some_and(|l| l.starts_with("s3://")))
+        if !datasets.iter().any(|(_, l)| in_store(l))
             && let Some(flag) = s3_given(&args, &file.s3)
         {
             // Not refused: a chart's values may set the object store for
@@ -651,11 +650,10 @@ fn merge_datasets(
             "no dataset configured: pass --dataset NAME=DIR (or `datasets:` in --config)".into(),
         ));
     }
-    // The mount shows a dataset as DIR/<name> and a job as DIR/@<job>.
-    let unreachable = |n: &str| n.is_empty() || n == "." || n == ".." || n.starts_with('@');
-    if let Some((name, _)) = datasets.iter().find(|(n, _)| {
-        n.len() > 128 || n.contains('/') || n.chars().any(char::is_control) || unreachable(n)
-    }) {
+    if let Some((name, _)) = datasets
+        .iter()
+        .find(|(n, _)| !sluice_policy::valid_dataset_name(n))
+    {
         return Err(ConfigError(format!(
             "dataset name `{}` is invalid: at most 128 bytes, no `/` or control characters (line breaks, escapes), not `.` or `..`, not starting with `@` (the mount's job directories), e.g. `imagenet`",
             name.escape_debug()

@@ -1508,10 +1508,11 @@ impl Filesystem for MountFs {
             };
             // Another open of the file reads the pages the kernel has: they
             // are left to it, whatever version this open was delivered.
-            let held = held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
+            let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
+            let whole_held = whole.is_some() && held();
             let mut stored = false;
             if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
-                && !held
+                && !whole_held
                 && chunk.len() as u64 == size
                 && size <= STORE_MAX
             {
@@ -1537,12 +1538,12 @@ impl Filesystem for MountFs {
                     known.kept = Some(listed);
                 }
                 Pages::Keep
-            } else if held && whole.is_some() {
+            } else if whole_held {
                 Pages::Bypass
             } else if whole.is_some() {
                 Pages::Drop
             } else {
-                may_keep_pages(&nodes, ino, &dataset, &name, listed, || held)
+                may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
             lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
             reply.opened(fh, pages.flags());

@@ -66,8 +66,8 @@ pub use quantity::{ByteRate, ByteSize, Millis, OpsRate, QuantityError};
 pub use selector::{Labels, Operator, Requirement, Selector, Witness, WitnessValue};
 pub use set::{Action, Change, DeleteError, PolicySet, policy_for_job};
 pub use validate::{
-    DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_JOB_ID_BYTES, MAX_READERS, MAX_WEIGHT, check_label,
-    valid_job_id,
+    DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_DATASET_NAME_BYTES, MAX_JOB_ID_BYTES, MAX_READERS,
+    MAX_WEIGHT, check_label, valid_dataset_name, valid_job_id,
 };
 
 /// Parses and validates every document of a YAML (or JSON) stream.

@@ -18,7 +18,9 @@ mod labels;
 mod prefetch;
 
 pub use cache::{DEFAULT_STAGING_RATE, DEFAULT_TENANT};
-pub use labels::{MAX_JOB_ID_BYTES, check_label, valid_job_id};
+pub use labels::{
+    MAX_DATASET_NAME_BYTES, MAX_JOB_ID_BYTES, check_label, valid_dataset_name, valid_job_id,
+};
 
 use labels::{check_labels, label_key, selector};
 use prefetch::prefetch;

@@ -163,9 +163,15 @@ fn blocks(len: u64) -> u64 {
     len.div_ceil(SUM_BLOCK)
 }
 
+/// The bytes a header for `key` takes before its block checksums (all
+/// of a header of the first format).
+fn key_header_len(key: &SampleKey) -> u64 {
+    (MAGIC.len() + 4 + key.source.len() + 4 + key.name.len() + 32) as u64
+}
+
 /// The bytes a header for `key` holding `len` bytes takes.
 fn header_len(key: &SampleKey, len: u64) -> u64 {
-    (MAGIC.len() + 4 + key.source.len() + 4 + key.name.len() + 32) as u64 + 8 * blocks(len)
+    key_header_len(key) + 8 * blocks(len)
 }
 
 /// What the file of `key` holding `len` bytes takes on disk.
@@ -293,10 +299,9 @@ struct Header {
 impl Header {
     /// The bytes it takes in its file.
     fn len_on_disk(&self) -> u64 {
-        let v1 = (MAGIC.len() + 4 + self.key.source.len() + 4 + self.key.name.len() + 32) as u64;
         match self.blocks {
             Some(_) => header_len(&self.key, self.len),
-            None => v1,
+            None => key_header_len(&self.key),
         }
     }
 }

@@ -59,6 +59,23 @@ pub fn valid_job_id(job: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
+/// Longest data set name.
+pub const MAX_DATASET_NAME_BYTES: usize = 128;
+
+/// Whether `name` is a data set name a stage serves: 1 to
+/// [`MAX_DATASET_NAME_BYTES`] bytes, no `/` or control characters, not
+/// `.` or `..`, not starting with `@` (the mount shows a data set as
+/// `DIR/<name>` and a job as `DIR/@<job>`).
+pub fn valid_dataset_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_DATASET_NAME_BYTES
+        && name != "."
+        && name != ".."
+        && !name.starts_with('@')
+        && !name.contains('/')
+        && !name.chars().any(char::is_control)
+}
+
 /// Whether `key: value` is a label a trainer or a stage can send, and if
 /// not, why (for the stage's `--label` and `labels:`, checked at start).
 pub fn check_label(key: &str, value: &str) -> Result<(), String> {
