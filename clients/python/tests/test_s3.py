@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import List, Optional
 
 import pytest
 
@@ -346,9 +347,20 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
     assert "bucket `no-such-bucket` does not exist" in err, err
     err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", f"http://127.0.0.1:{free_port()}")
     assert "cannot reach the object store" in err or "did not answer" in err, err
+    # No keys, no profile, and no instance metadata service (a closed port
+    # stands in for the unroutable address off a cloud).
+    closed = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint, env=env)
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      env={**env, "AWS_METADATA_ENDPOINT": closed})
     assert "no S3 credentials" in err and "AWS_ACCESS_KEY_ID" in err, err
+    assert f"no instance metadata service at {closed}" in err, err
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      env={**env, "AWS_EC2_METADATA_DISABLED": "true"})
+    assert "no S3 credentials" in err and "AWS_EC2_METADATA_DISABLED is set" in err, err
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", endpoint,
+                      env={**env, "AWS_WEB_IDENTITY_TOKEN_FILE": str(tmp_path / "token")})
+    assert "AWS_ROLE_ARN is not" in err, err
     err = start_fails(tmp_path, "--dataset", "ds=s3://", "--s3-endpoint", endpoint)
     assert "names no bucket" in err, err
     no_secret = {k: v for k, v in os.environ.items() if k != "AWS_SECRET_ACCESS_KEY"}
@@ -385,6 +397,99 @@ def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage
     stage = s3_stage(stage_factory, f"http://{server.address}")
     with sluice.Client(stage.socket, job="s3") as c:
         assert c.dataset("ds").files.names() == sorted_names(files)
+
+
+class FakeMetadata:
+    """An instance metadata service (IMDSv2, as on EC2) on a local port,
+    giving ``role``'s credentials, or no role at all with ``role=None``;
+    ``asked`` lists the paths requested."""
+
+    TOKEN = "imds-session-token"
+
+    def __init__(self, role: Optional[str]) -> None:
+        import http.server
+        import json
+
+        fake = self
+        self.asked: List[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self, status: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:
+                fake.asked.append(f"PUT {self.path}")
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    self.answer(200, FakeMetadata.TOKEN)
+                else:
+                    self.answer(400, "bad token request")
+
+            def do_GET(self) -> None:
+                fake.asked.append(f"GET {self.path}")
+                base = "/latest/meta-data/iam/security-credentials/"
+                if self.headers.get("X-aws-ec2-metadata-token") != FakeMetadata.TOKEN:
+                    self.answer(401, "no token")
+                elif role is None or not self.path.startswith(base):
+                    self.answer(404, "not found")
+                elif self.path == base:
+                    self.answer(200, role)
+                elif self.path == base + role:
+                    self.answer(200, json.dumps({
+                        "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": ACCESS_KEY,
+                        "SecretAccessKey": SECRET_KEY, "Token": "instance-session-token",
+                        "Expiration": "2099-01-01T00:00:00Z"}))
+                else:
+                    self.answer(404, "not found")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_credentials_come_from_the_instance_role(s3, tmp_path, monkeypatch, stage_factory):
+    """No keys and no profile: the machine's role, from its metadata
+    service, as the AWS tools do (an EC2 instance profile, a node's role)."""
+    server, files = s3
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    metadata = FakeMetadata("trainer-role")
+    try:
+        monkeypatch.setenv("AWS_METADATA_ENDPOINT", metadata.endpoint)
+        stage = s3_stage(stage_factory, f"http://{server.address}")
+        with sluice.Client(stage.socket, job="s3") as c:
+            assert c.dataset("ds").files.names() == sorted_names(files)
+            assert {n: bytes(d) for n, d in c.dataset("ds").epoch(0, seed=1, batch=8)} == files
+        assert "PUT /latest/api/token" in metadata.asked, metadata.asked
+        assert "GET /latest/meta-data/iam/security-credentials/trainer-role" in metadata.asked
+    finally:
+        metadata.close()
+
+
+def test_a_metadata_service_without_a_role_is_named_at_start(s3, tmp_path):
+    server, _files = s3
+    metadata = FakeMetadata(None)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env["AWS_METADATA_ENDPOINT"] = metadata.endpoint
+        err = start_fails(tmp_path, "--dataset", f"ds=s3://{BUCKET}/{PREFIX}", "--s3-endpoint",
+                          f"http://{server.address}", env=env)
+    finally:
+        metadata.close()
+    assert "could not get S3 credentials" in err, err
+    assert f"the instance metadata service at {metadata.endpoint} gave no credentials" in err, err
+    assert "give the machine a role" in err, err
 
 
 def test_the_harness_stores_etags_where_the_server_reads_them(s3):

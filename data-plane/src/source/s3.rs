@@ -158,8 +158,10 @@ impl S3Source {
             max_retries: usize::MAX,
             retry_timeout: options.deadline,
         };
-        let (builder, addressing) = builder(&bucket, options, &source_metrics)
-            .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
+        let (builder, addressing, credentials) =
+            builder(&bucket, options, &source_metrics)
+                .await
+                .map_err(|e| format!("dataset `{dataset}` ({url}): {e}"))?;
         let endpoint_set = options.endpoint.is_some();
         let endpoint = options.endpoint.clone().unwrap_or_else(|| "AWS S3".into());
         // The start-up check gives up after a few tries: a wrong endpoint
@@ -206,6 +208,7 @@ impl S3Source {
             endpoint: &endpoint,
             virtual_hosted_compatible: endpoint_set && !options.path_style,
             anonymous: options.anonymous,
+            credentials: &credentials,
         };
         check(&lister, &probe, &prefix, &probed)
             .await
@@ -770,6 +773,9 @@ struct Probed<'a> {
     /// Virtual-hosted addressing (`BUCKET.HOST`) on a server of one's own.
     virtual_hosted_compatible: bool,
     anonymous: bool,
+    /// Where the credentials come from: what to check when they cannot be
+    /// had.
+    credentials: &'a str,
 }
 
 impl Probed<'_> {
@@ -831,6 +837,7 @@ fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
             "cannot reach the object store at {endpoint} ({e}): check --s3-endpoint and the network"
         ),
         ListError::Timeout(_) => no_answer(endpoint),
+        ListError::Credentials(_) => format!("{e}: {}", at.credentials),
         ListError::NotS3(_) => format!(
             "the server at {endpoint} does not answer like an S3 object store: {e}; {}",
             at.not_s3()
@@ -848,13 +855,13 @@ fn xml_field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
 
 /// The builder for `bucket` with the endpoint, region, addressing and
 /// credentials the options and the standard AWS variables and files give,
-/// and the bucket's URL and region for the listing requests (as object_store
-/// addresses them).
-fn builder(
+/// the bucket's URL and region for the listing requests (as object_store
+/// addresses them), and what to check when the credentials cannot be had.
+async fn builder(
     bucket: &str,
     options: &S3Options,
     metrics: &SourceMetrics,
-) -> Result<(AmazonS3Builder, Addressing), String> {
+) -> Result<(AmazonS3Builder, Addressing, String), String> {
     let mut b = AmazonS3Builder::from_env()
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(!options.path_style)
@@ -891,20 +898,11 @@ fn builder(
     };
     let addressing = Addressing { bucket_url, region };
     if options.anonymous {
-        return Ok((b.with_skip_signature(true), addressing));
+        return Ok((b.with_skip_signature(true), addressing, String::new()));
     }
-    let from_env = std::env::var_os("AWS_ACCESS_KEY_ID").is_some()
-        || std::env::var_os("AWS_WEB_IDENTITY_TOKEN_FILE").is_some()
-        || std::env::var_os("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").is_some()
-        || std::env::var_os("AWS_CONTAINER_CREDENTIALS_FULL_URI").is_some();
-    if from_env {
-        let set = |name| std::env::var_os(name).is_some_and(|v| !v.is_empty());
-        if set("AWS_ACCESS_KEY_ID") && !set("AWS_SECRET_ACCESS_KEY") {
-            return Err(
-                "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not: set both, or neither to use a profile (AWS_PROFILE, ~/.aws/credentials)".into(),
-            );
-        }
-        return Ok((b, addressing));
+    const KEYS: &str = "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)";
+    if let Some(fetched) = credentials_from_env()? {
+        return Ok((b, addressing, fetched.unwrap_or_else(|| KEYS.into())));
     }
     match (
         profile.credentials.get("aws_access_key_id"),
@@ -915,13 +913,143 @@ fn builder(
             if let Some(token) = profile.credentials.get("aws_session_token") {
                 b = b.with_token(token);
             }
-            Ok((b, addressing))
+            return Ok((b, addressing, KEYS.into()));
         }
-        _ => Err(format!(
-            "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or put profile `{}` in {} (AWS_PROFILE picks another), or pass --s3-anonymous for a public bucket",
-            profile.name,
-            profile.credentials_file.display()
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(format!(
+                "profile `{}` in {} has only one of aws_access_key_id and aws_secret_access_key: give both",
+                profile.name,
+                profile.credentials_file.display()
+            ));
+        }
+        (None, None) => {}
+    }
+    // Last, as the AWS tools do: the role of the machine (an EC2 instance
+    // profile, a Kubernetes node's role), from its metadata service.
+    let no_credentials = format!(
+        "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or put profile `{}` in {} (AWS_PROFILE picks another), or run where the instance metadata service gives a role, or pass --s3-anonymous for a public bucket",
+        profile.name,
+        profile.credentials_file.display()
+    );
+    if env_is("AWS_EC2_METADATA_DISABLED", "true") {
+        return Err(format!(
+            "{no_credentials} (AWS_EC2_METADATA_DISABLED is set)"
+        ));
+    }
+    let metadata = std::env::var("AWS_METADATA_ENDPOINT")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| DEFAULT_METADATA_ENDPOINT.into());
+    match metadata_answers(&metadata).await {
+        Ok(()) => Ok((
+            b,
+            addressing,
+            format!(
+                "the instance metadata service at {metadata} gave no credentials: give the machine a role, or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+            ),
         )),
+        Err(e) => Err(format!(
+            "{no_credentials} (no instance metadata service at {metadata}: {e})"
+        )),
+    }
+}
+
+/// Where object_store's own instance-role credentials come from unless
+/// AWS_METADATA_ENDPOINT names another.
+const DEFAULT_METADATA_ENDPOINT: &str = "http://169.254.169.254";
+/// How long the metadata service has to accept a connection before the
+/// stage says there is none (on a machine without one the address is
+/// usually unroutable, refused at once, but may also swallow the attempt).
+const METADATA_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether variable `name` is set to `value` (in any case).
+fn env_is(name: &str, value: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v.trim().eq_ignore_ascii_case(value))
+}
+
+/// The credentials the environment names, in object_store's order: `None`
+/// when it names none; `Some(None)` for keys, `Some(Some(hint))` for a
+/// provider they are fetched from, with what to check when that fails.
+/// Half of a pair is an error here, where object_store would silently
+/// fall back to the instance metadata service.
+fn credentials_from_env() -> Result<Option<Option<String>>, String> {
+    let set = |name| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    let (id, secret) = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
+    let half = |have: &str, lack: &str| {
+        format!(
+            "{have} is set but {lack} is not: set both, or neither to use a profile (AWS_PROFILE, ~/.aws/credentials)"
+        )
+    };
+    match (set(id), set(secret)) {
+        (true, true) => return Ok(Some(None)),
+        (true, false) => return Err(half(id, secret)),
+        (false, true) => return Err(half(secret, id)),
+        (false, false) => {}
+    }
+    // The variable naming a provider, the one it needs beside it (and
+    // why), and what to check when the provider fails.
+    let providers = [
+        (
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+            Some((
+                "AWS_ROLE_ARN",
+                "a Kubernetes service account annotated with a role gets both",
+            )),
+            "check the web identity token file (AWS_WEB_IDENTITY_TOKEN_FILE), the role it assumes (AWS_ROLE_ARN) and that STS answers",
+        ),
+        (
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+            None,
+            "check the container credentials endpoint (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI) and the task's role",
+        ),
+        (
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            Some((
+                "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+                "the stage reads the token from that file; EKS Pod Identity sets both",
+            )),
+            "check the pod identity agent (AWS_CONTAINER_CREDENTIALS_FULL_URI), its token file (AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE) and the pod's role association",
+        ),
+    ];
+    for (var, needs, check) in providers {
+        if !set(var) {
+            continue;
+        }
+        if let Some((other, why)) = needs
+            && !set(other)
+        {
+            return Err(format!("{var} is set but {other} is not: set both ({why})"));
+        }
+        return Ok(Some(Some(check.into())));
+    }
+    Ok(None)
+}
+
+/// Whether something accepts connections at `endpoint` (an `http://` URL)
+/// within [`METADATA_CONNECT_TIMEOUT`]: the quick look before relying on
+/// an instance metadata service, which object_store would otherwise ask
+/// with retries until the start-up check gives up.
+async fn metadata_answers(endpoint: &str) -> Result<(), String> {
+    let authority = endpoint
+        .strip_prefix("http://")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| "not an http:// URL".to_owned())?;
+    // `host`, `host:port`, `[v6]` or `[v6]:port`.
+    let address = if authority.ends_with(']') || !authority.contains(':') {
+        format!("{authority}:80")
+    } else {
+        authority.to_owned()
+    };
+    match tokio::time::timeout(
+        METADATA_CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect(&address),
+    )
+    .await
+    {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no connection within {METADATA_CONNECT_TIMEOUT:?}")),
     }
 }
 
@@ -1284,6 +1412,7 @@ mod tests {
             endpoint: "AWS S3",
             virtual_hosted_compatible: false,
             anonymous: false,
+            credentials: "check AWS_ACCESS_KEY_ID",
         };
         let said = super::list_failure(&wrong, &aws);
         assert!(said.contains("set --s3-region eu-west-1"), "{said}");
@@ -1300,6 +1429,31 @@ mod tests {
     }
 
     use super::*;
+
+    #[tokio::test]
+    async fn a_metadata_endpoint_is_looked_at_only_over_http() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        let open = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        drop(closed);
+        let at = format!("http://{}", open.local_addr().unwrap());
+        assert_eq!(metadata_answers(&at).await, Ok(()));
+        assert_eq!(metadata_answers(&format!("{at}/latest/")).await, Ok(()));
+        let refused = metadata_answers(&format!("http://127.0.0.1:{port}")).await;
+        assert!(refused.unwrap_err().contains("refused"));
+        for bad in [
+            "https://169.254.169.254",
+            "169.254.169.254",
+            "http://",
+            "http:///x",
+        ] {
+            assert_eq!(
+                metadata_answers(bad).await,
+                Err("not an http:// URL".to_owned()),
+                "{bad}"
+            );
+        }
+    }
 
     #[test]
     fn urls_split_into_bucket_and_prefix() {

@@ -73,6 +73,8 @@ pub enum ListError {
     Timeout(Duration),
     /// An answer that is not an S3 listing.
     NotS3(String),
+    /// No credentials to sign the request with: their provider failed.
+    Credentials(String),
 }
 
 impl std::fmt::Display for ListError {
@@ -82,6 +84,7 @@ impl std::fmt::Display for ListError {
             Self::Transport(e) => write!(f, "{e}"),
             Self::Timeout(t) => write!(f, "no answer within {t:?}"),
             Self::NotS3(e) => write!(f, "the answer is not an S3 listing ({e})"),
+            Self::Credentials(e) => write!(f, "could not get S3 credentials ({e})"),
         }
     }
 }
@@ -156,7 +159,7 @@ impl Lister {
             let credential = credentials
                 .get_credential()
                 .await
-                .map_err(|e| ListError::Transport(format!("no credentials: {e}")))?;
+                .map_err(|e| ListError::Credentials(e.to_string()))?;
             AwsAuthorizer::new(&credential, "s3", &self.region)
                 .try_authorize(&mut request, None)
                 .map_err(|e| ListError::Transport(format!("cannot sign the request: {e}")))?;
