@@ -1024,6 +1024,20 @@ fn open_disk(
     if tier.used > 0 {
         tracing::info!(dir = %dir.display(), bytes = tier.used, "disk cache kept from before");
     }
+    // The tier stops at its size or where the file system runs out,
+    // whichever comes first: say so at start, not as failed writes later.
+    if let Some(free) = crate::fs_room::free_bytes(dir)
+        && capacity > free + tier.used
+    {
+        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        tracing::warn!(
+            "--cache-disk {} is more than the file system of --cache-dir {} has room for ({} free, {} of it the cache's already): the disk tier will fill it before its size, and writes that find no room are counted in sluice_stage_cache_disk_failures_total{{kind=\"write\"}}; give a smaller --cache-disk or free the space",
+            gib(capacity),
+            dir.display(),
+            gib(free + tier.used),
+            gib(tier.used),
+        );
+    }
     Ok(Disk {
         dir: dir.to_owned(),
         tier,

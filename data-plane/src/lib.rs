@@ -17,6 +17,7 @@ mod entry;
 #[cfg(debug_assertions)]
 mod fault;
 mod fd_limit;
+mod fs_room;
 mod heap;
 mod http;
 mod job_config;

@@ -227,3 +227,13 @@ def test_the_disk_tier_keeps_samples_across_a_restart(tmp_path, stage_factory):
     assert read_epoch(stage, "a", 1) == files
     assert source_reads(stage) == 10, "only what was in the old stage's memory is read again"
     assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds", tier="disk") == 30
+    assert "has room for" not in stage.stderr_tail()
+
+
+def test_a_disk_tier_larger_than_its_file_system_is_warned_about_at_start(tmp_path, stage_factory):
+    write_files(tmp_path / "ds", 2, 100)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, "--cache-dir", str(tmp_path / "cache"),
+                          "--cache-disk", str(free + 2**40))
+    tail = stage.stderr_tail()
+    assert "is more than the file system of --cache-dir" in tail and "has room for" in tail, tail
