@@ -158,6 +158,9 @@ impl Auth {
         // What the last read gave, so a change (or a new error) is logged
         // once, not every poll.
         let mut last: Result<Tokens, TokenFileError> = Ok(read(&self.tokens).clone());
+        // The file as the last read found it: a poll that finds it the same
+        // does not parse it again (a file of many tokens is hashed whole).
+        let mut seen = FileStamp::of(&path);
         loop {
             let asked = tokio::select! {
                 () = cancel.cancelled() => return Ok(()),
@@ -165,7 +168,19 @@ impl Auth {
                 () = tokio::time::sleep(POLL) => false,
             };
             let file = path.clone();
-            let now = tokio::task::spawn_blocking(move || Tokens::read(&file)).await?;
+            let before = seen.clone();
+            let Some((stamp, now)) = tokio::task::spawn_blocking(move || {
+                let stamp = FileStamp::of(&file);
+                let same = stamp
+                    .as_ref()
+                    .is_some_and(|s| s.settled() && Some(s) == before.as_ref());
+                (asked || !same).then(|| (stamp, Tokens::read(&file)))
+            })
+            .await?
+            else {
+                continue;
+            };
+            seen = stamp;
             let changed = last != now;
             match &now {
                 Ok(tokens) if changed => {
@@ -182,6 +197,40 @@ impl Auth {
             }
             last = now;
         }
+    }
+}
+
+/// What tells one version of the token file from another without reading
+/// it: the file its path leads to now (a Secret volume swaps a link to a
+/// new one), its size and when it was last written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    device: u64,
+    inode: u64,
+    size: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl FileStamp {
+    /// Whether the file was last written long enough ago that a write
+    /// since would show in its time: file systems keep that time at the
+    /// clock's tick (milliseconds), so a write in the same tick as the one
+    /// before can leave it unchanged.
+    fn settled(&self) -> bool {
+        self.modified
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age > POLL)
+    }
+
+    fn of(path: &std::path::Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(Self {
+            device: m.dev(),
+            inode: m.ino(),
+            size: m.len(),
+            modified: m.modified().ok(),
+        })
     }
 }
 
