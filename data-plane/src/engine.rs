@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 pub use job::{
     Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, Reservation, SETTINGS_WAIT,
 };
-pub use plan_run::PlanKey;
+pub use plan_run::{PlanKey, ShardOrder};
 use staging::Round;
 pub use staging::Staging;
 

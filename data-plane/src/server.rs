@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::dataset::{Dataset, Listing};
-use crate::engine::{Engine, PlanHandle, PlanKey};
+use crate::engine::{Engine, PlanHandle, PlanKey, ShardOrder};
 use crate::engine::{JobHandle, Reservation};
 use crate::entry::check_name;
 use crate::metrics::Metrics;
@@ -672,6 +672,14 @@ impl Connection {
             ));
         }
         let (dataset, listing) = self.opened()?.clone();
+        let order = match spec {
+            PlanSpec::Shuffle { seed, shuffle, .. } => Some(ShardOrder {
+                seed,
+                shuffle,
+                world_size: self.world_size,
+            }),
+            _ => None,
+        };
         let files = self.plan_files(epoch, spec, &dataset, &listing)?;
         let fingerprint = listing.fingerprint(&files);
         let key = PlanKey {
@@ -680,9 +688,21 @@ impl Connection {
             run: run.unwrap_or(0),
         };
         self.plan = None;
+        let name = dataset.name.clone();
         let (handle, state) = self
             .job()
             .attach_plan(key, fingerprint, dataset, listing, files)?;
+        if let Some(order) = order
+            && let Some((rank, theirs)) = self.job().note_order(&handle, order)
+        {
+            // Not refused: a rank restarted with another world size meets
+            // the old plan its predecessor's workers hold until they exit.
+            warn!(
+                "job `{}`: rank {} plans epoch {epoch} of data set `{name}` with {order}, but rank {rank} reads that epoch with {theirs}: their shares overlap and leave samples out; every rank of a job must use the same seed, shuffle and world size",
+                self.job().id(),
+                self.rank,
+            );
+        }
         let length = handle.length;
         self.plan = Some(handle);
         reply(Response::Planned {

@@ -564,6 +564,31 @@ def test_connections_of_one_job_share_a_plan(stage_factory, dataset):
                 c.close()
 
 
+def test_ranks_cutting_their_shares_from_different_orders_are_warned_about(stage_factory, dataset):
+    """Ranks of one job with different seeds (or world sizes) get shares
+    that overlap and leave samples out; the stage says so, naming both."""
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+    with sluice.Client(stage.socket, job="agreed", rank=0, world_size=2) as a, \
+            sluice.Client(stage.socket, job="agreed", rank=1, world_size=2) as b:
+        with a.dataset("d").epoch(0, seed=5), b.dataset("d").epoch(0, seed=5):
+            pass
+    assert "their shares overlap" not in stage.stderr_tail()
+    with sluice.Client(stage.socket, job="split", rank=0, world_size=2) as a, \
+            sluice.Client(stage.socket, job="split", rank=1, world_size=2) as b, \
+            sluice.Client(stage.socket, job="split", rank=2, world_size=3) as c:
+        with a.dataset("d").epoch(0, seed=1), b.dataset("d").epoch(0, seed=2), c.dataset("d").epoch(1, seed=1):
+            # Another epoch is no conflict; another world size is.
+            assert "epoch 1" not in stage.stderr_tail()
+            with c.dataset("d").epoch(0, seed=1):
+                pass
+    tail = stage.stderr_tail()
+    assert ("job `split`: rank 1 plans epoch 0 of data set `d` with seed 2 (shuffled) over 2 ranks, "
+            "but rank 0 reads that epoch with seed 1 (shuffled) over 2 ranks: their shares overlap") in tail, tail
+    assert re.search(r"rank 2 plans epoch 0 of data set `d` with seed 1 \(shuffled\) over 3 ranks, but rank [01] "
+                     r"reads that epoch with seed [12] \(shuffled\) over 2 ranks", tail), tail
+
+
 def test_each_run_of_a_job_has_plans_of_its_own(stage_factory, dataset):
     """Connections naming one run share its plan; another run of the same
     job, data set, rank and epoch (a trainer restarted after a crash)

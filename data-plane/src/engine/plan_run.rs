@@ -21,6 +21,32 @@ pub struct PlanKey {
     pub run: u64,
 }
 
+/// The order a rank's share was cut from, for a plan the stage derived
+/// from a seed (`SHUFFLE`): every rank of a job must cut the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardOrder {
+    pub seed: u64,
+    pub shuffle: bool,
+    pub world_size: u32,
+}
+
+impl std::fmt::Display for ShardOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = if self.shuffle {
+            "shuffled"
+        } else {
+            "in listing order"
+        };
+        write!(
+            f,
+            "seed {} ({how}) over {} rank{}",
+            self.seed,
+            self.world_size,
+            if self.world_size == 1 { "" } else { "s" }
+        )
+    }
+}
+
 /// Identifies a plan within a job across data sets: a job's training and
 /// validation loaders plan the same ranks and epochs over two of them.
 pub type PlanIdentity = (String, PlanKey);
@@ -70,6 +96,8 @@ pub(crate) struct PlanRun {
     pub attached: usize,
     /// The consumer waiting for a position, woken when it is fetched.
     pub waiters: HashMap<u32, Arc<Notify>>,
+    /// The order its entries were cut from, when the stage cut them.
+    pub order: Option<ShardOrder>,
 }
 
 impl PlanRun {
@@ -102,6 +130,7 @@ impl PlanRun {
             reserved: 0,
             attached: 0,
             waiters: HashMap::new(),
+            order: None,
         }
     }
 

@@ -13,7 +13,7 @@ use super::{Job, MEMORY_RECHECK, OVER_PATIENCE, PlanState};
 use crate::cache::{Fill, Lookup};
 use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
-use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun};
+use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun, ShardOrder};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
 use crate::source::{Pinned, Source};
@@ -225,6 +225,26 @@ impl Job {
         self.work.notify_all();
         debug!(job = %self.id, rank = key.rank, epoch = key.epoch, length, "plan created");
         Ok((handle(Some(id)), PlanState::Created))
+    }
+
+    /// Records the order the plan of `handle` was cut from and returns
+    /// another rank's live plan of the same data set and epoch cut from a
+    /// different one (its rank and order), if any: their shares then
+    /// overlap and leave samples out.
+    pub fn note_order(&self, handle: &PlanHandle, order: ShardOrder) -> Option<(u32, ShardOrder)> {
+        let id = handle.id?;
+        let mut st = self.lock();
+        let plan = st.plans.get_mut(&id)?;
+        plan.order = Some(order);
+        let (dataset, key) = (plan.dataset.name.clone(), plan.key);
+        st.plans.values().find_map(|other| {
+            let theirs = other.order?;
+            (other.key.rank != key.rank
+                && other.key.epoch == key.epoch
+                && other.dataset.name == dataset
+                && theirs != order)
+                .then_some((other.key.rank, theirs))
+        })
     }
 
     pub(super) fn detach(&self, id: u64) {
