@@ -343,6 +343,8 @@ class _PerProcess:
             # its parent) that does not answer is restarting: a worker that
             # starts meanwhile waits for it as a connected client does.
             known = self.expected_digest is not None
+            if _data.get_worker_info() is not None:
+                _end_with_trainer(self._trainer())
             self._client = _connect_again(connect, self.reconnect) if known else connect()
             self._pid = os.getpid()
             ds = self._client.dataset(self.dataset_name)
@@ -381,10 +383,15 @@ class _PerProcess:
             return None
         pid = os.getpid()
         if self._run is None or self._run[0] != pid:
-            pickled_for_me = self._pickled_by if self._unpickled_in == pid else None
-            trainer = _trainer_of_worker(pickled_for_me) if _data.get_worker_info() is not None else pid
-            self._run = (pid, _run_of(self._nonce, trainer))
+            self._run = (pid, _run_of(self._nonce, self._trainer()))
         return self._run[1]
+
+    def _trainer(self) -> int:
+        """The trainer process: this one, or a ``DataLoader`` worker's."""
+        pid = os.getpid()
+        if _data.get_worker_info() is None:
+            return pid
+        return _trainer_of_worker(self._pickled_by if self._unpickled_in == pid else None)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -396,6 +403,56 @@ class _PerProcess:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._unpickled_in = os.getpid()
+
+
+#: The process whose watch this worker runs (see `_end_with_trainer`).
+_watched: Optional[Tuple[int, int]] = None  # (this process, its trainer)
+
+
+def _end_with_trainer(trainer: int, every: float = 1.0) -> None:
+    """Ends this ``DataLoader`` worker when its trainer process is gone.
+
+    torch's own watchdog only looks between items, and a worker whose
+    result pipe is full when its trainer is killed blocks on exit, joining
+    the thread that writes to that pipe, for as long as a sibling worker
+    holds its other end: for minutes, holding its stage connections, its
+    plans and the samples lent to it. Nothing is left to hand results to,
+    so the worker exits at once (its connections close with it, and the
+    stage takes back what it held)."""
+    global _watched
+    me = os.getpid()
+    if _watched is not None and _watched[0] == me:
+        return
+    _watched = (me, trainer)
+    started = _stat_fields(trainer)[1]
+    if not started or trainer == me:
+        return
+
+    # A worker whose parent is its trainer is handed to another parent the
+    # moment the trainer exits, before anyone reaps it.
+    parent = os.getppid()
+
+    def watch() -> None:
+        import time
+
+        while _alive(trainer, started) and (trainer != parent or os.getppid() == parent):
+            time.sleep(every)
+        os._exit(0)
+
+    import threading
+
+    threading.Thread(target=watch, name="sluice-trainer-watch", daemon=True).start()
+
+
+def _alive(pid: int, started: bytes) -> bool:
+    """Whether process ``pid`` is the one that started at ``started`` and
+    has not ended (a zombie, not yet reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return False
+    return len(fields) > 19 and fields[19] == started and fields[0] not in (b"Z", b"X")
 
 
 def _stat_fields(pid: int) -> Tuple[Optional[int], bytes]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -411,3 +412,61 @@ def test_forked_child_opens_its_own_connection(stage_factory, dataset):
     os.waitpid(pid, 0)
     # The parent's connection is untouched by the child.
     assert _bytes(ds[2][1]) == files[sorted_names(files)[2]] and ds._conn._client is parent_client
+
+
+STALLED_TRAINER = textwrap.dedent("""
+    import os, sys, time
+    from torch.utils.data import DataLoader
+    from sluice.torch import SluiceDataset, SluiceSampler, collate
+    ds = SluiceDataset(sys.argv[1], "d", job="stalled", sample="bytes")
+    loader = DataLoader(ds, batch_size=20, sampler=SluiceSampler(ds, seed=1), num_workers=2,
+                        collate_fn=collate)
+    it = iter(loader)
+    next(it)
+    print(" ".join(str(w.pid) for w in it._workers), flush=True)
+    time.sleep(600)   # a trainer stuck in its step: the workers' batches pile up
+""")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def test_workers_end_with_their_killed_trainer_even_with_their_result_pipe_full(stage_factory, tmp_path):
+    """Batches of 80 KB fill the pipe to a trainer that stopped taking
+    them; killed then, its workers used to block on exit for as long as a
+    sibling held the pipe open (minutes), holding their stage connections,
+    plans and samples."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(400):
+        (root / f"s{i:04d}").write_bytes(os.urandom(4096))
+    stage = stage_factory({"d": root})
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED_TRAINER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    trainer = subprocess.Popen([sys.executable, str(script), stage.socket], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [int(w) for w in trainer.stdout.readline().split()]
+        assert len(workers) == 2, trainer.stderr.read()
+        def delivered() -> float:
+            body = http_get(stage.metrics, "/metrics")
+            return sum(float(v) for v in re.findall(
+                r'^sluice_stage_delivered_samples_total\{[^}]*job="stalled"[^}]*\} (\S+)$', body, re.M))
+
+        # Two workers, two batches ahead each: 100 samples, more than the
+        # pipe to the trainer holds.
+        wait_for(lambda: delivered() >= 100, what="the workers' batches waiting for the trainer")
+    finally:
+        trainer.kill()
+        trainer.wait()
+    wait_for(lambda: not any(map(_running, workers)), timeout=15,
+             what="the workers of a killed trainer to end")
+    wait_for(lambda: job_metric(stage, "sluice_stage_trainer_connections", "stalled") == 0, timeout=15,
+             what="their connections to close")
