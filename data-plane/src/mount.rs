@@ -61,7 +61,7 @@ use crate::source::{Pinned, changed};
 use crate::sync::lock;
 use crate::trust::TrainerAccess;
 use orders::Orders;
-use tree::{Entry, Trees};
+use tree::{Entry, Tree, Trees};
 
 /// How long the kernel may keep names, attributes and pages.
 pub const TTL: Duration = Duration::from_secs(60);
@@ -182,6 +182,7 @@ pub fn mount(
         nodes: Arc::default(),
         trees: Arc::default(),
         open: Arc::new(Mutex::new(HashMap::new())),
+        dirs: HashMap::new(),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
@@ -963,6 +964,10 @@ struct MountFs {
     nodes: Arc<Mutex<Nodes>>,
     trees: Arc<Trees>,
     open: Arc<Mutex<HashMap<u64, Open>>>,
+    /// The tree each open data set directory is read from: the listing it
+    /// began with, so that a listing taken again meanwhile does not shift
+    /// the offsets of one read in pages (names twice, or none).
+    dirs: HashMap<u64, Arc<Tree>>,
     next_fh: AtomicU64,
     started: SystemTime,
     /// Whether large files are passed through (see [`PASSTHROUGH_MIN`]):
@@ -1180,7 +1185,15 @@ impl MountFs {
 
     /// The entries of a directory node from the `skip`-th on, at most
     /// `limit`: (name, is a directory).
-    fn entries(&self, node: &Node, skip: usize, limit: usize) -> Result<Vec<(String, bool)>, i32> {
+    /// A page of `node`'s entries; a data set directory's from the tree its
+    /// handle `fh` began reading (taken now at its first page).
+    fn entries(
+        &mut self,
+        node: &Node,
+        fh: u64,
+        skip: usize,
+        limit: usize,
+    ) -> Result<Vec<(String, bool)>, i32> {
         match node {
             Node::Root | Node::JobRoot(_) => Ok(self
                 .engine
@@ -1191,10 +1204,19 @@ impl MountFs {
                 .map(|n| (n, true))
                 .collect()),
             Node::Dir { dataset, path, .. } => {
-                let tree = self
-                    .trees
-                    .of(dataset, &self.runtime)
-                    .map_err(|e| errno(&e))?;
+                let tree = match self.dirs.get(&fh) {
+                    Some(tree) => Arc::clone(tree),
+                    None => {
+                        let tree = self
+                            .trees
+                            .of(dataset, &self.runtime)
+                            .map_err(|e| errno(&e))?;
+                        if fh != 0 {
+                            self.dirs.insert(fh, Arc::clone(&tree));
+                        }
+                        tree
+                    }
+                };
                 Ok(tree.list(path, skip, limit))
             }
             Node::File { .. } => Err(libc::ENOTDIR),
@@ -1396,7 +1418,7 @@ impl Filesystem for MountFs {
         &mut self,
         _req: &Request<'_>,
         ino: u64,
-        _fh: u64,
+        fh: u64,
         offset: i64,
         mut reply: ReplyDirectory,
     ) {
@@ -1412,7 +1434,7 @@ impl Filesystem for MountFs {
             }
         }
         let first = skip.saturating_sub(2);
-        let page = match self.entries(&node, first, READDIR_PAGE) {
+        let page = match self.entries(&node, fh, first, READDIR_PAGE) {
             Ok(page) => page,
             Err(e) => return reply.error(e),
         };
@@ -1697,9 +1719,24 @@ impl Filesystem for MountFs {
             Some(node) if node.job().is_some_and(|job| !self.may_read_as(req, job)) => {
                 reply.error(libc::EACCES)
             }
+            // A data set directory's handle keeps the tree its first page
+            // is read from (see `dirs`).
+            Some(Node::Dir { .. }) => reply.opened(self.next_fh.fetch_add(1, Ordering::Relaxed), 0),
             Some(_) => reply.opened(0, 0),
             None => reply.error(libc::ENOENT),
         }
+    }
+
+    fn releasedir(
+        &mut self,
+        _req: &Request<'_>,
+        _ino: u64,
+        fh: u64,
+        _flags: i32,
+        reply: ReplyEmpty,
+    ) {
+        self.dirs.remove(&fh);
+        reply.ok();
     }
 
     fn setattr(

@@ -348,6 +348,64 @@ def test_a_large_directory_lists_whole_across_pages(tmp_path, mount_stage):
     assert (mnt / "ds" / "flat" / names[-1]).read_bytes() == names[-1].encode()
 
 
+def _getdents_pages(fd: int, size: int = 64):
+    """Yields the names of each ``getdents64`` answer on directory ``fd``
+    read ``size`` bytes at a time (a page or two of the mount's each)."""
+    import ctypes
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(size)
+    while True:
+        n = libc.syscall(217, fd, buf, size)  # SYS_getdents64 on x86-64
+        assert n >= 0, os.strerror(ctypes.get_errno())
+        if n == 0:
+            return
+        raw, names, at = buf.raw[:n], [], 0
+        while at < n:
+            reclen = struct.unpack_from("<H", raw, at + 16)[0]
+            names.append(raw[at + 19:at + reclen].split(b"\0")[0].decode())
+            at += reclen
+        yield names
+
+
+def test_a_listing_in_progress_is_not_shifted_by_a_new_listing(tmp_path, mount_stage):
+    """A directory read in small pieces while the data set is listed again
+    (files added before where it is) reads the listing it began with: no
+    name twice, none left out."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the raw getdents64 call number is x86-64's")
+    root = tmp_path / "data"
+    flat = root / "flat"
+    flat.mkdir(parents=True)
+    names = [f"n{i:05d}" for i in range(1500)]
+    for name in names:
+        (flat / name).write_bytes(b"x")
+    stage, mnt = mount_stage(root)
+    fd = os.open(mnt / "ds" / "flat", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        pages = _getdents_pages(fd)
+        seen = [n for _ in range(100) for n in next(pages)]
+        assert 0 < len(seen) < 1000, len(seen)
+        # Names that sort before everything read so far, then a new listing
+        # (a connection opening the data set lists it again after 5 s).
+        for i in range(300):
+            (flat / f"a{i:05d}").write_bytes(b"x")
+        time.sleep(5.5)
+        with sluice.Client(stage.socket, job="relist") as c:
+            assert c.dataset("ds").file_count == 1800
+        assert "a00000" in os.listdir(mnt / "ds" / "flat"), "a new handle reads the new listing"
+        for page in pages:
+            seen += page
+    finally:
+        os.close(fd)
+    stable = [n for n in seen if n.startswith("n")]
+    assert len(stable) == len(set(stable)), f"{len(stable) - len(set(stable))} names twice"
+    assert sorted(stable) == names
+
+
 def mount_inodes(stage) -> int:
     samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
     return int(metric_value(samples, "sluice_stage_mount_inodes") or 0)
