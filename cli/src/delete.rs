@@ -91,7 +91,9 @@ async fn jobs_under(controller: &Controller, name: &str) -> Vec<String> {
         |jobs| {
             jobs.jobs
                 .into_iter()
-                .filter(|j| j.policy == name)
+                // A job no stage serves now has ended (or not begun):
+                // the deletion takes nothing from it.
+                .filter(|j| j.policy == name && !j.stages.is_empty())
                 .map(|j| j.id)
                 .collect()
         },

@@ -210,7 +210,7 @@ fn unmanaged_jobs_and_problems_are_reported_not_errors() {
         report["ticks"][1]["jobs"][0]["bytes_per_second"],
         50.0 * MIB
     );
-    let problem = "node n: Readers minimums add up to 2 > budget 1; scaled";
+    let problem = "node n: reader minimums add up to 2 readers > budget 1 reader; scaled";
     assert_eq!(report["ticks"][1]["problems"][0], problem);
 
     let table = sluicectl(
@@ -256,6 +256,74 @@ fn a_bad_scenario_exits_1_with_its_place() {
         ),
         "{}",
         run.stderr
+    );
+}
+
+#[test]
+fn scenarios_no_controller_could_see_are_refused_with_their_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let policies = format!("{SCENARIOS}/coordination-policies.yaml");
+    let cases = [
+        (
+            "- a\n- b\n",
+            "s.yaml:1:1: a scenario must be a mapping with `duration:` and `jobs:`",
+        ),
+        (
+            "# nothing yet\n",
+            "s.yaml:1:1: a scenario must be a mapping with `duration:` and `jobs:` (and optionally `tick:` and `nodes:`), found nothing (an empty file)",
+        ),
+        (
+            "duration: 5s\njobs:\n  - {id: \"\", stages: [a]}\n",
+            "s.yaml:3:10: jobs[0].id: job id `` is not one a trainer can announce",
+        ),
+        (
+            "duration: 5s\njobs:\n  - {id: j, labels: {\"bad key!\": x}, stages: [a]}\n",
+            "s.yaml:3:21: jobs[0].labels: job j: label key `bad key!` is not valid",
+        ),
+        (
+            "tick: 3s\nduration: 10s\njobs:\n  - {id: j, stages: [a], arrive: 4s, leave: 5s}\n",
+            "jobs[0].arrive: job j is there from 4s until 5s, between two ticks (one every 3s): it never runs",
+        ),
+        (
+            "duration: 10s\njobs:\n  - {id: j, stages: [a], arrive: 10s}\n",
+            "jobs[0].arrive: job j arrives at 10s, after the last tick (9s): it never runs",
+        ),
+    ];
+    for (text, expected) in cases {
+        fs::write(dir.path().join("s.yaml"), text).unwrap();
+        let run = sluicectl(
+            dir.path(),
+            &["simulate", "-f", &policies, "--scenario", "s.yaml"],
+            "",
+        );
+        assert_eq!(run.code, 1, "{text}: {run:?}");
+        assert!(run.stderr.contains(expected), "{text}: {}", run.stderr);
+    }
+}
+
+#[test]
+fn a_large_scenario_runs_and_its_names_are_shown_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    // 10,000 jobs of 10 nodes each: more than a policy file may hold.
+    let mut text = String::from("duration: 2s\njobs:\n");
+    for i in 0..10_000 {
+        text.push_str(&format!(
+            "  - {{id: training-job-{i:05}, labels: {{job: j1}}, stages: [stage-node-{}]}}\n",
+            i % 7
+        ));
+    }
+    fs::write(dir.path().join("s.yaml"), text).unwrap();
+    let policies = format!("{SCENARIOS}/coordination-policies.yaml");
+    let run = sluicectl(
+        dir.path(),
+        &["simulate", "-f", &policies, "--scenario", "s.yaml"],
+        "",
+    );
+    assert_eq!((run.code, run.stderr.as_str()), (0, ""));
+    assert!(
+        run.stdout.contains("training-job-09999  bench"),
+        "{}",
+        &run.stdout[..2000.min(run.stdout.len())]
     );
 }
 

@@ -18,8 +18,11 @@ use std::collections::BTreeMap;
 
 use saphyr_parser::{Event, Parser, ScalarStyle, Span, Tag};
 
-/// Most nodes one stream may expand to (aliases included).
+/// Most nodes a stream of policies may expand to (aliases included).
 const MAX_NODES: usize = 100_000;
+/// Most nodes a `sluicectl simulate` scenario may expand to: about 150,000
+/// jobs with a label or two each, read on the operator's own machine.
+pub const MAX_SCENARIO_NODES: usize = 2_000_000;
 /// Deepest nesting accepted.
 const MAX_DEPTH: usize = 64;
 
@@ -223,7 +226,15 @@ pub struct SyntaxError {
 /// only comments) are left out; each returned node is paired with the
 /// position of its document's start.
 pub fn parse_stream(text: &str) -> Result<Vec<Node>, SyntaxError> {
-    let mut builder = Builder::default();
+    parse_stream_within(text, MAX_NODES)
+}
+
+/// [`parse_stream`] for a stream that may expand to `max_nodes` nodes.
+pub fn parse_stream_within(text: &str, max_nodes: usize) -> Result<Vec<Node>, SyntaxError> {
+    let mut builder = Builder {
+        max_nodes,
+        ..Builder::default()
+    };
     for event in Parser::new_from_str(text) {
         let (event, span) = event.map_err(|e| SyntaxError {
             at: Pos {
@@ -258,6 +269,7 @@ struct Builder {
     anchors: BTreeMap<usize, Node>,
     documents: Vec<Node>,
     nodes: usize,
+    max_nodes: usize,
 }
 
 impl Builder {
@@ -357,10 +369,13 @@ impl Builder {
     /// Puts a completed node where it belongs: a document, a sequence
     /// item, a mapping key or a mapping value.
     fn place(&mut self, node: Node) -> Result<(), SyntaxError> {
-        if self.nodes > MAX_NODES {
+        if self.nodes > self.max_nodes {
             return Err(SyntaxError {
                 at: node.at,
-                reason: format!("the document expands to more than {MAX_NODES} nodes"),
+                reason: format!(
+                    "the document expands to more than {} nodes (aliases included): split it",
+                    self.max_nodes
+                ),
             });
         }
         match self.stack.last_mut() {

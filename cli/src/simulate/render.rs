@@ -4,7 +4,7 @@
 
 use crate::args::Format;
 use crate::human;
-use crate::table::{Column, TERMINAL_WIDTH, Table};
+use crate::table::{Column, Table};
 use sluice_policy::Millis;
 use sluice_policy::coordination::JobShare;
 use sluice_policy::simulation::{JobTick, Report, Tick};
@@ -64,7 +64,9 @@ fn table(report: &Report, all_ticks: bool) -> String {
         }
         before = Some(tick);
     }
-    let mut lines = rows.render(TERMINAL_WIDTH);
+    // Read as a report, not fitted to a terminal: a job's or pool's name
+    // cut to its first letters would make two jobs' rows alike.
+    let mut lines = rows.render(usize::MAX);
     if !problems.is_empty() {
         lines.push(String::new());
         lines.push("PROBLEMS".to_owned());

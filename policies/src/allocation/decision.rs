@@ -114,6 +114,44 @@ pub enum Resource {
     Ops,
 }
 
+impl Resource {
+    /// Its name in a problem's text.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bandwidth => "bandwidth",
+            Self::Ops => "operation",
+        }
+    }
+
+    /// `value` of it as people read it (`27.0 MiB/s`, `1200 ops/s`).
+    fn amount(self, value: f64) -> String {
+        match self {
+            Self::Bandwidth => format!("{:.1} MiB/s", value / MIB),
+            Self::Ops => format!("{value:.0} ops/s"),
+        }
+    }
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+impl NodeResource {
+    /// Its name in a problem's text.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Readers => "reader",
+            Self::Buffer => "buffer",
+        }
+    }
+
+    /// `value` of it as people read it (`3 readers`, `512.0 MiB`).
+    fn amount(self, value: u64) -> String {
+        match self {
+            Self::Readers => format!("{value} reader{}", if value == 1 { "" } else { "s" }),
+            Self::Buffer => format!("{:.1} MiB", value as f64 / MIB),
+        }
+    }
+}
+
 /// A node resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -196,7 +234,10 @@ impl fmt::Display for Problem {
                 scale,
             } => write!(
                 f,
-                "pool {pool}: {resource:?} guarantees add up to {guaranteed} > capacity {capacity}; scaled by {scale:.4}"
+                "pool {pool}: {} guarantees add up to {} > capacity {}; scaled by {scale:.4}",
+                resource.name(),
+                resource.amount(*guaranteed),
+                resource.amount(*capacity)
             ),
             Problem::StaticOverCommitted {
                 pool,
@@ -206,7 +247,10 @@ impl fmt::Display for Problem {
             } => {
                 write!(
                     f,
-                    "static pool {pool}: {resource:?} limits add up to {limits} > capacity {capacity}"
+                    "static pool {pool}: {} limits add up to {} > capacity {}",
+                    resource.name(),
+                    resource.amount(*limits),
+                    resource.amount(*capacity)
                 )
             }
             Problem::StaticWithoutLimit { job, pool } => {
@@ -223,7 +267,10 @@ impl fmt::Display for Problem {
             } => {
                 write!(
                     f,
-                    "node {node}: {resource:?} minimums add up to {minimums} > budget {budget}; scaled"
+                    "node {node}: {} minimums add up to {} > budget {}; scaled",
+                    resource.name(),
+                    resource.amount(*minimums),
+                    resource.amount(*budget)
                 )
             }
             Problem::UnplacedStage { job, stage } => {

@@ -15,7 +15,7 @@ use serde::de::{self, Deserializer, Visitor};
 
 use crate::de::from_node;
 use crate::error::{ErrorKind, Location, PolicyError, PolicyErrors};
-use crate::yaml::{self, parse_stream};
+use crate::yaml::{self, MAX_SCENARIO_NODES, parse_stream_within};
 use crate::{ByteRate, ByteSize, Millis};
 
 /// The most ticks one simulation runs: a day at one tick a second.
@@ -236,16 +236,40 @@ impl Scenario {
                 kind: ErrorKind::Syntax { reason },
             })
         };
-        let mut nodes = parse_stream(text).map_err(|e| syntax(e.at, e.reason))?;
-        if nodes.len() != 1 {
-            let at = nodes.get(1).map(|n| n.at).unwrap_or_default();
-            let found = nodes.len();
-            return Err(syntax(
-                at,
-                format!("a scenario is one document, found {found}"),
-            ));
+        let mut nodes =
+            parse_stream_within(text, MAX_SCENARIO_NODES).map_err(|e| syntax(e.at, e.reason))?;
+        // The whole document when it is not a scenario's shape at all.
+        let not_a_scenario = |at, found: &str| {
+            one(PolicyError {
+                location: Location::new(&source, at),
+                kind: ErrorKind::WrongType {
+                    path: "a scenario".into(),
+                    expected: "a mapping with `duration:` and `jobs:` (and optionally `tick:` \
+                               and `nodes:`)"
+                        .into(),
+                    found: found.into(),
+                },
+            })
+        };
+        match nodes.len() {
+            0 => {
+                let start = yaml::Pos { line: 1, column: 1 };
+                return Err(not_a_scenario(start, "nothing (an empty file)"));
+            }
+            1 => {}
+            found => {
+                return Err(syntax(
+                    nodes[1].at,
+                    format!("a scenario is one document, found {found}"),
+                ));
+            }
         }
         let root = nodes.remove(0);
+        match &root.value {
+            yaml::Value::Map(_) => {}
+            yaml::Value::Seq(_) => return Err(not_a_scenario(root.at, "a list")),
+            yaml::Value::Scalar { .. } => return Err(not_a_scenario(root.at, "a single value")),
+        }
         let raw: RawScenario =
             from_node(&root, "").map_err(|e| one(e.into_policy_error(&source)))?;
         raw.check().map_err(|e| one(e.locate(&root, &source)))
@@ -275,6 +299,7 @@ impl RawScenario {
             return Err(Invalid::at(&["duration"], message));
         }
         let jobs = check_jobs(self.jobs)?;
+        check_runs(&jobs, self.tick, ticks)?;
         check_nodes(&self.nodes, &jobs)?;
         Ok(Scenario {
             tick: self.tick,
@@ -309,6 +334,18 @@ impl RawJob {
     /// Returns the checked job, or the field that is wrong and why.
     fn check(self) -> Result<Job, (&'static str, String)> {
         let id = &self.id;
+        if !crate::valid_job_id(id) {
+            return Err((
+                "id",
+                format!(
+                    "job id `{}` is not one a trainer can announce: use 1 to 128 letters, digits, `.`, `_` or `-` (not `.` or `..`)",
+                    id.escape_debug()
+                ),
+            ));
+        }
+        for (key, value) in &self.labels {
+            crate::check_label(key, value).map_err(|e| ("labels", format!("job {id}: {e}")))?;
+        }
         if self.stages.is_empty() {
             return Err((
                 "stages",
@@ -348,6 +385,35 @@ impl RawJob {
             observed: self.observed,
         })
     }
+}
+
+/// Every job is there at some tick: one that arrives after the last, or
+/// leaves before the next tick after it arrives, would never run (and
+/// not show in the report).
+fn check_runs(jobs: &[Job], tick: Millis, ticks: u64) -> Result<(), Invalid> {
+    for (n, job) in jobs.iter().enumerate() {
+        let first = job.arrive.0.div_ceil(tick.0) * tick.0;
+        let last = (ticks - 1) * tick.0;
+        let message = if first > last {
+            format!(
+                "job {} arrives at {}, after the last tick ({}): it never runs; lengthen `duration`",
+                job.id,
+                job.arrive,
+                Millis(last)
+            )
+        } else if job.leave.is_some_and(|leave| leave.0 <= first) {
+            format!(
+                "job {} is there from {} until {}, between two ticks (one every {tick}): it never runs; shorten `tick` or stay longer",
+                job.id,
+                job.arrive,
+                job.leave.unwrap_or_default()
+            )
+        } else {
+            continue;
+        };
+        return Err(Invalid::at(&["jobs", &n.to_string(), "arrive"], message));
+    }
+    Ok(())
 }
 
 fn in_time_order(times: impl Iterator<Item = Millis>) -> Result<(), String> {
