@@ -283,6 +283,19 @@ pub fn pool_text(pool: &PoolView) -> String {
         .add("Throughput", human::rate(pool.throughput_bytes_per_second))
         .add("Jobs", list(&pool.jobs));
     f.write(&mut out, 0);
+    // One line each: the sentence the allocation alert points to.
+    let _ = writeln!(
+        out,
+        "Problems:{}",
+        if pool.problems.is_empty() {
+            " none"
+        } else {
+            ""
+        }
+    );
+    for problem in &pool.problems {
+        let _ = writeln!(out, "  {problem}");
+    }
     out
 }
 

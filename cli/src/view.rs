@@ -210,6 +210,8 @@ pub struct PoolView {
     pub throughput_bytes_per_second: f64,
     /// Ids of the jobs drawing from it, ordered.
     pub jobs: Vec<String>,
+    /// What the last allocation could not do in it as its policies say.
+    pub problems: Vec<String>,
 }
 
 /// Returns `None` for an empty string.
@@ -343,6 +345,7 @@ impl From<v1::Pool> for PoolView {
             allocated_ops_per_second: p.allocated_ops_per_second,
             throughput_bytes_per_second: p.throughput_bytes_per_second,
             jobs: p.jobs,
+            problems: p.problems,
         }
     }
 }

@@ -294,6 +294,13 @@ fn describe_shows_one_object_in_detail() {
         "{}",
         run.stdout
     );
+    assert!(
+        run.stdout.ends_with(
+            "Problems:\n  pool shared-nfs: bandwidth guarantees add up to 2560.0 MiB/s > capacity 2048.0 MiB/s; scaled by 0.8000\n"
+        ),
+        "{}",
+        run.stdout
+    );
 
     let run = sluicectl(&fake.url, &["describe", "job", "nope"]);
     assert_eq!(run.code, 1);

@@ -326,6 +326,7 @@ fn pool(p: PoolView) -> pb::Pool {
         allocated_ops_per_second: p.allocated_ops_per_second,
         throughput_bytes_per_second: p.throughput_bytes_per_second,
         jobs: p.jobs,
+        problems: p.problems,
     }
 }
 

@@ -516,7 +516,23 @@ async fn control(shared: &Shared, memory: &mut Memory) {
         .pending_stages
         .set(i64::try_from(outcome.pending_stages).unwrap_or(i64::MAX));
     let changes = allocation_changes(&mut memory.announced, &outcome.shares.jobs);
-    *lock(&shared.shares) = outcome.shares;
+    let appeared: Vec<String> = {
+        let mut shares = lock(&shared.shares);
+        let appeared = outcome
+            .shares
+            .problems
+            .iter()
+            .filter(|p| !shares.problems.contains(p))
+            .cloned()
+            .collect();
+        *shares = outcome.shares;
+        appeared
+    };
+    // Each problem once, when it appears (the alert and the pool's view
+    // say it is still there).
+    for problem in appeared {
+        warn!("the allocation cannot follow the policies: {problem}");
+    }
     for (job, message) in changes {
         metrics.changes.inc();
         info!(job, "{message}");

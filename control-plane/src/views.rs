@@ -88,6 +88,8 @@ pub struct PoolView {
     pub allocated_ops_per_second: u64,
     pub throughput_bytes_per_second: f64,
     pub jobs: Vec<String>,
+    /// What the last allocation could not do in it as its policies say.
+    pub problems: Vec<String>,
 }
 
 /// One policy revision.
@@ -275,6 +277,7 @@ pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
                 .map_or(0, |s| s.allocated_ops_per_second.round() as u64),
             throughput_bytes_per_second: mine.iter().map(|j| j.throughput_bytes_per_second).sum(),
             jobs: mine.iter().map(|j| j.id.clone()).collect(),
+            problems: share.map(|s| s.problems.clone()).unwrap_or_default(),
         }
     });
     Ok(pools.collect())

@@ -329,6 +329,7 @@ async fn settings_flow(url: &str) {
     })
     .await;
     assert_eq!(pools[0].jobs, ["train"]);
+    assert!(pools[0].problems.is_empty(), "{:?}", pools[0].problems);
     let in_use = DeletePolicyRequest {
         kind: "pool".into(),
         name: "shared".into(),

@@ -107,6 +107,8 @@ pub struct PoolShare {
     pub capacity_ops_per_second: Option<f64>,
     /// Operations per second allocated to its jobs.
     pub allocated_ops_per_second: f64,
+    /// What the engine could not do in it as its policies say.
+    pub problems: Vec<String>,
 }
 
 /// One tick's decision: what every stage should enforce, and the shares
@@ -283,6 +285,12 @@ fn pool_shares(snapshot: &Snapshot, allocation: &Allocation) -> BTreeMap<String,
                 allocated_bytes_per_second: members().map(|j| j.bandwidth.rate).sum(),
                 capacity_ops_per_second: pool.ops,
                 allocated_ops_per_second: members().filter_map(|j| j.ops).map(|o| o.rate).sum(),
+                problems: allocation
+                    .problems
+                    .iter()
+                    .filter(|p| p.pool() == Some(pool.name.as_str()))
+                    .map(ToString::to_string)
+                    .collect(),
             };
             (pool.name.clone(), share)
         })

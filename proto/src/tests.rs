@@ -296,6 +296,7 @@ fn admin_view_messages_roundtrip() {
             allocated_ops_per_second: 0,
             throughput_bytes_per_second: 1.5e9,
             jobs: vec!["resnet50".into()],
+            problems: vec!["static pool nfs: bandwidth limits add up to 3.0 GiB/s".into()],
         }],
     });
     roundtrip(WatchEventsRequest { since_seq: 41 });

@@ -195,6 +195,9 @@ pub fn pools() -> Vec<Pool> {
         allocated_ops_per_second: 5_000,
         throughput_bytes_per_second: 862.0 * 1024.0 * 1024.0,
         jobs: vec!["resnet50".into()],
+        problems: vec![
+            "pool shared-nfs: bandwidth guarantees add up to 2560.0 MiB/s > capacity 2048.0 MiB/s; scaled by 0.8000".into(),
+        ],
     }]
 }
 

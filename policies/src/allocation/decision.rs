@@ -208,6 +208,23 @@ pub enum Problem {
     UnplacedStage { job: String, stage: String },
 }
 
+impl Problem {
+    /// The pool the problem is in, when it is one pool's.
+    pub fn pool(&self) -> Option<&str> {
+        match self {
+            Problem::UnknownPool { pool, .. }
+            | Problem::InvalidCapacity { pool, .. }
+            | Problem::DuplicatePool { pool }
+            | Problem::GuaranteesInfeasible { pool, .. }
+            | Problem::StaticOverCommitted { pool, .. }
+            | Problem::StaticWithoutLimit { pool, .. } => Some(pool),
+            Problem::InvalidWeight { .. }
+            | Problem::NodeOverCommitted { .. }
+            | Problem::UnplacedStage { .. } => None,
+        }
+    }
+}
+
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

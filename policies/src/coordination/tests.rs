@@ -195,3 +195,42 @@ fn the_coordinator_estimates_demand_from_windows_and_keeps_it() {
     let again = decide(window(10.0, false, 2), window(75.0, true, 2));
     assert_eq!(again, measured);
 }
+
+#[test]
+fn a_pool_names_what_the_allocation_could_not_do_in_it() {
+    const STATIC: &str = "
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: fixed}
+spec: {capacity: {bandwidth: 20MiB/s}, sharing: static}
+---
+apiVersion: sluice.dev/v1
+kind: StoragePool
+metadata: {name: other}
+spec: {capacity: {bandwidth: 20MiB/s}}
+---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: research}
+spec:
+  selector: {matchLabels: {team: research}}
+  pool: fixed
+  limit: {bandwidth: 8MiB/s}
+";
+    let set = PolicySet::from_documents(crate::parse_documents("t.yaml", STATIC).unwrap()).unwrap();
+    let research = labels("research");
+    let two = [stage("s1", vec![("r1", &research), ("r2", &research)])];
+    let c = assign(&set, &two, &BTreeMap::new());
+    assert!(c.shares.pools["fixed"].problems.is_empty());
+    let three = [stage(
+        "s1",
+        vec![("r1", &research), ("r2", &research), ("r3", &research)],
+    )];
+    let c = assign(&set, &three, &BTreeMap::new());
+    assert_eq!(
+        c.shares.pools["fixed"].problems,
+        ["static pool fixed: bandwidth limits add up to 24.0 MiB/s > capacity 20.0 MiB/s"]
+    );
+    assert_eq!(c.shares.problems, c.shares.pools["fixed"].problems);
+    assert!(c.shares.pools["other"].problems.is_empty());
+}
