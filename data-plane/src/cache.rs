@@ -217,9 +217,15 @@ struct Share {
     /// The weight of the stage's configuration (`cache.weights`).
     configured_weight: u32,
     terms: Terms,
+    /// The data set's bytes, when its listing was known at the last
+    /// [`Cache::steer`]: what a pin of `all` keeps at most.
+    size: Option<u64>,
     /// None until the data set is first looked up.
     last_lookup: Option<Instant>,
 }
+
+/// A pin of the whole data set (`pin: all`).
+pub const PIN_ALL: u64 = u64::MAX;
 
 /// How a data set shares the cache: its tenant's weight among the tenants
 /// read lately, its weight within the tenant, and bytes pinned whatever
@@ -231,7 +237,8 @@ pub struct Terms {
     pub tenant: String,
     pub tenant_weight: u32,
     pub weight: u32,
-    /// Bytes kept in each tier whatever others want (`u64::MAX`: all).
+    /// Bytes kept in each tier whatever others want ([`PIN_ALL`]: the
+    /// whole data set, as far as the tier has room after the other pins).
     pub pin: u64,
 }
 
@@ -354,7 +361,11 @@ pub struct ShareUse {
     pub tenant: String,
     pub tenant_weight: u32,
     pub weight: u32,
+    /// Its pin in bytes; for a pin of `all` ([`ShareUse::pin_all`]), the
+    /// data set's size where it is known, else 0.
     pub pin_bytes: u64,
+    /// Whether the whole data set is pinned.
+    pub pin_all: bool,
     /// Bytes of the memory tier it is entitled to now.
     pub share_bytes: u64,
     pub bytes: u64,
@@ -473,7 +484,11 @@ impl Cache {
                     tenant: share.terms.tenant.clone(),
                     tenant_weight: share.terms.tenant_weight,
                     weight: share.terms.weight,
-                    pin_bytes: share.terms.pin,
+                    pin_bytes: match share.terms.pin {
+                        PIN_ALL => share.size.unwrap_or(0),
+                        pin => pin,
+                    },
+                    pin_all: share.terms.pin == PIN_ALL,
                     share_bytes: memory_shares.get(source).copied().unwrap_or(0),
                     bytes,
                     entries,
@@ -692,14 +707,18 @@ impl Cache {
     }
 
     /// Sets how a data set shares the cache (a cache policy's terms), or
-    /// with `None` goes back to the stage's configuration.
-    pub fn steer(&self, source: &Arc<str>, dataset: &str, terms: Option<Terms>) {
+    /// with `None` goes back to the stage's configuration; `size` is the
+    /// data set's bytes when its listing is known.
+    pub fn steer(&self, source: &Arc<str>, dataset: &str, terms: Option<Terms>, size: Option<u64>) {
         let mut st = lock(&self.state);
         let share = st
             .shares
             .entry(Arc::clone(source))
             .or_insert_with(|| Share::new(dataset));
         share.terms = terms.unwrap_or_else(|| Terms::configured(share.configured_weight));
+        if size.is_some() {
+            share.size = size;
+        }
     }
 
     /// Which of `samples` (an index and a key each, in order) a staging
@@ -756,11 +775,14 @@ impl Cache {
                 share(&shares),
             )
         });
-        let (mut chosen, mut held) = (Vec::new(), 0);
+        let (mut chosen, mut held, mut short) = (Vec::new(), 0, false);
         for (i, key) in samples {
             let on_disk = st.disk.as_ref().is_some_and(|d| d.tier.get(&key).is_some());
             if on_disk || st.memory.get(&key).is_some() {
+                // Counted wherever it is in the listing: the round's
+                // progress says how much of the data set the cache holds.
                 held += 1;
+            } else if short {
             } else if key.size <= memory {
                 memory -= key.size;
                 chosen.push(i);
@@ -768,10 +790,11 @@ impl Cache {
                 disk -= disk::footprint(&key, key.size);
                 chosen.push(i);
             } else {
-                return (chosen, held, true);
+                // The first that does not fit ends what is read.
+                short = true;
             }
         }
-        (chosen, held, false)
+        (chosen, held, short)
     }
 
     /// Admits `bytes` under `key` if the policy lets it (in memory, else
@@ -978,6 +1001,7 @@ impl Share {
             names: vec![label.to_owned()],
             configured_weight: 1,
             terms: Terms::configured(1),
+            size: None,
             last_lookup: None,
         }
     }
@@ -1059,19 +1083,37 @@ fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<s
         sh.last_lookup
             .is_some_and(|at| now.duration_since(at) < ACTIVE)
     };
-    let pins: u128 = shares
-        .values()
-        .map(|sh| u128::from(sh.terms.pin.min(capacity)))
-        .sum();
-    let pinned = |sh: &Share| {
-        let pin = u128::from(sh.terms.pin.min(capacity));
-        if pins <= u128::from(capacity) {
-            pin as u64
-        } else {
-            (pin * u128::from(capacity) / pins) as u64
-        }
+    // Pins of a size first (scaled down together when they add up to more
+    // than the tier), then pins of `all` in what those leave: the whole
+    // data set where its size is known, scaled down together likewise.
+    let scaled = |pins: &[(&Share, u128)], room: u128| -> HashMap<*const Share, u64> {
+        let total: u128 = pins.iter().map(|(_, p)| p).sum();
+        pins.iter()
+            .map(|&(sh, pin)| {
+                let kept = if total <= room {
+                    pin
+                } else {
+                    pin * room / total
+                };
+                (std::ptr::from_ref(sh), kept as u64)
+            })
+            .collect()
     };
-    let rest = u128::from(capacity.saturating_sub(shares.values().map(pinned).sum()));
+    let sized: Vec<(&Share, u128)> = shares
+        .values()
+        .filter(|sh| sh.terms.pin != PIN_ALL && sh.terms.pin > 0)
+        .map(|sh| (sh, u128::from(sh.terms.pin.min(capacity))))
+        .collect();
+    let mut pins = scaled(&sized, u128::from(capacity));
+    let left = u128::from(capacity.saturating_sub(pins.values().sum()));
+    let whole: Vec<(&Share, u128)> = shares
+        .values()
+        .filter(|sh| sh.terms.pin == PIN_ALL)
+        .map(|sh| (sh, u128::from(sh.size.unwrap_or(capacity).min(capacity))))
+        .collect();
+    pins.extend(scaled(&whole, left));
+    let pinned = |sh: &Share| pins.get(&std::ptr::from_ref(sh)).copied().unwrap_or(0);
+    let rest = u128::from(capacity.saturating_sub(pins.values().sum()));
     // Per tenant read lately: its weight, and the weight of its data sets.
     let mut tenants: HashMap<&str, (u128, u128)> = HashMap::new();
     for sh in shares.values().filter(|sh| active(sh)) {

@@ -531,7 +531,8 @@ impl Engine {
                 weight: c.weight,
                 pin: c.pin,
             });
-            cache.steer(&dataset.identity, name, terms);
+            let size = dataset.listed().map(|l| l.total_bytes);
+            cache.steer(&dataset.identity, name, terms, size);
             let Some(c) = wanted else {
                 self.staging.unwanted(name);
                 continue;

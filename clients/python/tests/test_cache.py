@@ -197,7 +197,7 @@ def test_the_cache_api_shows_capacity_and_use(tmp_path, stage_factory):
     assert report == {"capacity_bytes": 4 * MIB, "used_bytes": 10_000, "policy": "stable",
                       "disk_capacity_bytes": 0, "disk_used_bytes": 0,
                       "datasets": [{"dataset": "ds", "bytes": 10_000, "entries": 10, "weight": 3,
-                                    "tenant": "", "tenant_weight": 1, "pin_bytes": 0,
+                                    "tenant": "", "tenant_weight": 1, "pin_bytes": 0, "pin_all": False,
                                     "share_bytes": 4 * MIB, "hits": 0, "misses": 10,
                                     "hit_bytes": 0, "evictions": 0,
                                     "disk_bytes": 0, "disk_entries": 0}]}

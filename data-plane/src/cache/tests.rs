@@ -164,9 +164,9 @@ fn terms(tenant: &str, tenant_weight: u32, weight: u32, pin: u64) -> Option<Term
 fn tenants_split_the_cache_first_then_their_data_sets() {
     let c = cache(1200, CachePolicy::Stable);
     let (a, b, x): (Arc<str>, Arc<str>, Arc<str>) = ("/a".into(), "/b".into(), "/x".into());
-    c.steer(&a, "a", terms("vision", 2, 1, 0));
-    c.steer(&b, "b", terms("vision", 2, 3, 0));
-    c.steer(&x, "x", terms("text", 1, 1, 0));
+    c.steer(&a, "a", terms("vision", 2, 1, 0), None);
+    c.steer(&b, "b", terms("vision", 2, 3, 0), None);
+    c.steer(&x, "x", terms("text", 1, 1, 0), None);
     // Nobody has read them yet: the room is anyone's.
     assert_eq!(
         shares(&c),
@@ -182,7 +182,7 @@ fn tenants_split_the_cache_first_then_their_data_sets() {
     );
     // Back to the stage's own terms: three data sets of weight 1.
     for (s, n) in [(&a, "a"), (&b, "b"), (&x, "x")] {
-        c.steer(s, n, None);
+        c.steer(s, n, None, None);
     }
     assert_eq!(
         shares(&c),
@@ -194,7 +194,7 @@ fn tenants_split_the_cache_first_then_their_data_sets() {
 fn a_pin_is_kept_whatever_the_others_read() {
     let c = cache(100, CachePolicy::Stable);
     let (p, o): (Arc<str>, Arc<str>) = ("/p".into(), "/o".into());
-    c.steer(&p, "p", terms("", 1, 1, 60));
+    c.steer(&p, "p", terms("", 1, 1, 60), None);
     for i in 0..6 {
         read(&c, "p", &key(&p, &format!("f{i}"), 10), 0);
     }
@@ -211,9 +211,31 @@ fn a_pin_is_kept_whatever_the_others_read() {
         assert!(read(&c, "p", &key(&p, &format!("f{i}"), 10), 0), "f{i}");
     }
     // Pins larger than the tier are scaled down together.
-    c.steer(&o, "o", terms("", 1, 1, u64::MAX));
-    c.steer(&p, "p", terms("", 1, 1, u64::MAX));
+    c.steer(&o, "o", terms("", 1, 1, PIN_ALL), None);
+    c.steer(&p, "p", terms("", 1, 1, PIN_ALL), None);
     assert_eq!(shares(&c), [("o".into(), 50), ("p".into(), 50)]);
+}
+
+#[test]
+fn a_pin_of_all_keeps_what_the_pins_of_a_size_leave() {
+    let c = cache(100, CachePolicy::Stable);
+    let (a, b, x): (Arc<str>, Arc<str>, Arc<str>) = ("/a".into(), "/b".into(), "/x".into());
+    // `all` of a 30-byte data set beside a 10-byte pin: both kept whole,
+    // and what is left goes by weight to the data sets read lately.
+    c.steer(&a, "a", terms("", 1, 1, PIN_ALL), Some(30));
+    c.steer(&b, "b", terms("", 1, 1, 10), None);
+    c.steer(&x, "x", terms("", 1, 1, 0), None);
+    read(&c, "x", &key(&x, "f", 1), 0);
+    assert_eq!(
+        shares(&c),
+        [("a".into(), 30), ("b".into(), 10), ("x".into(), 60)]
+    );
+    // A data set of unknown size takes what the sized pins leave; a sized
+    // pin is never cut for it.
+    let c2 = cache(100, CachePolicy::Stable);
+    c2.steer(&a, "a", terms("", 1, 1, PIN_ALL), None);
+    c2.steer(&b, "b", terms("", 1, 1, 10), None);
+    assert_eq!(shares(&c2), [("a".into(), 90), ("b".into(), 10)]);
 }
 
 #[test]
@@ -719,6 +741,32 @@ fn staging_counts_older_versions_as_room() {
     let (chosen, held, short) = c.to_stage(&src, "d", (0..10).map(|i| (i, versioned(&src, i, 2))));
     assert_eq!((chosen.len(), held, short), (10, 0, false));
     assert_eq!(c.report().used_bytes, 0);
+}
+
+#[test]
+fn a_full_round_counts_every_sample_held_wherever_it_is_listed() {
+    let c = cache(100, CachePolicy::Stable);
+    let src: Arc<str> = "/data".into();
+    // Samples 5..10 held (50 bytes), listed after five of 30 bytes.
+    for i in 5..10 {
+        assert!(!read(&c, "d", &versioned(&src, i, 1), 0));
+    }
+    let big = |i: u32| {
+        (
+            i,
+            SampleKey {
+                size: 30,
+                ..versioned(&src, i, 1)
+            },
+        )
+    };
+    // 0 fits in the 50 bytes left, 1 does not: the round is short, and
+    // the five held after it still count.
+    let listing = (0..5)
+        .map(big)
+        .chain((5..10).map(|i| (i, versioned(&src, i, 1))));
+    let (chosen, held, short) = c.to_stage(&src, "d", listing);
+    assert_eq!((chosen, held, short), (vec![0], 5, true));
 }
 
 #[test]
