@@ -119,6 +119,39 @@ def test_reads_outside_a_plan_ask_the_store_no_more_than_they_need(s3, stage_fac
         assert requests() - before == 3
 
 
+def test_files_read_through_the_mount_are_kept_by_the_node_cache(s3, stage_factory, tmp_path):
+    """The server lists no ETags (s3s-fs does not): a read's version is
+    then taken from the object's time as the listing's is, and a file
+    read whole through the mount goes into the node cache (it never did:
+    the versions differed), so the next epoch asks the store nothing."""
+    import json
+
+    server, files = s3
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = s3_stage(stage_factory, f"http://{server.address}", "--mount", str(mnt),
+                     "--cache-memory", "64MiB")
+    small = [n for n in sorted_names(files) if 0 < len(files[n]) <= 4 << 20]
+
+    def epoch() -> None:
+        for name in small:
+            with open(mnt / "@s3" / "ds" / name, "rb") as f:
+                assert f.read() == files[name], name
+        # The kernel's pages go, so the next epoch reaches the stage.
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+
+    def cache() -> dict:
+        return json.loads(http_get(stage.metrics, "/api/v1/cache"))["datasets"][0]
+
+    epoch()
+    assert cache()["entries"] == len(small), cache()
+    before = metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok")
+    epoch()
+    assert cache()["hits"] >= len(small), cache()
+    assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok") == before
+
+
 def test_keys_outside_the_prefix_are_not_served(s3, stage_factory):
     server, _files = s3
     stage = s3_stage(stage_factory, f"http://{server.address}")

@@ -20,6 +20,7 @@ use std::fmt;
 use std::future::Future as _;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,7 @@ use crate::entry::{FileEntry, Fnv64};
 use crate::metrics::{Metrics, SourceMetrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{MAX_FILE_BYTES, clamp_range};
-use list::{ListError, Listed, Lister};
+use list::{ListError, Listed, Lister, Version};
 
 mod list;
 
@@ -107,6 +108,11 @@ pub struct S3Source {
     runtime: Handle,
     deadline: Duration,
     metrics: SourceMetrics,
+    /// Whether the store's listings name objects by modification time (no
+    /// ETags): a read's version is then taken the same way, so that it
+    /// matches the listing's (the node cache keeps only the version it
+    /// was asked for).
+    versions_by_time: AtomicBool,
 }
 
 impl fmt::Debug for S3Source {
@@ -222,6 +228,7 @@ impl S3Source {
             runtime: Handle::current(),
             deadline: options.deadline,
             metrics: source_metrics,
+            versions_by_time: AtomicBool::new(false),
         })
     }
 
@@ -302,14 +309,18 @@ impl S3Source {
     }
 
     /// The entry of a listed object; its version is a hash of the ETag
-    /// (else of the modification time).
+    /// (else of the modification time, to the second).
     fn entry_of(&self, listed: &Listed) -> Option<FileEntry> {
         let name = self.name_of(&listed.key, listed.size)?;
-        Some(FileEntry::new(
-            name,
-            listed.size,
-            version_of(&listed.version),
-        ))
+        let version = match &listed.version {
+            Version::Tag(tag) => version_of(tag),
+            Version::Modified(time) => {
+                self.versions_by_time.store(true, Ordering::Relaxed);
+                // `2026-01-02T03:04:05.000Z`: seconds, as a HEAD gives it.
+                version_of_time(time.get(..19).unwrap_or(time))
+            }
+        };
+        Some(FileEntry::new(name, listed.size, version))
     }
 
     /// Requests the store throttled so far (503 SlowDown, 429).
@@ -451,7 +462,12 @@ impl S3Source {
             Some(pinned) => pinned.clone(),
             None => {
                 let meta = self.store.head(key).await?;
-                let version = version_of(meta.e_tag.as_deref().unwrap_or_default());
+                let version = if self.versions_by_time.load(Ordering::Relaxed) {
+                    let time = meta.last_modified.format("%Y-%m-%dT%H:%M:%S").to_string();
+                    version_of_time(&time)
+                } else {
+                    version_of(meta.e_tag.as_deref().unwrap_or_default())
+                };
                 let now = Pinned::object(version, meta.size, meta.e_tag);
                 if pin.is_some_and(|p| !p.same(&now)) {
                     return Ok(Ranged::Changed);
@@ -611,6 +627,12 @@ fn version_of(tag: &str) -> u64 {
     let mut h = Fnv64::new();
     h.write(tag.as_bytes());
     h.0
+}
+
+/// The version of an object known by its modification time
+/// (`2026-01-02T03:04:05`, UTC), apart from any ETag's.
+fn version_of_time(time: &str) -> u64 {
+    version_of(&format!("modified {time}"))
 }
 
 fn too_large(name: &str, bytes: u64) -> ProtocolError {

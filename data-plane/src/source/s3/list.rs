@@ -50,7 +50,17 @@ pub struct Lister {
 pub struct Listed {
     pub key: String,
     pub size: u64,
-    pub version: String,
+    pub version: Version,
+}
+
+/// What identifies a listed object's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Version {
+    /// Its ETag, as the listing quotes it.
+    Tag(String),
+    /// Its modification time (`2026-01-02T03:04:05.000Z`), where the store
+    /// lists no ETags (some S3-compatible servers do not).
+    Modified(String),
 }
 
 /// One page: the objects, the sub-prefixes (with a delimiter), and the
@@ -244,7 +254,11 @@ pub fn parse(text: &str) -> Result<Page, ListError> {
             .map(|c| Listed {
                 key: decode(c.key),
                 size: c.size,
-                version: c.e_tag.or(c.last_modified).unwrap_or_default(),
+                version: match (c.e_tag, c.last_modified) {
+                    (Some(tag), _) => Version::Tag(tag),
+                    (None, Some(time)) => Version::Modified(time),
+                    (None, None) => Version::Tag(String::new()),
+                },
             })
             .collect(),
         prefixes: answer
@@ -320,8 +334,11 @@ mod tests {
             ["train/cats/", "train/a b+c\td%.jpg", "train/no-etag"]
         );
         assert_eq!(page.objects[1].size, 7);
-        assert_eq!(page.objects[1].version, "\"e1\"");
-        assert_eq!(page.objects[2].version, "2026-01-02T00:00:00.000Z");
+        assert_eq!(page.objects[1].version, Version::Tag("\"e1\"".into()));
+        assert_eq!(
+            page.objects[2].version,
+            Version::Modified("2026-01-02T00:00:00.000Z".into())
+        );
         assert_eq!(page.prefixes, ["train/dogs x/"]);
         assert_eq!(page.next.as_deref(), Some("tok+en/="));
 
