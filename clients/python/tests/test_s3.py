@@ -123,7 +123,8 @@ def test_files_read_through_the_mount_are_kept_by_the_node_cache(s3, stage_facto
     """The server lists no ETags (s3s-fs does not): a read's version is
     then taken from the object's time as the listing's is, and a file
     read whole through the mount goes into the node cache (it never did:
-    the versions differed), so the next epoch asks the store nothing."""
+    the versions differed), so the next epoch asks the store nothing; the
+    first asks one GET a file."""
     import json
 
     server, files = s3
@@ -144,8 +145,18 @@ def test_files_read_through_the_mount_are_kept_by_the_node_cache(s3, stage_facto
     def cache() -> dict:
         return json.loads(http_get(stage.metrics, "/api/v1/cache"))["datasets"][0]
 
+    # The listing's requests first.
+    assert sum(len(f) for _, _, f in os.walk(mnt / "@s3" / "ds")) == len(files)
+    listed = metric_sum(stage, "sluice_stage_source_requests_total")
     epoch()
     assert cache()["entries"] == len(small), cache()
+    # One GET a file: its answer names the object's ETag and size (a HEAD
+    # first used to double the requests).
+    assert metric_sum(stage, "sluice_stage_source_requests_total") - listed == len(small)
+    empty = [n for n in sorted_names(files) if not files[n]]
+    for name in empty:
+        with open(mnt / "@s3" / "ds" / name, "rb") as f:
+            assert f.read() == b"", name
     before = metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok")
     epoch()
     assert cache()["hits"] >= len(small), cache()

@@ -449,8 +449,10 @@ impl S3Source {
         self.within_deadline(name, read).await?
     }
 
-    /// One try of [`S3Source::read_range`]: a HEAD unless `pin` holds the
-    /// ETag, then a ranged GET of that ETag.
+    /// One try of [`S3Source::read_range`]: a read from an object's start
+    /// that holds no ETag yet is one ranged GET, whose answer names the
+    /// object's ETag and size; any other read is a HEAD unless `pin` holds
+    /// the ETag, then a ranged GET of that ETag.
     async fn try_range(
         &self,
         key: &Key,
@@ -458,17 +460,26 @@ impl S3Source {
         length: u64,
         pin: Option<&Pinned>,
     ) -> object_store::Result<Ranged> {
+        let unpinned = pin.filter(|p| p.held_e_tag().is_some()).is_none();
+        // An object listed empty has no range to ask for (416).
+        if unpinned && offset == 0 && length > 0 && pin.is_none_or(|p| p.size > 0) {
+            match self.first_range(key, length, pin).await {
+                Ok(ranged) => return Ok(ranged),
+                Err(
+                    e @ (object_store::Error::NotFound { .. }
+                    | object_store::Error::PermissionDenied { .. }
+                    | object_store::Error::Unauthenticated { .. }),
+                ) => return Err(e),
+                // An empty object (416), a store that answers a range with
+                // the whole object, a GET that failed: the HEAD first.
+                Err(_) => {}
+            }
+        }
         let pinned = match pin.filter(|p| p.held_e_tag().is_some()) {
             Some(pinned) => pinned.clone(),
             None => {
                 let meta = self.store.head(key).await?;
-                let version = if self.versions_by_time.load(Ordering::Relaxed) {
-                    let time = meta.last_modified.format("%Y-%m-%dT%H:%M:%S").to_string();
-                    version_of_time(&time)
-                } else {
-                    version_of(meta.e_tag.as_deref().unwrap_or_default())
-                };
-                let now = Pinned::object(version, meta.size, meta.e_tag);
+                let now = self.pinned(&meta);
                 if pin.is_some_and(|p| !p.same(&now)) {
                     return Ok(Ranged::Changed);
                 }
@@ -497,6 +508,51 @@ impl S3Source {
         }
         let bytes = result.bytes().await?;
         Ok(Ranged::Read(Chunk::from_vec(bytes.to_vec()), pinned))
+    }
+
+    /// The first `length` bytes of the object at `key`, with one ranged
+    /// GET (a HEAD to pin its ETag first would double the requests of
+    /// every file read through the mount without an order): the answer's
+    /// ETag and size pin the object. `Changed` when it is not the version
+    /// `pin` names.
+    async fn first_range(
+        &self,
+        key: &Key,
+        length: u64,
+        pin: Option<&Pinned>,
+    ) -> object_store::Result<Ranged> {
+        // One byte past what a frame carries tells a larger read apart.
+        let asked = length.min(MAX_FILE_BYTES + 1);
+        let options = GetOptions {
+            range: Some((0..asked).into()),
+            ..GetOptions::default()
+        };
+        let result = self.store.get_opts(key, options).await?;
+        let now = self.pinned(&result.meta);
+        if pin.is_some_and(|p| !p.same(&now)) {
+            return Ok(Ranged::Changed);
+        }
+        let (_, want) = clamp_range(now.size, 0, length);
+        if want > MAX_FILE_BYTES {
+            return Ok(Ranged::TooLarge(want));
+        }
+        let bytes = result.bytes().await?;
+        if bytes.len() as u64 != want {
+            return Ok(Ranged::Changed);
+        }
+        Ok(Ranged::Read(Chunk::from_vec(bytes.to_vec()), now))
+    }
+
+    /// What pins the object `meta` describes: its version (as the listing
+    /// takes it), size and ETag.
+    fn pinned(&self, meta: &object_store::ObjectMeta) -> Pinned {
+        let version = if self.versions_by_time.load(Ordering::Relaxed) {
+            let time = meta.last_modified.format("%Y-%m-%dT%H:%M:%S").to_string();
+            version_of_time(&time)
+        } else {
+            version_of(meta.e_tag.as_deref().unwrap_or_default())
+        };
+        Pinned::object(version, meta.size, meta.e_tag.clone())
     }
 
     /// Reads a large object as parallel ranged GETs. Every part reports
