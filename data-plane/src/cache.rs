@@ -782,16 +782,17 @@ impl Cache {
                 // Counted wherever it is in the listing: the round's
                 // progress says how much of the data set the cache holds.
                 held += 1;
-            } else if short {
-            } else if key.size <= memory {
-                memory -= key.size;
-                chosen.push(i);
-            } else if st.disk.is_some() && disk::footprint(&key, key.size) <= disk {
-                disk -= disk::footprint(&key, key.size);
-                chosen.push(i);
-            } else {
-                // The first that does not fit ends what is read.
-                short = true;
+            } else if !short {
+                if key.size <= memory {
+                    memory -= key.size;
+                    chosen.push(i);
+                } else if st.disk.is_some() && disk::footprint(&key, key.size) <= disk {
+                    disk -= disk::footprint(&key, key.size);
+                    chosen.push(i);
+                } else {
+                    // The first that does not fit ends what is read.
+                    short = true;
+                }
             }
         }
         (chosen, held, short)
@@ -1086,33 +1087,33 @@ fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<s
     // Pins of a size first (scaled down together when they add up to more
     // than the tier), then pins of `all` in what those leave: the whole
     // data set where its size is known, scaled down together likewise.
-    let scaled = |pins: &[(&Share, u128)], room: u128| -> HashMap<*const Share, u64> {
+    fn scaled(pins: Vec<(&Arc<str>, u128)>, room: u128) -> Vec<(Arc<str>, u64)> {
         let total: u128 = pins.iter().map(|(_, p)| p).sum();
-        pins.iter()
-            .map(|&(sh, pin)| {
+        pins.into_iter()
+            .map(|(s, pin)| {
                 let kept = if total <= room {
                     pin
                 } else {
                     pin * room / total
                 };
-                (std::ptr::from_ref(sh), kept as u64)
+                (Arc::clone(s), kept as u64)
             })
             .collect()
-    };
-    let sized: Vec<(&Share, u128)> = shares
-        .values()
-        .filter(|sh| sh.terms.pin != PIN_ALL && sh.terms.pin > 0)
-        .map(|sh| (sh, u128::from(sh.terms.pin.min(capacity))))
+    }
+    let sized = shares
+        .iter()
+        .filter(|(_, sh)| sh.terms.pin != PIN_ALL && sh.terms.pin > 0)
+        .map(|(s, sh)| (s, u128::from(sh.terms.pin.min(capacity))))
         .collect();
-    let mut pins = scaled(&sized, u128::from(capacity));
+    let mut pins: HashMap<Arc<str>, u64> =
+        scaled(sized, u128::from(capacity)).into_iter().collect();
     let left = u128::from(capacity.saturating_sub(pins.values().sum()));
-    let whole: Vec<(&Share, u128)> = shares
-        .values()
-        .filter(|sh| sh.terms.pin == PIN_ALL)
-        .map(|sh| (sh, u128::from(sh.size.unwrap_or(capacity).min(capacity))))
+    let whole = shares
+        .iter()
+        .filter(|(_, sh)| sh.terms.pin == PIN_ALL)
+        .map(|(s, sh)| (s, u128::from(sh.size.unwrap_or(capacity).min(capacity))))
         .collect();
-    pins.extend(scaled(&whole, left));
-    let pinned = |sh: &Share| pins.get(&std::ptr::from_ref(sh)).copied().unwrap_or(0);
+    pins.extend(scaled(whole, left));
     let rest = u128::from(capacity.saturating_sub(pins.values().sum()));
     // Per tenant read lately: its weight, and the weight of its data sets.
     let mut tenants: HashMap<&str, (u128, u128)> = HashMap::new();
@@ -1132,7 +1133,8 @@ fn shares_now(shares: &HashMap<Arc<str>, Share>, capacity: u64) -> HashMap<Arc<s
                 }
                 _ => 0,
             };
-            (Arc::clone(s), pinned(sh) + weighted as u64)
+            let pinned = pins.get(s).copied().unwrap_or(0);
+            (Arc::clone(s), pinned + weighted as u64)
         })
         .collect()
 }

@@ -1184,9 +1184,8 @@ impl MountFs {
     }
 
     /// The entries of a directory node from the `skip`-th on, at most
-    /// `limit`: (name, is a directory).
-    /// A page of `node`'s entries; a data set directory's from the tree its
-    /// handle `fh` began reading (taken now at its first page).
+    /// `limit`: (name, is a directory); a data set directory's from the
+    /// tree its handle `fh` began reading (taken at its first page).
     fn entries(
         &mut self,
         node: &Node,

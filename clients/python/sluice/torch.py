@@ -85,6 +85,8 @@ import os
 import re
 import select
 import socket
+import threading
+import time
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as _dist
@@ -405,8 +407,9 @@ class _PerProcess:
         self._unpickled_in = os.getpid()
 
 
-#: The process whose watch this worker runs (see `_end_with_trainer`).
-_watched: Optional[Tuple[int, int]] = None  # (this process, its trainer)
+#: The process that runs a trainer watch (see `_end_with_trainer`): a
+#: worker forked from one inherits the variable, not the thread.
+_watching_in: Optional[int] = None
 
 
 def _end_with_trainer(trainer: int, every: float = 1.0) -> None:
@@ -419,11 +422,11 @@ def _end_with_trainer(trainer: int, every: float = 1.0) -> None:
     plans and the samples lent to it. Nothing is left to hand results to,
     so the worker exits at once (its connections close with it, and the
     stage takes back what it held)."""
-    global _watched
+    global _watching_in
     me = os.getpid()
-    if _watched is not None and _watched[0] == me:
+    if _watching_in == me:
         return
-    _watched = (me, trainer)
+    _watching_in = me
     started = _stat_fields(trainer)[1]
     if not started or trainer == me:
         return
@@ -433,13 +436,9 @@ def _end_with_trainer(trainer: int, every: float = 1.0) -> None:
     parent = os.getppid()
 
     def watch() -> None:
-        import time
-
         while _alive(trainer, started) and (trainer != parent or os.getppid() == parent):
             time.sleep(every)
         os._exit(0)
-
-    import threading
 
     threading.Thread(target=watch, name="sluice-trainer-watch", daemon=True).start()
 

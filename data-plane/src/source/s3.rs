@@ -460,9 +460,9 @@ impl S3Source {
         length: u64,
         pin: Option<&Pinned>,
     ) -> object_store::Result<Ranged> {
-        let unpinned = pin.filter(|p| p.held_e_tag().is_some()).is_none();
+        let held = pin.filter(|p| p.held_e_tag().is_some());
         // An object listed empty has no range to ask for (416).
-        if unpinned && offset == 0 && length > 0 && pin.is_none_or(|p| p.size > 0) {
+        if held.is_none() && offset == 0 && length > 0 && pin.is_none_or(|p| p.size > 0) {
             match self.first_range(key, length, pin).await {
                 Ok(ranged) => return Ok(ranged),
                 Err(
@@ -475,7 +475,7 @@ impl S3Source {
                 Err(_) => {}
             }
         }
-        let pinned = match pin.filter(|p| p.held_e_tag().is_some()) {
+        let pinned = match held {
             Some(pinned) => pinned.clone(),
             None => {
                 let meta = self.store.head(key).await?;
@@ -978,9 +978,8 @@ async fn builder(
     if options.anonymous {
         return Ok((b.with_skip_signature(true), addressing, String::new()));
     }
-    const KEYS: &str = "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)";
-    if let Some(fetched) = credentials_from_env()? {
-        return Ok((b, addressing, fetched.unwrap_or_else(|| KEYS.into())));
+    if let Some(check) = credentials_from_env()? {
+        return Ok((b, addressing, check.into()));
     }
     match (
         profile.credentials.get("aws_access_key_id"),
@@ -991,7 +990,7 @@ async fn builder(
             if let Some(token) = profile.credentials.get("aws_session_token") {
                 b = b.with_token(token);
             }
-            return Ok((b, addressing, KEYS.into()));
+            return Ok((b, addressing, CHECK_KEYS.into()));
         }
         (Some(_), None) | (None, Some(_)) => {
             return Err(format!(
@@ -1045,12 +1044,16 @@ fn env_is(name: &str, value: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v.trim().eq_ignore_ascii_case(value))
 }
 
-/// The credentials the environment names, in object_store's order: `None`
-/// when it names none; `Some(None)` for keys, `Some(Some(hint))` for a
-/// provider they are fetched from, with what to check when that fails.
-/// Half of a pair is an error here, where object_store would silently
-/// fall back to the instance metadata service.
-fn credentials_from_env() -> Result<Option<Option<String>>, String> {
+/// What to check when keys (from the environment or a profile) are not
+/// accepted.
+const CHECK_KEYS: &str = "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)";
+
+/// The credentials the environment names, in object_store's order, as
+/// what to check when they cannot be had (keys, or the provider they are
+/// fetched from); `None` when it names none. Half of a pair is an error
+/// here, where object_store would silently fall back to the instance
+/// metadata service.
+fn credentials_from_env() -> Result<Option<&'static str>, String> {
     let set = |name| std::env::var_os(name).is_some_and(|v| !v.is_empty());
     let (id, secret) = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY");
     let half = |have: &str, lack: &str| {
@@ -1059,7 +1062,7 @@ fn credentials_from_env() -> Result<Option<Option<String>>, String> {
         )
     };
     match (set(id), set(secret)) {
-        (true, true) => return Ok(Some(None)),
+        (true, true) => return Ok(Some(CHECK_KEYS)),
         (true, false) => return Err(half(id, secret)),
         (false, true) => return Err(half(secret, id)),
         (false, false) => {}
@@ -1098,7 +1101,7 @@ fn credentials_from_env() -> Result<Option<Option<String>>, String> {
         {
             return Err(format!("{var} is set but {other} is not: set both ({why})"));
         }
-        return Ok(Some(Some(check.into())));
+        return Ok(Some(check));
     }
     Ok(None)
 }

@@ -338,8 +338,9 @@ impl RawJob {
             return Err((
                 "id",
                 format!(
-                    "job id `{}` is not one a trainer can announce: use 1 to 128 letters, digits, `.`, `_` or `-` (not `.` or `..`)",
-                    id.escape_debug()
+                    "job id `{}` is not one a trainer can announce: use 1 to {} letters, digits, `.`, `_` or `-` (not `.` or `..`)",
+                    id.escape_debug(),
+                    crate::MAX_JOB_ID_BYTES
                 ),
             ));
         }
