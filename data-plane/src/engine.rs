@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use job::{
-    Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, Reservation, SETTINGS_WAIT,
+    Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, PlannedClaim, Reservation,
+    SETTINGS_WAIT,
 };
 pub use plan_run::{PlanKey, ShardOrder};
 use staging::Round;

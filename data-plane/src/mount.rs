@@ -27,6 +27,7 @@
 //! stage's runtime, so a slow read does not hold the others. Writes of
 //! any kind are refused with `EROFS`.
 
+mod io_mode;
 mod orders;
 mod tree;
 
@@ -50,7 +51,7 @@ use tracing::{info, warn};
 use crate::chunk::Chunk;
 use crate::config::MountOptions;
 use crate::dataset::Dataset;
-use crate::engine::{Engine, Job, JobHandle, Reservation};
+use crate::engine::{Engine, Job, JobHandle, PlannedClaim, Reservation};
 use crate::entry::Owner;
 use crate::metrics::DatasetMetrics;
 use crate::metrics::Metrics;
@@ -60,6 +61,7 @@ use crate::server::read_range_now;
 use crate::source::{Pinned, changed};
 use crate::sync::lock;
 use crate::trust::TrainerAccess;
+use io_mode::{Way, WayHeld, Ways};
 use orders::Orders;
 use tree::{Entry, Tree, Trees};
 
@@ -188,6 +190,7 @@ pub fn mount(
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
         notifier: Arc::clone(&notifier),
         backings: Arc::default(),
+        ways: Ways::default(),
         access,
         counters: Counters::new(engine.metrics()),
         engine,
@@ -599,6 +602,8 @@ struct Open {
     /// The source file the kernel reads itself (passthrough), registered
     /// until every open of the inode is released.
     backing: Option<Arc<fuser::BackingId>>,
+    /// The way the kernel reads a large file's inode, counted while open.
+    _way: Option<WayHeld>,
     /// The version of the file its first window read, which the others
     /// are read of.
     pin: Arc<Mutex<Option<Pinned>>>,
@@ -624,6 +629,7 @@ impl Open {
             counted: false,
             metrics,
             backing: None,
+            _way: None,
             pin: Arc::default(),
         }
     }
@@ -980,6 +986,8 @@ struct MountFs {
     /// while one is registered shares it (a second registration of the
     /// same inode fails the open).
     backings: Arc<Mutex<HashMap<u64, std::sync::Weak<fuser::BackingId>>>>,
+    /// How the open large files of each inode are read (one way at a time).
+    ways: Ways,
     /// Which jobs each reader (by uid and gid) may read as.
     access: Arc<TrainerAccess>,
     counters: Counters,
@@ -1032,18 +1040,23 @@ impl MountFs {
     /// reads it from the source file itself (charged to the job whole, as
     /// it is opened). Where the data set is not a local directory, or the
     /// kernel refuses the file, it is read through windows instead; the
-    /// first refusal ends passthrough for the mount (logged once).
+    /// first refusal ends passthrough for the mount (logged once). A plan
+    /// entry `planned` of the file (claimed while another open of it was
+    /// passed through) is delivered first, and the open charged as that.
     fn open_passthrough(
         &self,
         opener: u32,
         ino: u64,
         fh: u64,
-        (file, keep): (Open, u32),
+        (file, keep, mut way): (Open, u32, WayHeld),
+        planned: Option<PlannedClaim>,
         reply: ReplyOpen,
     ) {
         let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
         let (passthrough, backings) = (Arc::clone(&self.passthrough), Arc::clone(&self.backings));
-        self.runtime.spawn_blocking(move || {
+        let charged = planned.is_some();
+        let (job, name) = (Arc::clone(&file.job), file.name.clone());
+        let answer = move || {
             let metrics = file.job.metrics_for(&file.dataset.name);
             // The kernel waits for this answer even for a killed opener (the
             // stage cannot hear interrupts), so a throttled open ends when
@@ -1053,7 +1066,10 @@ impl MountFs {
                 killed = being_killed(opener);
                 !killed
             };
-            let backing = match file.job.open_passthrough(&file.dataset, &file.name, &metrics, wanted) {
+            let opened =
+                file.job
+                    .open_passthrough(&file.dataset, &file.name, &metrics, (wanted, charged));
+            let backing = match opened {
                 Some(Ok(source)) => {
                     let mut backings = lock(&backings);
                     match backings.get(&ino).and_then(std::sync::Weak::upgrade) {
@@ -1084,14 +1100,46 @@ impl MountFs {
             match backing {
                 Ok(backing) => {
                     reply.opened_passthrough(fh, 0, &backing);
-                    open.insert(fh, Open { backing: Some(backing), ..file });
+                    let (backing, way) = (Some(backing), Some(way));
+                    open.insert(
+                        fh,
+                        Open {
+                            backing,
+                            _way: way,
+                            ..file
+                        },
+                    );
                 }
                 Err(()) => {
-                    open.insert(fh, file);
+                    way.through_page_cache();
+                    open.insert(
+                        fh,
+                        Open {
+                            _way: Some(way),
+                            ..file
+                        },
+                    );
                     reply.opened(fh, keep);
                 }
             }
-        });
+        };
+        match planned {
+            None => drop(self.runtime.spawn_blocking(answer)),
+            Some(claim) => {
+                let runtime = self.runtime.clone();
+                self.runtime.spawn(async move {
+                    // Its bytes are the file's, which the kernel reads.
+                    drop(job.deliver_claimed(claim, &name).await);
+                    drop(runtime.spawn_blocking(answer));
+                });
+            }
+        }
+    }
+
+    /// Whether a file of `size` bytes may be passed through (see
+    /// [`PASSTHROUGH_MIN`]); whether it is depends on its source too.
+    fn may_pass_through(&self, size: u64) -> bool {
+        size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed)
     }
 
     fn attr(&self, ino: u64, node: &Node) -> FileAttr {
@@ -1487,21 +1535,35 @@ impl Filesystem for MountFs {
             Some(claim) if size > WINDOWED_MAX => job.deliver_unread(claim),
             claim => claim,
         };
+        // A large file is passed through unless another open of it reads
+        // through the page cache, and a planned open of it reads through
+        // the page cache unless another open of it is passed through: the
+        // kernel takes one way per inode. Such a planned entry is delivered
+        // before its open is passed through.
+        let (mut claim, mut delivered_first) = (claim, None);
+        let way = match &claim {
+            _ if !self.may_pass_through(size) => None,
+            Some(_) => self.ways.open_planned(ino).or_else(|| {
+                delivered_first = claim.take().and_then(|c| job.deliver_unread(c));
+                Some(self.ways.open_unplanned(ino))
+            }),
+            None => Some(self.ways.open_unplanned(ino)),
+        };
         let listed = (version, size);
         let Some(claim) = claim else {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
             let keep = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held).flags();
-            if size >= PASSTHROUGH_MIN && self.passthrough.load(Ordering::Relaxed) {
-                return self.open_passthrough(
-                    req.pid(),
-                    ino,
-                    fh,
-                    (Open::new(job, dataset, name, size, None), keep),
-                    reply,
-                );
-            }
-            lock(&open).insert(fh, Open::new(job, dataset, name, size, None));
-            return reply.opened(fh, keep);
+            let file = Open::new(job, dataset, name, size, None);
+            return match way {
+                Some(way) if way.way() == Way::Passthrough => {
+                    let file = (file, keep, way);
+                    self.open_passthrough(req.pid(), ino, fh, file, delivered_first, reply)
+                }
+                way => {
+                    lock(&open).insert(fh, Open { _way: way, ..file });
+                    reply.opened(fh, keep)
+                }
+            };
         };
         let readers = Arc::clone(&self.readers);
         let notifier = Arc::clone(&self.notifier);
@@ -1566,7 +1628,8 @@ impl Filesystem for MountFs {
             } else {
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
-            lock(&open).insert(fh, Open::new(job, dataset, name, size, whole));
+            let file = Open::new(job, dataset, name, size, whole);
+            lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());
         });
     }

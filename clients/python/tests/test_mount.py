@@ -1091,6 +1091,53 @@ def test_a_large_file_opens_many_times_at_once(tmp_path, mount_stage):
         os.close(held)
 
 
+def test_a_large_file_open_through_the_stage_and_through_passthrough_at_once(tmp_path, mount_stage):
+    """The kernel reads one inode either from its pages or from a backing
+    file, and fails an open of the other kind while one is open (EIO): a
+    second open of a large planned file (numpy's ``mmap_mode``, which opens
+    twice) reads as the first does, and so does a planned open of a file
+    already passed through."""
+    root = tmp_path / "data"
+    root.mkdir()
+    header = b"\x93NUMPY\x01\x00v\x00{'descr': '|u1', 'fortran_order': False, 'shape': (3145728,), }"
+    header += b" " * (127 - len(header)) + b"\n"
+    arrays = {f"a{i}.npy": header + os.urandom(3 * 2**20) for i in range(3)}
+    for name, data in arrays.items():
+        (root / name).write_bytes(data)
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    job = mnt / "@np" / "ds"
+
+    # Planned first (read through the stage), then opened again while open.
+    write_order(orders / "np" / "ds", ["a0.npy", "a1.npy"])
+    wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "np") >= 1,
+             what="the order taken up")
+    for name in ["a0.npy", "a1.npy"]:
+        with open(job / name, "rb") as first:
+            assert first.read(128) == arrays[name][:128]
+            with open(job / name, "rb") as second, \
+                    mmap.mmap(second.fileno(), 0, prot=mmap.PROT_READ) as m:
+                assert m[:] == arrays[name], name
+            assert first.read() == arrays[name][128:]
+
+    # Passed through first (no plan holds it), then planned and opened.
+    held = open(job / "a2.npy", "rb")
+    try:
+        assert held.read(10) == arrays["a2.npy"][:10]
+        delivered = job_metric(stage, "sluice_stage_delivered_samples_total", "np")
+        reads = job_metric(stage, "sluice_stage_storage_reads_total", "np")
+        write_order(orders / "np" / "ds", ["a2.npy"])
+        wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "np") > reads,
+                 what="the second order taken up")
+        assert (job / "a2.npy").read_bytes() == arrays["a2.npy"]
+        assert job_metric(stage, "sluice_stage_delivered_samples_total", "np") == delivered + 1
+        assert held.read() == arrays["a2.npy"][10:]
+    finally:
+        held.close()
+    # With every open closed, a new one is passed through again.
+    assert (job / "a0.npy").read_bytes() == arrays["a0.npy"]
+
+
 def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_them(tmp_path, stage_factory):
     root = tmp_path / "data"
     (root / "closed").mkdir(parents=True)

@@ -726,7 +726,8 @@ impl Job {
     /// Opens file `name` of a local data set for a reader that the kernel
     /// serves from it directly (the mount's passthrough of large files):
     /// the whole file is charged to the job's limiter and counted as one
-    /// storage read and one delivery, as the reader is about to read it.
+    /// storage read and one delivery, as the reader is about to read it,
+    /// unless `charged` (a plan entry of it was delivered for this open).
     /// `None` when the data set is not a local directory. Blocking; while
     /// the limiter holds it, gives up (`UNAVAILABLE`, nothing charged) once
     /// `wanted` says the opener no longer waits.
@@ -735,11 +736,16 @@ impl Job {
         dataset: &Dataset,
         name: &str,
         m: &DatasetMetrics,
-        wanted: impl FnMut() -> bool,
+        (wanted, charged): (impl FnMut() -> bool, bool),
     ) -> Option<Result<std::fs::File, ProtocolError>> {
         let Source::Dir(dir) = dataset.source() else {
             return None;
         };
+        if charged {
+            let path = dir.resolve(name);
+            let opened = path.and_then(|path| open_regular(&path).map_err(|e| io_error(name, &e)));
+            return Some(opened.map(|(file, _)| file));
+        }
         let start = Instant::now();
         let opened = dir.resolve(name).and_then(|path| {
             let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
