@@ -175,7 +175,7 @@ pub enum Command {
     /// Delete a policy
     #[command(subcommand)]
     Delete(DeleteTarget),
-    /// List pools, policies, jobs or stages
+    /// List pools, policies, jobs, stages or data sets
     Get(GetArgs),
     /// Show one job, stage or pool in detail
     #[command(subcommand)]
@@ -266,6 +266,8 @@ pub enum Listing {
     Jobs,
     /// Stages, connected or lost
     Stages,
+    /// Data sets served or given a cache policy, and their node caches
+    Datasets,
 }
 
 /// How `get` prints.

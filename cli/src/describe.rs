@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use sluice_policy::coordination::PRELOAD_ROUND;
 use sluice_proto::v1;
 
 use crate::args::DescribeTarget;
@@ -327,6 +328,9 @@ pub fn dataset_text(d: &v1::Dataset) -> String {
         .add(
             "Staging asked",
             match d.staging_round {
+                0 if d.stages.iter().any(preloaded) => {
+                    "never (preloaded as a job reads it)".to_owned()
+                }
                 0 => "never".to_owned(),
                 round => format!("round {round}"),
             },
@@ -389,6 +393,12 @@ pub fn dataset_text(d: &v1::Dataset) -> String {
         f.write(&mut out, 4);
     }
     out
+}
+
+/// Whether the stage staged the data set's preload (`preload: job-start`).
+fn preloaded(s: &v1::DatasetOnStage) -> bool {
+    let staging = s.cache.as_ref().and_then(|c| c.staging.as_ref());
+    staging.is_some_and(|p| p.round == PRELOAD_ROUND)
 }
 
 /// `round 7: running, 1200/2000 samples, 117 MiB read from the source`.

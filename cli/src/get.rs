@@ -1,4 +1,4 @@
-//! `sluicectl get pools|policies|jobs|stages`: one list request, printed
+//! `sluicectl get pools|policies|jobs|stages|datasets`: one list request, printed
 //! as an 80-column table, or as a JSON or YAML array of the [`view`]
 //! structs for scripts.
 //!
@@ -12,7 +12,11 @@ use crate::client::{self, CallError, Controller};
 use crate::exit::{self, Exit};
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
-use crate::view::{JobView, PolicyView, PoolView, StageView};
+use sluice_policy::coordination::PRELOAD_ROUND;
+
+use crate::view::{
+    DatasetOnStageView, DatasetView, JobView, PolicyView, PoolView, StageView, StagingView,
+};
 
 /// Runs `get`: asks the controller, prints on stdout.
 pub fn run(controller: &Controller, args: &GetArgs) -> Exit {
@@ -32,6 +36,7 @@ pub enum Listed {
     Policies(Vec<PolicyView>),
     Jobs(Vec<JobView>),
     Stages(Vec<StageView>),
+    Datasets(Vec<DatasetView>),
 }
 
 /// Asks the controller for one listing.
@@ -58,6 +63,10 @@ pub async fn fetch(controller: &Controller, what: Listing) -> Result<Listed, Cal
             let stages = admin.list_stages(v1::ListStagesRequest {}).await;
             Listed::Stages(views(stages.map_err(failed)?.into_inner().stages))
         }
+        Listing::Datasets => {
+            let datasets = admin.list_datasets(v1::ListDatasetsRequest {}).await;
+            Listed::Datasets(views(datasets.map_err(failed)?.into_inner().datasets))
+        }
     };
     Ok(listed)
 }
@@ -74,6 +83,7 @@ impl Listed {
             Self::Policies(v) => render(v, format, || policies_table(v, now_millis)),
             Self::Jobs(v) => render(v, format, || jobs_table(v)),
             Self::Stages(v) => render(v, format, || stages_table(v, now_millis)),
+            Self::Datasets(v) => render(v, format, || datasets_table(v)),
         }
     }
 }
@@ -200,6 +210,104 @@ pub fn stages_table(stages: &[StageView], now_millis: i64) -> Table {
     t
 }
 
+/// `NAME POLICY STAGES CACHED SAMPLES HITS STAGING`: the node caches of
+/// every stage serving a data set, summed.
+pub fn datasets_table(datasets: &[DatasetView]) -> Table {
+    let mut t = Table::new(&[
+        Column::text("NAME"),
+        Column::text("POLICY"),
+        Column::whole("STAGES"),
+        Column::whole("CACHED"),
+        Column::whole("SAMPLES"),
+        Column::whole("HITS"),
+        Column::whole("STAGING"),
+    ]);
+    for d in datasets {
+        let lost = d.stages.iter().filter(|s| s.state == "lost").count();
+        let stages = match lost {
+            0 => d.stages.len().to_string(),
+            lost => format!("{} ({lost} lost)", d.stages.len() - lost),
+        };
+        let samples: u64 = d
+            .stages
+            .iter()
+            .filter_map(|s| s.cache.as_ref())
+            .map(|c| c.entries)
+            .sum();
+        t.row(vec![
+            d.name.clone(),
+            d.policy.clone().unwrap_or_else(|| "-".into()),
+            stages,
+            human::bytes(d.cached_bytes() as f64),
+            samples.to_string(),
+            d.hit_ratio().map_or_else(|| "-".to_owned(), human::percent),
+            staging_word(d),
+        ]);
+    }
+    t
+}
+
+/// The latest staging round and where the stages serving the data set
+/// are with it: `-` (none), `round 3: running 1/2` (stages finished of
+/// those serving it, while any is not), `round 3: done`, or each end and
+/// how many stages came to it (`round 3: done 1, full 1`). A round no one
+/// asked for with `sluicectl stage` is the preload of a data set a job
+/// reads (`preload: done`), on the stages where one does.
+pub fn staging_word(d: &DatasetView) -> String {
+    fn reported(s: &DatasetOnStageView) -> Option<&StagingView> {
+        s.cache.as_ref().and_then(|c| c.staging.as_ref())
+    }
+    let asked = d.staging_round;
+    let round = match asked {
+        0 => d
+            .stages
+            .iter()
+            .filter_map(|s| reported(s).map(|p| p.round))
+            .max()
+            .unwrap_or(0),
+        asked => asked,
+    };
+    let name = match round {
+        0 => return "-".to_owned(),
+        PRELOAD_ROUND => "preload".to_owned(),
+        round => format!("round {round}"),
+    };
+    let states: Vec<&str> = d
+        .stages
+        .iter()
+        .filter_map(|s| match reported(s) {
+            Some(p) if p.round == round => Some(p.state.as_str()),
+            // A stage asked that has not begun it; one never asked is not
+            // counted.
+            _ => (asked > 0).then_some("pending"),
+        })
+        .collect();
+    if states.is_empty() {
+        return format!("{name}: no stage serves it");
+    }
+    let finished = states
+        .iter()
+        .filter(|s| !matches!(**s, "running" | "pending"))
+        .count();
+    if finished < states.len() {
+        return format!("{name}: running {finished}/{}", states.len());
+    }
+    let mut ends: Vec<(&str, usize)> = Vec::new();
+    for state in states {
+        match ends.iter_mut().find(|(s, _)| *s == state) {
+            Some((_, n)) => *n += 1,
+            None => ends.push((state, 1)),
+        }
+    }
+    match ends.as_slice() {
+        [(state, _)] => format!("{name}: {state}"),
+        _ => {
+            let ends: Vec<String> = ends.iter().map(|(s, n)| format!("{s} {n}")).collect();
+            format!("{name}: {}", ends.join(", "))
+        }
+    }
+}
+
 /// `yes` when the desired version is acknowledged, `nacked` when the
 /// stage rejected a later one, `pending` while it has not answered.
 pub fn sync_word(stage: &StageView) -> &'static str {
@@ -265,6 +373,70 @@ node-a-1  node-a  connected  4        3      pending  2     4s
         for line in text.lines() {
             assert!(line.chars().count() <= 80, "{line:?}");
         }
+    }
+
+    fn dataset(name: &str, round: u64, staging: &[(&str, u64, &str)]) -> DatasetView {
+        let stages = staging
+            .iter()
+            .map(|(stage, round, state)| v1::DatasetOnStage {
+                stage: (*stage).into(),
+                state: v1::StageState::Connected as i32,
+                memory_capacity_bytes: 1 << 30,
+                disk_capacity_bytes: 0,
+                cache: Some(v1::DatasetCacheTelemetry {
+                    memory_bytes: 50 << 20,
+                    entries: 500,
+                    hits: 3,
+                    misses: 1,
+                    staging: (*round > 0).then(|| v1::StagingProgress {
+                        round: *round,
+                        state: (*state).into(),
+                        ..v1::StagingProgress::default()
+                    }),
+                    ..v1::DatasetCacheTelemetry::default()
+                }),
+            })
+            .collect();
+        DatasetView::from(v1::Dataset {
+            name: name.into(),
+            policy: String::new(),
+            staging_round: round,
+            stages,
+        })
+    }
+
+    #[test]
+    fn the_datasets_table_sums_the_caches_and_says_where_staging_is() {
+        let listed = Listed::Datasets(vec![
+            dataset(
+                "imagenet",
+                3,
+                &[("a", 3, "done"), ("b", 3, "running"), ("c", 2, "done")],
+            ),
+            dataset("coco", 2, &[("a", 2, "done"), ("b", 2, "full")]),
+            dataset("new", 0, &[("a", 0, "")]),
+            dataset("read", 0, &[("a", 1, "running"), ("b", 0, "")]),
+            dataset("gone", 4, &[]),
+        ]);
+        assert_eq!(
+            listed.render(Format::Table, 0),
+            "\
+NAME      POLICY  STAGES  CACHED    SAMPLES  HITS   STAGING
+imagenet  -       3       150 MiB   1500     75.0%  round 3: running 1/3
+coco      -       2       100 MiB   1000     75.0%  round 2: done 1, full 1
+new       -       1       50.0 MiB  500      75.0%  -
+read      -       2       100 MiB   1000     75.0%  preload: running 0/1
+gone      -       0       0 B       0        -      round 4: no stage serves it
+"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&listed.render(Format::Json, 0)).unwrap();
+        assert_eq!(json[0]["policy"], serde_json::Value::Null);
+        assert_eq!(json[0]["stages"][1]["cache"]["staging"]["state"], "running");
+        assert_eq!(
+            json[2]["stages"][0]["cache"]["staging"],
+            serde_json::Value::Null
+        );
     }
 
     #[test]

@@ -215,6 +215,126 @@ pub struct PoolView {
 }
 
 /// Returns `None` for an empty string.
+/// One data set, an element of `get datasets -o json`: the controller's
+/// REST view of it (`GET /api/v1/datasets`), field for field.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DatasetView {
+    /// The name the stages serve it by.
+    pub name: String,
+    /// The DatasetCache policy naming it; `null` when none does.
+    pub policy: Option<String>,
+    /// The staging round last asked for (`sluicectl stage`); 0 = none.
+    pub staging_round: u64,
+    /// Each stage serving it, by stage id.
+    pub stages: Vec<DatasetOnStageView>,
+}
+
+/// A data set on one stage, from the stage's last report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DatasetOnStageView {
+    /// The stage's id.
+    pub stage: String,
+    /// `connected` or `lost`.
+    pub state: &'static str,
+    /// The stage's node cache memory tier, bytes (0: none).
+    pub memory_capacity_bytes: u64,
+    /// The stage's node cache disk tier, bytes (0: none).
+    pub disk_capacity_bytes: u64,
+    /// What its cache holds of the data set; `null` when it has no cache.
+    pub cache: Option<CacheUseView>,
+}
+
+/// What one stage's node cache holds and did for a data set.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CacheUseView {
+    pub memory_bytes: u64,
+    pub disk_bytes: u64,
+    /// Samples held.
+    pub entries: u64,
+    /// The data set's share of the cache, bytes.
+    pub share_bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_bytes: u64,
+    pub evictions: u64,
+    /// The stage's latest staging round of it; `null` when none.
+    pub staging: Option<StagingView>,
+}
+
+/// A stage's latest staging round of a data set.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StagingView {
+    pub round: u64,
+    /// `running`, `done`, `full` (its share of the cache filled),
+    /// `failed` or `stopped`, as the stage reports it.
+    pub state: String,
+    pub samples_done: u64,
+    pub samples_total: u64,
+    pub source_bytes: u64,
+    /// Samples it could not read.
+    pub errors: u64,
+    /// Why the round failed; empty when it did not.
+    pub error: String,
+}
+
+impl DatasetView {
+    /// Bytes held by every stage's cache, both tiers.
+    pub fn cached_bytes(&self) -> u64 {
+        self.caches().map(|c| c.memory_bytes + c.disk_bytes).sum()
+    }
+
+    /// Cache hits over lookups on every stage; `None` before any lookup.
+    pub fn hit_ratio(&self) -> Option<f64> {
+        let (hits, lookups) = self
+            .caches()
+            .fold((0, 0), |(h, n), c| (h + c.hits, n + c.hits + c.misses));
+        (lookups > 0).then(|| hits as f64 / lookups as f64)
+    }
+
+    fn caches(&self) -> impl Iterator<Item = &CacheUseView> {
+        self.stages.iter().filter_map(|s| s.cache.as_ref())
+    }
+}
+
+impl From<v1::Dataset> for DatasetView {
+    fn from(d: v1::Dataset) -> Self {
+        Self {
+            name: d.name,
+            policy: non_empty(d.policy),
+            staging_round: d.staging_round,
+            stages: d
+                .stages
+                .into_iter()
+                .map(|s| DatasetOnStageView {
+                    stage: s.stage,
+                    state: state_word(s.state),
+                    memory_capacity_bytes: s.memory_capacity_bytes,
+                    disk_capacity_bytes: s.disk_capacity_bytes,
+                    cache: s.cache.map(|c| CacheUseView {
+                        memory_bytes: c.memory_bytes,
+                        disk_bytes: c.disk_bytes,
+                        entries: c.entries,
+                        share_bytes: c.share_bytes,
+                        hits: c.hits,
+                        misses: c.misses,
+                        hit_bytes: c.hit_bytes,
+                        evictions: c.evictions,
+                        staging: c.staging.map(|p| StagingView {
+                            round: p.round,
+                            state: p.state,
+                            samples_done: p.samples_done,
+                            samples_total: p.samples_total,
+                            source_bytes: p.source_bytes,
+                            errors: p.errors,
+                            error: p.error,
+                        }),
+                    }),
+                })
+                .collect(),
+        }
+    }
+}
+
 fn non_empty(text: String) -> Option<String> {
     if text.is_empty() { None } else { Some(text) }
 }

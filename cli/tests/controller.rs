@@ -252,6 +252,29 @@ fn stage_and_describe_dataset_show_staging_and_cache_use() {
 }
 
 #[test]
+fn get_datasets_lists_each_data_set_and_its_caches() {
+    let fake = FakeController::start();
+    let run = sluicectl(&fake.url, &["get", "datasets"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(
+        run.stdout,
+        "NAME      POLICY          STAGES  CACHED   SAMPLES  HITS   STAGING\n\
+         imagenet  imagenet-cache  1       100 MiB  1000     75.0%  round 42: done\n"
+    );
+    let run = sluicectl(&fake.url, &["get", "datasets", "-o", "json"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    let json: serde_json::Value = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(json[0]["name"], "imagenet");
+    assert_eq!(json[0]["policy"], "imagenet-cache");
+    assert_eq!(json[0]["stages"][0]["state"], "connected");
+    assert_eq!(json[0]["stages"][0]["cache"]["entries"], 1000);
+    assert_eq!(
+        json[0]["stages"][0]["cache"]["staging"]["samples_done"],
+        1000
+    );
+}
+
+#[test]
 fn describe_shows_one_object_in_detail() {
     let fake = FakeController::start();
     let run = sluicectl(&fake.url, &["describe", "job", "resnet50"]);

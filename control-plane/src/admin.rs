@@ -144,6 +144,16 @@ impl AdminService for Admin {
         Ok(Response::new(dataset(view)))
     }
 
+    async fn list_datasets(
+        &self,
+        _request: Request<pb::ListDatasetsRequest>,
+    ) -> Result<Response<pb::ListDatasetsResponse>, Status> {
+        let list = datasets::datasets(&self.shared);
+        Ok(Response::new(pb::ListDatasetsResponse {
+            datasets: list.into_iter().map(dataset).collect(),
+        }))
+    }
+
     async fn stage_dataset(
         &self,
         request: Request<pb::StageDatasetRequest>,

@@ -3,6 +3,7 @@
 //! the control loop puts in the settings of every stage serving the data
 //! set (see `sluice_policy::coordination::cache_assignment`).
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -96,6 +97,27 @@ pub fn dataset(shared: &Shared, name: &str) -> Result<DatasetView, ApiError> {
         staging_round: lock(&shared.staging_rounds).get(name).copied().unwrap_or(0),
         stages,
     })
+}
+
+/// Returns every data set a stage serves (or served, while it is kept
+/// as lost) or a DatasetCache policy names, by name.
+pub fn datasets(shared: &Shared) -> Vec<DatasetView> {
+    let mut names: BTreeSet<String> = shared
+        .read_policies()
+        .cached_datasets()
+        .map(str::to_owned)
+        .collect();
+    let served: Vec<String> = lock(&shared.live)
+        .values()
+        .flat_map(|l| l.hello.datasets.iter().cloned())
+        .collect();
+    names.extend(served);
+    // A name that is neither since it was listed (its stage forgotten,
+    // its policy deleted) is left out.
+    names
+        .iter()
+        .filter_map(|name| dataset(shared, name).ok())
+        .collect()
 }
 
 /// Returns the connected stages serving `name` whose last report shows a

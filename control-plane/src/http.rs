@@ -1,5 +1,5 @@
 //! The HTTP surface: a read-only REST view (`GET /api/v1/{stages,jobs,
-//! pools,policies}`), `POST /api/v1/policies` (a YAML body), `/metrics`
+//! pools,datasets,policies}`, `GET /api/v1/datasets/NAME`), `POST /api/v1/policies` (a YAML body), `/metrics`
 //! (Prometheus text), `/healthz` and `/readyz`. Every `/api/` endpoint
 //! refuses query parameters it does not take (see [`query`]).
 
@@ -33,6 +33,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/v1/stages", get(stages))
         .route("/api/v1/jobs", get(jobs))
         .route("/api/v1/pools", get(pools))
+        .route("/api/v1/datasets", get(datasets))
         .route("/api/v1/datasets/{name}", get(dataset))
         .route("/api/v1/policies", get(list_policies).post(apply_policies))
         .layer(DefaultBodyLimit::max(MAX_BODY))
@@ -95,6 +96,11 @@ async fn jobs(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiRe
 async fn pools(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
     Query::parse(q.as_deref(), &[])?;
     Ok(json(views::pools(&shared).await))
+}
+
+async fn datasets(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery) -> ApiResponse {
+    Query::parse(q.as_deref(), &[])?;
+    Ok(axum::Json(crate::datasets::datasets(&shared)).into_response())
 }
 
 async fn dataset(

@@ -201,6 +201,11 @@ impl PolicySet {
         self.caches.values().find(|c| c.spec.dataset == dataset)
     }
 
+    /// Returns the data sets that `DatasetCache` documents name.
+    pub fn cached_datasets(&self) -> impl Iterator<Item = &str> {
+        self.caches.values().map(|c| c.spec.dataset.as_str())
+    }
+
     /// Returns every document, pools first, each kind by name.
     pub fn documents(&self) -> Vec<Policy> {
         let pools = self.pools.values().cloned().map(Policy::StoragePool);

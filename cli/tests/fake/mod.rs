@@ -351,38 +351,15 @@ impl AdminService for Fake {
                 "no stage serves data set `{name}` and no DatasetCache policy names it"
             )));
         }
-        let staging = v1::StagingProgress {
-            round: 42,
-            state: "done".into(),
-            samples_done: 1000,
-            samples_total: 1000,
-            source_bytes: 100 << 20,
-            errors: 0,
-            error: String::new(),
-        };
-        let cache = v1::DatasetCacheTelemetry {
-            dataset: String::new(),
-            memory_bytes: 100 << 20,
-            disk_bytes: 0,
-            entries: 1000,
-            share_bytes: 512 << 20,
-            hits: 3000,
-            misses: 1000,
-            hit_bytes: 300 << 20,
-            evictions: 0,
-            staging: Some(staging),
-        };
-        Ok(Response::new(v1::Dataset {
-            name,
-            policy: "imagenet-cache".into(),
-            staging_round: 42,
-            stages: vec![v1::DatasetOnStage {
-                stage: "node-a-0".into(),
-                state: v1::StageState::Connected.into(),
-                cache: Some(cache),
-                memory_capacity_bytes: 1 << 30,
-                disk_capacity_bytes: 0,
-            }],
+        Ok(Response::new(imagenet()))
+    }
+
+    async fn list_datasets(
+        &self,
+        _: Request<v1::ListDatasetsRequest>,
+    ) -> Result<Response<v1::ListDatasetsResponse>, Status> {
+        Ok(Response::new(v1::ListDatasetsResponse {
+            datasets: vec![imagenet()],
         }))
     }
 
@@ -409,5 +386,42 @@ impl AdminService for Fake {
         _: Request<WatchEventsRequest>,
     ) -> Result<Response<Events>, Status> {
         Ok(Response::new(Box::pin(tokio_stream::empty())))
+    }
+}
+
+/// The one data set the fake controller knows.
+fn imagenet() -> v1::Dataset {
+    let staging = v1::StagingProgress {
+        round: 42,
+        state: "done".into(),
+        samples_done: 1000,
+        samples_total: 1000,
+        source_bytes: 100 << 20,
+        errors: 0,
+        error: String::new(),
+    };
+    let cache = v1::DatasetCacheTelemetry {
+        dataset: String::new(),
+        memory_bytes: 100 << 20,
+        disk_bytes: 0,
+        entries: 1000,
+        share_bytes: 512 << 20,
+        hits: 3000,
+        misses: 1000,
+        hit_bytes: 300 << 20,
+        evictions: 0,
+        staging: Some(staging),
+    };
+    v1::Dataset {
+        name: "imagenet".into(),
+        policy: "imagenet-cache".into(),
+        staging_round: 42,
+        stages: vec![v1::DatasetOnStage {
+            stage: "node-a-0".into(),
+            state: v1::StageState::Connected.into(),
+            cache: Some(cache),
+            memory_capacity_bytes: 1 << 30,
+            disk_capacity_bytes: 0,
+        }],
     }
 }

@@ -4,6 +4,7 @@ stage`` and ``describe dataset``, preloading at job start, and pins."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -138,6 +139,10 @@ def test_sluicectl_stage_loads_a_data_set_so_no_epoch_reads_the_source(tmp_path,
     for line in ("Dataset:", "ds-cache", "stage-a (connected)", "Samples:", "40",
                  "Hits:", "80 (66.7% of lookups", "round", "done, 40/40 samples"):
         assert line in described, described
+    listed = s.ctl("get", "datasets").stdout.splitlines()
+    assert listed[0].split() == ["NAME", "POLICY", "STAGES", "CACHED", "SAMPLES", "HITS", "STAGING"], listed
+    assert listed[1].split()[:3] == ["ds", "ds-cache", "1"] and " 40 " in listed[1], listed
+    assert listed[1].endswith(": done") and "round" in listed[1], listed
     # Staging again finds everything cached and reads nothing.
     again = s.ctl("stage", "ds", "--timeout", "60").stdout
     assert "done, 40/40 samples, 0 B read from the source" in again, again
@@ -190,6 +195,13 @@ def test_staging_refusals_say_what_to_fix(tmp_path, system):
     s.apply(POOL + cache_policy("other", "elsewhere", staging="{pool: nfs}"))
     nobody = s.ctl("stage", "elsewhere", check=False)
     assert nobody.returncode == 1 and "no connected stage serves data set `elsewhere`" in nobody.stderr
+    # Every data set a stage serves or a policy names is listed, alike
+    # by sluicectl and the REST view.
+    listed = json.loads(s.ctl("get", "datasets", "-o", "json").stdout)
+    assert [(d["name"], d["policy"], len(d["stages"])) for d in listed] == [
+        ("ds", "ds-cache", 1), ("elsewhere", "other", 0)], listed
+    assert listed[0]["stages"][0]["stage"] == "stage-a"
+    assert get_json(s.http, "/api/v1/datasets") == listed
     missing = s.ctl("describe", "dataset", "nothing", check=False)
     assert missing.returncode == 1 and "no stage serves data set `nothing`" in missing.stderr
 
@@ -206,6 +218,14 @@ def test_preload_stages_a_data_set_once_a_job_reads_there(tmp_path, system):
             assert data == files[name]
             wait_for(lambda: s.cache("ds")["entries"] == 40, timeout=30, what="the data set to be preloaded")
     assert s.source_reads("ds") == 40, "each sample was read once, by the trainer's plan or by staging"
+    # Operators see the preload, though no one asked for a round.
+    def preload_listed():
+        out = s.ctl("get", "datasets").stdout
+        return out if "preload: done" in out else None
+
+    wait_for(preload_listed, timeout=10, what="the preload listed")
+    described = s.ctl("describe", "dataset", "ds").stdout
+    assert "Staging asked: never (preloaded as a job reads it)" in described, described
     assert read_epoch(s, "ds", "train", 0) == files
     assert s.source_reads("ds") == 40
 
