@@ -1590,7 +1590,8 @@ impl Filesystem for MountFs {
                 None => None,
             };
             // Another open of the file reads the pages the kernel has: they
-            // are left to it, whatever version this open was delivered.
+            // are left to it, and read by this open too while they are of
+            // the file as it is (this open reads past them otherwise).
             let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let whole_held = whole.is_some() && held();
             let mut stored = false;
@@ -1622,7 +1623,9 @@ impl Filesystem for MountFs {
                 }
                 Pages::Keep
             } else if whole_held {
-                Pages::Bypass
+                // Reads past the page cache cannot be mapped (`mmap` fails
+                // with ENODEV): they are only for pages of another file.
+                may_keep_pages(&nodes, ino, &dataset, &name, listed, || true)
             } else if whole.is_some() {
                 Pages::Drop
             } else {

@@ -1138,6 +1138,41 @@ def test_a_large_file_open_through_the_stage_and_through_passthrough_at_once(tmp
     assert (job / "a0.npy").read_bytes() == arrays["a0.npy"]
 
 
+@pytest.mark.parametrize("passthrough", ["true", "false"])
+def test_a_planned_file_another_reader_holds_open_can_be_mapped(tmp_path, mount_stage, passthrough):
+    """A data set that keeps a handle to each file (to read a header) and
+    then maps the files its sampler's plan names: the planned open shares
+    the kernel's pages with the held one, so it can be mapped (an open that
+    reads past the page cache cannot: ENODEV)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {"small.bin": os.urandom(100 * 1024), "large.bin": os.urandom(3 * 2**20 + 5)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders), "--mount-passthrough", passthrough)
+    job = mnt / "@mm" / "ds"
+    held = {name: open(job / name, "rb") for name in files}
+    try:
+        for name, f in held.items():
+            assert f.read(100) == files[name][:100]
+        reads = job_metric(stage, "sluice_stage_storage_reads_total", "mm")
+        write_order(orders / "mm" / "ds", sorted(files))
+        wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "mm") >= reads + len(files),
+                 what="the order prefetched")
+        for name, data in files.items():
+            fd = os.open(job / name, os.O_RDONLY)
+            try:
+                with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+                    assert m[:] == data, name
+            finally:
+                os.close(fd)
+            assert held[name].read() == data[100:], name
+    finally:
+        for f in held.values():
+            f.close()
+
+
 def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_them(tmp_path, stage_factory):
     root = tmp_path / "data"
     (root / "closed").mkdir(parents=True)
