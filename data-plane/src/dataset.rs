@@ -251,6 +251,12 @@ impl Dataset {
         Some(self.key_of(&listing.files[listing.position(name)? as usize]))
     }
 
+    /// How old this data set's listing may be before a reader's look asks
+    /// for a new one (see [`refresh_after`]).
+    pub fn refresh_interval(&self) -> Duration {
+        refresh_after(lock(&self.cached).took)
+    }
+
     /// Whether a background listing is due: a reader met a stale listing
     /// and none runs. Marks one as running; [`Dataset::refreshed`] ends it.
     pub fn refresh_wanted(&self) -> bool {

@@ -369,6 +369,42 @@ def _getdents_pages(fd: int, size: int = 64):
         yield names
 
 
+def test_files_added_and_removed_show_in_the_mount_as_soon_as_a_plan_sees_them(tmp_path, mount_stage):
+    """The mount lists a data set again as often as a socket reader's open
+    does (after 5 s), so a file list made by walking the mount (an
+    ``ImageFolder`` built for the next epoch) names the files a plan of the
+    stage's listing has: none removed, none added left out."""
+    pytest.importorskip("torch")
+    from sluice.torch import MountSampler
+    root = tmp_path / "data"
+    (root / "c0").mkdir(parents=True)
+    files = {f"c0/{i:03d}.bin": os.urandom(1000) for i in range(40)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage, mnt = mount_stage(root)
+    top = mnt / "@walk" / "ds"
+
+    def walked():
+        return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs)
+
+    assert walked() == sorted(files)
+    for name in sorted(files)[:5]:
+        (root / name).unlink()
+        del files[name]
+    (root / "c1").mkdir()
+    for i in range(3):
+        files[f"c1/{i}.bin"] = os.urandom(10)
+        (root / f"c1/{i}.bin").write_bytes(files[f"c1/{i}.bin"])
+    time.sleep(5.5)
+    # The first look after 5 s asks for a new listing in the background.
+    wait_for(lambda: walked() == sorted(files), timeout=5, what="the mount to show the new listing")
+    paths = [str(top / name) for name in walked()]
+    sampler = MountSampler(paths, stage.socket, seed=2)
+    read = {os.path.relpath(paths[i], top): open(paths[i], "rb").read() for i in sampler}
+    sampler.close()
+    assert read == files
+
+
 def test_a_listing_in_progress_is_not_shifted_by_a_new_listing(tmp_path, mount_stage):
     """A directory read in small pieces while the data set is listed again
     (files added before where it is) reads the listing it began with: no

@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use tokio::runtime::Handle;
 
-use super::TTL;
 use crate::dataset::Dataset;
 use crate::entry::Owner;
 use crate::protocol::{ErrorCode, ProtocolError};
@@ -158,9 +157,11 @@ struct Built {
 
 impl Trees {
     /// The tree of the data set's listing as the stage has it. Lookups
-    /// never wait for the source once there is a listing: at most once a
-    /// [`TTL`] (as long as the kernel keeps names) the data set is listed
-    /// again on `runtime`'s blocking threads, and a later call sees it.
+    /// never wait for the source once there is a listing: as often as a
+    /// socket reader's would (5 s, or ten times as long as listing takes:
+    /// [`Dataset::refresh_interval`]) the data set is listed again on
+    /// `runtime`'s blocking threads, and a later call sees it, so that the
+    /// mount and a plan over the socket name the same files.
     pub fn of(&self, dataset: &Arc<Dataset>, runtime: &Handle) -> Result<Arc<Tree>, ProtocolError> {
         let listing = match dataset.listed() {
             Some(listing) => listing,
@@ -203,7 +204,7 @@ impl Trees {
                 trees.get_mut(&dataset.name).expect("just inserted")
             }
         };
-        if built.checked.elapsed() >= TTL {
+        if built.checked.elapsed() >= dataset.refresh_interval() {
             built.checked = Instant::now();
             let dataset = Arc::clone(dataset);
             runtime.spawn_blocking(move || {
