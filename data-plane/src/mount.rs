@@ -634,6 +634,15 @@ impl Open {
         }
     }
 
+    /// This open, its reads of version `pin` when given (what the source
+    /// said the file is as it was opened).
+    fn pinned(self, pin: Option<Pinned>) -> Self {
+        Self {
+            pin: Arc::new(Mutex::new(pin)),
+            ..self
+        }
+    }
+
     /// The window starting at `start`, made if new (the oldest is
     /// dropped past [`WINDOWS`]).
     fn window(&mut self, start: u64) -> Window {
@@ -785,6 +794,11 @@ impl Source {
 /// open reads the file as it was (`held`: one of the same job, data set
 /// and name is alive), they are neither dropped nor refilled with the new
 /// file, which this open reads past them ([`Pages::Bypass`]).
+///
+/// With the answer comes the version the source gave, when it was asked:
+/// the open's reads are pinned to it, so that the pages it fills are of
+/// that version, even while the stage's listing (by which the node cache
+/// is looked up) still shows the file as it was.
 fn may_keep_pages(
     nodes: &Mutex<Nodes>,
     ino: u64,
@@ -792,31 +806,32 @@ fn may_keep_pages(
     name: &str,
     listed: (u64, u64),
     held: impl FnOnce() -> bool,
-) -> Pages {
+) -> (Pages, Option<Pinned>) {
     let kept = match lock(nodes).known.get_mut(&ino) {
         // A new inode: the kernel holds no pages of it yet.
         Some(Known {
             kept: kept @ None, ..
         }) => {
             *kept = Some(listed);
-            return Pages::Keep;
+            return (Pages::Keep, None);
         }
         Some(known) => known.kept,
-        None => return Pages::Keep,
+        None => return (Pages::Keep, None),
     };
     let Some(now) = dataset.source().local_version(name) else {
-        return Pages::Keep;
+        return (Pages::Keep, None);
     };
+    let pin = Some(Pinned::cached(now.0, now.1));
     if Some(now) == kept {
-        return Pages::Keep;
+        return (Pages::Keep, pin);
     }
     if held() {
-        return Pages::Bypass;
+        return (Pages::Bypass, pin);
     }
     if let Some(known) = lock(nodes).known.get_mut(&ino) {
         known.kept = Some(now);
     }
-    Pages::Drop
+    (Pages::Drop, pin)
 }
 
 /// What an open does with the kernel's pages of its file.
@@ -1552,8 +1567,9 @@ impl Filesystem for MountFs {
         let listed = (version, size);
         let Some(claim) = claim else {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
-            let keep = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held).flags();
-            let file = Open::new(job, dataset, name, size, None);
+            let (pages, pin) = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held);
+            let keep = pages.flags();
+            let file = Open::new(job, dataset, name, size, None).pinned(pin);
             return match way {
                 Some(way) if way.way() == Way::Passthrough => {
                     let file = (file, keep, way);
@@ -1617,21 +1633,21 @@ impl Filesystem for MountFs {
             // keeps none of a file read from the buffer (a sample read
             // since the kernel's pages were), and those of a file read as
             // an unplanned one only while it is as they were.
-            let pages = if stored {
+            let (pages, pin) = if stored {
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.kept = Some(listed);
                 }
-                Pages::Keep
+                (Pages::Keep, None)
             } else if whole_held {
                 // Reads past the page cache cannot be mapped (`mmap` fails
                 // with ENODEV): they are only for pages of another file.
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, || true)
             } else if whole.is_some() {
-                Pages::Drop
+                (Pages::Drop, None)
             } else {
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
-            let file = Open::new(job, dataset, name, size, whole);
+            let file = Open::new(job, dataset, name, size, whole).pinned(pin);
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());
         });

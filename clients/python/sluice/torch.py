@@ -97,7 +97,7 @@ from torch.utils.data import default_collate as _default_collate
 
 from . import plan as _plan
 from .client import DEFAULT_PREFETCH, STAGE_AWAY, Client, Dataset, _tries
-from .errors import ConnectionClosedError, ErrorCode, SluiceError, error_from_code
+from .errors import ConnectionClosedError, ErrorCode, SluiceError, UnavailableError, error_from_code
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -333,7 +333,19 @@ class _PerProcess:
         self.expected_digest: Optional[int] = None
         self.expected_count: Optional[int] = None
 
-    def get(self) -> Dataset:
+    def get(self, fresh: bool = False) -> Dataset:
+        """This process's handle of the dataset, connecting when it has
+        none. ``fresh`` (an epoch's start): a handle opened before is
+        opened again, taking the stage's listing as it is now, as a worker
+        started for the epoch would."""
+        if fresh and self.opened_here():
+            try:
+                return self._take(self._client.dataset(self.dataset_name))
+            except (ConnectionClosedError, UnavailableError):
+                # The stage went away since (restarted between epochs):
+                # connect again below, as a worker started now would.
+                self._client.close()
+                self._dataset = None
         if self._dataset is None or self._pid != os.getpid() or self._client.closed:
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
@@ -349,24 +361,30 @@ class _PerProcess:
                 _end_with_trainer(self._trainer())
             self._client = _connect_again(connect, self.reconnect) if known else connect()
             self._pid = os.getpid()
-            ds = self._client.dataset(self.dataset_name)
-            # A listing of another length makes the sampler's indices name
-            # other files, or none. One of the same length (a sample
-            # rewritten, a file replaced) is the one the stage plans over
-            # too: an index names the same file here and in its plan.
-            if self.expected_count is not None and ds.file_count != self.expected_count:
-                self._client.close()
-                self._dataset = None
-                raise error_from_code(
-                    ErrorCode.BAD_PLAN,
-                    f"dataset {self.dataset_name!r} on the stage has {ds.file_count} files now, "
-                    f"{self.expected_count} when this process's parent listed it (files were added "
-                    "or removed); the sampler's indices would name other files, so rebuild the "
-                    "dataset object")
-            self.expected_digest = ds.digest
-            self.expected_count = ds.file_count
-            self._dataset = ds
+            self._take(self._client.dataset(self.dataset_name))
         return self._dataset
+
+    def opened_here(self) -> bool:
+        """Whether this process holds an open handle of the dataset."""
+        return self._dataset is not None and self._pid == os.getpid() and not self._client.closed
+
+    def _take(self, ds: Dataset) -> Dataset:
+        # A listing of another length makes the sampler's indices name
+        # other files, or none. One of the same length (a sample
+        # rewritten, a file replaced) is the one the stage plans over
+        # too: an index names the same file here and in its plan.
+        if self.expected_count is not None and ds.file_count != self.expected_count:
+            self._client.close()
+            self._dataset = None
+            raise error_from_code(
+                ErrorCode.BAD_PLAN,
+                f"dataset {self.dataset_name!r} on the stage has {ds.file_count} files now, "
+                f"{self.expected_count} when it was first listed (files were added or removed); "
+                "the sampler's indices would name other files, so rebuild the dataset object")
+        self.expected_digest = ds.digest
+        self.expected_count = ds.file_count
+        self._dataset = ds
+        return ds
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
@@ -684,7 +702,12 @@ class SluiceSampler(_PlanningSampler):
         return _even_length(self.dataset.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[int]:
-        ds = self._conn.get()
+        # Each epoch plans over the stage's listing as it is now, which the
+        # workers started for it read too; so does a loader without
+        # workers, which reads with the dataset's handle in this process.
+        ds = self._conn.get(fresh=True)
+        if self.dataset._conn.opened_here():
+            self.dataset._conn.get(fresh=True)
         # Keeping the iterator keeps this connection attached to the plan, so
         # the stage keeps its buffer until the epoch is read or a new plan
         # replaces it.
@@ -922,7 +945,9 @@ class SluiceIterableDataset(_data.IterableDataset):
             # loses its stage resumes its plan alone, exactly once.
             self._conn.rank = worker * self.world_size + self.rank
             self._conn.world_size = self.world_size * workers
-        ds = self._conn.get()
+        # An epoch reads the stage's listing as it is now (a worker started
+        # for it connects anew; a loader without workers opens again).
+        ds = self._conn.get(fresh=True)
         if self.even is None:
             it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
                           on_error=self.on_error, prefetch=self.prefetch)

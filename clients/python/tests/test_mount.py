@@ -227,6 +227,35 @@ def test_files_read_with_no_order_fill_the_node_cache_for_later_readers(mount_st
     assert reads("second") == 0
 
 
+def test_a_data_set_replaced_whole_is_never_read_old_from_the_node_cache_once_opened(tmp_path, mount_stage):
+    """A new version published by renaming the data set's directory away
+    and putting a new one in its place (same names, same sizes), read
+    through the mount of a stage with a node cache: an open that finds a
+    file changed reads the file as it is, not the cached old sample (the
+    stage's listing, by which the cache is looked up, shows the old file
+    for up to 5 s), so the kernel's pages it fills, which later opens
+    keep, are the new file's."""
+    base = tmp_path / "published"
+    root = base / "data"
+
+    def publish(tag: bytes) -> dict:
+        root.mkdir(parents=True)
+        files = {f"f{i:02d}.bin": tag + os.urandom(3000) for i in range(20)}
+        for name, data in files.items():
+            (root / name).write_bytes(data)
+        return files
+
+    old = publish(b"old")
+    stage, mnt = mount_stage(root, "--cache-memory", "64MiB")
+    for _ in range(2):
+        assert walk(mnt / "ds") == old
+    os.rename(root, base / "data.old")
+    new = publish(b"new")
+    assert walk(mnt / "ds") == new, "an open finds the file changed"
+    time.sleep(5.5)
+    assert walk(mnt / "ds") == new, "the pages kept are the new file's"
+
+
 def test_a_file_on_the_disk_cache_read_in_windows_costs_its_size_once(tmp_path, mount_stage):
     """A file the mount reads in windows, from the node cache's disk tier:
     each window reads its own bytes from the disk file, not the whole file

@@ -226,12 +226,14 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
 
 
-def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factory, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factory, tmp_path, workers):
     """Between epochs a sample is rewritten with another size and another
-    renamed (the listing's length unchanged): workers started for the next
-    epoch read the new listing, as the stage plans over it, and deliver
-    every file once with its current bytes. A file added changes what the
-    sampler's indices range over: that is refused, saying so."""
+    renamed (the listing's length unchanged): the next epoch reads the new
+    listing, as the stage plans over it (workers started for it, or a
+    loader without workers, whose handle opens the data set again), and
+    delivers every file once with its current bytes. A file added changes
+    what the sampler's indices range over: that is refused, saying so."""
     import time
     root = tmp_path / "data"
     root.mkdir()
@@ -244,7 +246,7 @@ def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factor
 
     def epoch(n):
         sampler.set_epoch(n)
-        return _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=collate))
+        return _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers, collate_fn=collate))
 
     assert dict(epoch(0)) == files
     files["f03"] = os.urandom(7777)
@@ -260,6 +262,36 @@ def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factor
         epoch(2)
     sampler.close()
     ds.close()
+
+
+def test_files_changed_between_epochs_keep_an_iterable_loader_without_workers_going(stage_factory, tmp_path):
+    """A loader without workers iterates the dataset in the trainer
+    process, on one connection: each epoch still reads the stage's listing
+    as it is then, and a listing of another length is refused."""
+    import time
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"f{i:02d}": os.urandom(3000 + i) for i in range(12)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root})
+    it = SluiceIterableDataset(stage.socket, "d", job="changing-iterable", seed=1)
+
+    def epoch(n):
+        it.set_epoch(n)
+        return _collect(DataLoader(it, batch_size=4, num_workers=0, collate_fn=collate))
+
+    assert dict(epoch(0)) == files
+    os.rename(root / "f05", root / "g05")
+    files["g05"] = files.pop("f05")
+    time.sleep(5.5)
+    got = epoch(1)
+    assert sorted(n for n, _ in got) == sorted(files) and dict(got) == files
+    (root / "h00").write_bytes(b"new")
+    time.sleep(5.5)
+    with pytest.raises(sluice.BadPlanError, match="has 13 files now, 12 when"):
+        epoch(2)
+    it.close()
 
 
 @pytest.mark.parametrize("workers", [0, 4])
