@@ -247,12 +247,13 @@ pub fn datasets_table(datasets: &[DatasetView]) -> Table {
     t
 }
 
-/// The latest staging round and where the stages serving the data set
-/// are with it: `-` (none), `round 3: running 1/2` (stages finished of
-/// those serving it, while any is not), `round 3: done`, or each end and
-/// how many stages came to it (`round 3: done 1, full 1`). A round no one
-/// asked for with `sluicectl stage` is the preload of a data set a job
-/// reads (`preload: done`), on the stages where one does.
+/// Where the stages serving the data set are with its latest staging
+/// round (`sluicectl describe dataset` names the round): `-` (none),
+/// `running 1/2` (stages finished of those asked, while any is not),
+/// `done`, or each end and how many stages came to it (`done 1, full 1`).
+/// A round no one asked for with `sluicectl stage` is the preload of a
+/// data set a job reads (`preload done`), on the stages where one does. A
+/// lost stage that had not finished the round is not waited for.
 pub fn staging_word(d: &DatasetView) -> String {
     fn reported(s: &DatasetOnStageView) -> Option<&StagingView> {
         s.cache.as_ref().and_then(|c| c.staging.as_ref())
@@ -267,30 +268,31 @@ pub fn staging_word(d: &DatasetView) -> String {
             .unwrap_or(0),
         asked => asked,
     };
-    let name = match round {
+    let prefix = match round {
         0 => return "-".to_owned(),
-        PRELOAD_ROUND => "preload".to_owned(),
-        round => format!("round {round}"),
+        PRELOAD_ROUND => "preload ",
+        _ => "",
     };
+    let unfinished = |state: &str| matches!(state, "running" | "pending");
     let states: Vec<&str> = d
         .stages
         .iter()
-        .filter_map(|s| match reported(s) {
-            Some(p) if p.round == round => Some(p.state.as_str()),
-            // A stage asked that has not begun it; one never asked is not
-            // counted.
-            _ => (asked > 0).then_some("pending"),
+        .filter_map(|s| {
+            match reported(s) {
+                Some(p) if p.round == round => Some(p.state.as_str()),
+                // A stage asked that has not begun it; one never asked is not
+                // counted.
+                _ => (asked > 0).then_some("pending"),
+            }
+            .filter(|state| s.state != "lost" || !unfinished(state))
         })
         .collect();
     if states.is_empty() {
-        return format!("{name}: no stage serves it");
+        return format!("{prefix}no stage serves it");
     }
-    let finished = states
-        .iter()
-        .filter(|s| !matches!(**s, "running" | "pending"))
-        .count();
+    let finished = states.iter().filter(|s| !unfinished(s)).count();
     if finished < states.len() {
-        return format!("{name}: running {finished}/{}", states.len());
+        return format!("{prefix}running {finished}/{}", states.len());
     }
     let mut ends: Vec<(&str, usize)> = Vec::new();
     for state in states {
@@ -300,10 +302,10 @@ pub fn staging_word(d: &DatasetView) -> String {
         }
     }
     match ends.as_slice() {
-        [(state, _)] => format!("{name}: {state}"),
+        [(state, _)] => format!("{prefix}{state}"),
         _ => {
             let ends: Vec<String> = ends.iter().map(|(s, n)| format!("{s} {n}")).collect();
-            format!("{name}: {}", ends.join(", "))
+            format!("{prefix}{}", ends.join(", "))
         }
     }
 }
@@ -422,13 +424,37 @@ node-a-1  node-a  connected  4        3      pending  2     4s
             listed.render(Format::Table, 0),
             "\
 NAME      POLICY  STAGES  CACHED    SAMPLES  HITS   STAGING
-imagenet  -       3       150 MiB   1500     75.0%  round 3: running 1/3
-coco      -       2       100 MiB   1000     75.0%  round 2: done 1, full 1
+imagenet  -       3       150 MiB   1500     75.0%  running 1/3
+coco      -       2       100 MiB   1000     75.0%  done 1, full 1
 new       -       1       50.0 MiB  500      75.0%  -
-read      -       2       100 MiB   1000     75.0%  preload: running 0/1
-gone      -       0       0 B       0        -      round 4: no stage serves it
+read      -       2       100 MiB   1000     75.0%  preload running 0/1
+gone      -       0       0 B       0        -      no stage serves it
 "
         );
+        // A lost stage that had not finished is not waited for.
+        let mut lost = dataset(
+            "lost",
+            5,
+            &[("a", 5, "done"), ("b", 4, "done"), ("c", 5, "running")],
+        );
+        lost.stages[1].state = "lost";
+        assert_eq!(staging_word(&lost), "running 1/2");
+        lost.stages[2].state = "lost";
+        assert_eq!(staging_word(&lost), "done");
+        // Long names and mixed ends still fit.
+        let long = "a-data-set-with-a-name-that-goes-on-and-on".repeat(2);
+        let mut wide = dataset(
+            &long,
+            9,
+            &[("a", 9, "done"), ("b", 9, "full"), ("c", 9, "failed")],
+        );
+        wide.policy = Some(long.clone());
+        for line in Listed::Datasets(vec![wide])
+            .render(Format::Table, 0)
+            .lines()
+        {
+            assert!(line.chars().count() <= 80, "{line:?}");
+        }
         let json: serde_json::Value =
             serde_json::from_str(&listed.render(Format::Json, 0)).unwrap();
         assert_eq!(json[0]["policy"], serde_json::Value::Null);

@@ -33,11 +33,12 @@ pub fn run(args: &ValidateArgs) -> Exit {
 }
 
 /// What a valid set holds, printed as `ok: 2 pools, 5 job policies in 3
-/// files`.
+/// files` (and `, 1 data set cache` before ` in` where there are some).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Summary {
     pub pools: usize,
     pub job_policies: usize,
+    pub dataset_caches: usize,
     pub files: usize,
 }
 
@@ -45,9 +46,13 @@ impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let count =
             |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+        let caches = match self.dataset_caches {
+            0 => String::new(),
+            n => format!(", {}", count(n, "data set cache", "data set caches")),
+        };
         write!(
             f,
-            "ok: {}, {} in {}",
+            "ok: {}, {}{caches} in {}",
             count(self.pools, "pool", "pools"),
             count(self.job_policies, "job policy", "job policies"),
             count(self.files, "file", "files"),
@@ -66,6 +71,7 @@ pub fn check(sources: &[Source]) -> Result<Summary, Vec<String>> {
     Ok(Summary {
         pools: set.pools().count(),
         job_policies: set.job_policies().count(),
+        dataset_caches: set.cached_datasets().count(),
         files: sources.len(),
     })
 }
@@ -218,8 +224,19 @@ spec:
         let s = Summary {
             pools: 2,
             job_policies: 5,
+            dataset_caches: 0,
             files: 3,
         };
         assert_eq!(s.to_string(), "ok: 2 pools, 5 job policies in 3 files");
+        let s = Summary {
+            pools: 1,
+            job_policies: 0,
+            dataset_caches: 2,
+            files: 1,
+        };
+        assert_eq!(
+            s.to_string(),
+            "ok: 1 pool, 0 job policies, 2 data set caches in 1 file"
+        );
     }
 }

@@ -259,7 +259,7 @@ fn get_datasets_lists_each_data_set_and_its_caches() {
     assert_eq!(
         run.stdout,
         "NAME      POLICY          STAGES  CACHED   SAMPLES  HITS   STAGING\n\
-         imagenet  imagenet-cache  1       100 MiB  1000     75.0%  round 42: done\n"
+         imagenet  imagenet-cache  1       100 MiB  1000     75.0%  done\n"
     );
     let run = sluicectl(&fake.url, &["get", "datasets", "-o", "json"]);
     assert_eq!(run.code, 0, "{}", run.stderr);

@@ -54,6 +54,7 @@ const READ_METHODS: &[&str] = &[
     "GetJob",
     "ListPools",
     "GetDataset",
+    "ListDatasets",
     "GetPool",
     "WatchEvents",
 ];

@@ -70,8 +70,11 @@ pub fn dataset(shared: &Shared, name: &str) -> Result<DatasetView, ApiError> {
         .map(|c| c.name().to_owned())
         .unwrap_or_default();
     let live = lock(&shared.live);
+    // A stage that ended its session itself has stopped serving (it is
+    // forgotten after the stage timeout unless it comes back).
     let stages: Vec<DatasetOnStageView> = live
         .iter()
+        .filter(|(_, l)| l.session.is_some() || l.left.is_none())
         .filter(|(_, l)| l.hello.datasets.iter().any(|d| d == name))
         .map(|(id, l)| {
             let cache = l.latest().and_then(|t| t.cache.as_ref());
@@ -109,6 +112,7 @@ pub fn datasets(shared: &Shared) -> Vec<DatasetView> {
         .collect();
     let served: Vec<String> = lock(&shared.live)
         .values()
+        .filter(|l| l.session.is_some() || l.left.is_none())
         .flat_map(|l| l.hello.datasets.iter().cloned())
         .collect();
     names.extend(served);
