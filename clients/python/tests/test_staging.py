@@ -149,15 +149,23 @@ def test_sluicectl_stage_loads_a_data_set_so_no_epoch_reads_the_source(tmp_path,
     assert s.source_reads("ds") == 40
 
 
-def test_staging_is_held_to_its_rate(tmp_path, system):
+def test_staging_is_held_to_its_rate_and_its_progress_moves_as_it_goes(tmp_path, system):
     write_files(tmp_path / "ds", 30, 100_000)  # 3 MB at 1 MiB/s: about 3 s
     s = system({"ds": tmp_path / "ds"}, 8 * MIB)
     s.apply(POOL + cache_policy("ds-cache", "ds", staging="{pool: nfs, rate: 1MiB/s}"))
     started = time.monotonic()
-    s.ctl("stage", "ds", "--timeout", "60")
+    staging = subprocess.Popen([s.bin["sluicectl"], "--server", f"http://{s.grpc}", "stage", "ds",
+                                "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = set()
+    while staging.poll() is None:
+        seen.add(metrics(s, "sluice_stage_cache_staging_samples", dataset="ds", state="done"))
+        time.sleep(0.2)
     took = time.monotonic() - started
+    out, err = staging.communicate()
+    assert staging.returncode == 0, out + err
     assert took >= 2.3, f"3 MB staged in {took:.2f} s: faster than 1 MiB/s"
     assert s.cache("ds")["entries"] == 30
+    assert len(seen - {0, 30}) >= 2, f"progress seen while staging: {sorted(seen)}"
 
 
 def test_deleting_the_data_sets_cache_policy_stops_its_staging(tmp_path, system):
