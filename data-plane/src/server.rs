@@ -823,6 +823,17 @@ impl Connection {
         }
         let job = Arc::clone(self.job());
         let run = self.reads_for;
+        if let Some(run) = run
+            && job.plans_over_another_listing(&dataset.name, run, listing.digest)
+        {
+            return Err(ProtocolError::new(
+                ErrorCode::BadPlan,
+                format!(
+                    "dataset `{}` was listed again since this connection opened it, and its trainer plans over the new listing (digest {:#x} here): OPEN it again",
+                    dataset.name, listing.digest
+                ),
+            ));
+        }
         let mut reads = tokio::task::JoinSet::new();
         for (position, name) in names.into_iter().enumerate() {
             let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));

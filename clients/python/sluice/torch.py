@@ -97,7 +97,14 @@ from torch.utils.data import default_collate as _default_collate
 
 from . import plan as _plan
 from .client import DEFAULT_PREFETCH, STAGE_AWAY, Client, Dataset, _tries
-from .errors import ConnectionClosedError, ErrorCode, SluiceError, UnavailableError, error_from_code
+from .errors import (
+    BadPlanError,
+    ConnectionClosedError,
+    ErrorCode,
+    SluiceError,
+    UnavailableError,
+    error_from_code,
+)
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -575,16 +582,24 @@ class SluiceDataset(_data.Dataset):
         return self.file_count
 
     def __getitem__(self, index: int):
-        ds = self._conn.get()
-        name = ds.files[index][0]
-        return _apply(self.transform, self._convert, ds.client, name, ds.read(name))
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices):
         """Reads a batch of items with one request (PyTorch's ``DataLoader``
         calls this for each batch)."""
         ds = self._conn.get()
-        files = ds.files
-        got = ds.fetch([files[i][0] for i in indices])
+        try:
+            got = ds.fetch([ds.files[i][0] for i in indices])
+        except BadPlanError:
+            # A worker kept from an earlier epoch (``persistent_workers``)
+            # holds that epoch's listing, and the stage says the sampler
+            # planned this one over a newer one: read by that (one of
+            # another length raises BadPlanError saying so).
+            fresh = self._conn.get(fresh=True)
+            if fresh.digest == ds.digest:
+                raise
+            ds = fresh
+            got = ds.fetch([ds.files[i][0] for i in indices])
         return [_apply(self.transform, self._convert, ds.client, name, data) for name, data in got]
 
     def name(self, index: int) -> str:

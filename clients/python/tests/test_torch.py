@@ -226,6 +226,17 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
 
 
+def _changing_data_set(tmp_path, count: int, size: int) -> tuple:
+    """A data set of ``count`` files of about ``size`` bytes, to change
+    between epochs: ``(root, files)``."""
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"f{i:02d}": os.urandom(size + i) for i in range(count)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root, files
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factory, tmp_path, workers):
     """Between epochs a sample is rewritten with another size and another
@@ -235,11 +246,7 @@ def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factor
     delivers every file once with its current bytes. A file added changes
     what the sampler's indices range over: that is refused, saying so."""
     import time
-    root = tmp_path / "data"
-    root.mkdir()
-    files = {f"f{i:02d}": os.urandom(5000 + i) for i in range(20)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
+    root, files = _changing_data_set(tmp_path, 20, 5000)
     stage = stage_factory({"d": root})
     ds = SluiceDataset(stage.socket, "d", job="changing")
     sampler = SluiceSampler(ds, seed=3)
@@ -264,16 +271,40 @@ def test_files_changed_between_epochs_keep_a_map_style_loader_going(stage_factor
     ds.close()
 
 
+def test_files_renamed_between_epochs_are_read_by_workers_kept_across_epochs(stage_factory, tmp_path):
+    """Workers kept from an earlier epoch (``persistent_workers``) hold its
+    listing; after a file is renamed (the count unchanged) the stage tells
+    them the sampler planned over a newer one, and they read by that:
+    every file once, none by its old name."""
+    import time
+    root, files = _changing_data_set(tmp_path, 24, 2000)
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="persistent")
+    sampler = SluiceSampler(ds, seed=5)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, persistent_workers=True,
+                        collate_fn=collate)
+
+    def epoch(n):
+        sampler.set_epoch(n)
+        return _collect(loader)
+
+    assert dict(epoch(0)) == files
+    os.rename(root / "f03", root / "g03")
+    files["g03"] = files.pop("f03")
+    time.sleep(5.5)
+    got = epoch(1)
+    assert sorted(n for n, _ in got) == sorted(files) and dict(got) == files
+    del loader
+    sampler.close()
+    ds.close()
+
+
 def test_files_changed_between_epochs_keep_an_iterable_loader_without_workers_going(stage_factory, tmp_path):
     """A loader without workers iterates the dataset in the trainer
     process, on one connection: each epoch still reads the stage's listing
     as it is then, and a listing of another length is refused."""
     import time
-    root = tmp_path / "data"
-    root.mkdir()
-    files = {f"f{i:02d}": os.urandom(3000 + i) for i in range(12)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
+    root, files = _changing_data_set(tmp_path, 12, 3000)
     stage = stage_factory({"d": root})
     it = SluiceIterableDataset(stage.socket, "d", job="changing-iterable", seed=1)
 

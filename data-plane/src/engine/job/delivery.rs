@@ -462,6 +462,20 @@ impl Job {
         }
     }
 
+    /// Whether trainer run `run` has plans on `dataset` undelivered, none
+    /// of them made over the listing of digest `digest`: a reader holding
+    /// that listing (a `DataLoader` worker kept from an earlier epoch)
+    /// would name other files by the indices its trainer's sampler planned.
+    pub fn plans_over_another_listing(&self, dataset: &str, run: u64, digest: u64) -> bool {
+        let st = self.lock();
+        let mut plans = st
+            .plans
+            .values()
+            .filter(|p| p.dataset.name == dataset && p.key.run == run && p.remaining > 0)
+            .peekable();
+        plans.peek().is_some() && plans.all(|p| p.listing.digest != digest)
+    }
+
     /// Claims the first undelivered entry of `name` in an active plan on
     /// `dataset` (of run `run` when given), marking it started.
     fn claim_by_name(&self, dataset: &str, name: &str, run: Option<u64>) -> Option<Claimed> {
