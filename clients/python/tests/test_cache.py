@@ -224,6 +224,9 @@ def test_the_disk_tier_keeps_samples_across_a_restart(tmp_path, stage_factory):
     stage.stop()
     stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(100_000, *disk))
     assert report()["disk_used_bytes"] == on_disk, "the new stage indexed the old files"
+    # Held, not written: the tier's write rate shows no burst at a restart.
+    assert metrics(stage, "sluice_stage_cache_entries", dataset="ds", tier="disk") == 30
+    assert metrics(stage, "sluice_stage_cache_admitted_bytes_total", dataset="ds", tier="disk") == 0
     assert read_epoch(stage, "a", 1) == files
     assert source_reads(stage) == 10, "only what was in the old stage's memory is read again"
     assert metrics(stage, "sluice_stage_cache_hits_total", dataset="ds", tier="disk") == 30

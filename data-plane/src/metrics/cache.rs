@@ -143,6 +143,12 @@ impl CacheMetrics {
         self.admitted_bytes
             .with_label_values(&[dataset, tier])
             .inc_by(bytes);
+        self.held(dataset, tier, bytes);
+    }
+
+    /// A sample the tier holds without admitting it now (a disk tier's
+    /// file found at start): held, not written.
+    pub(crate) fn held(&self, dataset: &str, tier: &str, bytes: u64) {
         self.bytes
             .with_label_values(&[dataset, tier])
             .add(bytes as i64);
