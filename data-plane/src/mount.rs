@@ -1610,6 +1610,17 @@ impl Filesystem for MountFs {
             // the file as it is (this open reads past them otherwise).
             let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let whole_held = whole.is_some() && held();
+            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
+                && chunk.len() as u64 != size
+            {
+                // The file's size changed since the kernel took its
+                // attributes (it keeps them 60 s): it asks for them again
+                // before the reads, which it would otherwise cut at the
+                // old size.
+                if let Err(e) = notifier.inval_inode(ino, -1, 0) {
+                    tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
+                }
+            }
             let mut stored = false;
             if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
                 && !whole_held

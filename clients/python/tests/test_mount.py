@@ -538,6 +538,31 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
 
 
+def test_a_planned_file_that_grew_since_the_kernel_took_its_size_reads_whole(tmp_path, mount_stage):
+    """The kernel keeps a file's attributes 60 s; a planned open of a file
+    that grew since (the stage listed it again) reads the whole new file,
+    not the new bytes cut at the old size."""
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "grows.bin").write_bytes(os.urandom(10_000))
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    path = mnt / "@grow" / "ds" / "grows.bin"
+    assert os.stat(path).st_size == 10_000
+    grown = os.urandom(15_000)
+    tmp = root / ".grows.tmp"
+    tmp.write_bytes(grown)
+    os.rename(tmp, root / "grows.bin")
+    time.sleep(5.5)  # the stage lists the data set again after 5 s
+    reads = job_metric(stage, "sluice_stage_storage_reads_total", "grow")
+    write_order(orders / "grow" / "ds", ["grows.bin"])
+    wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "grow") > reads,
+             what="the order prefetched")
+    with open(path, "rb") as f:
+        assert f.read() == grown
+    assert os.stat(path).st_size == 15_000
+
+
 def test_an_order_file_counts_as_its_owner_claiming_the_job(tmp_path, mount_stage, dataset):
     """With `trainers:` rules, an order file is its owner's claim of the job
     it orders for: a user who may write into the orders directory cannot
