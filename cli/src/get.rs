@@ -5,6 +5,7 @@
 //! [`view`]: crate::view
 
 use serde::Serialize;
+use sluice_policy::coordination::PRELOAD_ROUND;
 use sluice_proto::v1;
 
 use crate::args::{Format, GetArgs, Listing};
@@ -12,8 +13,6 @@ use crate::client::{self, CallError, Controller};
 use crate::exit::{self, Exit};
 use crate::human;
 use crate::table::{Column, TERMINAL_WIDTH, Table};
-use sluice_policy::coordination::PRELOAD_ROUND;
-
 use crate::view::{
     DatasetOnStageView, DatasetView, JobView, PolicyView, PoolView, StageView, StagingView,
 };
@@ -228,18 +227,12 @@ pub fn datasets_table(datasets: &[DatasetView]) -> Table {
             0 => d.stages.len().to_string(),
             lost => format!("{} ({lost} lost)", d.stages.len() - lost),
         };
-        let samples: u64 = d
-            .stages
-            .iter()
-            .filter_map(|s| s.cache.as_ref())
-            .map(|c| c.entries)
-            .sum();
         t.row(vec![
             d.name.clone(),
             d.policy.clone().unwrap_or_else(|| "-".into()),
             stages,
             human::bytes(d.cached_bytes() as f64),
-            samples.to_string(),
+            d.cached_samples().to_string(),
             d.hit_ratio().map_or_else(|| "-".to_owned(), human::percent),
             staging_word(d),
         ]);

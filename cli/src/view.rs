@@ -214,7 +214,6 @@ pub struct PoolView {
     pub problems: Vec<String>,
 }
 
-/// Returns `None` for an empty string.
 /// One data set, an element of `get datasets -o json`: the controller's
 /// REST view of it (`GET /api/v1/datasets`), field for field.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -283,6 +282,11 @@ impl DatasetView {
         self.caches().map(|c| c.memory_bytes + c.disk_bytes).sum()
     }
 
+    /// Samples held by every stage's cache.
+    pub fn cached_samples(&self) -> u64 {
+        self.caches().map(|c| c.entries).sum()
+    }
+
     /// Cache hits over lookups on every stage; `None` before any lookup.
     pub fn hit_ratio(&self) -> Option<f64> {
         let (hits, lookups) = self
@@ -335,6 +339,7 @@ impl From<v1::Dataset> for DatasetView {
     }
 }
 
+/// Returns `None` for an empty string.
 fn non_empty(text: String) -> Option<String> {
     if text.is_empty() { None } else { Some(text) }
 }

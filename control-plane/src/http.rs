@@ -1,6 +1,7 @@
 //! The HTTP surface: a read-only REST view (`GET /api/v1/{stages,jobs,
-//! pools,datasets,policies}`, `GET /api/v1/datasets/NAME`), `POST /api/v1/policies` (a YAML body), `/metrics`
-//! (Prometheus text), `/healthz` and `/readyz`. Every `/api/` endpoint
+//! pools,datasets,policies}`, `GET /api/v1/datasets/NAME`), `POST
+//! /api/v1/policies` (a YAML body), `/metrics` (Prometheus text),
+//! `/healthz` and `/readyz`. Every `/api/` endpoint
 //! refuses query parameters it does not take (see [`query`]).
 
 mod query;

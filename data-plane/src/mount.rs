@@ -1083,7 +1083,7 @@ impl MountFs {
             };
             let opened =
                 file.job
-                    .open_passthrough(&file.dataset, &file.name, &metrics, (wanted, charged));
+                    .open_passthrough(&file.dataset, &file.name, &metrics, wanted, charged);
             let backing = match opened {
                 Some(Ok(source)) => {
                     let mut backings = lock(&backings);
@@ -1610,32 +1610,28 @@ impl Filesystem for MountFs {
             // the file as it is (this open reads past them otherwise).
             let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let whole_held = whole.is_some() && held();
-            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
-                && chunk.len() as u64 != size
-            {
-                // The file's size changed since the kernel took its
-                // attributes (it keeps them 60 s): it asks for them again
-                // before the reads, which it would otherwise cut at the
-                // old size.
-                if let Err(e) = notifier.inval_inode(ino, -1, 0) {
-                    tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
-                }
-            }
             let mut stored = false;
-            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
-                && !whole_held
-                && chunk.len() as u64 == size
-                && size <= STORE_MAX
-            {
-                // Read from the page cache from here on; kept for a read
-                // that comes anyway (pages reclaimed before it, O_DIRECT).
-                match notifier.store(ino, 0, chunk) {
-                    Ok(()) => {
-                        stored_bytes.inc_by(size);
-                        stored = true;
+            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get()) {
+                if chunk.len() as u64 != size {
+                    // The file's size changed since the kernel took its
+                    // attributes (it keeps them 60 s): it asks for them
+                    // again before the reads, which it would otherwise cut
+                    // at the old size.
+                    if let Err(e) = notifier.inval_inode(ino, -1, 0) {
+                        tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
                     }
-                    Err(e) => {
-                        tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
+                } else if !whole_held && size <= STORE_MAX {
+                    // Read from the page cache from here on; kept for a
+                    // read that comes anyway (pages reclaimed before it,
+                    // O_DIRECT).
+                    match notifier.store(ino, 0, chunk) {
+                        Ok(()) => {
+                            stored_bytes.inc_by(size);
+                            stored = true;
+                        }
+                        Err(e) => {
+                            tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
+                        }
                     }
                 }
             }

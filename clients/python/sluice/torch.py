@@ -353,7 +353,7 @@ class _PerProcess:
                 # connect again below, as a worker started now would.
                 self._client.close()
                 self._dataset = None
-        if self._dataset is None or self._pid != os.getpid() or self._client.closed:
+        if not self.opened_here():
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
             def connect() -> Client:
@@ -587,9 +587,12 @@ class SluiceDataset(_data.Dataset):
     def __getitems__(self, indices):
         """Reads a batch of items with one request (PyTorch's ``DataLoader``
         calls this for each batch)."""
+        def names(ds: Dataset) -> List[str]:
+            return [ds.files[i][0] for i in indices]
+
         ds = self._conn.get()
         try:
-            got = ds.fetch([ds.files[i][0] for i in indices])
+            got = ds.fetch(names(ds))
         except BadPlanError:
             # A worker kept from an earlier epoch (``persistent_workers``)
             # holds that epoch's listing, and the stage says the sampler
@@ -599,7 +602,7 @@ class SluiceDataset(_data.Dataset):
             if fresh.digest == ds.digest:
                 raise
             ds = fresh
-            got = ds.fetch([ds.files[i][0] for i in indices])
+            got = ds.fetch(names(ds))
         return [_apply(self.transform, self._convert, ds.client, name, data) for name, data in got]
 
     def name(self, index: int) -> str:

@@ -286,15 +286,21 @@ async fn run(
             files,
         )
         .map_err(|e| e.message)?;
+    // What the round has read of the source, counted as it goes.
     let mut counted = 0;
+    let mut count_read = || {
+        let read = job.snapshot().storage_read_bytes - read_before;
+        bytes_counter.inc_by(read - counted);
+        counted = read;
+        read
+    };
     loop {
         let mut batch = tokio::select! {
             batch = job.next(&plan, BATCH, None) => batch,
             // Stopped, or a newer round began: its plan goes with it, and
             // what it read of the source is counted.
             () = stop.cancelled() => {
-                let read = job.snapshot().storage_read_bytes - read_before;
-                bytes_counter.inc_by(read - counted);
+                let read = count_read();
                 // Stopped from outside: the round is no longer running.
                 if let Some(p) = lock(progress).get_mut(&name).filter(|p| p.round == number) {
                     p.source_bytes = read;
@@ -318,9 +324,7 @@ async fn run(
         };
         let end = batch.end;
         drop(batch);
-        let read = job.snapshot().storage_read_bytes - read_before;
-        bytes_counter.inc_by(read - counted);
-        counted = read;
+        let read = count_read();
         done_gauge.add(looked as i64);
         let current = update(&mut |p| {
             p.samples_done += looked;

@@ -4,8 +4,9 @@
 //! it fails an open of the other way with `EIO` while one is open. So a
 //! second open of a planned file (`numpy.load(mmap_mode=...)` opens twice)
 //! cannot be passed through, and a planned open of a file passed through
-//! cannot go through the page cache. Opens that bypass the page cache
-//! (`FOPEN_DIRECT_IO`) take neither way.
+//! cannot go through the page cache: it is passed through too. (Opens
+//! that bypass the page cache, `FOPEN_DIRECT_IO`, take neither way; the
+//! stage counts those of a large file as through the page cache.)
 //!
 //! The stage counts the open files of each inode by way, from the moment
 //! it decides an open's way until the kernel releases the file, so an
@@ -65,8 +66,8 @@ impl Ways {
     }
 
     /// Counts an open of `ino` through the page cache, or `None` when the
-    /// inode is passed through now: the open then bypasses the page cache
-    /// (`FOPEN_DIRECT_IO`), and takes no way.
+    /// inode is passed through now (the open is then to be passed through
+    /// too, and counted by [`Ways::open_unplanned`]).
     pub(super) fn open_planned(&self, ino: u64) -> Option<WayHeld> {
         let mut ways = lock(&self.0);
         let opens = ways.entry(ino).or_default();

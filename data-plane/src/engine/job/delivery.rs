@@ -750,19 +750,20 @@ impl Job {
         dataset: &Dataset,
         name: &str,
         m: &DatasetMetrics,
-        (wanted, charged): (impl FnMut() -> bool, bool),
+        wanted: impl FnMut() -> bool,
+        charged: bool,
     ) -> Option<Result<std::fs::File, ProtocolError>> {
         let Source::Dir(dir) = dataset.source() else {
             return None;
         };
+        let start = Instant::now();
+        let opened = dir
+            .resolve(name)
+            .and_then(|path| open_regular(&path).map_err(|e| io_error(name, &e)));
         if charged {
-            let path = dir.resolve(name);
-            let opened = path.and_then(|path| open_regular(&path).map_err(|e| io_error(name, &e)));
             return Some(opened.map(|(file, _)| file));
         }
-        let start = Instant::now();
-        let opened = dir.resolve(name).and_then(|path| {
-            let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
+        let opened = opened.and_then(|(file, size)| {
             if !self.throttle_while(self.limiter.ticket(), size, wanted) {
                 return Err(ProtocolError::new(
                     ErrorCode::Unavailable,
