@@ -30,7 +30,7 @@ use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
-use crate::shm::{Region, keep_for_budget};
+use crate::shm::{Kept, Region, allowance_for_budget};
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 
@@ -53,7 +53,9 @@ const REGION_IDLE: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct Memory {
     budget: u64,
-    used: AtomicU64,
+    /// Shared with the account of the free pages shared-memory regions
+    /// keep ([`Kept`]), which fills what it leaves.
+    used: Arc<AtomicU64>,
     /// Every job's buffer comes out of this budget: the jobs, so that one
     /// whose consumer waits can have others give back read-ahead.
     members: Mutex<Vec<std::sync::Weak<Job>>>,
@@ -66,7 +68,7 @@ impl Memory {
     pub fn new(budget: u64) -> Self {
         Self {
             budget,
-            used: AtomicU64::new(0),
+            used: Arc::new(AtomicU64::new(0)),
             members: Mutex::new(Vec::new()),
             lent: AtomicU64::new(0),
             jobs: AtomicUsize::new(0),
@@ -220,6 +222,8 @@ pub struct Engine {
     datasets: HashMap<String, Arc<Dataset>>,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     memory: Arc<Memory>,
+    /// The free pages the jobs' shared-memory regions keep for reuse.
+    kept: Arc<Kept>,
     /// The job configuration from the stage's own flags.
     base: JobConfig,
     /// The controller's last accepted push, kept while it is unreachable
@@ -257,13 +261,20 @@ impl Engine {
         cache: Option<Arc<Cache>>,
     ) -> Arc<Self> {
         metrics.memory_budget.set(memory_budget as i64);
+        let memory = Arc::new(Memory::new(memory_budget));
+        let kept = Kept::new(
+            Arc::clone(&memory.used),
+            memory_budget,
+            allowance_for_budget(memory_budget),
+        );
         Arc::new(Self {
             datasets: datasets
                 .into_iter()
                 .map(|d| (d.name.clone(), Arc::new(d)))
                 .collect(),
             jobs: Mutex::new(HashMap::new()),
-            memory: Arc::new(Memory::new(memory_budget)),
+            memory,
+            kept,
             base,
             pushed: Mutex::new(None),
             controller_live: AtomicBool::new(false),
@@ -438,7 +449,7 @@ impl Engine {
             return None;
         }
         let budget = self.memory.budget() as usize;
-        match Region::new(id, budget, keep_for_budget(budget)) {
+        match Region::new(id, budget, &self.kept) {
             Ok(region) => Some(region),
             Err(e) => {
                 if self.shared_memory.swap(false, Ordering::Relaxed) {

@@ -23,26 +23,91 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 /// Slot sizes are multiples of this (a page: `O_DIRECT` and the trainers'
 /// page-granular mappings both need it).
 pub const PAGE: usize = 4096;
 
-/// The most bytes of free slots a region keeps resident for reuse before
-/// freed ranges are given back to the kernel (a hole punched in the
-/// memfd): bounds what the region holds beyond the bytes the engine has
-/// reserved from the node budget. The bound is the smaller of this and an
-/// eighth of the budget ([`keep_for_budget`]); a region that has handed
-/// out no slot for a while gives all of them back ([`Region::give_back_if_idle`]),
-/// so that jobs gone quiet do not each keep theirs.
-const RETAIN: usize = 256 << 20;
+/// The most bytes of free slots the node's regions keep resident beyond
+/// the budget's room (see [`Kept`]); the allowance is the smaller of this
+/// and an eighth of the budget ([`allowance_for_budget`]).
+const RETAIN: u64 = 256 << 20;
 
-/// What a region keeps resident of its free slots under a node budget of
-/// `budget` bytes.
-pub fn keep_for_budget(budget: usize) -> usize {
+/// What the node's regions may keep resident of their free slots beyond
+/// the part of a budget of `budget` bytes that nothing has reserved.
+pub fn allowance_for_budget(budget: u64) -> u64 {
     (budget / 8).min(RETAIN)
+}
+
+/// The node's account of the free slots its regions keep resident for
+/// reuse. A slot handed out again costs nothing but the copy into it; one
+/// whose pages went back to the kernel (a hole punched in the memfd) is
+/// faulted in and zeroed page by page on its next use, which on a warm
+/// data set cost a quarter of the stage's CPU. So freed slots stay
+/// resident while the bytes reserved from the node budget and the kept
+/// ones together fit in the budget plus a small allowance: between
+/// epochs, when a job's buffer drains, all of them, and while buffers are
+/// full, the allowance. A region that needs new pages while the node is
+/// at that bound has the others (and itself) give kept pages back first,
+/// so the regions' resident memory stays within it whichever job reads. A
+/// region that hands out no slot for a while gives all of its back
+/// ([`Region::give_back_if_idle`]), so that jobs gone quiet keep none.
+#[derive(Debug)]
+pub struct Kept {
+    /// The bytes reserved from the node budget now (the engine's count).
+    reserved: Arc<AtomicU64>,
+    /// Reserved and kept bytes together stay within this.
+    limit: u64,
+    /// Bytes of free slots the node's regions keep, together.
+    bytes: AtomicU64,
+    /// The node's regions (those still alive).
+    regions: Mutex<Vec<Weak<Region>>>,
+}
+
+impl Kept {
+    /// An account for a node budget of `budget` bytes, whose reservations
+    /// `reserved` counts, that lets kept slots go `allowance` bytes past it.
+    pub fn new(reserved: Arc<AtomicU64>, budget: u64, allowance: u64) -> Arc<Self> {
+        Arc::new(Self {
+            reserved,
+            limit: budget + allowance,
+            bytes: AtomicU64::new(0),
+            regions: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Bytes of free slots the node's regions keep now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// By how much reserved and kept bytes together are past the bound.
+    fn excess(&self) -> u64 {
+        (self.reserved.load(Ordering::Acquire) + self.bytes()).saturating_sub(self.limit)
+    }
+
+    /// Has the regions give kept slots back until reserved and kept bytes
+    /// fit the bound again. Call with no region's lock held.
+    fn trim(&self) {
+        if self.excess() == 0 {
+            return;
+        }
+        let regions: Vec<Arc<Region>> = {
+            let mut regions = lock(&self.regions);
+            regions.retain(|r| r.strong_count() > 0);
+            regions.iter().filter_map(Weak::upgrade).collect()
+        };
+        for region in regions {
+            let want = self.excess();
+            if want == 0 {
+                return;
+            }
+            region.give_back(want);
+        }
+    }
 }
 
 /// A shared-memory region: a `memfd` mapped read-write, carved into slots.
@@ -52,8 +117,8 @@ pub struct Region {
     base: NonNull<u8>,
     size: usize,
     free: Mutex<Free>,
-    /// The most bytes of free slots it keeps resident.
-    keep: usize,
+    /// The node's account of kept free slots.
+    kept: Arc<Kept>,
 }
 
 // SAFETY: the mapping is plain memory owned by the region for its whole
@@ -77,9 +142,9 @@ struct Free {
 
 impl Region {
     /// Creates a region of `size` bytes (rounded up to a page). Only the
-    /// pages slots touch take memory; at most `keep` bytes of its free
-    /// slots stay resident.
-    pub fn new(name: &str, size: usize, keep: usize) -> io::Result<Arc<Self>> {
+    /// pages slots touch take memory; its free slots stay resident as the
+    /// node's account `kept` allows.
+    pub fn new(name: &str, size: usize, kept: &Arc<Kept>) -> io::Result<Arc<Self>> {
         let size = size.div_ceil(PAGE).max(1) * PAGE;
         let name = CString::new(format!("sluice-{name}"))
             .map_err(|_| io::Error::other("a region name holds a NUL byte"))?;
@@ -130,13 +195,18 @@ impl Region {
         }
         let base =
             NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
-        Ok(Arc::new(Self {
+        let region = Arc::new(Self {
             fd,
             base,
             size,
             free: Mutex::new(Free::default()),
-            keep,
-        }))
+            kept: Arc::clone(kept),
+        });
+        let mut regions = lock(&kept.regions);
+        regions.retain(|r| r.strong_count() > 0);
+        regions.push(Arc::downgrade(&region));
+        drop(regions);
+        Ok(region)
     }
 
     /// The region's size in bytes (what a trainer maps).
@@ -156,18 +226,35 @@ impl Region {
     /// the region has no room for it.
     pub fn alloc(self: &Arc<Self>, len: usize) -> Option<Slot> {
         let len = len.div_ceil(PAGE).max(1) * PAGE;
-        let mut free = self.lock();
-        free.last_alloc = Some(Instant::now());
-        let offset = if let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) {
-            free.resident_bytes -= len;
-            offset
-        } else if let Some(offset) = free.released.get_mut(&len).and_then(Vec::pop) {
-            offset
-        } else if free.bump + len <= self.size {
+        let mut trimmed = false;
+        let offset = loop {
+            let mut free = self.lock();
+            free.last_alloc = Some(Instant::now());
+            if let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) {
+                free.resident_bytes -= len;
+                self.kept.bytes.fetch_sub(len as u64, Ordering::AcqRel);
+                break offset;
+            }
+            let released = free.released.get(&len).is_some_and(|v| !v.is_empty());
+            if !released && free.bump + len > self.size {
+                return None;
+            }
+            // The slot takes new pages: first make room for them among
+            // the pages the node's regions keep.
+            if !trimmed && self.kept.excess() > 0 {
+                drop(free);
+                self.kept.trim();
+                trimmed = true;
+                continue;
+            }
+            if let Some(offset) = free.released.get_mut(&len).and_then(Vec::pop) {
+                break offset;
+            }
+            if free.bump + len > self.size {
+                return None;
+            }
             free.bump += len;
-            free.bump - len
-        } else {
-            return None;
+            break free.bump - len;
         };
         Some(Slot {
             region: Arc::clone(self),
@@ -176,38 +263,60 @@ impl Region {
         })
     }
 
-    /// Returns a slot's range to the allocator, giving its pages back to
-    /// the kernel when enough free ones are resident already.
+    /// Returns a slot's range to the allocator, keeping its pages resident
+    /// while the node's account allows (see [`Kept`]).
     fn release(&self, offset: usize, len: usize) {
         let mut free = self.lock();
-        if free.resident_bytes + len <= self.keep || !self.punch(offset, len) {
+        // The slot's bytes are usually still reserved when it comes back
+        // (the budget lets go of them after): so reserved and kept bytes
+        // within the bound, counting them once, leave room for it.
+        if self.kept.excess() == 0 || !self.punch(offset, len) {
             free.resident_bytes += len;
             free.resident.entry(len).or_default().push(offset);
+            self.kept.bytes.fetch_add(len as u64, Ordering::AcqRel);
         } else {
             free.released.entry(len).or_default().push(offset);
         }
+    }
+
+    /// Gives kept free slots back to the kernel until about `want` bytes
+    /// have gone (or none is left); returns the bytes given back.
+    fn give_back(&self, want: u64) -> u64 {
+        let mut free = self.lock();
+        let mut given = 0;
+        let lens: Vec<usize> = free.resident.keys().copied().collect();
+        'lens: for len in lens {
+            while given < want {
+                let Some(offset) = free.resident.get_mut(&len).and_then(Vec::pop) else {
+                    continue 'lens;
+                };
+                if self.punch(offset, len) {
+                    free.resident_bytes -= len;
+                    free.released.entry(len).or_default().push(offset);
+                    given += len as u64;
+                } else {
+                    free.resident.entry(len).or_default().push(offset);
+                    continue 'lens;
+                }
+            }
+            break;
+        }
+        self.kept.bytes.fetch_sub(given, Ordering::AcqRel);
+        given
     }
 
     /// Gives the pages of every free slot it keeps back to the kernel when
     /// it has handed out no slot for `idle` (its job went quiet); returns
     /// the bytes of free slots it keeps resident after.
     pub fn give_back_if_idle(&self, idle: Duration) -> usize {
-        let mut free = self.lock();
-        if free.last_alloc.is_some_and(|at| at.elapsed() < idle) {
-            return free.resident_bytes;
-        }
-        let kept = std::mem::take(&mut free.resident);
-        for (len, offsets) in kept {
-            for offset in offsets {
-                if self.punch(offset, len) {
-                    free.resident_bytes -= len;
-                    free.released.entry(len).or_default().push(offset);
-                } else {
-                    free.resident.entry(len).or_default().push(offset);
-                }
+        {
+            let free = self.lock();
+            if free.last_alloc.is_some_and(|at| at.elapsed() < idle) {
+                return free.resident_bytes;
             }
         }
-        free.resident_bytes
+        self.give_back(u64::MAX);
+        self.lock().resident_bytes
     }
 
     /// Frees the pages of a range (they read as zeros afterwards).
@@ -231,6 +340,8 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        let kept = self.lock().resident_bytes;
+        self.kept.bytes.fetch_sub(kept as u64, Ordering::AcqRel);
         // SAFETY: the mapping made in `new`; no slot outlives the region
         // (each holds an `Arc` of it).
         unsafe {
@@ -325,9 +436,17 @@ pub fn send_with_fd(socket: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize>
 mod tests {
     use super::*;
 
+    /// A node account with nothing reserved and a budget of `pages`.
+    fn account(pages: usize) -> (Arc<AtomicU64>, Arc<Kept>) {
+        let reserved = Arc::new(AtomicU64::new(0));
+        let budget = (pages * PAGE) as u64;
+        let kept = Kept::new(Arc::clone(&reserved), budget, allowance_for_budget(budget));
+        (reserved, kept)
+    }
+
     #[test]
     fn slots_are_disjoint_reused_and_bounded() {
-        let region = Region::new("t", 64 * PAGE, RETAIN).unwrap();
+        let region = Region::new("t", 64 * PAGE, &account(64).1).unwrap();
         let mut a = region.alloc(100).unwrap();
         let mut b = region.alloc(3 * PAGE).unwrap();
         assert_eq!((a.len(), b.len()), (PAGE, 3 * PAGE));
@@ -359,32 +478,88 @@ mod tests {
     }
 
     #[test]
-    fn a_region_keeps_free_pages_within_its_bound_until_it_goes_quiet() {
-        // An eighth of a 128-page budget: 16 pages kept.
-        let region = Region::new("t", 128 * PAGE, keep_for_budget(128 * PAGE)).unwrap();
-        let mut slots: Vec<_> = (0..8).map(|_| region.alloc(4 * PAGE).unwrap()).collect();
-        for slot in &mut slots {
-            slot.as_mut_slice().fill(7);
-        }
-        assert_eq!(resident_pages(&region), 32);
-        drop(slots);
+    fn regions_keep_free_pages_within_the_budget_until_they_go_quiet() {
+        // A budget of 128 pages; an eighth of it (16 pages) may be kept
+        // beyond what nothing has reserved.
+        let (reserved, kept) = account(128);
+        let a = Region::new("a", 128 * PAGE, &kept).unwrap();
+        let b = Region::new("b", 128 * PAGE, &kept).unwrap();
+        let pages = |n: usize| (n * PAGE) as u64;
+        // As the engine does: reserve, then take slots; a slot comes back,
+        // then its bytes leave the budget.
+        let take = |region: &Arc<Region>, slots: usize| -> Vec<Slot> {
+            reserved.fetch_add(pages(slots * 4), Ordering::AcqRel);
+            (0..slots)
+                .map(|_| {
+                    let mut slot = region.alloc(4 * PAGE).unwrap();
+                    slot.as_mut_slice().fill(7);
+                    slot
+                })
+                .collect()
+        };
+        let give = |slots: Vec<Slot>| {
+            for slot in slots {
+                let len = slot.len() as u64;
+                drop(slot);
+                reserved.fetch_sub(len, Ordering::AcqRel);
+            }
+        };
+        let resident = || resident_pages(&a) + resident_pages(&b);
+
+        // A's buffer drains (an epoch's end): the budget has room for all
+        // of its pages, so they stay for the next epoch, and are reused.
+        give(take(&a, 8));
+        assert_eq!((resident_pages(&a), kept.bytes()), (32, pages(32)));
+        give(take(&a, 8));
         assert_eq!(
-            resident_pages(&region),
-            16,
-            "free pages beyond the bound go back at once"
+            resident_pages(&a),
+            32,
+            "kept slots are reused, not added to"
         );
-        region.give_back_if_idle(Duration::from_secs(60));
-        assert_eq!(resident_pages(&region), 16, "a region in use keeps them");
-        region.give_back_if_idle(Duration::ZERO);
-        assert_eq!(resident_pages(&region), 0, "a quiet region gives them back");
-        // Its slots are still handed out (their pages come back zeroed).
-        let again = region.alloc(4 * PAGE).unwrap();
+
+        // B fills the budget: the pages A keeps go back as B needs new
+        // ones, down to the allowance.
+        let mut held = take(&b, 32);
+        assert_eq!(resident_pages(&b), 128);
+        assert_eq!(
+            resident_pages(&a),
+            16,
+            "beyond the budget, the allowance only"
+        );
+        assert_eq!(kept.bytes(), pages(16));
+
+        // Half of B's buffer drains: its slots stay as the budget lets go
+        // of them. A fills the room again: its kept slots first, then new
+        // pages, for which the others give theirs back.
+        give(held.split_off(16));
+        assert_eq!((resident(), kept.bytes()), (144, pages(80)));
+        let more = take(&a, 16);
+        assert_eq!((resident(), kept.bytes()), (144, pages(16)));
+        give(more);
+        give(held);
+        assert_eq!((resident(), kept.bytes()), (144, pages(144)));
+
+        a.give_back_if_idle(Duration::from_secs(60));
+        assert_eq!(resident(), 144, "a region in use keeps them");
+        a.give_back_if_idle(Duration::ZERO);
+        b.give_back_if_idle(Duration::ZERO);
+        assert_eq!(
+            (resident(), kept.bytes()),
+            (0, 0),
+            "quiet regions give them back"
+        );
+        // Their slots are still handed out (their pages come back zeroed).
+        let again = a.alloc(4 * PAGE).unwrap();
         assert!(again.as_slice().iter().all(|&b| b == 0));
+        drop(again);
+        assert_eq!(kept.bytes(), pages(4));
+        drop(a);
+        assert_eq!(kept.bytes(), 0, "a dropped region keeps nothing");
     }
 
     #[test]
     fn a_read_only_descriptor_cannot_be_mapped_for_writing() {
-        let region = Region::new("t", 4 * PAGE, RETAIN).unwrap();
+        let region = Region::new("t", 4 * PAGE, &account(4).1).unwrap();
         let ro = region.read_only_fd().unwrap();
         // SAFETY: a throwaway mapping attempt, unmapped if it succeeds.
         let ptr = unsafe {

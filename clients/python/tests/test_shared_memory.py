@@ -323,10 +323,10 @@ def shmem_mib(stage) -> float:
 
 
 def test_idle_jobs_regions_keep_little_beyond_the_budget(stage_factory, tmp_path):
-    """A job's freed slots stay resident for reuse (at most an eighth of the
-    budget), and a job that hands out nothing for a few seconds gives them
-    back: jobs that read an epoch and wait do not each keep what they
-    read."""
+    """A job's freed slots stay resident for reuse (within the budget's
+    unreserved room and an allowance beyond it), and a job that hands out
+    nothing for a few seconds gives them back: jobs that read an epoch and
+    wait do not each keep what they read."""
     root = tmp_path / "twelve"
     root.mkdir()
     files = {f"{i:03d}.bin": os.urandom(128 * 1024) for i in range(96)}  # 12 MiB

@@ -277,7 +277,7 @@ kill it once its buffers fill; the stage only warns, at start). */}}
 {{- $limit := include "sluice.quantity" . }}
 {{- $budget := include "sluice.bytes" $st.memoryBudget | float64 }}
 {{- if and $limit (lt ($limit | float64) (addf $budget 67108864.0)) }}
-{{- fail (printf "stage.resources.limits.memory (%s) leaves the stage less than 64MiB above stage.memoryBudget (%s): the kernel would kill it once its buffers fill. Raise the limit (budget + 64MiB, plus an eighth of the budget per job reading through shared memory at once) or lower memoryBudget" (toString .) (toString $st.memoryBudget)) }}
+{{- fail (printf "stage.resources.limits.memory (%s) leaves the stage less than 64MiB above stage.memoryBudget (%s): the kernel would kill it once its buffers fill. Raise the limit (budget + 64MiB, plus an eighth of the budget, 256MiB at most, for the pages shared memory keeps) or lower memoryBudget" (toString .) (toString $st.memoryBudget)) }}
 {{- end }}
 {{- end }}
 {{- with $st.cache.memory }}
