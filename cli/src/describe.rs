@@ -341,11 +341,7 @@ pub fn dataset_text(d: &v1::Dataset) -> String {
         out.push_str("  none serves it\n");
     }
     for s in &d.stages {
-        let state = if s.state == v1::StageState::Lost as i32 {
-            "lost"
-        } else {
-            "connected"
-        };
+        let state = crate::view::state_word(s.state);
         let _ = writeln!(out, "  {} ({state})", s.stage);
         let Some(c) = &s.cache else {
             out.push_str("    no cache\n");

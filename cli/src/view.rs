@@ -349,6 +349,7 @@ pub fn state_word(state: i32) -> &'static str {
     match v1::StageState::try_from(state) {
         Ok(v1::StageState::Connected) => "connected",
         Ok(v1::StageState::Lost) => "lost",
+        Ok(v1::StageState::Stopped) => "stopped",
         _ => "unknown",
     }
 }

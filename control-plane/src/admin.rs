@@ -240,10 +240,10 @@ fn policy(p: PolicyView) -> pb::Policy {
 }
 
 fn stage_state(state: &str) -> pb::StageState {
-    if state == "lost" {
-        pb::StageState::Lost
-    } else {
-        pb::StageState::Connected
+    match state {
+        "lost" => pb::StageState::Lost,
+        "stopped" => pb::StageState::Stopped,
+        _ => pb::StageState::Connected,
     }
 }
 

@@ -235,7 +235,7 @@ fn a_job_waits(shared: &Shared) -> bool {
 
 async fn mark_lost(shared: &Shared) {
     let timeout = shared.stage_timeout;
-    let (left, newly_lost, connected, lost) = {
+    let (left, newly_lost, (connected, stopped), lost) = {
         let mut live = lock(&shared.live);
         // Stages that ended their sessions and did not come back: they
         // left (a sidecar whose training finished, a drained node), and
@@ -265,9 +265,13 @@ async fn mark_lost(shared: &Shared) {
             }
         }
         let lost = live.values().filter(|l| l.lost).count();
-        (left, newly, live.len() - lost, lost)
+        let stopped = live
+            .values()
+            .filter(|l| !l.lost && l.session.is_none() && l.left.is_some())
+            .count();
+        (left, newly, (live.len() - lost - stopped, stopped), lost)
     };
-    shared.metrics.set_stages(connected, lost);
+    shared.metrics.set_stages(connected, stopped, lost);
     shared.metrics.jobs.set(running_jobs(shared) as i64);
     for id in left {
         info!(stage = %id, "stage ended its session and did not come back: forgotten");

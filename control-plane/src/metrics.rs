@@ -119,11 +119,14 @@ impl Metrics {
     }
 
     /// Sets the stage gauges.
-    pub fn set_stages(&self, connected: usize, lost: usize) {
-        self.stages
-            .with_label_values(&["connected"])
-            .set(connected as i64);
-        self.stages.with_label_values(&["lost"]).set(lost as i64);
+    pub fn set_stages(&self, connected: usize, stopped: usize, lost: usize) {
+        for (state, n) in [
+            ("connected", connected),
+            ("stopped", stopped),
+            ("lost", lost),
+        ] {
+            self.stages.with_label_values(&[state]).set(n as i64);
+        }
     }
 
     /// Returns the Prometheus text exposition.

@@ -25,7 +25,8 @@ pub struct StageView {
     pub id: String,
     pub node: String,
     pub labels: Labels,
-    /// `connected` or `lost`.
+    /// `connected`, `stopped` (it ended its session and is not back
+    /// yet) or `lost`.
     pub state: &'static str,
     pub desired_version: u64,
     pub acked_version: u64,
@@ -127,6 +128,12 @@ pub async fn stage(shared: &Shared, id: &str) -> Result<StageView, ApiError> {
 
 fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
     let lost = live.map_or(r.state == crate::store::StageState::Lost, |l| l.lost);
+    // Ended its session itself and not back yet: a stage stopping or
+    // restarting (the store's mark counts where the controller has no
+    // session record, as on a standby).
+    let stopped = live.map_or(r.ended_ms.is_some_and(|ms| ms >= r.last_seen_ms), |l| {
+        l.session.is_none() && l.left.is_some()
+    });
     let hello = live.map(|l| l.hello.clone()).unwrap_or_default();
     let telemetry = live.and_then(LiveStage::latest);
     StageView {
@@ -136,7 +143,13 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
             version: n.version,
             reason: n.reason,
         }),
-        state: if lost { "lost" } else { "connected" },
+        state: if lost {
+            "lost"
+        } else if stopped {
+            "stopped"
+        } else {
+            "connected"
+        },
         // The store is told every few seconds; the controller hears more.
         last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
         // The jobs it serves now (trainers connected), not those it keeps

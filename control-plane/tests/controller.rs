@@ -983,6 +983,67 @@ async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
     c.task.await.unwrap().unwrap();
 }
 
+/// A stage that ends its session (SIGTERM) shows as stopped, in the REST
+/// view, the admin API and the stage count, until it comes back or the
+/// stage timeout forgets it: not as connected, which it was shown as while
+/// nothing served its jobs any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let shown = |c: &Running| {
+        let http_addr = c.http.clone();
+        async move {
+            let stages = http(&http_addr, "GET", "/api/v1/stages", "").await;
+            let metrics = http(&http_addr, "GET", "/metrics", "").await;
+            (stages, metrics)
+        }
+    };
+    let s = session(&c.grpc, 0).await;
+    s.report().await;
+    eventually("the stage connected", WAIT, || async {
+        let (stages, metrics) = shown(&c).await;
+        (stages.contains(r#""state":"connected""#)
+            && metrics.contains(r#"sluice_controller_stages{state="connected"} 1"#))
+        .then_some(())
+    })
+    .await;
+    let Session { up, down } = s;
+    drop(up);
+    drop(down);
+    eventually("the stage shown stopped", WAIT, || async {
+        let (stages, metrics) = shown(&c).await;
+        (stages.contains(r#""state":"stopped""#)
+            && metrics.contains(r#"sluice_controller_stages{state="stopped"} 1"#)
+            && metrics.contains(r#"sluice_controller_stages{state="connected"} 0"#))
+        .then_some(())
+    })
+    .await;
+    let stage = admin
+        .get_stage(pb::GetStageRequest {
+            id: "stage-1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stage.state, pb::StageState::Stopped as i32);
+    // Back (a restart): connected again.
+    let again = session(&c.grpc, 0).await;
+    again.report().await;
+    eventually("the stage connected again", WAIT, || async {
+        let (stages, metrics) = shown(&c).await;
+        (stages.contains(r#""state":"connected""#)
+            && metrics.contains(r#"sluice_controller_stages{state="stopped"} 0"#))
+        .then_some(())
+    })
+    .await;
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
 /// A job that starts as its stage does, before the stage has reported for
 /// long enough to measure anything, gets its settings at once: its stage
 /// holds it for at most half a second, then lets it read unlimited. (The
