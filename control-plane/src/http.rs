@@ -37,6 +37,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/api/v1/datasets", get(datasets))
         .route("/api/v1/datasets/{name}", get(dataset))
         .route("/api/v1/policies", get(list_policies).post(apply_policies))
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
@@ -53,6 +55,45 @@ impl IntoResponse for ApiError {
         )
             .into_response()
     }
+}
+
+/// What the HTTP surface serves, for the answer to a path it does not.
+const ENDPOINTS: &str = "GET /api/v1/stages, /api/v1/jobs, /api/v1/pools, /api/v1/datasets, \
+     /api/v1/datasets/NAME, /api/v1/policies, /metrics, /healthz, /readyz; POST /api/v1/policies";
+
+/// A path the HTTP surface does not serve: a 404 that says what it does
+/// serve (and the path without its trailing slash, where that is one).
+async fn no_such_endpoint(uri: axum::http::Uri) -> Response {
+    let path = uri.path();
+    let trimmed = path.trim_end_matches('/');
+    let hint = if trimmed.len() < path.len() && !trimmed.is_empty() {
+        format!(" (did you mean `{trimmed}`, without the trailing slash?)")
+    } else {
+        String::new()
+    };
+    ApiError::NotFound(format!(
+        "no endpoint at `{path}`{hint}: this controller serves {ENDPOINTS}"
+    ))
+    .into_response()
+}
+
+/// A method a served path does not take: a 405 that says what it does.
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let path = uri.path();
+    let (allowed, allow) = if path == "/api/v1/policies" {
+        ("GET and POST", "GET,HEAD,POST")
+    } else {
+        ("GET", "GET,HEAD")
+    };
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        [
+            (header::CONTENT_TYPE, "text/plain; charset=utf-8"),
+            (header::ALLOW, allow),
+        ],
+        format!("`{path}` takes {allowed}, not {method}\n"),
+    )
+        .into_response()
 }
 
 /// What an `/api/` handler answers: a refused query is a 400.

@@ -482,6 +482,26 @@ async fn http_view_applies_lists_and_refuses() {
             .await
             .starts_with("HTTP/1.1 200")
     );
+    // A path or method it does not serve is refused with a sentence, not
+    // an empty body.
+    let slash = http(&c.http, "GET", "/api/v1/datasets/", "").await;
+    assert!(slash.starts_with("HTTP/1.1 404"), "{slash}");
+    assert!(
+        slash.contains("did you mean `/api/v1/datasets`") && slash.contains("GET /api/v1/stages"),
+        "{slash}"
+    );
+    let unknown = http(&c.http, "GET", "/api/v1/stage", "").await;
+    assert!(
+        unknown.starts_with("HTTP/1.1 404") && unknown.contains("no endpoint at `/api/v1/stage`:"),
+        "{unknown}"
+    );
+    let method = http(&c.http, "DELETE", "/api/v1/policies", "").await;
+    assert!(method.starts_with("HTTP/1.1 405"), "{method}");
+    assert!(
+        method.contains("takes GET and POST, not DELETE")
+            && method.contains("allow: GET,HEAD,POST"),
+        "{method}"
+    );
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }
