@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluice_policy::PolicySet;
 use sluice_policy::coordination::demand::{JobCounters, Window};
-use sluice_policy::coordination::{Shares, StageAssignment};
+use sluice_policy::coordination::{PRELOAD_ROUND, Shares, StageAssignment};
 use sluice_proto::v1::ControllerMessage;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -333,9 +333,19 @@ impl Shared {
         // Lock order everywhere: live, then policies, then desired.
         let mut live = lock(&self.live);
         let mut desired = lock(&self.desired);
+        // The staging rounds asked before: each stage's settings carry the
+        // round of every data set it stages (a leader that starts over
+        // showed "never", and sent new stages no round).
+        let mut rounds: BTreeMap<String, u64> = BTreeMap::new();
         for s in stages {
             if let Some(d) = s.desired {
                 let settings = StageAssignment::decode(&d.document).unwrap_or_default();
+                for (name, cache) in &settings.cache {
+                    if cache.staging_round > PRELOAD_ROUND {
+                        let round = rounds.entry(name.clone()).or_default();
+                        *round = (*round).max(cache.staging_round);
+                    }
+                }
                 desired.insert(
                     s.id.clone(),
                     Desired {
@@ -364,6 +374,13 @@ impl Shared {
             }
         }
         *lock(&self.known_jobs) = jobs.into_iter().map(|j| j.id).collect();
+        drop(desired);
+        drop(live);
+        let mut asked = lock(&self.staging_rounds);
+        for (name, round) in rounds {
+            let known = asked.entry(name).or_default();
+            *known = (*known).max(round);
+        }
         Ok(())
     }
 

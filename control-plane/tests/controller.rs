@@ -1096,9 +1096,9 @@ async fn a_job_that_starts_with_its_stage_gets_its_settings_within_the_gate() {
 /// `StageDataset` asks only stages that have a node cache: a stage that
 /// serves the data set without one would never start the round, so with no
 /// cached stage the round is refused, and once the stage reports a cache it
-/// is asked.
+/// is asked. The round asked outlives a restart of the controller.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn staging_is_refused_when_no_stage_serving_the_data_set_has_a_cache() {
+async fn staging_asks_stages_with_a_cache_and_outlives_a_controller_restart() {
     const CACHE: &str = "
 apiVersion: sluice.dev/v1
 kind: StoragePool
@@ -1133,7 +1133,11 @@ spec: {dataset: demo, staging: {pool: p}}
     up.send(message(stage_message::Kind::Hello(hello)))
         .await
         .unwrap();
-    let _down = client.session(ReceiverStream::new(rx)).await.unwrap();
+    let mut down = client
+        .session(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     let report = |cache: Option<pb::CacheTelemetry>| {
         message(stage_message::Kind::Telemetry(pb::Telemetry {
             unix_millis: 1,
@@ -1173,6 +1177,39 @@ spec: {dataset: demo, staging: {pool: p}}
     })
     .await;
     assert_eq!(asked.stages, ["nc"]);
+    // The stage is sent the round.
+    let staged = |settings: &pb::Settings| {
+        settings
+            .cache
+            .iter()
+            .any(|c| c.dataset == "demo" && c.staging_round == asked.round)
+    };
+    loop {
+        let next = tokio::time::timeout(WAIT, down.message()).await;
+        let m = next.expect("settings in time").unwrap().expect("open");
+        if let Some(controller_message::Kind::Settings(settings)) = m.kind
+            && staged(&settings)
+        {
+            break;
+        }
+    }
+    // A controller that starts over on the same store knows the round it
+    // asked: it shows it, and sends it to a stage that connects.
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    drop((up, down));
+    let c = start(&sqlite_url(dir.path())).await;
+    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap();
+    let shown = admin
+        .get_dataset(pb::GetDatasetRequest {
+            name: "demo".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(shown.staging_round, asked.round, "{shown:?}");
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }
