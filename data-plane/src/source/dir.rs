@@ -5,6 +5,7 @@ use std::fs::{DirEntry, FileType, ReadDir};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::UNIX_EPOCH;
 
 use super::{Pinned, changed};
@@ -16,13 +17,17 @@ use crate::storage::{direct_unsupported, io_error, open_regular, read_range_of, 
 /// A directory of sample files.
 #[derive(Debug)]
 pub struct DirSource {
-    root: PathBuf,
+    /// The root as configured (absolute): a symlink there is followed
+    /// again at every listing.
+    given: PathBuf,
+    /// Where it resolved at the last listing: what reads are confined to.
+    root: RwLock<Arc<PathBuf>>,
     /// Prefetch with `O_DIRECT`; cleared when the file system refuses it.
     direct: AtomicBool,
 }
 
 impl DirSource {
-    /// Checks that `dir` is a directory and remembers its canonical path.
+    /// Checks that `dir` is a directory and remembers where it resolves.
     pub fn open(dataset: &str, dir: &Path, direct: bool) -> io::Result<Self> {
         let root = dir.canonicalize().map_err(|e| {
             io::Error::new(
@@ -40,50 +45,76 @@ impl DirSource {
             ));
         }
         Ok(Self {
-            root,
+            given: std::path::absolute(dir)?,
+            root: RwLock::new(Arc::new(root)),
             direct: AtomicBool::new(direct),
         })
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
+    /// Where the root resolved at the last listing.
+    pub fn root(&self) -> Arc<PathBuf> {
+        Arc::clone(&self.root.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Resolves the configured root again: a root that is a symlink
+    /// swapped to a new version of the data set (`ln -sfn v2 current.tmp
+    /// && mv -T current.tmp current`, the usual way to publish one) is
+    /// read from where it points now. Where it cannot be resolved (the old
+    /// target deleted with no new one), the last root stays, for the
+    /// listing to say why it fails.
+    fn resolve_root(&self) -> Arc<PathBuf> {
+        let Ok(now) = self.given.canonicalize() else {
+            return self.root();
+        };
+        let mut root = self.root.write().unwrap_or_else(PoisonError::into_inner);
+        if **root != now {
+            tracing::info!(
+                root = %self.given.display(),
+                from = %root.display(),
+                to = %now.display(),
+                "the data set's root resolves to another directory now: listing and reading it there"
+            );
+            *root = Arc::new(now);
+        }
+        Arc::clone(&root)
     }
 
     /// Walks the root, leaving out with one warning the entries that cannot
     /// be examined, unreadable subdirectories among them (not the root:
     /// that is an error). Blocking.
     pub fn list(&self) -> io::Result<Walked> {
-        let at_root =
-            |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", self.root.display()));
-        let entries = std::fs::read_dir(&self.root).map_err(at_root)?;
+        let root = self.resolve_root();
+        let root = root.as_path();
+        let at_root = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", root.display()));
+        let entries = std::fs::read_dir(root).map_err(at_root)?;
         let mut walk = Walk {
-            root: &self.root,
+            root,
             out: Walked::default(),
-            ancestors: vec![self.root.clone()],
+            ancestors: vec![root.to_path_buf()],
             unreadable: LeftOut::default(),
             outside: LeftOut::default(),
             broken: LeftOut::default(),
             not_utf8: LeftOut::default(),
         };
-        let root = std::fs::metadata(&self.root).map_err(at_root)?;
-        walk.out.dir_owners.push((String::new(), Owner::of(&root)));
+        let meta = std::fs::metadata(root).map_err(at_root)?;
+        walk.out.dir_owners.push((String::new(), Owner::of(&meta)));
         walk.entries(entries, "")?;
         walk.unreadable.report(
-            &self.root,
+            root,
             "left entries out of the listing that could not be examined",
         );
         walk.outside.report(
-            &self.root,
+            root,
             "left symlinks out of the listing whose targets are outside the data set's directory \
              (only files beneath it are served): point the data set at a directory that holds \
              the targets too",
         );
         walk.broken.report(
-            &self.root,
+            root,
             "left symlinks out of the listing that lead nowhere (dangling, or a loop)",
         );
         walk.not_utf8.report(
-            &self.root,
+            root,
             "left entries out of the listing whose names are not UTF-8 (sample names are UTF-8): rename them",
         );
         Ok(walk.out)
@@ -92,12 +123,12 @@ impl DirSource {
     /// Maps a checked name to a path beneath the root, refusing symlinks
     /// that leave it. Blocking (it resolves symlinks).
     pub fn resolve(&self, name: &str) -> Result<PathBuf, ProtocolError> {
-        let canonical = self
-            .root
+        let root = self.root();
+        let canonical = root
             .join(name)
             .canonicalize()
             .map_err(|e| io_error(name, &e))?;
-        if !canonical.starts_with(&self.root) {
+        if !canonical.starts_with(root.as_path()) {
             return Err(ProtocolError::new(
                 ErrorCode::ForbiddenPath,
                 format!(
@@ -122,7 +153,7 @@ impl DirSource {
         listed: u64,
         alloc: &dyn Fn(usize) -> Buffer,
     ) -> Result<Chunk, ProtocolError> {
-        let joined = self.root.join(name);
+        let joined = self.root().join(name);
         match self.read_path(&joined, Some(listed), alloc) {
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                 let path = self.resolve(name)?;
@@ -143,7 +174,7 @@ impl DirSource {
     /// The version and size the listed file `name` has now (a `stat`;
     /// nothing is read, so it is not resolved and checked as a read is).
     pub fn version(&self, name: &str) -> io::Result<(u64, u64)> {
-        let meta = std::fs::metadata(self.root.join(name))?;
+        let meta = std::fs::metadata(self.root().join(name))?;
         Ok((mtime_version(&meta), meta.len()))
     }
 
@@ -199,7 +230,7 @@ impl DirSource {
             match read_whole(path, true, nofollow, listed, alloc) {
                 Err(e) if direct_unsupported(&e) => {
                     if self.direct.swap(false, Ordering::Relaxed) {
-                        tracing::warn!(root = %self.root.display(), "the file system refuses O_DIRECT: prefetching through the page cache");
+                        tracing::warn!(root = %self.root().display(), "the file system refuses O_DIRECT: prefetching through the page cache");
                     }
                 }
                 other => return other,
@@ -453,6 +484,46 @@ mod tests {
         std::fs::write(root.join("ok").join(odd), b"2").unwrap();
         std::fs::write(root.join(odd).join("b"), b"3").unwrap();
         assert_eq!(listed(&root), ["ok/a"]);
+    }
+
+    #[test]
+    fn a_root_that_is_a_symlink_follows_it_when_it_is_swapped() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        for (version, names) in [("v1", &["a", "b"][..]), ("v2", &["a", "c"][..])] {
+            let root = dir.path().join(version);
+            std::fs::create_dir(&root).unwrap();
+            for name in names {
+                std::fs::write(root.join(name), format!("{version}/{name}")).unwrap();
+            }
+        }
+        let current = dir.path().join("current");
+        symlink("v1", &current).unwrap();
+        let source = DirSource::open("d", &current, false).unwrap();
+        let read = |name: &str| {
+            let chunk = source.read_listed(name, 5, &Buffer::heap).unwrap();
+            String::from_utf8(chunk.to_vec()).unwrap()
+        };
+        let names = |w: Walked| {
+            let mut names: Vec<_> = w.files.into_iter().map(|f| f.name).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names(source.list().unwrap()), ["a", "b"]);
+        assert_eq!(read("a"), "v1/a");
+        // Published as a new version is: a new link renamed over the old.
+        let next = dir.path().join("current.tmp");
+        symlink("v2", &next).unwrap();
+        std::fs::rename(&next, &current).unwrap();
+        assert_eq!(names(source.list().unwrap()), ["a", "c"]);
+        assert_eq!((read("a"), read("c")), ("v2/a".into(), "v2/c".into()));
+        // The old version cleaned up: nothing of it is needed.
+        std::fs::remove_dir_all(dir.path().join("v1")).unwrap();
+        assert_eq!(names(source.list().unwrap()), ["a", "c"]);
+        assert_eq!(
+            source.resolve("c").unwrap(),
+            dir.path().join("v2/c").canonicalize().unwrap()
+        );
     }
 
     #[test]
