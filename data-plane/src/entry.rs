@@ -11,12 +11,15 @@ const MAX_NAME_BYTES: usize = 4096;
 
 /// One sample of a dataset, named relative to its root (a file) or prefix
 /// (an object). With the size, `version` is the identity of what was
-/// listed: the modification time of a file, a hash of an object's ETag.
+/// listed: of a file, its modification time and which file it is (device
+/// and inode); of an object, a hash of its ETag.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileEntry {
     pub name: String,
     pub size: u64,
     pub version: u64,
+    /// A local file's modification time in nanoseconds (0 for an object).
+    pub mtime_ns: u64,
     /// A local file's permissions and owner (an object has none).
     pub owner: Option<Owner>,
 }
@@ -27,6 +30,7 @@ impl FileEntry {
             name,
             size,
             version,
+            mtime_ns: 0,
             owner: None,
         }
     }

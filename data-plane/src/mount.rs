@@ -380,10 +380,9 @@ impl Node {
                 name,
                 size: shown.size,
                 version: shown.version,
-                // A local file's version is its modification time.
                 meta: Meta::of(
                     shown.owner,
-                    Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.version)),
+                    Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.mtime_ns)),
                 ),
             },
         }

@@ -26,9 +26,10 @@ pub enum Entry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shown {
     pub size: u64,
-    /// A local file's modification time in nanoseconds; a hash for an
-    /// object.
+    /// The listing's version of it (see [`crate::entry::FileEntry`]).
     pub version: u64,
+    /// A local file's modification time in nanoseconds (0 for an object).
+    pub mtime_ns: u64,
     pub owner: Option<Owner>,
 }
 
@@ -180,6 +181,7 @@ impl Trees {
                     let shown = Shown {
                         size: f.size,
                         version: f.version,
+                        mtime_ns: f.mtime_ns,
                         owner: f.owner,
                     };
                     (f.name.as_str(), shown)
@@ -226,6 +228,7 @@ mod tests {
         let shown = Shown {
             size: 1,
             version: 0,
+            mtime_ns: 0,
             owner: None,
         };
         for files in [["a", "a/b", "c"], ["a/b", "a", "c"]] {
@@ -263,6 +266,7 @@ mod tests {
         let shown = |size| Shown {
             size,
             version: 0,
+            mtime_ns: 0,
             owner: None,
         };
         let owner = Owner {

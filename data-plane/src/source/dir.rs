@@ -175,7 +175,7 @@ impl DirSource {
     /// nothing is read, so it is not resolved and checked as a read is).
     pub fn version(&self, name: &str) -> io::Result<(u64, u64)> {
         let meta = std::fs::metadata(self.root().join(name))?;
-        Ok((mtime_version(&meta), meta.len()))
+        Ok((file_version(&meta), meta.len()))
     }
 
     /// Reads whole the file `name` resolved to. Blocking.
@@ -203,7 +203,7 @@ impl DirSource {
                 let path = self.resolve(name)?;
                 let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
                 let meta = file.metadata().map_err(|e| io_error(name, &e))?;
-                let now = Pinned::file(mtime_version(&meta), size, file);
+                let now = Pinned::file(file_version(&meta), size, file);
                 if pin.is_some_and(|p| !p.same(&now)) {
                     return Err(changed(name));
                 }
@@ -240,9 +240,23 @@ impl DirSource {
     }
 }
 
-/// A file's version: its modification time in nanoseconds (with its size,
-/// which the entry holds beside it, the identity of what was read).
-fn mtime_version(meta: &std::fs::Metadata) -> u64 {
+/// A file's version: its modification time and which file it is (with
+/// its size, which the entry holds beside it, the identity of what was
+/// read). The device and inode tell apart files of one name, size and time
+/// in two versions of a data set: a volume mounted again over the root
+/// with a new version whose times are the same (an image or archive that
+/// sets them all alike), or two versions written within one tick of the
+/// clock; by time and size alone the node cache served the old bytes.
+fn file_version(meta: &std::fs::Metadata) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut which = crate::entry::Fnv64::new();
+    which.write(&meta.dev().to_le_bytes());
+    which.write(&meta.ino().to_le_bytes());
+    mtime_ns(meta) ^ which.0
+}
+
+/// A file's modification time in nanoseconds since the epoch.
+fn mtime_ns(meta: &std::fs::Metadata) -> u64 {
     meta.modified()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -343,7 +357,8 @@ impl Walk<'_> {
             let meta = std::fs::metadata(&target)?;
             self.out.files.push(FileEntry {
                 owner: Some(Owner::of(&meta).behind(&through)),
-                ..FileEntry::new(name, meta.len(), mtime_version(&meta))
+                mtime_ns: mtime_ns(&meta),
+                ..FileEntry::new(name, meta.len(), file_version(&meta))
             });
         }
         Ok(())
@@ -524,6 +539,33 @@ mod tests {
             source.resolve("c").unwrap(),
             dir.path().join("v2/c").canonicalize().unwrap()
         );
+    }
+
+    #[test]
+    fn a_file_replaced_by_one_of_the_same_size_and_time_is_another_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let write = |name: &str, bytes: &[u8]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            std::fs::File::options()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_modified(at)
+                .unwrap();
+        };
+        let source = DirSource::open("d", dir.path(), false).unwrap();
+        write("a", b"old");
+        let before = source.list().unwrap().files.remove(0);
+        // A new version put in its place (as a volume mounted again with
+        // an image's files is), with the same size and time.
+        write("a.new", b"new");
+        std::fs::rename(dir.path().join("a.new"), dir.path().join("a")).unwrap();
+        let after = source.list().unwrap().files.remove(0);
+        assert_eq!((before.size, before.mtime_ns), (after.size, after.mtime_ns));
+        assert_ne!(before.version, after.version);
+        assert_eq!(source.version("a").unwrap(), (after.version, 3));
     }
 
     #[test]
