@@ -4,7 +4,7 @@
 use std::fs::{DirEntry, FileType, ReadDir};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::UNIX_EPOCH;
 
@@ -22,6 +22,8 @@ pub struct DirSource {
     given: PathBuf,
     /// Where it resolved at the last listing: what reads are confined to.
     root: RwLock<Arc<PathBuf>>,
+    /// The device the root was on at the last listing (0: not listed yet).
+    device: AtomicU64,
     /// Prefetch with `O_DIRECT`; cleared when the file system refuses it.
     direct: AtomicBool,
 }
@@ -47,6 +49,7 @@ impl DirSource {
         Ok(Self {
             given: std::path::absolute(dir)?,
             root: RwLock::new(Arc::new(root)),
+            device: AtomicU64::new(0),
             direct: AtomicBool::new(direct),
         })
     }
@@ -99,6 +102,7 @@ impl DirSource {
         let meta = std::fs::metadata(root).map_err(at_root)?;
         walk.out.dir_owners.push((String::new(), Owner::of(&meta)));
         walk.entries(entries, "")?;
+        self.check_device(root, &meta, &walk.out)?;
         walk.unreadable.report(
             root,
             "left entries out of the listing that could not be examined",
@@ -118,6 +122,39 @@ impl DirSource {
             "left entries out of the listing whose names are not UTF-8 (sample names are UTF-8): rename them",
         );
         Ok(walk.out)
+    }
+
+    /// Compares the file system the root is on with the last listing's: a
+    /// root that is a mount point (an NFS export, a Kubernetes volume)
+    /// whose volume went away shows the empty directory beneath it, which
+    /// is refused as a listing (so the last one stands in, each sample
+    /// saying why) rather than taken as a data set emptied; a root on
+    /// another file system with files is listed, with a warning.
+    fn check_device(
+        &self,
+        root: &Path,
+        meta: &std::fs::Metadata,
+        walked: &Walked,
+    ) -> io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let now = meta.dev();
+        let before = self.device.load(Ordering::Relaxed);
+        if before != 0 && before != now {
+            if walked.files.is_empty() {
+                return Err(io::Error::other(format!(
+                    "{} is now an empty directory on another file system than when it was last listed (device {now:#x}, was {before:#x}): the volume mounted there is not any more; mount it again",
+                    root.display()
+                )));
+            }
+            tracing::warn!(
+                root = %root.display(),
+                device = format_args!("{now:#x}"),
+                was = format_args!("{before:#x}"),
+                "the data set's root is on another file system than when it was last listed: a volume was mounted there, or unmounted from it"
+            );
+        }
+        self.device.store(now, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Maps a checked name to a path beneath the root, refusing symlinks
@@ -566,6 +603,50 @@ mod tests {
         assert_eq!((before.size, before.mtime_ns), (after.size, after.mtime_ns));
         assert_ne!(before.version, after.version);
         assert_eq!(source.version("a").unwrap(), (after.version, 3));
+    }
+
+    #[test]
+    fn a_root_whose_volume_went_away_is_not_listed_empty() {
+        use std::os::unix::fs::{MetadataExt, symlink};
+        // The root moves to another file system as an unmounted volume's
+        // does: here by a symlink swapped to a directory in /dev/shm.
+        let dir = tempfile::tempdir().unwrap();
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let device = |p: &Path| std::fs::metadata(p).unwrap().dev();
+        assert_ne!(
+            device(dir.path()),
+            device(shm.path()),
+            "this test needs /dev/shm on another file system than the temp directory"
+        );
+        let swap = |to: &Path| {
+            let next = dir.path().join("next");
+            symlink(to, &next).unwrap();
+            std::fs::rename(&next, dir.path().join("root")).unwrap();
+        };
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        std::fs::write(data.join("a"), b"1").unwrap();
+        swap(&data);
+        let source = DirSource::open("d", &dir.path().join("root"), false).unwrap();
+        assert_eq!(source.list().unwrap().files.len(), 1);
+        let empty = shm.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        swap(&empty);
+        let e = source.list().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("is now an empty directory on another file system"),
+            "{e}"
+        );
+        // Files there: listed (with a warning), and from then on that file
+        // system is the root's.
+        std::fs::write(empty.join("b"), b"2").unwrap();
+        assert_eq!(source.list().unwrap().files.len(), 1);
+        std::fs::remove_file(empty.join("b")).unwrap();
+        assert!(
+            source.list().unwrap().files.is_empty(),
+            "emptied in place: listed empty"
+        );
     }
 
     #[test]
