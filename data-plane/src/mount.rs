@@ -420,6 +420,25 @@ struct Known {
     /// was when an open last let the kernel keep them (see
     /// [`may_keep_pages`]).
     kept: Option<(u64, u64)>,
+    /// Of an object: the pages the kernel keeps (see [`object_pages`]).
+    object: ObjectKept,
+}
+
+/// What the kernel's pages of an object are of. Its store is not asked on
+/// every open (a request each), so they are known by what the reads that
+/// filled them read.
+#[derive(Debug, Default)]
+enum ObjectKept {
+    /// None read yet (or all dropped).
+    #[default]
+    Nothing,
+    /// Of this version (its ETag when a read named it): later opens read
+    /// only this version, so a part of it the kernel no longer holds is not
+    /// read of a newer object and joined to the old pages.
+    Of(Pinned),
+    /// A read pinned to them failed (the object replaced, or gone): the
+    /// next open drops them.
+    Stale,
 }
 
 impl Nodes {
@@ -465,6 +484,7 @@ impl Nodes {
                 name: key.1.clone(),
                 lookups: 1,
                 kept: None,
+                object: ObjectKept::Nothing,
             },
         );
         self.by_name.insert(key, ino);
@@ -606,6 +626,8 @@ struct Open {
     /// The version of the file its first window read, which the others
     /// are read of.
     pin: Arc<Mutex<Option<Pinned>>>,
+    /// Whether its reads fill the kernel's pages (not past them).
+    fills_pages: bool,
 }
 
 impl Open {
@@ -630,14 +652,17 @@ impl Open {
             backing: None,
             _way: None,
             pin: Arc::default(),
+            fills_pages: true,
         }
     }
 
     /// This open, its reads of version `pin` when given (what the source
-    /// said the file is as it was opened).
-    fn pinned(self, pin: Option<Pinned>) -> Self {
+    /// said the file is as it was opened), doing `pages` with the kernel's
+    /// pages of the file.
+    fn pinned(self, pin: Option<Pinned>, pages: Pages) -> Self {
         Self {
             pin: Arc::new(Mutex::new(pin)),
+            fills_pages: pages != Pages::Bypass,
             ..self
         }
     }
@@ -700,6 +725,9 @@ struct Source {
     size: u64,
     metrics: DatasetMetrics,
     pin: Arc<Mutex<Option<Pinned>>>,
+    /// An object's open whose reads fill the kernel's pages: where they
+    /// record what they read.
+    object: Option<ObjectPages>,
 }
 
 impl Source {
@@ -756,19 +784,34 @@ impl Source {
     async fn read(&self, offset: u64, len: u64) -> Result<Chunk, i32> {
         let (dataset, name) = (Arc::clone(&self.dataset), self.name.clone());
         let pin = lock(&self.pin).clone();
+        let pinned = pin.is_some();
         let read = read_range_now(&self.job, dataset, name, offset, len, pin, &self.metrics);
         let (sample, read) = read.await;
         if let Some(read) = read {
             // Windows read at once, before any of them pinned a version.
-            let mut pin = lock(&self.pin);
-            match pin.take() {
-                Some(first) if !first.same(&read) => {
-                    *pin = Some(first);
-                    return Err(failed(&changed(&self.name)));
+            let now = {
+                let mut pin = lock(&self.pin);
+                match pin.take() {
+                    Some(first) if !first.same(&read) => {
+                        *pin = Some(first);
+                        drop(pin);
+                        if let Some(object) = &self.object {
+                            object.set(ObjectKept::Stale);
+                        }
+                        return Err(failed(&changed(&self.name)));
+                    }
+                    Some(first) => *pin = Some(first.or_held(read)),
+                    None => *pin = Some(read),
                 }
-                Some(first) => *pin = Some(first.or_held(read)),
-                None => *pin = Some(read),
+                pin.clone()
+            };
+            if let (Some(object), Some(now)) = (&self.object, now) {
+                object.set(ObjectKept::Of(now));
             }
+        } else if pinned && let Some(object) = &self.object {
+            // A read of the version the pages are of failed (the object
+            // replaced, or gone): they go at the next open.
+            object.set(ObjectKept::Stale);
         }
         match sample.data {
             Ok(Payload::Bytes(chunk)) => Ok(chunk),
@@ -806,6 +849,9 @@ fn may_keep_pages(
     listed: (u64, u64),
     held: impl FnOnce() -> bool,
 ) -> (Pages, Option<Pinned>) {
+    if dataset.source().remote().is_some() {
+        return object_pages(nodes, ino, listed, held);
+    }
     let kept = match lock(nodes).known.get_mut(&ino) {
         // A new inode: the kernel holds no pages of it yet.
         Some(Known {
@@ -831,6 +877,55 @@ fn may_keep_pages(
         known.kept = Some(now);
     }
     (Pages::Drop, pin)
+}
+
+/// [`may_keep_pages`] for an object. The pages the kernel keeps of it are
+/// kept while they are of the version the listing shows, and the open's
+/// reads are pinned to that version (its ETag): an object replaced since
+/// (not listed again yet) fails the first read the kernel's pages do not
+/// answer (`EIO`) rather than joining the new object's bytes to the old
+/// pages, and the next open drops them. Pages of another version than
+/// the listing's are dropped at the open.
+fn object_pages(
+    nodes: &Mutex<Nodes>,
+    ino: u64,
+    listed: (u64, u64),
+    held: impl FnOnce() -> bool,
+) -> (Pages, Option<Pinned>) {
+    {
+        let nodes = lock(nodes);
+        match nodes.known.get(&ino).map(|k| &k.object) {
+            None | Some(ObjectKept::Nothing) => return (Pages::Keep, None),
+            Some(ObjectKept::Of(pin)) if (pin.version, pin.size) == listed => {
+                return (Pages::Keep, Some(pin.clone()));
+            }
+            Some(_) => {}
+        }
+    }
+    // Another open reads the old pages: left to it, read past here.
+    if held() {
+        return (Pages::Bypass, None);
+    }
+    if let Some(known) = lock(nodes).known.get_mut(&ino) {
+        known.object = ObjectKept::Nothing;
+    }
+    (Pages::Drop, None)
+}
+
+/// Where an open of an object whose reads fill the kernel's pages records
+/// what they read (see [`object_pages`]).
+#[derive(Clone)]
+struct ObjectPages {
+    ino: u64,
+    nodes: Arc<Mutex<Nodes>>,
+}
+
+impl ObjectPages {
+    fn set(&self, kept: ObjectKept) {
+        if let Some(known) = lock(&self.nodes).known.get_mut(&self.ino) {
+            known.object = kept;
+        }
+    }
 }
 
 /// What an open does with the kernel's pages of its file.
@@ -1568,7 +1663,7 @@ impl Filesystem for MountFs {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
             let (pages, pin) = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held);
             let keep = pages.flags();
-            let file = Open::new(job, dataset, name, size, None).pinned(pin);
+            let file = Open::new(job, dataset, name, size, None).pinned(pin, pages);
             return match way {
                 Some(way) if way.way() == Way::Passthrough => {
                     let file = (file, keep, way);
@@ -1642,6 +1737,7 @@ impl Filesystem for MountFs {
             let (pages, pin) = if stored {
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.kept = Some(listed);
+                    known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
                 (Pages::Keep, None)
             } else if whole_held {
@@ -1649,11 +1745,15 @@ impl Filesystem for MountFs {
                 // with ENODEV): they are only for pages of another file.
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, || true)
             } else if whole.is_some() {
+                // Its pages are refilled from the buffer's bytes.
+                if let Some(known) = lock(&nodes).known.get_mut(&ino) {
+                    known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
+                }
                 (Pages::Drop, None)
             } else {
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
-            let file = Open::new(job, dataset, name, size, whole).pinned(pin);
+            let file = Open::new(job, dataset, name, size, whole).pinned(pin, pages);
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());
         });
@@ -1662,7 +1762,7 @@ impl Filesystem for MountFs {
     fn read(
         &mut self,
         _req: &Request<'_>,
-        _ino: u64,
+        ino: u64,
         fh: u64,
         offset: i64,
         size: u32,
@@ -1700,6 +1800,12 @@ impl Filesystem for MountFs {
                 size: file.size,
                 metrics: file.metrics.clone(),
                 pin: Arc::clone(&file.pin),
+                object: (file.fills_pages && file.dataset.source().remote().is_some()).then(|| {
+                    ObjectPages {
+                        ino,
+                        nodes: Arc::clone(&self.nodes),
+                    }
+                }),
             };
             let first_read = !std::mem::replace(&mut file.counted, true);
             let held = (first..=last).step_by(WINDOW as usize).all(|start| {
@@ -2008,6 +2114,7 @@ mod tests {
                 name: Box::from(&b"@x"[..]),
                 lookups: 1,
                 kept: None,
+                object: ObjectKept::Nothing,
             },
         );
         nodes.forget(a, 1);
@@ -2022,6 +2129,7 @@ mod tests {
                     name: Box::from(&b"@y"[..]),
                     lookups: 1,
                     kept: None,
+                    object: ObjectKept::Nothing,
                 },
             );
             nodes.looked_up(ROOT, b"@a", job_root("a"))
