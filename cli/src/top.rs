@@ -163,7 +163,9 @@ pub fn frame(server: &str, jobs: &[JobView], stages: &[StageView], now_millis: i
     out
 }
 
-/// `sluicectl top  http://...  stages: 2 connected, 1 lost  14:03:22 UTC`.
+/// `sluicectl top  http://...  stages: 2 connected, 1 lost  14:03:22 UTC`
+/// (and `1 stopped` between them while a stage that ended its session is
+/// not back or forgotten yet).
 fn title(server: &str, stages: Option<&[StageView]>, now_millis: i64) -> String {
     let seconds = now_millis.div_euclid(1000).rem_euclid(86_400);
     let clock = format!(
@@ -173,8 +175,13 @@ fn title(server: &str, stages: Option<&[StageView]>, now_millis: i64) -> String 
         seconds % 60
     );
     let counts = stages.map_or_else(String::new, |stages| {
-        let lost = stages.iter().filter(|s| s.state == "lost").count();
-        format!("  stages: {} connected, {lost} lost", stages.len() - lost)
+        let count = |state: &str| stages.iter().filter(|s| s.state == state).count();
+        let (lost, stopped) = (count("lost"), count("stopped"));
+        let connected = stages.len() - lost - stopped;
+        match stopped {
+            0 => format!("  stages: {connected} connected, {lost} lost"),
+            _ => format!("  stages: {connected} connected, {stopped} stopped, {lost} lost"),
+        }
     });
     format!("sluicectl top  {server}{counts}  {clock}")
 }
@@ -291,6 +298,30 @@ resnet50  nfs   812 MiB/s   3.2%   700 MiB/s  800 MiB/s  weighted-share  1/2
 STAGE     NODE    STATE  ACKED/DESIRED  SYNC  JOBS
 node-a-0  node-a  lost   3/3            yes   0
 "
+        );
+    }
+
+    #[test]
+    fn the_title_counts_stopped_stages_apart() {
+        let stage = |id: &str, state: v1::StageState| {
+            StageView::from(v1::Stage {
+                id: id.into(),
+                state: state as i32,
+                ..v1::Stage::default()
+            })
+        };
+        let stages = [
+            stage("a", v1::StageState::Connected),
+            stage("b", v1::StageState::Stopped),
+            stage("c", v1::StageState::Lost),
+        ];
+        assert_eq!(
+            title("http://c:7070", Some(&stages), 0),
+            "sluicectl top  http://c:7070  stages: 1 connected, 1 stopped, 1 lost  00:00:00 UTC"
+        );
+        assert_eq!(
+            title("http://c:7070", Some(&stages[..1]), 0),
+            "sluicectl top  http://c:7070  stages: 1 connected, 0 lost  00:00:00 UTC"
         );
     }
 
