@@ -23,7 +23,35 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/api/v1/jobs", get(jobs))
         .route("/api/v1/cache", get(cache))
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(no_such_endpoint)
         .with_state(engine)
+}
+
+/// A path or method the stage does not serve: a 404 or 405 that says what
+/// it serves (it was a 404 with an empty body).
+async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> impl IntoResponse {
+    let served = [
+        "/metrics",
+        "/healthz",
+        "/readyz",
+        "/api/v1/jobs",
+        "/api/v1/cache",
+    ];
+    let path = uri.path();
+    let status = if served.contains(&path) {
+        axum::http::StatusCode::METHOD_NOT_ALLOWED
+    } else {
+        axum::http::StatusCode::NOT_FOUND
+    };
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        format!(
+            "no {method} {path} here: this stage serves GET {}\n",
+            served.join(", ")
+        ),
+    )
 }
 
 async fn metrics(State(engine): State<Arc<Engine>>) -> impl IntoResponse {

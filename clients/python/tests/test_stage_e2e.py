@@ -1076,6 +1076,24 @@ def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dat
     wait_for(served, timeout=5, what="the metrics port serving again once they left")
 
 
+def test_the_metrics_port_says_what_it_serves(stage_factory, dataset):
+    """A path the stage's HTTP port does not serve is a 404 that lists what
+    it does, and a method a path does not take a 405 (both were empty)."""
+    root, _files = dataset
+    stage = stage_factory({"d": root})
+
+    def ask(method: str, path: str) -> str:
+        host, port = stage.metrics.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(f"{method} {path} HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+            return b"".join(iter(lambda: s.recv(65536), b"")).decode()
+
+    missing = ask("GET", "/api/v1/job")
+    assert missing.startswith("HTTP/1.0 404") and "this stage serves GET /metrics" in missing, missing
+    wrong = ask("POST", "/metrics")
+    assert wrong.startswith("HTTP/1.0 405") and "no POST /metrics here" in wrong, wrong
+
+
 def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage_factory, tmp_path):
     """Connections that ask for samples and never read the answers (hung
     or stopped trainers) hold the memory of what they were answered for
