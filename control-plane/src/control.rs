@@ -208,7 +208,7 @@ fn in_session(shared: &Shared) -> Vec<StageHello> {
 fn all_back(shared: &Shared) -> bool {
     lock(&shared.live)
         .values()
-        .all(|l| l.lost || (l.session.is_some() && l.has_window()))
+        .all(|l| l.lost || l.stopped() || (l.session.is_some() && l.has_window()))
 }
 
 /// Whether a job reads on a stage whose settings do not name it yet: its
@@ -258,17 +258,14 @@ async fn mark_lost(shared: &Shared) {
             // One that ended its session itself is waited for as left
             // (its last report came before its session ended, so its
             // silence would pass the timeout first).
-            let ended = l.session.is_none() && l.left.is_some();
+            let ended = l.stopped();
             if !l.lost && !ended && l.last_heard.elapsed() > timeout {
                 l.lost = true;
                 newly.push(id.clone());
             }
         }
         let lost = live.values().filter(|l| l.lost).count();
-        let stopped = live
-            .values()
-            .filter(|l| !l.lost && l.session.is_none() && l.left.is_some())
-            .count();
+        let stopped = live.values().filter(|l| !l.lost && l.stopped()).count();
         (left, newly, (live.len() - lost - stopped, stopped), lost)
     };
     shared.metrics.set_stages(connected, stopped, lost);
@@ -408,7 +405,10 @@ impl Report {
 pub(crate) fn reports(live: &BTreeMap<String, LiveStage>) -> (Vec<Report>, Throughput) {
     let mut throughput = Throughput::new();
     let mut reports = Vec::with_capacity(live.len());
-    for (id, l) in live.iter().filter(|(_, l)| !l.lost) {
+    // A stage that ended its session (stopped) reads for nobody now: its
+    // jobs' shares go to the stages that remain at once, not when it is
+    // forgotten.
+    for (id, l) in live.iter().filter(|(_, l)| !l.lost && !l.stopped()) {
         let Some(now) = l.latest() else {
             continue;
         };

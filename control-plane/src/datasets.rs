@@ -126,7 +126,7 @@ pub fn datasets(shared: &Shared) -> Vec<DatasetView> {
 /// session itself has stopped (it is forgotten after the stage timeout
 /// unless it comes back).
 fn not_left(l: &LiveStage) -> bool {
-    l.session.is_some() || l.left.is_none()
+    !l.stopped()
 }
 
 /// Returns the connected stages serving `name` whose last report shows a

@@ -33,7 +33,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::screen;
 use crate::state::{
-    HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
+    Desired, HelloInfo, JobSample, LiveStage, SessionHandle, Shared, Telemetry, lock, now_ms,
 };
 use crate::store::{JobSighting, Labels, Record, StageHello, check_stage_hello};
 
@@ -145,6 +145,10 @@ impl StageService for Sessions {
                             {
                                 debug!(error = %e, "cannot record that the stage ended its session");
                             }
+                            // Its jobs' shares go to the stages that remain.
+                            if current {
+                                shared.recompute.notify_one();
+                            }
                             break;
                         }
                         Err(e) => {
@@ -179,7 +183,18 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
     }
     let desired = lock(&shared.desired).get(&stage).cloned();
     let known = desired.as_ref().map_or(0, |d| d.version);
-    let resend = desired.filter(|d| d.version > running);
+    // Settings decided for a larger budget than the stage now has (it was
+    // restarted with less, or gave some to its cache) would be refused:
+    // a fresh decision goes instead, at the next tick.
+    let budget = hello.memory_budget_bytes;
+    let fits = |d: &Desired| {
+        budget == 0
+            || d.settings
+                .jobs
+                .values()
+                .all(|j| j.max_buffer_bytes <= budget)
+    };
+    let resend = desired.filter(|d| d.version > running && fits(d));
     shared.with_live(&stage, |live| {
         live.hello = HelloInfo::from(hello);
         // The last telemetry stays until the next one: clearing it would

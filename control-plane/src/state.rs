@@ -150,6 +150,12 @@ impl LiveStage {
         self.reports.back()
     }
 
+    /// Whether the stage ended its session itself and has not opened a
+    /// new one (it is stopping or restarting; shown as `stopped`).
+    pub fn stopped(&self) -> bool {
+        self.session.is_none() && self.left.is_some()
+    }
+
     /// The jobs the stage serves now: those its latest report shows
     /// reading, unless it was lost or ended its session (its last report
     /// is then no longer true).

@@ -151,7 +151,11 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
             "connected"
         },
         // The store is told every few seconds; the controller hears more.
-        last_seen_unix_millis: live.map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms)),
+        // A stage that ended its session was heard until then (the store's
+        // sighting is written every few seconds only).
+        last_seen_unix_millis: live
+            .map_or(r.last_seen_ms, |l| l.heard_ms.max(r.last_seen_ms))
+            .max(r.ended_ms.unwrap_or(0)),
         // The jobs it serves now (trainers connected), not those it keeps
         // idle, nor those of a lost stage's last report.
         jobs: live

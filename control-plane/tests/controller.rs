@@ -74,6 +74,13 @@ async fn start_with(url: &str, stage_timeout: Duration) -> Running {
     }
 }
 
+/// An admin client of the controller `c`.
+async fn admin_of(c: &Running) -> AdminServiceClient<Channel> {
+    AdminServiceClient::connect(format!("http://{}", c.grpc))
+        .await
+        .unwrap()
+}
+
 /// A scripted stage session.
 struct Session {
     up: mpsc::Sender<StageMessage>,
@@ -81,10 +88,6 @@ struct Session {
 }
 
 async fn session(grpc: &str, running_version: u64) -> Session {
-    let mut client = StageServiceClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap();
-    let (up, rx) = mpsc::channel(8);
     let hello = pb::Hello {
         stage_id: "stage-1".into(),
         node: "node-1".into(),
@@ -92,6 +95,15 @@ async fn session(grpc: &str, running_version: u64) -> Session {
         memory_budget_bytes: 1 << 30,
         ..Default::default()
     };
+    session_with(grpc, hello).await
+}
+
+/// A session opened with `hello`, which has reported once.
+async fn session_with(grpc: &str, hello: pb::Hello) -> Session {
+    let mut client = StageServiceClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    let (up, rx) = mpsc::channel(8);
     up.send(message(stage_message::Kind::Hello(hello)))
         .await
         .unwrap();
@@ -112,6 +124,12 @@ fn message(kind: stage_message::Kind) -> StageMessage {
 impl Session {
     /// Sends one telemetry snapshot: job `train` with `team: vision`.
     async fn report(&self) {
+        self.report_at(1).await;
+    }
+
+    /// A report stamped `unix_millis` (reports a window apart make the
+    /// job's demand measured).
+    async fn report_at(&self, unix_millis: i64) {
         let job = pb::JobTelemetry {
             job: "train".into(),
             labels: BTreeMap::from([("team".to_owned(), "vision".to_owned())]),
@@ -119,7 +137,7 @@ impl Session {
             ..Default::default()
         };
         let t = pb::Telemetry {
-            unix_millis: 1,
+            unix_millis,
             jobs: vec![job],
             ..Default::default()
         };
@@ -182,9 +200,7 @@ async fn settings_flow_on_postgres() {
 /// Settings flow from policy to stage, with nacks, acks and re-push.
 async fn settings_flow(url: &str) {
     let c = start(url).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let applied = admin
         .apply_policies(apply_request(POLICY, false))
         .await
@@ -270,9 +286,7 @@ async fn settings_flow(url: &str) {
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
     let c = start(url).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let mut s = session(&c.grpc, pushed.version).await;
     let quiet = tokio::time::timeout(Duration::from_millis(1500), s.down.message()).await;
     assert!(quiet.is_err(), "pushed again after a restart: {quiet:?}");
@@ -384,9 +398,7 @@ async fn settings_flow(url: &str) {
 async fn invalid_policies_are_refused_with_locations_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let c = start(&sqlite_url(dir.path())).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let bad = POLICY.replace("pool: shared", "pool: missing");
     let refused = admin
         .apply_policies(apply_request(&bad, false))
@@ -878,9 +890,7 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
         .unwrap();
     let _stuck_down = stuck_client.session(ReceiverStream::new(rx)).await.unwrap();
     let mut good = session(&c.grpc, 0).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     // Many jobs with long ids make each push to the stuck stage ~35 KB, so
     // 120 of them overflow HTTP/2 flow control and the session's queue.
     let jobs: Vec<pb::JobTelemetry> = std::iter::once("train".to_owned())
@@ -936,9 +946,7 @@ async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let c = start(&sqlite_url(dir.path())).await;
     let mut s = session(&c.grpc, 0).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let job = |id: &str| pb::JobTelemetry {
         job: id.into(),
         connections: 1,
@@ -1011,9 +1019,7 @@ async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
 async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
     let dir = tempfile::tempdir().unwrap();
     let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let shown = |c: &Running| {
         let http_addr = c.http.clone();
         async move {
@@ -1031,6 +1037,10 @@ async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
         .then_some(())
     })
     .await;
+    let stopped_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
     let Session { up, down } = s;
     drop(up);
     drop(down);
@@ -1050,6 +1060,26 @@ async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
         .unwrap()
         .into_inner();
     assert_eq!(stage.state, pb::StageState::Stopped as i32);
+    // A controller that starts over shows it stopped, last seen when it
+    // stopped (the store's sighting of it is written every few seconds
+    // only: it showed the stage seen that much earlier).
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
+    let mut admin = admin_of(&c).await;
+    let stage = admin
+        .get_stage(pb::GetStageRequest {
+            id: "stage-1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stage.state, pb::StageState::Stopped as i32);
+    assert!(
+        stage.last_seen_unix_millis >= stopped_at,
+        "last seen {} ms before it stopped",
+        stopped_at - stage.last_seen_unix_millis
+    );
     // Back (a restart): connected again.
     let again = session(&c.grpc, 0).await;
     again.report().await;
@@ -1064,6 +1094,110 @@ async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
     c.task.await.unwrap().unwrap();
 }
 
+/// The limit `settings` give job `train`, if they name it.
+fn train_limit(settings: &pb::Settings) -> Option<u64> {
+    let job = settings.jobs.iter().find(|j| j.job == "train")?;
+    job.settings.as_ref()?.bytes_per_second
+}
+
+/// Reads settings off `s` (reporting meanwhile, as a stage does) until
+/// `train`'s limit is `want`; panics after `within`.
+async fn until_limit(s: &mut Session, want: u64, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        s.report_at(now.unwrap().as_millis() as i64).await;
+        let next = tokio::time::timeout(Duration::from_millis(300), s.down.message()).await;
+        if let Ok(Ok(Some(m))) = next
+            && let Some(controller_message::Kind::Settings(settings)) = m.kind
+            && train_limit(&settings) == Some(want)
+        {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "train's limit never became {want} within {within:?}"
+        );
+    }
+}
+
+/// A stage that stops (ends its session) reads for nobody: the share of a
+/// job it had goes to the stages that remain at once, not when the stage
+/// timeout forgets it (before, the remaining stage kept half the limit
+/// for the whole timeout while the stage showed as stopped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_stages_share_goes_to_the_stages_that_remain_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(60)).await;
+    let mut admin = admin_of(&c).await;
+    admin
+        .apply_policies(apply_request(POLICY, false))
+        .await
+        .unwrap();
+    let hello = |id: &str| pb::Hello {
+        stage_id: id.into(),
+        node: format!("node-{id}"),
+        memory_budget_bytes: 1 << 30,
+        ..Default::default()
+    };
+    let mut a = session_with(&c.grpc, hello("a")).await;
+    let mut b = session_with(&c.grpc, hello("b")).await;
+    // Both serve the job: the limit is split between them.
+    let split = async {
+        until_limit(&mut a, 50_000_000, WAIT).await;
+    };
+    let other = async {
+        until_limit(&mut b, 50_000_000, WAIT).await;
+    };
+    tokio::join!(split, other);
+    let Session { up, down } = b;
+    drop((up, down));
+    until_limit(&mut a, 100_000_000, Duration::from_secs(5)).await;
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
+/// A stage restarted with a smaller budget (or with part of it given to
+/// its cache) is not sent the settings decided for the larger one, which
+/// it would refuse (a refusal an operator's alert fires on): the next
+/// decision, made for its new budget, goes instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_back_with_a_smaller_budget_is_sent_settings_that_fit_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let mut admin = admin_of(&c).await;
+    admin
+        .apply_policies(apply_request(POLICY, false))
+        .await
+        .unwrap();
+    let mut s = session(&c.grpc, 0).await;
+    let first = s.settings().await;
+    let buffer = |settings: &pb::Settings| {
+        settings.jobs[0]
+            .settings
+            .as_ref()
+            .map(|j| j.max_buffer_bytes)
+    };
+    assert_eq!(buffer(&first), Some(64 << 20));
+    drop(s);
+    // Back at once, running nothing yet, with 32 MiB.
+    let hello = pb::Hello {
+        stage_id: "stage-1".into(),
+        node: "node-1".into(),
+        memory_budget_bytes: 32 << 20,
+        ..Default::default()
+    };
+    let mut back = session_with(&c.grpc, hello).await;
+    let sent = back.settings().await;
+    let max = buffer(&sent).unwrap_or(0);
+    assert!(
+        max <= 32 << 20,
+        "sent a {max}-byte buffer to a 32 MiB stage: {sent:?}"
+    );
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
+
 /// A job that starts as its stage does, before the stage has reported for
 /// long enough to measure anything, gets its settings at once: its stage
 /// holds it for at most half a second, then lets it read unlimited. (The
@@ -1073,9 +1207,7 @@ async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
 async fn a_job_that_starts_with_its_stage_gets_its_settings_within_the_gate() {
     let dir = tempfile::tempdir().unwrap();
     let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     admin
         .apply_policies(apply_request(POLICY, false))
         .await
@@ -1112,9 +1244,7 @@ spec: {dataset: demo, staging: {pool: p}}
 ";
     let dir = tempfile::tempdir().unwrap();
     let c = start(&sqlite_url(dir.path())).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     admin
         .apply_policies(apply_request(CACHE, false))
         .await
@@ -1199,9 +1329,7 @@ spec: {dataset: demo, staging: {pool: p}}
     c.task.await.unwrap().unwrap();
     drop((up, down));
     let c = start(&sqlite_url(dir.path())).await;
-    let mut admin = AdminServiceClient::connect(format!("http://{}", c.grpc))
-        .await
-        .unwrap();
+    let mut admin = admin_of(&c).await;
     let shown = admin
         .get_dataset(pb::GetDatasetRequest {
             name: "demo".into(),
