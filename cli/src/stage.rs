@@ -38,17 +38,32 @@ async fn stage(controller: &Controller, args: &StageArgs) -> Result<Exit, CallEr
         return Ok(Exit::Ok);
     }
     let started = Instant::now();
-    let mut admin = client::connect(controller).await?;
+    let timed_out = || args.timeout > 0 && started.elapsed() >= Duration::from_secs(args.timeout);
+    let mut admin = Some(client::connect(controller).await?);
+    // While the controller cannot be reached (a restart, a standby taking
+    // over), the round goes on on the stages: watching goes on too.
+    let mut away = false;
     loop {
         tokio::time::sleep(POLL).await;
-        let request = v1::GetDatasetRequest {
-            name: args.dataset.clone(),
+        let dataset = match progress(controller, &mut admin, &args.dataset).await {
+            Ok(dataset) => dataset,
+            Err(e) if passing(&e) => {
+                if !std::mem::replace(&mut away, true) {
+                    for line in e.lines() {
+                        eprintln!("{line}");
+                    }
+                    eprintln!("the round goes on on the stages; still watching");
+                }
+                if timed_out() {
+                    return Ok(not_finished(args));
+                }
+                continue;
+            }
+            Err(e) => return Err(e),
         };
-        let dataset = admin
-            .get_dataset(request)
-            .await
-            .map_err(|s| CallError::from_status(&controller.server, s))?
-            .into_inner();
+        if std::mem::replace(&mut away, false) {
+            eprintln!("the controller answers again");
+        }
         let mut finished = 0;
         let mut failed = false;
         for stage in dataset
@@ -81,12 +96,49 @@ async fn stage(controller: &Controller, args: &StageArgs) -> Result<Exit, CallEr
         if finished == asked.stages.len() {
             return Ok(if failed { Exit::Failed } else { Exit::Ok });
         }
-        if args.timeout > 0 && started.elapsed() >= Duration::from_secs(args.timeout) {
-            eprintln!(
-                "staging of {} is not finished after {} s: it goes on; watch it with `sluicectl describe dataset {}`",
-                args.dataset, args.timeout, args.dataset
-            );
-            return Ok(Exit::Failed);
+        if timed_out() {
+            return Ok(not_finished(args));
         }
     }
+}
+
+/// The data set's view, over the connection in `admin` (made again after
+/// one failed).
+async fn progress(
+    controller: &Controller,
+    admin: &mut Option<client::Admin>,
+    dataset: &str,
+) -> Result<v1::Dataset, CallError> {
+    let mut client = match admin.take() {
+        Some(client) => client,
+        None => client::connect(controller).await?,
+    };
+    let request = v1::GetDatasetRequest {
+        name: dataset.to_owned(),
+    };
+    let answer = client
+        .get_dataset(request)
+        .await
+        .map_err(|s| CallError::from_status(&controller.server, s))?;
+    *admin = Some(client);
+    Ok(answer.into_inner())
+}
+
+/// Whether a failed call may pass: the controller out of reach, or one
+/// that is not the leader (a standby while it takes over).
+fn passing(e: &CallError) -> bool {
+    match e {
+        CallError::Unreachable { .. } => true,
+        CallError::Refused(status) => status.code() == tonic::Code::Unavailable,
+        _ => false,
+    }
+}
+
+/// Says the round is not finished within `--timeout`.
+fn not_finished(args: &StageArgs) -> Exit {
+    eprintln!(
+        "staging of {} is not finished after {} s: it goes on; watch it with `sluicectl describe dataset {}`",
+        args.dataset, args.timeout, args.dataset
+    );
+    Exit::Failed
 }

@@ -227,6 +227,30 @@ fn stage_and_describe_dataset_show_staging_and_cache_use() {
         "staging round 42 of imagenet asked of node-a-0\n\
          node-a-0: round 42: done, 1000/1000 samples, 100 MiB read from the source\n"
     );
+    // The controller out of reach, then a standby, while the round runs:
+    // watching goes on (it exited at the first failed poll).
+    let run = sluicectl(&fake.url, &["stage", "flaky", "--timeout", "30"]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert_eq!(
+        run.stderr
+            .matches("the round goes on on the stages; still watching")
+            .count(),
+        1,
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("the controller answers again"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stdout.ends_with(
+            "node-a-0: round 42: done, 1000/1000 samples, 100 MiB read from the source\n"
+        ),
+        "{}",
+        run.stdout
+    );
     let refused = sluicectl(&fake.url, &["stage", "other"]);
     assert_eq!(refused.code, 1);
     assert!(

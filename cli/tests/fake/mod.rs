@@ -30,6 +30,8 @@ bad.yaml:18:16: `800MiBps` is not a bandwidth: write for example `800MiB/s`";
 pub struct Seen {
     pub applies: Vec<ApplyPoliciesRequest>,
     pub deletes: Vec<DeletePolicyRequest>,
+    /// `GetDataset` calls for `flaky`, which fail at first.
+    pub flaky_reads: u32,
 }
 
 /// A running fake controller; stops when dropped.
@@ -346,6 +348,22 @@ impl AdminService for Fake {
         request: Request<v1::GetDatasetRequest>,
     ) -> Result<Response<v1::Dataset>, Status> {
         let name = request.into_inner().name;
+        // `flaky` is out of reach, then answered by a standby, then
+        // staged: a controller restarting while `sluicectl stage` waits.
+        if name == "flaky" {
+            let reads = {
+                let mut seen = self.seen.lock().unwrap();
+                seen.flaky_reads += 1;
+                seen.flaky_reads
+            };
+            return match reads {
+                1 => Err(Status::unavailable("")),
+                2 => Err(Status::unavailable(
+                    "this controller is a standby; the leader is elsewhere",
+                )),
+                _ => Ok(Response::new(v1::Dataset { name, ..imagenet() })),
+            };
+        }
         if name != "imagenet" {
             return Err(Status::not_found(format!(
                 "no stage serves data set `{name}` and no DatasetCache policy names it"
@@ -368,7 +386,7 @@ impl AdminService for Fake {
         request: Request<v1::StageDatasetRequest>,
     ) -> Result<Response<v1::StageDatasetResponse>, Status> {
         let name = request.into_inner().name;
-        if name != "imagenet" {
+        if name != "imagenet" && name != "flaky" {
             return Err(Status::failed_precondition(format!(
                 "no DatasetCache policy names data set `{name}`: apply one"
             )));
