@@ -61,9 +61,6 @@ pub struct Memory {
     members: Mutex<Vec<std::sync::Weak<Job>>>,
     /// The part of `used` that trainers hold in shared memory, every job's.
     lent: AtomicU64,
-    /// Held by a reader reserving for a file that grew since it was
-    /// listed: such reads go over the budget one at a time.
-    grown: Mutex<()>,
     jobs: AtomicUsize,
 }
 
@@ -74,7 +71,6 @@ impl Memory {
             used: Arc::new(AtomicU64::new(0)),
             members: Mutex::new(Vec::new()),
             lent: AtomicU64::new(0),
-            grown: Mutex::new(()),
             jobs: AtomicUsize::new(0),
         }
     }
@@ -126,27 +122,6 @@ impl Memory {
             if alone {
                 return;
             }
-            if start.elapsed() >= patience {
-                self.reserve_over(n);
-                return;
-            }
-            std::thread::sleep(recheck);
-        }
-    }
-
-    /// Reserves `n` more bytes for a prefetch whose file grew since it was
-    /// listed (its reservation was by the listed size): within the budget,
-    /// waiting for room in steps of `recheck`, or over it once it has
-    /// waited `patience` (the consumer may wait on this very sample while
-    /// read-ahead fills the budget), one such reader at a time: a data set
-    /// read while its files are written goes over the budget by at most one
-    /// grown file per `patience` (thirty files listed empty, then written
-    /// to 8 MiB, were all prefetched at once: 176 MiB held on a 64 MiB
-    /// budget). Blocking.
-    fn reserve_grown(&self, n: u64, patience: Duration, recheck: Duration) {
-        let _turn = lock(&self.grown);
-        let start = Instant::now();
-        while !self.try_reserve(n, false) {
             if start.elapsed() >= patience {
                 self.reserve_over(n);
                 return;

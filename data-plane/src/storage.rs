@@ -11,7 +11,7 @@
 //! ordinary `Vec`, so no unsafe allocation is needed.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom};
+use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -177,54 +177,42 @@ pub fn read_whole(
     flags |= libc::O_NONBLOCK;
     options.custom_flags(flags);
     let mut file = open_with(&options, path)?;
-    let mut size = match listed {
+    let size = match listed {
         Some(size) => size,
         None => check_regular(&file)?,
     };
-    // A file that grew past its size plus a block is read again into a
-    // buffer of its size now (`alloc` counts it where the reader's budget
-    // is kept), once; one still growing is read the plain way.
-    let mut regrown = false;
-    'read: loop {
-        if size > MAX_FILE_BYTES {
-            return Err(too_large(size));
-        }
-        let mut buf = alloc(whole_footprint(size) as usize);
-        let bytes = buf.as_mut_slice();
-        let window = bytes.len() - ALIGN;
-        let start = bytes.as_ptr().align_offset(ALIGN);
-        let mut len = 0;
-        loop {
-            let asked = window - len;
-            let n = file.read(&mut buf.as_mut_slice()[start + len..start + window])?;
-            if n == 0 {
-                break;
-            }
-            len += n;
-            // A regular file gives less than asked only at its end.
-            if listed.is_some() && n < asked && len as u64 == size {
-                return Ok(Chunk::pooled(buf, start, len));
-            }
-            if len == window {
-                buf.recycle();
-                if regrown {
-                    return read_range(path, 0, TO_END);
-                }
-                regrown = true;
-                size = check_regular(&file)?;
-                file.seek(SeekFrom::Start(0))?;
-                continue 'read;
-            }
-        }
-        // It ended short of its listed size: a file that shrank, or a FIFO
-        // or a device put in its place since the listing, which is an
-        // error, not an empty sample. (What ends at the listed size is not
-        // stat'ed.)
-        if listed.is_some() {
-            check_regular(&file)?;
-        }
-        return Ok(Chunk::pooled(buf, start, len));
+    if size > MAX_FILE_BYTES {
+        return Err(too_large(size));
     }
+    let mut buf = alloc(whole_footprint(size) as usize);
+    let bytes = buf.as_mut_slice();
+    let window = bytes.len() - ALIGN;
+    let start = bytes.as_ptr().align_offset(ALIGN);
+    let mut len = 0;
+    loop {
+        let asked = window - len;
+        let n = file.read(&mut buf.as_mut_slice()[start + len..start + window])?;
+        if n == 0 {
+            break;
+        }
+        len += n;
+        // A regular file gives less than asked only at its end.
+        if listed.is_some() && n < asked && len as u64 == size {
+            return Ok(Chunk::pooled(buf, start, len));
+        }
+        if len == window {
+            // The file grew past its size plus a block: read it the plain way.
+            buf.recycle();
+            return read_range(path, 0, TO_END);
+        }
+    }
+    // It ended short of its listed size: a file that shrank, or a FIFO or
+    // a device put in its place since the listing, which is an error, not
+    // an empty sample. (What ends at the listed size is not stat'ed.)
+    if listed.is_some() {
+        check_regular(&file)?;
+    }
+    Ok(Chunk::pooled(buf, start, len))
 }
 
 #[cfg(test)]

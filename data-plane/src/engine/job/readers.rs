@@ -232,27 +232,11 @@ impl Job {
         let start = Instant::now();
         // A panic while reading (a bug) becomes this sample's error: the
         // reader thread, and the plan waiting for the entry, go on.
-        // A file that grew since it was listed needs more than was reserved.
-        let reserved = std::cell::Cell::new(work.size);
-        let alloc = |len: usize| {
-            let want = len as u64;
-            if want > reserved.get() {
-                self.memory
-                    .reserve_grown(want - reserved.get(), OVER_PATIENCE, MEMORY_RECHECK);
-                reserved.set(want);
-            }
-            self.buffer(len)
-        };
         let data = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            work.dataset.read_whole(&work.name, work.file_bytes, &alloc)
+            work.dataset
+                .read_whole(&work.name, work.file_bytes, &|len| self.buffer(len))
         }))
         .unwrap_or_else(|_| internal_failure(&self.id, &work.name));
-        // What `park` counts of it is the entry's reservation made good to
-        // the bytes read: the part reserved here goes back first.
-        let grew = reserved.get() - work.size;
-        if grew > 0 {
-            self.memory.release(grew);
-        }
         if let Some(before) = blocked_before {
             self.count_sampled_read(crate::cpu::times_blocked() > before);
         }
