@@ -62,13 +62,19 @@ impl DirSource {
     /// Resolves the configured root again: a root that is a symlink
     /// swapped to a new version of the data set (`ln -sfn v2 current.tmp
     /// && mv -T current.tmp current`, the usual way to publish one) is
-    /// read from where it points now. Where it cannot be resolved (the old
-    /// target deleted with no new one), the last root stays, for the
-    /// listing to say why it fails.
-    fn resolve_root(&self) -> Arc<PathBuf> {
-        let Ok(now) = self.given.canonicalize() else {
-            return self.root();
-        };
+    /// read from where it points now. Where it cannot be resolved (a link
+    /// to a version not there), the listing fails naming the configured
+    /// root and where it led before (not the old target alone).
+    fn resolve_root(&self) -> io::Result<Arc<PathBuf>> {
+        let now = self.given.canonicalize().map_err(|e| {
+            let last = self.root();
+            let note = if *last == self.given {
+                String::new()
+            } else {
+                format!(" (it led to {} before)", last.display())
+            };
+            io::Error::new(e.kind(), format!("{}: {e}{note}", self.given.display()))
+        })?;
         let mut root = self.root.write().unwrap_or_else(PoisonError::into_inner);
         if **root != now {
             tracing::info!(
@@ -79,14 +85,14 @@ impl DirSource {
             );
             *root = Arc::new(now);
         }
-        Arc::clone(&root)
+        Ok(Arc::clone(&root))
     }
 
     /// Walks the root, leaving out with one warning the entries that cannot
     /// be examined, unreadable subdirectories among them (not the root:
     /// that is an error). Blocking.
     pub fn list(&self) -> io::Result<Walked> {
-        let root = self.resolve_root();
+        let root = self.resolve_root()?;
         let root = root.as_path();
         let at_root = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", root.display()));
         let entries = std::fs::read_dir(root).map_err(at_root)?;
@@ -572,6 +578,12 @@ mod tests {
         // The old version cleaned up: nothing of it is needed.
         std::fs::remove_dir_all(dir.path().join("v1")).unwrap();
         assert_eq!(names(source.list().unwrap()), ["a", "c"]);
+        // Swapped to a version that is not there: the error names the link.
+        symlink("v9", &next).unwrap();
+        std::fs::rename(&next, &current).unwrap();
+        let e = source.list().unwrap_err().to_string();
+        assert!(e.starts_with(&current.display().to_string()), "{e}");
+        assert!(e.contains("v2 before"), "{e}");
         assert_eq!(
             source.resolve("c").unwrap(),
             dir.path().join("v2/c").canonicalize().unwrap()
