@@ -10,7 +10,7 @@ use serde::Serialize;
 use sluice_proto::v1;
 
 use crate::error::ApiError;
-use crate::state::{LiveStage, Shared, lock, now_ms};
+use crate::state::{Shared, lock, now_ms};
 
 /// One data set.
 #[derive(Debug, Clone, Serialize)]
@@ -72,7 +72,7 @@ pub fn dataset(shared: &Shared, name: &str) -> Result<DatasetView, ApiError> {
     let live = lock(&shared.live);
     let stages: Vec<DatasetOnStageView> = live
         .iter()
-        .filter(|(_, l)| not_left(l))
+        .filter(|(_, l)| !l.stopped())
         .filter(|(_, l)| l.hello.datasets.iter().any(|d| d == name))
         .map(|(id, l)| {
             let cache = l.latest().and_then(|t| t.cache.as_ref());
@@ -110,7 +110,7 @@ pub fn datasets(shared: &Shared) -> Vec<DatasetView> {
         .collect();
     let served: Vec<String> = lock(&shared.live)
         .values()
-        .filter(|l| not_left(l))
+        .filter(|l| !l.stopped())
         .flat_map(|l| l.hello.datasets.iter().cloned())
         .collect();
     names.extend(served);
@@ -120,13 +120,6 @@ pub fn datasets(shared: &Shared) -> Vec<DatasetView> {
         .iter()
         .filter_map(|name| dataset(shared, name).ok())
         .collect()
-}
-
-/// Whether the stage may still serve its data sets: one that ended its
-/// session itself has stopped (it is forgotten after the stage timeout
-/// unless it comes back).
-fn not_left(l: &LiveStage) -> bool {
-    !l.stopped()
 }
 
 /// Returns the connected stages serving `name` whose last report shows a

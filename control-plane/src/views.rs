@@ -131,9 +131,10 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
     // Ended its session itself and not back yet: a stage stopping or
     // restarting (the store's mark counts where the controller has no
     // session record, as on a standby).
-    let stopped = live.map_or(r.ended_ms.is_some_and(|ms| ms >= r.last_seen_ms), |l| {
-        l.session.is_none() && l.left.is_some()
-    });
+    let stopped = live.map_or(
+        r.ended_ms.is_some_and(|ms| ms >= r.last_seen_ms),
+        LiveStage::stopped,
+    );
     let hello = live.map(|l| l.hello.clone()).unwrap_or_default();
     let telemetry = live.and_then(LiveStage::latest);
     StageView {
