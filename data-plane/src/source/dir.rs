@@ -24,6 +24,8 @@ pub struct DirSource {
     root: RwLock<Arc<PathBuf>>,
     /// The device the root was on at the last listing (0: not listed yet).
     device: AtomicU64,
+    /// The mount it was on then (0: not listed yet, or not known).
+    mount: AtomicU64,
     /// Prefetch with `O_DIRECT`; cleared when the file system refuses it.
     direct: AtomicBool,
 }
@@ -50,6 +52,7 @@ impl DirSource {
             given: std::path::absolute(dir)?,
             root: RwLock::new(Arc::new(root)),
             device: AtomicU64::new(0),
+            mount: AtomicU64::new(0),
             direct: AtomicBool::new(direct),
         })
     }
@@ -130,12 +133,14 @@ impl DirSource {
         Ok(walk.out)
     }
 
-    /// Compares the file system the root is on with the last listing's: a
-    /// root that is a mount point (an NFS export, a Kubernetes volume)
-    /// whose volume went away shows the empty directory beneath it, which
-    /// is refused as a listing (so the last one stands in, each sample
-    /// saying why) rather than taken as a data set emptied; a root on
-    /// another file system with files is listed, with a warning.
+    /// Compares the file system and the mount the root is on with the last
+    /// listing's: a root that is a mount point (an NFS export, a
+    /// Kubernetes volume, a bind mount of another directory of the same
+    /// file system) whose volume went away shows the empty directory
+    /// beneath it, which is refused as a listing (so the last one stands
+    /// in, each sample saying why) rather than taken as a data set
+    /// emptied; a root on another file system or mount with files is
+    /// listed, with a warning.
     fn check_device(
         &self,
         root: &Path,
@@ -143,23 +148,34 @@ impl DirSource {
         walked: &Walked,
     ) -> io::Result<()> {
         use std::os::unix::fs::MetadataExt;
-        let now = meta.dev();
+        let (now, now_mount) = (meta.dev(), crate::fs_room::mount_id(root).unwrap_or(0));
         let before = self.device.load(Ordering::Relaxed);
-        if before != 0 && before != now {
+        let before_mount = self.mount.load(Ordering::Relaxed);
+        let moved = if before != 0 && before != now {
+            Some(format!(
+                "on another file system than when it was last listed (device {now:#x}, was {before:#x})"
+            ))
+        } else if before_mount != 0 && now_mount != 0 && before_mount != now_mount {
+            Some(format!(
+                "on another mount than when it was last listed (mount {now_mount}, was {before_mount})"
+            ))
+        } else {
+            None
+        };
+        if let Some(moved) = moved {
             if walked.files.is_empty() {
                 return Err(io::Error::other(format!(
-                    "{} is now an empty directory on another file system than when it was last listed (device {now:#x}, was {before:#x}): the volume mounted there is not any more; mount it again",
+                    "{} is now an empty directory {moved}: the volume mounted there is not any more; mount it again",
                     root.display()
                 )));
             }
             tracing::warn!(
                 root = %root.display(),
-                device = format_args!("{now:#x}"),
-                was = format_args!("{before:#x}"),
-                "the data set's root is on another file system than when it was last listed: a volume was mounted there, or unmounted from it"
+                "the data set's root is {moved}: a volume was mounted there, or unmounted from it"
             );
         }
         self.device.store(now, Ordering::Relaxed);
+        self.mount.store(now_mount, Ordering::Relaxed);
         Ok(())
     }
 
@@ -283,18 +299,26 @@ impl DirSource {
     }
 }
 
-/// A file's version: its modification time and which file it is (with
-/// its size, which the entry holds beside it, the identity of what was
-/// read). The device and inode tell apart files of one name, size and time
-/// in two versions of a data set: a volume mounted again over the root
-/// with a new version whose times are the same (an image or archive that
-/// sets them all alike), or two versions written within one tick of the
-/// clock; by time and size alone the node cache served the old bytes.
+/// A file's version: its modification time, which file it is and when
+/// its inode last changed (with its size, which the entry holds beside
+/// it, the identity of what was read). The device and inode tell apart
+/// files of one name, size and time in two versions of a data set: a
+/// volume mounted again over the root with a new version whose times are
+/// the same (an image or archive that sets them all alike), or two
+/// versions written within one tick of the clock; by time and size alone
+/// the node cache served the old bytes. The change time, which no program
+/// can set, tells apart what those cannot: a new volume that numbers its
+/// files as the old one did (a fresh tmpfs filled by `cp -a`), and a file
+/// rewritten in place whose time was set back (`touch -r`). A file whose
+/// owner or mode changes, or that is linked again, is another version
+/// too: read once more, never answered with bytes it might not have.
 fn file_version(meta: &std::fs::Metadata) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let mut which = crate::entry::Fnv64::new();
     which.write(&meta.dev().to_le_bytes());
     which.write(&meta.ino().to_le_bytes());
+    which.write(&meta.ctime().to_le_bytes());
+    which.write(&meta.ctime_nsec().to_le_bytes());
     mtime_ns(meta) ^ which.0
 }
 
@@ -618,6 +642,28 @@ mod tests {
     }
 
     #[test]
+    fn a_file_rewritten_in_place_with_its_time_set_back_is_another_version() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a");
+        std::fs::write(&path, b"old").unwrap();
+        let at = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let source = DirSource::open("d", dir.path(), false).unwrap();
+        let before = source.list().unwrap().files.remove(0);
+        // The change time moves by the kernel's clock tick (a few ms).
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        // Same inode, same size, the time put back as `touch -r` does.
+        let mut file = std::fs::File::options().write(true).open(&path).unwrap();
+        file.write_all(b"new").unwrap();
+        file.set_modified(at).unwrap();
+        drop(file);
+        let after = source.list().unwrap().files.remove(0);
+        assert_eq!((before.size, before.mtime_ns), (after.size, after.mtime_ns));
+        assert_ne!(before.version, after.version);
+        assert_eq!(source.version("a").unwrap(), (after.version, 3));
+    }
+
+    #[test]
     fn a_root_whose_volume_went_away_is_not_listed_empty() {
         use std::os::unix::fs::{MetadataExt, symlink};
         // The root moves to another file system as an unmounted volume's
@@ -658,6 +704,47 @@ mod tests {
         assert!(
             source.list().unwrap().files.is_empty(),
             "emptied in place: listed empty"
+        );
+    }
+
+    #[test]
+    fn a_root_whose_bind_mount_went_away_is_not_listed_empty() {
+        use std::process::Command;
+        if !std::fs::metadata("/proc/self")
+            .is_ok_and(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "this test bind-mounts a directory: run it as root"
+            );
+            eprintln!("skipped: bind-mounting a directory needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (data, root) = (dir.path().join("data"), dir.path().join("root"));
+        std::fs::create_dir(&data).unwrap();
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(data.join("a"), b"1").unwrap();
+        let run = |args: &[&std::ffi::OsStr]| {
+            let status = Command::new(args[0]).args(&args[1..]).status().unwrap();
+            assert!(status.success(), "{args:?}: {status}");
+        };
+        run(&[
+            "mount".as_ref(),
+            "--bind".as_ref(),
+            data.as_os_str(),
+            root.as_os_str(),
+        ]);
+        let source = DirSource::open("d", &root, false).unwrap();
+        let listed = source.list();
+        // Unmounted: the same file system, the empty directory beneath.
+        run(&["umount".as_ref(), root.as_os_str()]);
+        assert_eq!(listed.unwrap().files.len(), 1);
+        let e = source.list().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("is now an empty directory on another mount"),
+            "{e}"
         );
     }
 
