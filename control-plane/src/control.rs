@@ -235,7 +235,7 @@ fn a_job_waits(shared: &Shared) -> bool {
 
 async fn mark_lost(shared: &Shared) {
     let timeout = shared.stage_timeout;
-    let (left, newly_lost, (connected, stopped), lost) = {
+    let (left, newly_lost) = {
         let mut live = lock(&shared.live);
         // Stages that ended their sessions and did not come back: they
         // left (a sidecar whose training finished, a drained node), and
@@ -264,11 +264,9 @@ async fn mark_lost(shared: &Shared) {
                 newly.push(id.clone());
             }
         }
-        let lost = live.values().filter(|l| l.lost).count();
-        let stopped = live.values().filter(|l| !l.lost && l.stopped()).count();
-        (left, newly, (live.len() - lost - stopped, stopped), lost)
+        (left, newly)
     };
-    shared.metrics.set_stages(connected, stopped, lost);
+    shared.count_stages();
     shared.metrics.jobs.set(running_jobs(shared) as i64);
     for id in left {
         info!(stage = %id, "stage ended its session and did not come back: forgotten");

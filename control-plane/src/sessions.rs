@@ -147,6 +147,7 @@ impl StageService for Sessions {
                             }
                             // Its jobs' shares go to the stages that remain.
                             if current {
+                                shared.count_stages();
                                 shared.recompute.notify_one();
                             }
                             break;
@@ -207,6 +208,7 @@ async fn opened(shared: &Shared, hello: v1::Hello, session: SessionHandle) -> Re
         live.force_push = running != known && resend.is_none();
         live.running_version = running;
     });
+    shared.count_stages();
     if let Some(d) = resend {
         push(&session, d.version, &d.settings);
         info!(

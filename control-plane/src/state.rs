@@ -439,6 +439,19 @@ impl Shared {
         f(entry)
     }
 
+    /// Sets the stage gauges (`sluice_controller_stages{state}`) from the
+    /// live stages: at every tick, and at once when a session starts or
+    /// ends, so that a stage stopped is not shown connected for a tick.
+    pub fn count_stages(&self) {
+        let (connected, stopped, lost) = {
+            let live = lock(&self.live);
+            let lost = live.values().filter(|l| l.lost).count();
+            let stopped = live.values().filter(|l| !l.lost && l.stopped()).count();
+            (live.len() - lost - stopped, stopped, lost)
+        };
+        self.metrics.set_stages(connected, stopped, lost);
+    }
+
     /// Appends events in order (logging, not failing, when the store
     /// refuses) and wakes the watchers once they are committed.
     pub async fn events(&self, mut events: Vec<NewEvent>) {

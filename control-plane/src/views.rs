@@ -30,6 +30,9 @@ pub struct StageView {
     pub state: &'static str,
     pub desired_version: u64,
     pub acked_version: u64,
+    /// It runs the settings the controller wants for it (as `sluicectl
+    /// get stages` shows).
+    pub in_sync: bool,
     pub last_nack: Option<NackView>,
     pub last_seen_unix_millis: i64,
     pub jobs: Vec<String>,
@@ -137,9 +140,14 @@ fn stage_view(r: StageRecord, live: Option<&LiveStage>) -> StageView {
     );
     let hello = live.map(|l| l.hello.clone()).unwrap_or_default();
     let telemetry = live.and_then(LiveStage::latest);
+    let (desired_version, acked_version) = (
+        r.desired_version().unwrap_or(0),
+        r.acked_version.unwrap_or(0),
+    );
     StageView {
-        desired_version: r.desired_version().unwrap_or(0),
-        acked_version: r.acked_version.unwrap_or(0),
+        desired_version,
+        acked_version,
+        in_sync: desired_version == acked_version,
         last_nack: r.last_nack.map(|n| NackView {
             version: n.version,
             reason: n.reason,

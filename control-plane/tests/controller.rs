@@ -59,8 +59,13 @@ async fn start(url: &str) -> Running {
 }
 
 async fn start_with(url: &str, stage_timeout: Duration) -> Running {
+    start_ticking(url, stage_timeout, ControllerConfig::for_tests(url).tick).await
+}
+
+async fn start_ticking(url: &str, stage_timeout: Duration, tick: Duration) -> Running {
     let mut config = ControllerConfig::for_tests(url);
     config.stage_timeout = stage_timeout;
+    config.tick = tick;
     let controller = Controller::bind(config).await.unwrap();
     let addrs = controller.addresses().unwrap();
     let (grpc, http) = (addrs.grpc.to_string(), addrs.http.to_string());
@@ -246,6 +251,8 @@ async fn settings_flow(url: &str) {
         (shown.version, shown.reason.as_str()),
         (pushed.version, "no thanks")
     );
+    let view = http(&c.http, "GET", "/api/v1/stages", "").await;
+    assert!(view.contains(r#""in_sync":false"#), "{view}");
     s.send(stage_message::Kind::Ack(pb::Ack {
         version: pushed.version,
     }))
@@ -259,6 +266,8 @@ async fn settings_flow(url: &str) {
     })
     .await;
     assert_eq!(stage(&mut admin).await.desired_version, pushed.version);
+    let view = http(&c.http, "GET", "/api/v1/stages", "").await;
+    assert!(view.contains(r#""in_sync":true"#), "{view}");
     // An ack of a version never published, and a late one of an older
     // version, change nothing.
     for version in [pushed.version + 100, 0] {
@@ -1018,7 +1027,10 @@ async fn what_no_stage_sends_is_dropped_bounded_or_refused_by_name() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
     let dir = tempfile::tempdir().unwrap();
-    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
+    // A tick longer than the waits: the stage gauges follow sessions
+    // starting and ending at once, not at the next tick.
+    let (timeout, tick) = (Duration::from_secs(60), Duration::from_secs(30));
+    let c = start_ticking(&sqlite_url(dir.path()), timeout, tick).await;
     let mut admin = admin_of(&c).await;
     let shown = |c: &Running| {
         let http_addr = c.http.clone();
@@ -1065,7 +1077,7 @@ async fn a_stage_that_ends_its_session_shows_stopped_until_it_comes_back() {
     // only: it showed the stage seen that much earlier).
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
-    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(5)).await;
+    let c = start_ticking(&sqlite_url(dir.path()), timeout, tick).await;
     let mut admin = admin_of(&c).await;
     let stage = admin
         .get_stage(pb::GetStageRequest {
