@@ -77,6 +77,13 @@ fn open_with(options: &OpenOptions, path: &Path) -> io::Result<File> {
     })
 }
 
+fn grew(listed: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::FileTooLarge,
+        format!("it grew since it was listed ({listed} bytes then)"),
+    )
+}
+
 fn too_large(want: u64) -> io::Error {
     io::Error::new(
         io::ErrorKind::FileTooLarge,
@@ -201,8 +208,19 @@ pub fn read_whole(
             return Ok(Chunk::pooled(buf, start, len));
         }
         if len == window {
-            // The file grew past its size plus a block: read it the plain way.
             buf.recycle();
+            // The file grew past its listed size plus a block since it was
+            // listed (written while the data set was read): it is not read
+            // into the buffer past the bytes reserved for it, which would
+            // take memory the budget does not hold (files listed empty and
+            // then written held 176 MiB on a 64 MiB budget), nor made to
+            // wait for room (read-ahead behind the entry a consumer waits on
+            // holds it). The trainer reads it in ranges, as it does an
+            // object that grew, until the next listing has its size.
+            if let Some(listed) = listed {
+                return Err(grew(listed));
+            }
+            // Grew while being read: read it the plain way.
             return read_range(path, 0, TO_END);
         }
     }
@@ -233,17 +251,20 @@ mod tests {
             assert_eq!(&*buffered, &data[..], "size {size}");
             assert_eq!(buffered.footprint(), whole_footprint(size as u64));
             // With the listed size: the same bytes, and a file that grew
-            // since it was listed is read whole all the same.
+            // since it was listed within its buffer's block is read whole
+            // all the same; one that grew past it is refused as too large
+            // (read in ranges), not read past what was reserved for it.
             let listed = read_whole(&path, false, true, Some(size as u64), &Buffer::heap);
             assert_eq!(&*listed.unwrap(), &data[..], "size {size}");
-            let grew = read_whole(
-                &path,
-                false,
-                true,
-                Some(size.saturating_sub(1) as u64),
-                &Buffer::heap,
-            );
-            assert_eq!(&*grew.unwrap(), &data[..], "size {size}");
+            let less = size.saturating_sub(1) as u64;
+            let grew = read_whole(&path, false, true, Some(less), &Buffer::heap);
+            if whole_footprint(less) - ALIGN as u64 > size as u64 {
+                assert_eq!(&*grew.unwrap(), &data[..], "size {size}");
+            } else {
+                let e = grew.unwrap_err();
+                assert_eq!(e.kind(), io::ErrorKind::FileTooLarge, "size {size}: {e}");
+                assert!(e.to_string().contains("grew since it was listed"), "{e}");
+            }
             match read_whole(&path, true, true, None, &Buffer::heap) {
                 Ok(chunk) => {
                     assert_eq!(&*chunk, &data[..], "size {size}");
