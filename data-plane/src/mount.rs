@@ -1681,6 +1681,7 @@ impl Filesystem for MountFs {
         let stored_bytes = self.counters.stored_bytes.clone();
         let open = Arc::clone(&self.open);
         self.answer_soon(async move {
+            let mut too_large = false;
             let whole = match job.deliver_claimed(claim, &name).await {
                 Some((sample, reservation)) => match sample.data {
                     Ok(Payload::Bytes(chunk)) => Some(Held {
@@ -1688,10 +1689,13 @@ impl Filesystem for MountFs {
                         _budget: reservation,
                     }),
                     Ok(Payload::Shared { .. }) => None,
-                    // Larger than one buffered sample may be: delivered by
-                    // this open all the same, its bytes read as an unplanned
-                    // file's are.
-                    Err(e) if e.code == ErrorCode::TooLarge => None,
+                    // Larger than one buffered sample may be (or grown past
+                    // what was reserved for it): delivered by this open all
+                    // the same, its bytes read as an unplanned file's are.
+                    Err(e) if e.code == ErrorCode::TooLarge => {
+                        too_large = true;
+                        None
+                    }
                     Err(e) => {
                         readers.close(job.id());
                         return reply.error(errno(&e));
@@ -1699,33 +1703,50 @@ impl Filesystem for MountFs {
                 },
                 None => None,
             };
+            // The size this open reads: the bytes delivered, or a local
+            // file's now when it was too large for the buffer.
+            let now = match &whole {
+                Some(held) => Some(held.chunk.len() as u64),
+                None if too_large => dataset.source().local_version(&name).map(|(_, n)| n),
+                None => None,
+            };
+            let resized = now.filter(|&now| now != size);
+            if resized.is_some() {
+                // The file's size changed since the kernel took its
+                // attributes (it keeps them 60 s), and the listing they
+                // come from may be older than the file (nothing listed the
+                // data set while the trainer was idle): it is listed again
+                // (if older than the listing interval) before the kernel is
+                // told to ask again, so that it does not cut the reads at
+                // the old size.
+                let listed = Arc::clone(&dataset);
+                let _ = tokio::task::spawn_blocking(move || listed.listing()).await;
+                if let Some(notifier) = notifier.get()
+                    && let Err(e) = notifier.inval_inode(ino, -1, 0)
+                {
+                    tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
+                }
+            }
             // Another open of the file reads the pages the kernel has: they
             // are left to it, and read by this open too while they are of
             // the file as it is (this open reads past them otherwise).
             let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let whole_held = whole.is_some() && held();
             let mut stored = false;
-            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get()) {
-                if chunk.len() as u64 != size {
-                    // The file's size changed since the kernel took its
-                    // attributes (it keeps them 60 s): it asks for them
-                    // again before the reads, which it would otherwise cut
-                    // at the old size.
-                    if let Err(e) = notifier.inval_inode(ino, -1, 0) {
-                        tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
+            if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
+                && resized.is_none()
+                && !whole_held
+                && size <= STORE_MAX
+            {
+                // Read from the page cache from here on; kept for a read
+                // that comes anyway (pages reclaimed before it, O_DIRECT).
+                match notifier.store(ino, 0, chunk) {
+                    Ok(()) => {
+                        stored_bytes.inc_by(size);
+                        stored = true;
                     }
-                } else if !whole_held && size <= STORE_MAX {
-                    // Read from the page cache from here on; kept for a
-                    // read that comes anyway (pages reclaimed before it,
-                    // O_DIRECT).
-                    match notifier.store(ino, 0, chunk) {
-                        Ok(()) => {
-                            stored_bytes.inc_by(size);
-                            stored = true;
-                        }
-                        Err(e) => {
-                            tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
-                        }
+                    Err(e) => {
+                        tracing::debug!(file = %name, error = %e, "the kernel took no pages of a planned file");
                     }
                 }
             }
@@ -1753,6 +1774,7 @@ impl Filesystem for MountFs {
             } else {
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
+            let size = resized.unwrap_or(size);
             let file = Open::new(job, dataset, name, size, whole).pinned(pin, pages);
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());

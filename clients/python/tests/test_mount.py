@@ -563,6 +563,38 @@ def test_a_planned_file_that_grew_since_the_kernel_took_its_size_reads_whole(tmp
     assert os.stat(path).st_size == 15_000
 
 
+def test_files_a_mount_sampler_plans_after_they_grew_read_whole(tmp_path, mount_stage):
+    """A sampler's epoch after its files were replaced with larger ones
+    (and nothing listed the data set meanwhile: the trainer was idle): the
+    sampler's plan names them by its connection's listing, older than the
+    files, and the kernel took their sizes from it; every open reads the
+    whole new file (the first one opened was cut at its old size), both a
+    file that still fits what its buffer reserved and one that does not."""
+    pytest.importorskip("torch")
+    from sluice.torch import MountSampler
+    root = tmp_path / "data"
+    root.mkdir()
+    sizes = {"small.bin": (1_000, 3_000), "large.bin": (100_000, 300_000)}
+    for name, (before, _) in sizes.items():
+        (root / name).write_bytes(os.urandom(before))
+    stage, mnt = mount_stage(root)
+    paths = [str(mnt / "@grown" / "ds" / name) for name in sorted(sizes)]
+    sampler = MountSampler(paths, stage.socket, seed=1)
+    for epoch in range(2):
+        if epoch == 1:
+            for name, (_, after) in sizes.items():
+                (root / ".next").write_bytes(os.urandom(after))
+                os.rename(root / ".next", root / name)
+            time.sleep(5.5)  # older than the listing interval (5 s)
+        sampler.set_epoch(epoch)
+        for i in sampler:
+            with open(paths[i], "rb") as f:
+                got = f.read()
+            want = (root / os.path.basename(paths[i])).read_bytes()
+            assert got == want, f"epoch {epoch}: {paths[i]}: {len(got)} bytes, the file has {len(want)}"
+    sampler.close()
+
+
 def test_an_order_file_counts_as_its_owner_claiming_the_job(tmp_path, mount_stage, dataset):
     """With `trainers:` rules, an order file is its owner's claim of the job
     it orders for: a user who may write into the orders directory cannot
