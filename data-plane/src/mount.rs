@@ -422,6 +422,10 @@ struct Known {
     kept: Option<(u64, u64)>,
     /// Of an object: the pages the kernel keeps (see [`object_pages`]).
     object: ObjectKept,
+    /// A file an open found another size than its listing says (replaced
+    /// since it was listed): the listing's version, and the size shown
+    /// for it until a listing has another version (see [`ask_size_again`]).
+    sized: Option<(u64, u64)>,
 }
 
 /// What the kernel's pages of an object are of. Its store is not asked on
@@ -485,6 +489,7 @@ impl Nodes {
                 lookups: 1,
                 kept: None,
                 object: ObjectKept::Nothing,
+                sized: None,
             },
         );
         self.by_name.insert(key, ino);
@@ -496,6 +501,19 @@ impl Nodes {
         if let Some(known) = self.known.get_mut(&ino) {
             known.node = node;
         }
+    }
+
+    /// `node` (as the listing has it) as shown for `ino`: a file an open
+    /// found larger or smaller than the listing says shows the size it
+    /// found until a listing has another version of it.
+    fn sized(&self, ino: u64, mut node: Node) -> Node {
+        if let (Some((of, now)), Node::File { version, size, .. }) =
+            (self.known.get(&ino).and_then(|k| k.sized), &mut node)
+            && *version == of
+        {
+            *size = now;
+        }
+        node
     }
 
     /// The kernel dropped `n` of its lookups of `ino`: the inode goes
@@ -950,6 +968,33 @@ impl Pages {
             Self::Drop => 0,
             Self::Bypass => FOPEN_KEEP_CACHE | FOPEN_DIRECT_IO,
         }
+    }
+}
+
+/// Has the kernel ask for the attributes of the file at `ino` again: an
+/// open found it another size than the kernel took (it keeps attributes
+/// 60 s), which would cut its reads at the old size (`file` is the open,
+/// of the size found). The listing the attributes come from may be older
+/// than the file too (nothing listed the data set while its trainer was
+/// idle): it is listed again first, when older than the listing interval.
+async fn ask_size_again(
+    file: &Open,
+    nodes: &Mutex<Nodes>,
+    notifier: &OnceLock<fuser::Notifier>,
+    ino: u64,
+    listed_version: u64,
+) {
+    let (dataset, name) = (Arc::clone(&file.dataset), &file.name);
+    let _ = tokio::task::spawn_blocking(move || dataset.listing()).await;
+    // Shown at the size it has until a listing has its new version (one
+    // taken before the file was replaced may still be the latest).
+    if let Some(known) = lock(nodes).known.get_mut(&ino) {
+        known.sized = Some((listed_version, file.size));
+    }
+    if let Some(notifier) = notifier.get()
+        && let Err(e) = notifier.inval_inode(ino, -1, 0)
+    {
+        tracing::debug!(file = %name, error = %e, "the kernel kept a file's old attributes");
     }
 }
 
@@ -1515,6 +1560,8 @@ impl Filesystem for MountFs {
             Ok(node) => {
                 let mut nodes = lock(&self.nodes);
                 let ino = nodes.looked_up(parent, name.as_bytes(), node.clone());
+                let node = nodes.sized(ino, node);
+                nodes.set(ino, node.clone());
                 self.counters.inodes.set(nodes.len() as i64);
                 drop(nodes);
                 reply.entry(&TTL, &self.attr(ino, &node), 0);
@@ -1565,8 +1612,11 @@ impl Filesystem for MountFs {
         let Some(node) = self.node(ino).and_then(|n| self.refreshed(&n)) else {
             return reply.error(libc::ENOENT);
         };
+        let mut nodes = lock(&self.nodes);
+        let node = nodes.sized(ino, node);
         let attr = self.attr(ino, &node);
-        lock(&self.nodes).set(ino, node);
+        nodes.set(ino, node);
+        drop(nodes);
         reply.attr(&TTL, &attr);
     }
 
@@ -1663,11 +1713,25 @@ impl Filesystem for MountFs {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
             let (pages, pin) = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held);
             let keep = pages.flags();
-            let file = Open::new(job, dataset, name, size, None).pinned(pin, pages);
+            // A local file found another size than the kernel has (replaced
+            // since it took the attributes) reads as it is now.
+            let resized = pin.as_ref().map(|p| p.size).filter(|&now| now != size);
+            let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
+            let file = file.pinned(pin, pages);
             return match way {
                 Some(way) if way.way() == Way::Passthrough => {
                     let file = (file, keep, way);
                     self.open_passthrough(req.pid(), ino, fh, file, delivered_first, reply)
+                }
+                // Not while another open reads the old file's pages (its
+                // size is the one it reads to; this open reads past them).
+                way if resized.is_some() && pages != Pages::Bypass => {
+                    let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
+                    self.answer_soon(async move {
+                        ask_size_again(&file, &nodes, &notifier, ino, version).await;
+                        lock(&open).insert(fh, Open { _way: way, ..file });
+                        reply.opened(fh, keep);
+                    });
                 }
                 way => {
                     lock(&open).insert(fh, Open { _way: way, ..file });
@@ -1711,22 +1775,6 @@ impl Filesystem for MountFs {
                 None => None,
             };
             let resized = now.filter(|&now| now != size);
-            if resized.is_some() {
-                // The file's size changed since the kernel took its
-                // attributes (it keeps them 60 s), and the listing they
-                // come from may be older than the file (nothing listed the
-                // data set while the trainer was idle): it is listed again
-                // (if older than the listing interval) before the kernel is
-                // told to ask again, so that it does not cut the reads at
-                // the old size.
-                let listed = Arc::clone(&dataset);
-                let _ = tokio::task::spawn_blocking(move || listed.listing()).await;
-                if let Some(notifier) = notifier.get()
-                    && let Err(e) = notifier.inval_inode(ino, -1, 0)
-                {
-                    tracing::debug!(file = %name, error = %e, "the kernel kept a planned file's old attributes");
-                }
-            }
             // Another open of the file reads the pages the kernel has: they
             // are left to it, and read by this open too while they are of
             // the file as it is (this open reads past them otherwise).
@@ -1774,8 +1822,11 @@ impl Filesystem for MountFs {
             } else {
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
             };
-            let size = resized.unwrap_or(size);
-            let file = Open::new(job, dataset, name, size, whole).pinned(pin, pages);
+            let file = Open::new(job, dataset, name, resized.unwrap_or(size), whole);
+            let file = file.pinned(pin, pages);
+            if resized.is_some() && pages != Pages::Bypass {
+                ask_size_again(&file, &nodes, &notifier, ino, version).await;
+            }
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());
         });
@@ -2137,6 +2188,7 @@ mod tests {
                 lookups: 1,
                 kept: None,
                 object: ObjectKept::Nothing,
+                sized: None,
             },
         );
         nodes.forget(a, 1);
@@ -2152,6 +2204,7 @@ mod tests {
                     lookups: 1,
                     kept: None,
                     object: ObjectKept::Nothing,
+                    sized: None,
                 },
             );
             nodes.looked_up(ROOT, b"@a", job_root("a"))

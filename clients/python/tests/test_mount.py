@@ -759,6 +759,33 @@ def test_a_file_replaced_between_reads_opens_as_one_version(tmp_path, mount_stag
         assert got == new, "the replaced file read as it was (its size is the same, so no listing hides it)"
 
 
+def test_a_file_replaced_by_one_of_another_size_reads_whole_before_the_stage_lists_it(tmp_path, mount_stage):
+    """Files read through the mount with no order, then replaced by larger
+    and smaller ones and opened again at once (before the stage lists the
+    data set again, while the kernel holds their old sizes): each reads
+    the new file whole, and shows its size (they were cut at, or padded to,
+    the old size: a prefix of the new file), and still does once the
+    listing has them."""
+    root = tmp_path / "data"
+    root.mkdir()
+    sizes = {"grows.bin": (10_000, 30_000), "shrinks.bin": (30_000, 10_000), "big.bin": (200_000, 900_000)}
+    for name, (before, _) in sizes.items():
+        (root / name).write_bytes(os.urandom(before))
+    stage, mnt = mount_stage(root)
+    for name in sizes:
+        assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
+    for name, (_, after) in sizes.items():
+        (root / ".next").write_bytes(os.urandom(after))
+        os.rename(root / ".next", root / name)
+    for round_ in ("before the listing", "after it"):
+        for name, (_, after) in sizes.items():
+            with open(mnt / "ds" / name, "rb") as f:
+                got = f.read()
+                assert os.fstat(f.fileno()).st_size == after, (round_, name)
+            assert got == (root / name).read_bytes(), f"{round_}: {name}: {len(got)} bytes, the file has {after}"
+        time.sleep(5.5)  # the stage lists the data set again after 5 s
+
+
 def test_a_file_replaced_while_another_reader_holds_it_reads_as_each_opened_it(tmp_path, mount_stage):
     """Reader A opened the file and read part of it; the source is replaced
     by a rename; reader B opens and reads the new file; A reads on. As on a
