@@ -4,7 +4,9 @@ injected failures)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import http.server
 import os
 import random
 import subprocess
@@ -419,6 +421,40 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
     assert "--s3-path-style true" in err, err
     err = start_fails(tmp_path, "--dataset", f"ds=s3:/{BUCKET}/{PREFIX}")
     assert "neither a directory nor a URL" in err and "s3://BUCKET/PREFIX" in err, err
+    # A web server that is no object store answers 404 for any path: not a
+    # missing bucket (which pointed at the data set URL, not the endpoint).
+    with web_server_answering_404() as web:
+        err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", web)
+    assert "does not answer like an S3 object store" in err and "<html>" in err, err
+    assert "does not exist" not in err, err
+
+
+@contextlib.contextmanager
+def web_server_answering_404():
+    """A plain HTTP server whose every answer is a 404 web page; yields its
+    URL."""
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>404 Not Found</body></html>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_an_endpoint_from_the_environment_is_addressed_path_style(s3, monkeypatch, stage_factory):

@@ -904,6 +904,23 @@ fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
             }
         }
         ListError::Status(_, body) if body.contains("NoSuchBucket") => no_bucket(),
+        // A 404 without S3's error document: a web server that is no
+        // object store (a wrong port, a path that is not the store's).
+        ListError::Status(status, body)
+            if *status == http::StatusCode::NOT_FOUND && !body.contains("<Error") =>
+        {
+            if body.trim().is_empty() {
+                format!(
+                    "bucket `{bucket}` was not found at {endpoint} (404 with no S3 error document: the bucket does not exist, or the server is not an S3 object store): check the dataset URL and --s3-endpoint"
+                )
+            } else {
+                format!(
+                    "the server at {endpoint} does not answer like an S3 object store: listing bucket `{bucket}` got 404 with a body that is not an S3 error document (it begins `{}`); {}",
+                    body.trim_start().chars().take(80).collect::<String>(),
+                    at.not_s3()
+                )
+            }
+        }
         ListError::Status(status, _) if *status == http::StatusCode::NOT_FOUND => no_bucket(),
         ListError::Status(status, _)
             if *status == http::StatusCode::FORBIDDEN
