@@ -267,7 +267,8 @@ impl Metrics {
                 requests: r.counter(
                     "sluice_stage_source_requests_total",
                     "Requests to remote sources, by how they ended: ok, throttled (503 SlowDown, 429), \
-                     server_error (other 5xx), denied (401, 403), not_found, client_error (other 4xx), \
+                     server_error (other 5xx), denied (401, 403), not_found, out_of_range (416: the \
+                     first read of an empty object), client_error (other 4xx), \
                      connection (refused, reset, timed out), abandoned (given up unanswered: \
                      its sample's deadline ran out, or the sample was no longer wanted).",
                     &["dataset", "outcome"],

@@ -113,6 +113,69 @@ pub struct S3Source {
     /// matches the listing's (the node cache keeps only the version it
     /// was asked for).
     versions_by_time: AtomicBool,
+    /// Keys the listing in progress skipped, and what the last warning
+    /// said of them (so that each listing, every few seconds, does not
+    /// repeat it).
+    skipped: std::sync::Mutex<Skipped>,
+}
+
+/// Keys a listing skipped: how many of each kind, and the first one's key
+/// (in key order: pages come in any order).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Skipped {
+    slash: (u64, Option<String>),
+    unservable: (u64, Option<String>),
+    warned: Option<Box<Skipped>>,
+}
+
+impl Skipped {
+    fn note(kind: &mut (u64, Option<String>), key: &str) {
+        kind.0 += 1;
+        if kind.1.as_deref().is_none_or(|first| key < first) {
+            kind.1 = Some(key.to_owned());
+        }
+    }
+
+    /// Starts a listing's count (one that failed left its part behind).
+    fn begin(&mut self) {
+        self.slash = Default::default();
+        self.unservable = Default::default();
+    }
+
+    /// Warns of what this listing skipped unless the last warning said
+    /// the same, and returns whether it did.
+    fn report(&mut self, url: &str) -> bool {
+        let last = self.warned.take();
+        let now = std::mem::take(self);
+        let warn = !now.warned_before(last.as_deref());
+        if warn {
+            if let (n, Some(first)) = &now.slash {
+                tracing::warn!(
+                    dataset = url,
+                    skipped = n,
+                    first = %first,
+                    "skipping objects whose keys end in `/`: they hold bytes, but a name ending in `/` is a folder's (said again only when this changes)"
+                );
+            }
+            if let (n, Some(first)) = &now.unservable {
+                tracing::warn!(
+                    dataset = url,
+                    skipped = n,
+                    first = %first,
+                    "skipping objects whose keys are not servable names (said again only when this changes)"
+                );
+            }
+        }
+        let warned = warn && now.slash.0 + now.unservable.0 > 0;
+        self.warned = Some(Box::new(now));
+        warned
+    }
+
+    fn warned_before(&self, last: Option<&Skipped>) -> bool {
+        last.map_or(self.slash.0 + self.unservable.0 == 0, |last| {
+            (&last.slash, &last.unservable) == (&self.slash, &self.unservable)
+        })
+    }
 }
 
 impl fmt::Debug for S3Source {
@@ -229,6 +292,7 @@ impl S3Source {
             deadline: options.deadline,
             metrics: source_metrics,
             versions_by_time: AtomicBool::new(false),
+            skipped: std::sync::Mutex::default(),
         })
     }
 
@@ -256,6 +320,7 @@ impl S3Source {
             |e: ListError| std::io::Error::other(format!("listing {} failed: {e}", self.url));
         let mut files = Vec::new();
         let mut prefixes = vec![self.key_prefix.clone()];
+        crate::sync::lock(&self.skipped).begin();
         for _ in 0..LIST_DEPTH {
             if prefixes.len() >= LIST_SPLIT {
                 break;
@@ -281,6 +346,7 @@ impl S3Source {
         for listed in rest {
             files.extend(listed.map_err(failed)?.0);
         }
+        let _ = crate::sync::lock(&self.skipped).report(&self.url);
         Ok(files)
     }
 
@@ -336,20 +402,13 @@ impl S3Source {
         let name = raw.strip_prefix(&self.key_prefix)?;
         if name.is_empty() || name.ends_with('/') {
             if size > 0 {
-                tracing::warn!(
-                    key = raw,
-                    size,
-                    "skipping an object whose key ends in `/`: it holds bytes, but a name ending in `/` is a folder's"
-                );
+                Skipped::note(&mut crate::sync::lock(&self.skipped).slash, raw);
             }
             return None;
         }
         let addressable = || Key::parse(raw).is_ok_and(|key| key.as_ref() == raw);
         if crate::entry::check_name(name).is_err() || !addressable() {
-            tracing::warn!(
-                key = raw,
-                "skipping an object whose key is not a servable name"
-            );
+            Skipped::note(&mut crate::sync::lock(&self.skipped).unservable, raw);
             return None;
         }
         Some(name.to_owned())
@@ -1368,6 +1427,10 @@ pub enum Outcome {
     /// 403 or 401.
     Denied,
     NotFound,
+    /// 416: a range past the object's end, as the first read of an empty
+    /// object asks (a read from the start is one ranged GET, its size not
+    /// known yet): an answer, not a fault.
+    OutOfRange,
     /// Another 4xx.
     ClientError,
     /// No answer: refused, reset or timed out; retried.
@@ -1384,6 +1447,7 @@ impl Outcome {
             500..=599 => Self::ServerError,
             401 | 403 => Self::Denied,
             404 => Self::NotFound,
+            416 => Self::OutOfRange,
             400..=499 => Self::ClientError,
             _ => Self::Ok,
         }
@@ -1396,6 +1460,7 @@ impl Outcome {
             Self::ServerError => "server_error",
             Self::Denied => "denied",
             Self::NotFound => "not_found",
+            Self::OutOfRange => "out_of_range",
             Self::ClientError => "client_error",
             Self::Connection => "connection",
             Self::Abandoned => "abandoned",
@@ -1583,6 +1648,31 @@ mod tests {
     }
 
     #[test]
+    fn skipped_keys_are_warned_of_again_only_when_they_change() {
+        let mut skipped = Skipped::default();
+        let listing = |skipped: &mut Skipped, keys: &[&str]| {
+            skipped.begin();
+            for key in keys {
+                Skipped::note(&mut skipped.unservable, key);
+            }
+            skipped.report("s3://b/p")
+        };
+        assert!(!listing(&mut skipped, &[]), "nothing skipped");
+        assert!(listing(&mut skipped, &["p/b\t", "p/a\t"]));
+        // The same keys, their pages come in another order: said already.
+        assert!(!listing(&mut skipped, &["p/a\t", "p/b\t"]));
+        assert_eq!(
+            skipped.warned.as_ref().unwrap().unservable.1.as_deref(),
+            Some("p/a\t")
+        );
+        assert!(listing(&mut skipped, &["p/a\t", "p/b\t", "p/c\t"]));
+        assert!(!listing(&mut skipped, &[]), "none now: nothing to say");
+        // A listing that failed part way leaves no count behind.
+        Skipped::note(&mut skipped.unservable, "p/z\t");
+        assert!(!listing(&mut skipped, &[]));
+    }
+
+    #[test]
     fn statuses_become_outcomes() {
         assert_eq!(Outcome::of_status(200), Outcome::Ok);
         assert_eq!(Outcome::of_status(206), Outcome::Ok);
@@ -1591,7 +1681,8 @@ mod tests {
         assert_eq!(Outcome::of_status(500), Outcome::ServerError);
         assert_eq!(Outcome::of_status(403), Outcome::Denied);
         assert_eq!(Outcome::of_status(404), Outcome::NotFound);
-        assert_eq!(Outcome::of_status(416), Outcome::ClientError);
+        assert_eq!(Outcome::of_status(416), Outcome::OutOfRange);
+        assert_eq!(Outcome::of_status(400), Outcome::ClientError);
         assert!(Outcome::Throttled.retried() && Outcome::Connection.retried());
         assert!(!Outcome::Denied.retried() && !Outcome::NotFound.retried());
     }
