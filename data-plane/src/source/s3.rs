@@ -148,21 +148,20 @@ impl Skipped {
         let last = self.warned.take();
         let now = std::mem::take(self);
         let warn = !now.warned_before(last.as_deref());
-        if warn {
-            if let (n, Some(first)) = &now.slash {
+        let kinds = [
+            (
+                &now.slash,
+                "whose keys end in `/`: they hold bytes, but a name ending in `/` is a folder's",
+            ),
+            (&now.unservable, "whose keys are not servable names"),
+        ];
+        for ((n, first), why) in kinds.into_iter().filter(|_| warn) {
+            if let Some(first) = first {
                 tracing::warn!(
                     dataset = url,
                     skipped = n,
                     first = %first,
-                    "skipping objects whose keys end in `/`: they hold bytes, but a name ending in `/` is a folder's (said again only when this changes)"
-                );
-            }
-            if let (n, Some(first)) = &now.unservable {
-                tracing::warn!(
-                    dataset = url,
-                    skipped = n,
-                    first = %first,
-                    "skipping objects whose keys are not servable names (said again only when this changes)"
+                    "skipping objects {why} (said again only when this changes)"
                 );
             }
         }
