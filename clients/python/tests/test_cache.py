@@ -172,6 +172,31 @@ def test_hits_cost_the_limiter_nothing(tmp_path, stage_factory):
     assert metrics(stage, "sluice_stage_throttled_seconds_total", job="a") == throttled
 
 
+def test_hits_outside_a_plan_are_reported_as_hits_not_as_storage_demand(tmp_path, stage_factory):
+    """READ and FETCH answered by the cache count as cache hits in the
+    job's telemetry (the controller's demand estimate leaves them out); they
+    counted as delivered from storage, so a job reading cached samples by
+    name took a share of the pool it never used."""
+    files = write_files(tmp_path / "ds", 10, 10_000)
+    stage = stage_factory({"ds": str(tmp_path / "ds")}, *cache_args(4 * MIB))
+
+    def job() -> dict:
+        jobs = json.loads(http_get(stage.metrics, "/api/v1/jobs"))
+        return next(j for j in jobs if j["job"] == "byname")
+
+    with sluice.Client(stage.socket, job="byname") as c:
+        ds = c.dataset("ds")
+        for name in files:  # from storage, into the cache
+            assert ds.read(name) == files[name]
+        assert job()["cache_hit_bytes"] == 0
+        for name in files:
+            assert ds.read(name, offset=10, length=100) == files[name][10:110]
+        assert job()["cache_hit_bytes"] == 10 * 100
+        assert [(n, bytes(d)) for n, d in ds.fetch(sorted(files))] == sorted(files.items())
+        assert job()["cache_hit_bytes"] == 10 * 100 + 10 * 10_000
+    assert source_reads(stage) == 10
+
+
 @pytest.mark.parametrize("args,says", [
     (("--memory-budget", "64MiB", "--cache-memory", "60MiB"), "leaves the prefetch buffers less than 16MiB"),
     (("--cache-memory", "1GiB", "--cache-policy", "fifo"), "unknown cache policy `fifo`"),

@@ -590,6 +590,15 @@ impl Job {
 
     /// Counts `bytes` of `samples` delivered (a read through the mount
     /// counts each answer's bytes, and its file once).
+    /// Counts `bytes` the node cache (or another reader's read of the same
+    /// sample) answered for the job: storage was not asked for them, and
+    /// the controller's demand estimate leaves them out.
+    pub(crate) fn count_cache_hit(&self, bytes: usize) {
+        self.stats
+            .cache_hit_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
     pub fn count_delivered_bytes(&self, m: &DatasetMetrics, bytes: u64, samples: u64) {
         self.stats
             .delivered_bytes

@@ -548,9 +548,12 @@ impl Job {
             reserved.set(reserved.get() + bytes);
             self.buffer(len)
         };
+        // What the cache (or another reader's read) answers costs storage
+        // nothing, and is counted so.
         let copied = |bytes: &[u8]| {
             let mut buf = alloc(bytes.len());
             buf.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+            self.count_cache_hit(bytes.len());
             Chunk::pooled(buf, 0, bytes.len())
         };
         // A listed sample the node cache holds, or that another reader is
@@ -569,6 +572,7 @@ impl Job {
                 let len = hit.len();
                 let mut buf = alloc(len);
                 if hit.read_into(&mut buf.as_mut_slice()[..len]) {
+                    self.count_cache_hit(len);
                     return (Ok(Chunk::pooled(buf, 0, len)), reserved.get());
                 }
                 None // the file failed its check and is gone: read the source
@@ -661,17 +665,24 @@ impl Job {
                 let chunk = Chunk::from_vec(bytes[start as usize..(start + len) as usize].to_vec());
                 (chunk, cached.clone())
             };
+            // What the cache (or another reader's read) answered costs
+            // storage nothing: counted so, as a prefetched hit is, so that
+            // the controller does not take it for demand on the pool.
+            let hit = |answer: (Chunk, Pinned)| {
+                self.count_cache_hit(answer.0.len());
+                answer
+            };
             match lookup {
-                Cached::Range(bytes) => return Ok((Chunk::from_vec(bytes), cached)),
-                Cached::Whole(Lookup::Hit(bytes)) => return Ok(range(&bytes)),
+                Cached::Range(bytes) => return Ok(hit((Chunk::from_vec(bytes), cached))),
+                Cached::Whole(Lookup::Hit(bytes)) => return Ok(hit(range(&bytes))),
                 Cached::Whole(Lookup::Wait(flight)) => {
-                    return flight.wait_blocking().map(|b| range(&b));
+                    return flight.wait_blocking().map(|b| hit(range(&b)));
                 }
-                Cached::Whole(Lookup::Disk(hit)) => {
+                Cached::Whole(Lookup::Disk(hit_on_disk)) => {
                     // A whole lookup is of the whole sample: no range to cut.
-                    let mut bytes = vec![0; hit.len()];
-                    if hit.read_into(&mut bytes) {
-                        return Ok((Chunk::from_vec(bytes), cached));
+                    let mut bytes = vec![0; hit_on_disk.len()];
+                    if hit_on_disk.read_into(&mut bytes) {
+                        return Ok(hit((Chunk::from_vec(bytes), cached)));
                     }
                 }
                 Cached::Whole(Lookup::Miss(miss)) => fill = Some((miss, cached)),

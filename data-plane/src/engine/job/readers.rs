@@ -258,9 +258,7 @@ impl Job {
     /// Hands an entry the cache answered, in the job's buffer, to its plan.
     fn finish_hit(&self, work: Work, data: Result<Chunk, ProtocolError>) {
         if let Ok(chunk) = &data {
-            self.stats
-                .cache_hit_bytes
-                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            self.count_cache_hit(chunk.len());
         }
         if let Err(e) = &data {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
