@@ -65,7 +65,7 @@ pub fn run(controller: &Controller, target: &DeleteTarget) -> Exit {
                 deleted.kind == "JobPolicy" || (deleted.kind.is_empty() && kind == "JobPolicy");
             if job_policy && !under.is_empty() {
                 eprintln!(
-                    "sluicectl: note: running jobs were under jobpolicy/{name}: {}; each is now under the next JobPolicy that selects it, or under none (its stages' own settings, no limit or guarantee)",
+                    "sluicectl: note: running jobs were under jobpolicy/{name}: {}; each is now under the next JobPolicy that selects it, or under none (its stages' own settings: their --rate-limit and --ops-limit, if any, and no guarantee)",
                     under.join(", ")
                 );
             }

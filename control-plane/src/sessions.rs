@@ -522,6 +522,7 @@ pub(crate) fn from_proto(t: v1::Telemetry) -> Telemetry {
                     stall_seconds: seconds(j.stall_seconds),
                     connections: j.connections,
                 },
+                in_force: (j.bytes_per_second, j.ops_per_second),
             };
             (j.job, sample)
         })

@@ -82,6 +82,10 @@ pub struct JobSample {
     pub labels: Arc<Labels>,
     /// What demand estimation compares from one report to the next.
     pub counters: JobCounters,
+    /// The limits in force on the stage (bytes and operations per second;
+    /// `None`: unlimited), as it reported them: its own (`--rate-limit`)
+    /// where the controller pushed none for the job.
+    pub in_force: (Option<u64>, Option<u64>),
 }
 
 /// One telemetry snapshot of a stage, as the control loop needs it.

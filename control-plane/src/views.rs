@@ -220,6 +220,19 @@ fn rates(live: Option<&LiveStage>, job: &str) -> (f64, f64, f64) {
     )
 }
 
+/// The limits a stage enforces for a job the controller pushed no settings
+/// for (no policy selects it): the stage's own (`--rate-limit`,
+/// `--ops-limit`), as its last report gave them, with reason `stage`.
+fn stage_own(live: Option<&LiveStage>, job: &str) -> Option<JobAssignment> {
+    let (bytes_per_second, ops_per_second) = live?.latest()?.jobs.get(job)?.in_force;
+    Some(JobAssignment {
+        bytes_per_second,
+        ops_per_second,
+        reason: "stage".into(),
+        ..JobAssignment::default()
+    })
+}
+
 fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> JobView {
     // Lock order everywhere: live, then policies, then desired.
     let live = lock(&shared.live);
@@ -245,7 +258,9 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
         stall = stall.max(st);
         stages.push(JobStageView {
             stage_id: stage.clone(),
-            settings: d.and_then(|d| d.settings.jobs.get(&r.id).cloned()),
+            settings: d
+                .and_then(|d| d.settings.jobs.get(&r.id).cloned())
+                .or_else(|| stage_own(live.get(stage), &r.id)),
             acked: d.is_some_and(|d| acked.get(stage).copied().unwrap_or(0) >= d.version),
             throughput_bytes_per_second: b,
             stall_fraction: st,

@@ -1353,3 +1353,48 @@ spec: {dataset: demo, staging: {pool: p}}
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }
+
+/// A job no policy selects is held to the stage's own limit
+/// (`--rate-limit`): the views show that limit, as the stage reports it,
+/// not "unlimited".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_no_policy_selects_shows_the_limit_its_stage_enforces() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let s = session(&c.grpc, 0).await;
+    let job = pb::JobTelemetry {
+        job: "free".into(),
+        connections: 1,
+        bytes_per_second: Some(5 << 20),
+        ..Default::default()
+    };
+    s.send(stage_message::Kind::Telemetry(pb::Telemetry {
+        unix_millis: 2,
+        jobs: vec![job],
+        ..Default::default()
+    }))
+    .await;
+    let admin = admin_of(&c).await;
+    let shown = eventually("the job shown", WAIT, || {
+        let mut admin = admin.clone();
+        async move {
+            let jobs = admin
+                .list_jobs(pb::ListJobsRequest::default())
+                .await
+                .ok()?
+                .into_inner()
+                .jobs;
+            jobs.into_iter()
+                .find(|j| j.id == "free" && !j.stages.is_empty())
+        }
+    })
+    .await;
+    let settings = shown.settings.clone().expect("the limit in force");
+    assert_eq!(settings.bytes_per_second, Some(5 << 20), "{shown:?}");
+    assert_eq!(settings.ops_per_second, None, "{shown:?}");
+    let view = http(&c.http, "GET", "/api/v1/jobs", "").await;
+    assert!(view.contains(r#""reason":"stage""#), "{view}");
+    drop(s);
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
