@@ -219,8 +219,30 @@ pub(super) fn stage_version(version: Option<i64>, stage: &str) -> Result<u64, St
     super::rows::to_u64("settings version", version)
 }
 
-/// Returns `url` with any password replaced by `***`, for messages and logs.
+/// Returns `url` with any password replaced by `***`, for messages and
+/// logs: the one in the authority (`user:pw@`) and a `password` parameter
+/// of the query (`?password=pw`, which Postgres URLs take too).
 pub(super) fn redact(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = redact_authority(base);
+    if let Some(query) = query {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                _ => param.to_owned(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&params.join("&"));
+    }
+    out
+}
+
+fn redact_authority(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
@@ -247,5 +269,14 @@ mod tests {
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
         assert_eq!(redact("sqlite://sluice.db"), "sqlite://sluice.db");
         assert_eq!(redact("sqlite:sluice.db"), "sqlite:sluice.db");
+        assert_eq!(
+            redact("postgres://u@h/db?sslmode=require&password=secret&x=1"),
+            "postgres://u@h/db?sslmode=require&password=***&x=1"
+        );
+        assert_eq!(
+            redact("postgres://u:a@h/db?PASSWORD=b"),
+            "postgres://u:***@h/db?PASSWORD=***"
+        );
+        assert_eq!(redact("sqlite://s.db?mode=ro"), "sqlite://s.db?mode=ro");
     }
 }
