@@ -111,6 +111,15 @@ pub enum CallError {
     Refused(Status),
 }
 
+/// What a server that is not a gRPC one answered, from tonic's message:
+/// the HTTP status when it names one (`it answered HTTP 404 Not Found`).
+fn not_grpc(message: &str) -> String {
+    match message.rsplit_once("response with status: ") {
+        Some((_, status)) => format!("it answered HTTP {}", status.trim()),
+        None => message.to_owned(),
+    }
+}
+
 impl CallError {
     /// Builds the error for a failed call: a transport failure is
     /// `Unreachable`, anything else is the controller refusing.
@@ -143,11 +152,15 @@ impl CallError {
                  give the controller's gRPC address",
                 status.code().description()
             )),
-            Code::Unknown if status.message().starts_with("grpc-status header missing") => {
+            // An HTTP server's answer (a 404 page) read as gRPC frames.
+            Code::Unknown | Code::Internal
+                if status.message().starts_with("grpc-status header missing")
+                    || status.message().contains("invalid compression flag") =>
+            {
                 unreachable(format!(
                     "the server there does not speak gRPC ({}); \
                      give the controller's gRPC address",
-                    status.message()
+                    not_grpc(status.message())
                 ))
             }
             // The connection failed under the call (the controller did not

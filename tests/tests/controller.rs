@@ -418,6 +418,14 @@ fn sluicectl(grpc: &str, args: &[&str]) -> (i32, String, String) {
 async fn sluicectl_apply_reaches_both_stages_and_a_bad_file_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let c = controller(&dir.path().join("c.db"), "127.0.0.1:0");
+    // The HTTP port given for the gRPC one, an easy slip: said so (it was
+    // tonic's "invalid compression flag" on the 404 page).
+    let (code, out, err) = sluicectl(&c.http, &["get", "stages"]);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert!(
+        err.contains("does not speak gRPC (it answered HTTP 404 Not Found); give the controller's gRPC address"),
+        "{err}"
+    );
     let a = stage(dir.path(), "stage-a", &c.grpc);
     let b = stage(dir.path(), "stage-b", &c.grpc);
     let _ta = trainer(&a.socket, "resnet");
