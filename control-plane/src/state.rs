@@ -381,6 +381,14 @@ impl Shared {
                 if stage.session.is_none() {
                     stage.left = stage.left.or(ended);
                 }
+            } else if s.state == crate::store::StageState::Lost {
+                // Still lost (until it comes back or is forgotten): counted
+                // so in the stage gauges, which a restart had at none (the
+                // `SluiceStageLost` alert cleared and started over).
+                live.entry(s.id).or_insert_with(|| LiveStage {
+                    lost: true,
+                    ..LiveStage::new(now)
+                });
             }
         }
         *lock(&self.known_jobs) = jobs.into_iter().map(|j| j.id).collect();

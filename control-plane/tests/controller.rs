@@ -1398,3 +1398,35 @@ async fn a_job_no_policy_selects_shows_the_limit_its_stage_enforces() {
     c.cancel.cancel();
     c.task.await.unwrap().unwrap();
 }
+
+/// A stage lost before the controller restarts is still counted lost by
+/// the stage gauges after it (they counted it nowhere, and the lost-stage
+/// alert cleared and started over), as the views show it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_stage_is_counted_lost_across_a_controller_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start(&sqlite_url(dir.path())).await;
+    let lost = r#"sluice_controller_stages{state="lost"} 1"#;
+    // The session stays open and says nothing: lost after the timeout (1 s).
+    let s = session(&c.grpc, 0).await;
+    eventually("the stage lost", WAIT, || async {
+        http(&c.http, "GET", "/metrics", "")
+            .await
+            .contains(lost)
+            .then_some(())
+    })
+    .await;
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+    drop(s);
+    // A timeout longer than the wait: lost as stored, not lost again.
+    let c = start_with(&sqlite_url(dir.path()), Duration::from_secs(60)).await;
+    eventually("the stage lost after the restart", WAIT, || async {
+        let stages = http(&c.http, "GET", "/api/v1/stages", "").await;
+        let metrics = http(&c.http, "GET", "/metrics", "").await;
+        (stages.contains(r#""state":"lost""#) && metrics.contains(lost)).then_some(())
+    })
+    .await;
+    c.cancel.cancel();
+    c.task.await.unwrap().unwrap();
+}
