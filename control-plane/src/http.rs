@@ -61,12 +61,29 @@ impl IntoResponse for ApiError {
 const ENDPOINTS: &str = "GET /api/v1/stages, /api/v1/jobs, /api/v1/pools, /api/v1/datasets, \
      /api/v1/datasets/NAME, /api/v1/policies, /metrics, /healthz, /readyz; POST /api/v1/policies";
 
+/// The paths [`ENDPOINTS`] names, but `/api/v1/datasets/NAME`.
+const SERVED: [&str; 8] = [
+    "/api/v1/stages",
+    "/api/v1/jobs",
+    "/api/v1/pools",
+    "/api/v1/datasets",
+    "/api/v1/policies",
+    "/metrics",
+    "/healthz",
+    "/readyz",
+];
+
 /// A path the HTTP surface does not serve: a 404 that says what it does
 /// serve (and the path without its trailing slash, where that is one).
 async fn no_such_endpoint(uri: axum::http::Uri) -> Response {
     let path = uri.path();
     let trimmed = path.trim_end_matches('/');
-    let hint = if trimmed.len() < path.len() && !trimmed.is_empty() {
+    let served = |p: &str| {
+        SERVED.contains(&p)
+            || p.strip_prefix("/api/v1/datasets/")
+                .is_some_and(|name| !name.is_empty() && !name.contains('/') && name != "..")
+    };
+    let hint = if trimmed.len() < path.len() && served(trimmed) {
         format!(" (did you mean `{trimmed}`, without the trailing slash?)")
     } else {
         String::new()

@@ -126,12 +126,22 @@ pub fn check_sources(sources: &[Source]) -> Result<(), String> {
     parse(sources).map(drop).map_err(|e| e.to_string())
 }
 
+/// The longest source name (a file path, `?source=`) stored with a policy.
+const MAX_SOURCE_NAME: usize = 1024;
+
 /// Parses every source; returns each document with its source's name, or
 /// every error.
 fn parse(sources: &[Source]) -> Result<Vec<(String, Policy)>, ApiError> {
     let mut docs: Vec<(String, Policy)> = Vec::new();
     let mut errors = PolicyErrors::default();
     for s in sources {
+        // Stored with each revision and shown in operators' terminals.
+        if s.name.chars().any(char::is_control) || s.name.len() > MAX_SOURCE_NAME {
+            return Err(ApiError::Invalid(format!(
+                "the source name `{}` is refused: it must be at most {MAX_SOURCE_NAME} bytes with no control characters",
+                s.name.chars().take(80).collect::<String>().escape_debug()
+            )));
+        }
         match parse_documents(&s.name, &s.yaml) {
             Ok(d) => docs.extend(d.into_iter().map(|p| (s.name.clone(), p))),
             Err(e) => errors.0.extend(e),

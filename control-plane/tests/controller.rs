@@ -511,6 +511,14 @@ async fn http_view_applies_lists_and_refuses() {
         slash.contains("did you mean `/api/v1/datasets`") && slash.contains("GET /api/v1/stages"),
         "{slash}"
     );
+    // No hint of a path that is not served either.
+    for path in ["/api/v1/", "/api/v1/stages/../"] {
+        let bare = http(&c.http, "GET", path, "").await;
+        assert!(
+            bare.starts_with("HTTP/1.1 404") && !bare.contains("did you mean"),
+            "{bare}"
+        );
+    }
     let unknown = http(&c.http, "GET", "/api/v1/stage", "").await;
     assert!(
         unknown.starts_with("HTTP/1.1 404") && unknown.contains("no endpoint at `/api/v1/stage`:"),
@@ -614,6 +622,11 @@ async fn http_apply_reads_its_query_strictly_and_a_bad_query_stores_nothing() {
             "unknown query parameter `dryrun` (did you mean `dry_run`?)",
         ),
         ("dry_run=true&force=1", "unknown query parameter `force`"),
+        // Shown later in operators' terminals: no escape sequences.
+        (
+            "source=%1b%5b2Jx.yaml",
+            r"the source name `\u{1b}[2Jx.yaml` is refused",
+        ),
     ] {
         let path = format!("/api/v1/policies?{query}");
         let refused = http(&c.http, "POST", &path, POLICY).await;
