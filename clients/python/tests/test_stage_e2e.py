@@ -852,6 +852,31 @@ def test_waits_on_the_limit_count_as_throttled_and_stalled_while_they_last(stage
         assert stage.stop() == 0
 
 
+def test_reads_by_name_held_by_the_limiter_count_as_the_trainers_stall(stage_factory, tmp_path):
+    """READ and FETCH have no plan read ahead: a trainer waits on the
+    limiter itself, and that wait is its stall (it counted none, so the
+    controller took a throttled random reader for one that wanted no more
+    and raised its share a tenth a tick)."""
+    root = tmp_path / "named"
+    root.mkdir()
+    for i in range(8):
+        (root / f"s{i}.bin").write_bytes(bytes([i]) * (128 << 10))
+    stage = stage_factory({"d": root}, "--rate-limit", "256KiB/s", "--burst-ms", "10")
+
+    def seconds(name: str) -> float:
+        return metric_value(parse_prometheus(http_get(stage.metrics, "/metrics")), name, job="named") or 0.0
+
+    with sluice.Client(stage.socket, job="named") as c:
+        ds = c.dataset("d")
+        for i in range(4):
+            assert ds.read(f"s{i}.bin") == bytes([i]) * (128 << 10)
+        assert [bytes(d) for _, d in ds.fetch(["s4.bin", "s5.bin"])] == [bytes([4]) * (128 << 10),
+                                                                          bytes([5]) * (128 << 10)]
+    throttled = seconds("sluice_stage_throttled_seconds_total")
+    assert throttled >= 1.0, throttled
+    assert seconds("sluice_stage_consumer_stall_seconds_total") >= 0.9 * throttled
+
+
 def test_a_batch_filled_one_sample_at_a_time_counts_as_stall_as_it_fills(stage_factory, tmp_path):
     # A throttled job's batch of 32 fills over seconds, a sample each
     # sixteenth of a second: the trainer's wait must show in the stall

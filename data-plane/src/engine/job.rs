@@ -610,7 +610,7 @@ impl Job {
         m.delivered_samples.inc_by(samples);
     }
 
-    fn count_stall(&self, m: &DatasetMetrics, stall: Duration) {
+    pub(super) fn count_stall(&self, m: &DatasetMetrics, stall: Duration) {
         if !stall.is_zero() {
             self.stats
                 .stall_ns

@@ -589,7 +589,7 @@ impl Job {
                 return (Err(e), 0);
             }
         };
-        self.throttle(size);
+        self.throttle_for_consumer(size, m);
         let start = Instant::now();
         let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
@@ -693,7 +693,7 @@ impl Job {
             .map_err(|e| dataset.explained(e))?
             .saturating_sub(offset)
             .min(length);
-        self.throttle(size);
+        self.throttle_for_consumer(size, m);
         let start = Instant::now();
         let data = source
             .read_range(name, offset, length, pin)
@@ -775,7 +775,10 @@ impl Job {
             return Some(opened.map(|(file, _)| file));
         }
         let opened = opened.and_then(|(file, size)| {
-            if !self.throttle_while(self.limiter.ticket(), size, wanted) {
+            let waited = Instant::now();
+            let allowed = self.throttle_while(self.limiter.ticket(), size, wanted);
+            self.count_stall(m, waited.elapsed());
+            if !allowed {
                 return Err(ProtocolError::new(
                     ErrorCode::Unavailable,
                     format!("the open of `{name}` was given up while the job's limiter held it"),

@@ -374,6 +374,18 @@ impl Job {
         self.throttle_while(self.limiter.ticket(), bytes, || true);
     }
 
+    /// [`Job::throttle`] for a read a trainer waits on (one no plan read
+    /// ahead: `READ`, `FETCH`, a file read through the mount with no
+    /// order): the wait is the trainer's stall too, as a plan's consumer
+    /// waiting in `NEXT` is, so that the controller sees that the job wants
+    /// more than the limit gives (it saw readers throttled and trainers
+    /// never stalled, and raised such a job's share a tenth a tick).
+    pub(super) fn throttle_for_consumer(&self, bytes: u64, m: &DatasetMetrics) {
+        let waited = Instant::now();
+        self.throttle(bytes);
+        self.count_stall(m, waited.elapsed());
+    }
+
     /// [`Job::throttle`] in `ticket`'s place in line, for a caller that may
     /// stop wanting the bytes meanwhile (`wanted` says no): then returns
     /// false, having taken nothing.
