@@ -65,7 +65,11 @@ pub async fn apply(
     sources: Vec<Source>,
     dry_run: bool,
 ) -> Result<Vec<ChangeView>, ApiError> {
-    let docs = parse(&sources)?;
+    // Parsed off the runtime too: thousands of documents take a while.
+    let (docs, sources) = tokio::task::spawn_blocking(move || (parse(&sources), sources))
+        .await
+        .map_err(|e| ApiError::Invalid(format!("parsing the policies failed: {e}")))?;
+    let docs = docs?;
     if docs.is_empty() {
         return Err(ApiError::Invalid(no_policies(&sources)));
     }
@@ -177,9 +181,12 @@ async fn apply_documents(
 ) -> Result<Vec<ChangeView>, ApiError> {
     let _serial = shared.policy_changes.lock().await;
     let policies: Vec<Policy> = docs.iter().map(|(_, p)| p.clone()).collect();
-    let (next, _) = shared
-        .read_policies()
-        .apply(policies)
+    // Checked off the runtime and without the policies' lock held (a set of
+    // thousands takes seconds): stage hellos, reports and views go on.
+    let current = shared.read_policies().clone();
+    let (next, _) = tokio::task::spawn_blocking(move || current.apply(policies))
+        .await
+        .map_err(|e| ApiError::Invalid(format!("checking the policies failed: {e}")))?
         .map_err(|e| ApiError::Invalid(e.to_string()))?;
     let stored: Vec<PolicyDocument> = docs
         .iter()

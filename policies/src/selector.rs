@@ -132,6 +132,16 @@ impl Selector {
     /// Returns an example of the labels a job selected by both `self` and
     /// `other` has, or `None` when no job can be selected by both.
     pub fn overlap(&self, other: &Selector) -> Option<Witness> {
+        // Two values asked of one label never meet: most pairs of a large
+        // policy set (a team each) part here, without a witness built
+        // (3,000 policies took the check 10 s).
+        let parted = self
+            .match_labels
+            .iter()
+            .any(|(key, value)| other.match_labels.get(key).is_some_and(|v| v != value));
+        if parted {
+            return None;
+        }
         solve(self.terms().chain(other.terms())).ok()
     }
 
