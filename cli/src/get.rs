@@ -95,7 +95,10 @@ fn render<T: Serialize>(items: &[T], format: Format, table: impl FnOnce() -> Tab
             text.push('\n');
             text
         }
-        Format::Yaml => serde_yaml_ng::to_string(items).unwrap_or_default(),
+        // The same data as JSON; strings YAML 1.1 readers would take for
+        // booleans, numbers or dates quoted (serde's YAML left `yes` plain).
+        Format::Yaml => serde_json::to_value(items)
+            .map_or_else(|_| String::new(), |v| crate::yaml::to_string(&v)),
         Format::Table => {
             let mut text = table().render(TERMINAL_WIDTH).join("\n");
             text.push('\n');

@@ -22,6 +22,7 @@ mod table;
 mod top;
 mod validate;
 mod view;
+mod yaml;
 
 use std::process::ExitCode;
 

@@ -30,7 +30,8 @@ pub fn render(report: &Report, format: Format, all_ticks: bool) -> String {
     match format {
         Format::Table => table(report, all_ticks),
         Format::Json => serde_json::to_string(report).unwrap_or_default() + "\n",
-        Format::Yaml => serde_yaml_ng::to_string(report).unwrap_or_default(),
+        Format::Yaml => serde_json::to_value(report)
+            .map_or_else(|_| String::new(), |v| crate::yaml::to_string(&v)),
     }
 }
 
