@@ -94,23 +94,31 @@ pub fn job_text(job: &JobView) -> String {
         .add("Stall", human::percent(job.stall_fraction));
     head.write(&mut out, 0);
 
-    out.push_str("Declared by the policy:\n");
     let l = &job.limits;
-    let mut limits = Fields::default();
-    limits
-        .add(
-            "Guarantee",
-            human::limit(l.guarantee_bytes_per_second).replace("unlimited", "none"),
-        )
-        .add("Limit", human::limit(l.limit_bytes_per_second))
-        .add(
-            "Ops guarantee",
-            human::ops_limit(l.guarantee_ops_per_second).replace("unlimited", "none"),
-        )
-        .add("Ops limit", human::ops_limit(l.limit_ops_per_second))
-        .add("Weight", format!("{}", l.weight))
-        .add("Priority", l.priority.to_string());
-    limits.write(&mut out, 2);
+    if job.policy.is_none() {
+        // Nothing declared: no weight, guarantee or limit to show (a
+        // weight of 0, which no policy may declare, was shown).
+        out.push_str(
+            "Declared by the policy: no policy selects it (its stages' own limits apply)\n",
+        );
+    } else {
+        out.push_str("Declared by the policy:\n");
+        let mut limits = Fields::default();
+        limits
+            .add(
+                "Guarantee",
+                human::limit(l.guarantee_bytes_per_second).replace("unlimited", "none"),
+            )
+            .add("Limit", human::limit(l.limit_bytes_per_second))
+            .add(
+                "Ops guarantee",
+                human::ops_limit(l.guarantee_ops_per_second).replace("unlimited", "none"),
+            )
+            .add("Ops limit", human::ops_limit(l.limit_ops_per_second))
+            .add("Weight", format!("{}", l.weight))
+            .add("Priority", l.priority.to_string());
+        limits.write(&mut out, 2);
+    }
 
     out.push_str("Allocated (all stages):\n");
     match &job.allocation {
@@ -484,6 +492,23 @@ mod tests {
         assert!(text.contains("  Limit:         800 MiB/s\n"), "{text}");
         assert!(text.contains("  Reason:  cap\n"), "{text}");
         assert!(text.contains("  node-a-0  yes"), "{text}");
+        for line in text.lines() {
+            assert!(line.chars().count() <= 80, "{line:?}");
+        }
+        // A job no policy selects: nothing declared (a weight of 0 was
+        // shown), the limit its stage enforces on its own.
+        let free = JobView::from(v1::Job {
+            id: "free".into(),
+            settings: Some(v1::JobSettings {
+                bytes_per_second: Some(5 << 20),
+                reason: "stage".into(),
+                ..v1::JobSettings::default()
+            }),
+            ..v1::Job::default()
+        });
+        let text = job_text(&free);
+        assert!(text.contains("no policy selects it"), "{text}");
+        assert!(!text.contains("Weight"), "{text}");
         for line in text.lines() {
             assert!(line.chars().count() <= 80, "{line:?}");
         }
