@@ -588,8 +588,6 @@ impl Job {
         self.count_delivered_bytes(m, bytes, samples.len() as u64);
     }
 
-    /// Counts `bytes` of `samples` delivered (a read through the mount
-    /// counts each answer's bytes, and its file once).
     /// Counts `bytes` the node cache (or another reader's read of the same
     /// sample) answered for the job: storage was not asked for them, and
     /// the controller's demand estimate leaves them out.
@@ -599,6 +597,8 @@ impl Job {
             .fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
+    /// Counts `bytes` of `samples` delivered (a read through the mount
+    /// counts each answer's bytes, and its file once).
     pub fn count_delivered_bytes(&self, m: &DatasetMetrics, bytes: u64, samples: u64) {
         self.stats
             .delivered_bytes
@@ -610,7 +610,7 @@ impl Job {
         m.delivered_samples.inc_by(samples);
     }
 
-    pub(super) fn count_stall(&self, m: &DatasetMetrics, stall: Duration) {
+    fn count_stall(&self, m: &DatasetMetrics, stall: Duration) {
         if !stall.is_zero() {
             self.stats
                 .stall_ns

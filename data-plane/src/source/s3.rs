@@ -122,10 +122,17 @@ pub struct S3Source {
 /// Keys a listing skipped: how many of each kind, and the first one's key
 /// (in key order: pages come in any order).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Skipped {
+struct SkippedKeys {
     slash: (u64, Option<String>),
     unservable: (u64, Option<String>),
-    warned: Option<Box<Skipped>>,
+}
+
+/// The keys the listing in progress skipped, and those the last warning
+/// named (none at first: a listing that skips nothing says nothing).
+#[derive(Debug, Default)]
+struct Skipped {
+    now: SkippedKeys,
+    said: SkippedKeys,
 }
 
 impl Skipped {
@@ -138,16 +145,14 @@ impl Skipped {
 
     /// Starts a listing's count (one that failed left its part behind).
     fn begin(&mut self) {
-        self.slash = Default::default();
-        self.unservable = Default::default();
+        self.now = SkippedKeys::default();
     }
 
     /// Warns of what this listing skipped unless the last warning said
     /// the same, and returns whether it did.
     fn report(&mut self, url: &str) -> bool {
-        let last = self.warned.take();
-        let now = std::mem::take(self);
-        let warn = !now.warned_before(last.as_deref());
+        let now = std::mem::take(&mut self.now);
+        let warn = now != self.said;
         let kinds = [
             (
                 &now.slash,
@@ -166,14 +171,8 @@ impl Skipped {
             }
         }
         let warned = warn && now.slash.0 + now.unservable.0 > 0;
-        self.warned = Some(Box::new(now));
+        self.said = now;
         warned
-    }
-
-    fn warned_before(&self, last: Option<&Skipped>) -> bool {
-        last.map_or(self.slash.0 + self.unservable.0 == 0, |last| {
-            (&last.slash, &last.unservable) == (&self.slash, &self.unservable)
-        })
     }
 }
 
@@ -401,13 +400,13 @@ impl S3Source {
         let name = raw.strip_prefix(&self.key_prefix)?;
         if name.is_empty() || name.ends_with('/') {
             if size > 0 {
-                Skipped::note(&mut crate::sync::lock(&self.skipped).slash, raw);
+                Skipped::note(&mut crate::sync::lock(&self.skipped).now.slash, raw);
             }
             return None;
         }
         let addressable = || Key::parse(raw).is_ok_and(|key| key.as_ref() == raw);
         if crate::entry::check_name(name).is_err() || !addressable() {
-            Skipped::note(&mut crate::sync::lock(&self.skipped).unservable, raw);
+            Skipped::note(&mut crate::sync::lock(&self.skipped).now.unservable, raw);
             return None;
         }
         Some(name.to_owned())
@@ -1652,7 +1651,7 @@ mod tests {
         let listing = |skipped: &mut Skipped, keys: &[&str]| {
             skipped.begin();
             for key in keys {
-                Skipped::note(&mut skipped.unservable, key);
+                Skipped::note(&mut skipped.now.unservable, key);
             }
             skipped.report("s3://b/p")
         };
@@ -1660,14 +1659,11 @@ mod tests {
         assert!(listing(&mut skipped, &["p/b\t", "p/a\t"]));
         // The same keys, their pages come in another order: said already.
         assert!(!listing(&mut skipped, &["p/a\t", "p/b\t"]));
-        assert_eq!(
-            skipped.warned.as_ref().unwrap().unservable.1.as_deref(),
-            Some("p/a\t")
-        );
+        assert_eq!(skipped.said.unservable.1.as_deref(), Some("p/a\t"));
         assert!(listing(&mut skipped, &["p/a\t", "p/b\t", "p/c\t"]));
         assert!(!listing(&mut skipped, &[]), "none now: nothing to say");
         // A listing that failed part way leaves no count behind.
-        Skipped::note(&mut skipped.unservable, "p/z\t");
+        Skipped::note(&mut skipped.now.unservable, "p/z\t");
         assert!(!listing(&mut skipped, &[]));
     }
 

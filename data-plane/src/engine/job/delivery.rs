@@ -775,10 +775,7 @@ impl Job {
             return Some(opened.map(|(file, _)| file));
         }
         let opened = opened.and_then(|(file, size)| {
-            let waited = Instant::now();
-            let allowed = self.throttle_while(self.limiter.ticket(), size, wanted);
-            self.count_stall(m, waited.elapsed());
-            if !allowed {
+            if !self.throttle_for_consumer_while(self.limiter.ticket(), size, m, wanted) {
                 return Err(ProtocolError::new(
                     ErrorCode::Unavailable,
                     format!("the open of `{name}` was given up while the job's limiter held it"),

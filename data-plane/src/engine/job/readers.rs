@@ -367,28 +367,37 @@ impl Job {
         }
     }
 
-    /// Waits for the job's first settings (a new job under a controller),
-    /// then for the limiter to allow a read of `bytes`, counting that wait.
-    /// The read queues behind those already waiting.
-    pub(super) fn throttle(&self, bytes: u64) {
-        self.throttle_while(self.limiter.ticket(), bytes, || true);
-    }
-
-    /// [`Job::throttle`] for a read a trainer waits on (one no plan read
-    /// ahead: `READ`, `FETCH`, a file read through the mount with no
-    /// order): the wait is the trainer's stall too, as a plan's consumer
+    /// Waits for the job's first settings and the limiter, as
+    /// [`Job::throttle_while`] does, for a read a trainer waits on (one no
+    /// plan read ahead: `READ`, `FETCH`, a file read through the mount with
+    /// no order): the wait is the trainer's stall too, as a plan's consumer
     /// waiting in `NEXT` is, so that the controller sees that the job wants
     /// more than the limit gives (it saw readers throttled and trainers
     /// never stalled, and raised such a job's share a tenth a tick).
     pub(super) fn throttle_for_consumer(&self, bytes: u64, m: &DatasetMetrics) {
-        let waited = Instant::now();
-        self.throttle(bytes);
-        self.count_stall(m, waited.elapsed());
+        self.throttle_for_consumer_while(self.limiter.ticket(), bytes, m, || true);
     }
 
-    /// [`Job::throttle`] in `ticket`'s place in line, for a caller that may
-    /// stop wanting the bytes meanwhile (`wanted` says no): then returns
-    /// false, having taken nothing.
+    /// [`Job::throttle_for_consumer`] for a caller that may stop wanting
+    /// the bytes meanwhile (`wanted` says no: then it returns false, having
+    /// taken nothing).
+    pub(super) fn throttle_for_consumer_while(
+        &self,
+        ticket: Ticket<'_>,
+        bytes: u64,
+        m: &DatasetMetrics,
+        wanted: impl FnMut() -> bool,
+    ) -> bool {
+        let waited = Instant::now();
+        let allowed = self.throttle_while(ticket, bytes, wanted);
+        self.count_stall(m, waited.elapsed());
+        allowed
+    }
+
+    /// Waits for the job's first settings (a new job under a controller),
+    /// then, in `ticket`'s place in line, for the limiter to allow a read of
+    /// `bytes`, counting that wait; gives up when `wanted` says the caller no
+    /// longer wants the bytes, returning false, having taken nothing.
     pub(super) fn throttle_while(
         &self,
         ticket: Ticket<'_>,
