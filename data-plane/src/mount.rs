@@ -322,6 +322,8 @@ enum Node {
         dataset: Arc<Dataset>,
         path: String,
         meta: Option<Meta>,
+        /// How many directories it holds.
+        subdirs: u32,
     },
     File {
         job: Arc<str>,
@@ -368,11 +370,16 @@ impl Node {
     fn of_entry(job: &Arc<str>, dataset: &Arc<Dataset>, entry: Entry) -> Self {
         let (job, dataset) = (Arc::clone(job), Arc::clone(dataset));
         match entry {
-            Entry::Dir(path, owner) => Self::Dir {
+            Entry::Dir {
+                path,
+                owner,
+                subdirs,
+            } => Self::Dir {
                 job,
                 dataset,
                 path,
                 meta: Meta::of(owner, None),
+                subdirs,
             },
             Entry::File(name, shown) => Self::File {
                 job,
@@ -1197,6 +1204,11 @@ impl MountFs {
     /// first refusal ends passthrough for the mount (logged once). A plan
     /// entry `planned` of the file (claimed while another open of it was
     /// passed through) is delivered first, and the open charged as that.
+    /// A file found another size than the kernel has (`resized`, with the
+    /// version listed) has the kernel ask its attributes again first: the
+    /// kernel reads the source file whole, but `stat` and `mmap` would keep
+    /// the old size.
+    #[allow(clippy::too_many_arguments)]
     fn open_passthrough(
         &self,
         opener: u32,
@@ -1204,13 +1216,14 @@ impl MountFs {
         fh: u64,
         (file, keep, mut way): (Open, u32, WayHeld),
         planned: Option<PlannedClaim>,
+        resized: Option<u64>,
         reply: ReplyOpen,
     ) {
         let (open, readers) = (Arc::clone(&self.open), Arc::clone(&self.readers));
         let (passthrough, backings) = (Arc::clone(&self.passthrough), Arc::clone(&self.backings));
         let charged = planned.is_some();
         let (job, name) = (Arc::clone(&file.job), file.name.clone());
-        let answer = move || {
+        let answer = move |file: Open| {
             let metrics = file.job.metrics_for(&file.dataset.name);
             // The kernel waits for this answer even for a killed opener (the
             // stage cannot hear interrupts), so a throttled open ends when
@@ -1277,17 +1290,21 @@ impl MountFs {
                 }
             }
         };
-        match planned {
-            None => drop(self.runtime.spawn_blocking(answer)),
-            Some(claim) => {
-                let runtime = self.runtime.clone();
-                self.runtime.spawn(async move {
-                    // Its bytes are the file's, which the kernel reads.
-                    drop(job.deliver_claimed(claim, &name).await);
-                    drop(runtime.spawn_blocking(answer));
-                });
-            }
+        if planned.is_none() && resized.is_none() {
+            return drop(self.runtime.spawn_blocking(move || answer(file)));
         }
+        let runtime = self.runtime.clone();
+        let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
+        self.runtime.spawn(async move {
+            if let Some(version) = resized {
+                ask_size_again(&file, &nodes, &notifier, ino, version).await;
+            }
+            if let Some(claim) = planned {
+                // Its bytes are the file's, which the kernel reads.
+                drop(job.deliver_claimed(claim, &name).await);
+            }
+            drop(runtime.spawn_blocking(move || answer(file)));
+        });
     }
 
     /// Whether a file of `size` bytes may be passed through (see
@@ -1297,7 +1314,13 @@ impl MountFs {
     }
 
     fn attr(&self, ino: u64, node: &Node) -> FileAttr {
-        attr(self.started, ino, node)
+        let mut attr = attr(self.started, ino, node);
+        if let Node::Root | Node::JobRoot(_) = node {
+            // It holds the data sets (`@<job>` directories are not listed).
+            let datasets = self.engine.dataset_names().len();
+            attr.nlink = u32::try_from(datasets).map_or(u32::MAX, |n| n.saturating_add(2));
+        }
+        attr
     }
 
     /// Whether the reader of `req` may read as `job` (the `trainers:`
@@ -1433,15 +1456,19 @@ fn dataset_root(
     dataset: &Arc<Dataset>,
 ) -> Result<Node, i32> {
     let tree = trees.of(dataset, runtime).map_err(|e| errno(&e))?;
-    let root = Entry::Dir(String::new(), tree.owner(""));
-    Ok(Node::of_entry(job, dataset, root))
+    Ok(Node::of_entry(job, dataset, tree.dir(String::new())))
 }
 
-/// A node's attributes (`started`: the time of nodes without one).
+/// A node's attributes (`started`: the time of nodes without one); a
+/// directory's link count is two more than the directories it holds, as a
+/// local directory's (`find` and others take it so).
 fn attr(started: SystemTime, ino: u64, node: &Node) -> FileAttr {
     let (kind, perm, size, nlink, meta) = match node {
         Node::File { size, meta, .. } => (FileType::RegularFile, 0o444, *size, 1, *meta),
-        Node::Dir { meta, .. } => (FileType::Directory, 0o555, 0, 2, *meta),
+        Node::Dir { meta, subdirs, .. } => {
+            let nlink = subdirs.saturating_add(2);
+            (FileType::Directory, 0o555, 0, nlink, *meta)
+        }
         _ => (FileType::Directory, 0o555, 0, 2, None),
     };
     let (perm, uid, gid, mtime) =
@@ -1720,8 +1747,9 @@ impl Filesystem for MountFs {
             let file = file.pinned(pin, pages);
             return match way {
                 Some(way) if way.way() == Way::Passthrough => {
+                    let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| version);
                     let file = (file, keep, way);
-                    self.open_passthrough(req.pid(), ino, fh, file, delivered_first, reply)
+                    self.open_passthrough(req.pid(), ino, fh, file, delivered_first, resized, reply)
                 }
                 // Not while another open reads the old file's pages (its
                 // size is the one it reads to; this open reads past them).

@@ -68,6 +68,15 @@ def mounted(mount_stage, dataset):
     return stage, mnt, files
 
 
+def files_of_sizes(tmp_path, sizes: dict[str, int]):
+    """A data set directory of random files of the given sizes."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for name, size in sizes.items():
+        (root / name).write_bytes(os.urandom(size))
+    return root
+
+
 def test_every_file_reads_exactly_with_its_tree_and_size(mounted):
     stage, mnt, files = mounted
     assert os.listdir(mnt) == ["ds"]
@@ -110,6 +119,11 @@ def test_empty_directories_are_shown_as_they_are(tmp_path, mount_stage):
     assert os.listdir(mnt / "ds" / "valid") == [] and os.path.isdir(mnt / "ds" / "valid")
     assert os.listdir(mnt / "ds" / "deep") == ["er"] and os.listdir(mnt / "ds" / "deep" / "er") == []
     assert os.listdir(mnt / "ds" / "train") == ["a.bin"]
+    # Link counts as a local directory's: two more than the directories it
+    # holds (`find -links 2` lists the leaves; every directory showed 2).
+    for path in ["", "train", "valid", "deep", "deep/er"]:
+        assert os.stat(mnt / "ds" / path).st_nlink == os.stat(root / path).st_nlink, path
+    assert os.stat(mnt).st_nlink == 3, "the mount's root holds one data set"
 
 
 def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, mount_stage):
@@ -572,11 +586,8 @@ def test_files_a_mount_sampler_plans_after_they_grew_read_whole(tmp_path, mount_
     file that still fits what its buffer reserved and one that does not."""
     pytest.importorskip("torch")
     from sluice.torch import MountSampler
-    root = tmp_path / "data"
-    root.mkdir()
     sizes = {"small.bin": (1_000, 3_000), "large.bin": (100_000, 300_000)}
-    for name, (before, _) in sizes.items():
-        (root / name).write_bytes(os.urandom(before))
+    root = files_of_sizes(tmp_path, {name: before for name, (before, _) in sizes.items()})
     stage, mnt = mount_stage(root)
     paths = [str(mnt / "@grown" / "ds" / name) for name in sorted(sizes)]
     sampler = MountSampler(paths, stage.socket, seed=1)
@@ -766,11 +777,8 @@ def test_a_file_replaced_by_one_of_another_size_reads_whole_before_the_stage_lis
     the new file whole, and shows its size (they were cut at, or padded to,
     the old size: a prefix of the new file), and still does once the
     listing has them."""
-    root = tmp_path / "data"
-    root.mkdir()
     sizes = {"grows.bin": (10_000, 30_000), "shrinks.bin": (30_000, 10_000), "big.bin": (200_000, 900_000)}
-    for name, (before, _) in sizes.items():
-        (root / name).write_bytes(os.urandom(before))
+    root = files_of_sizes(tmp_path, {name: before for name, (before, _) in sizes.items()})
     stage, mnt = mount_stage(root)
     for name in sizes:
         assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
@@ -784,6 +792,36 @@ def test_a_file_replaced_by_one_of_another_size_reads_whole_before_the_stage_lis
                 assert os.fstat(f.fileno()).st_size == after, (round_, name)
             assert got == (root / name).read_bytes(), f"{round_}: {name}: {len(got)} bytes, the file has {after}"
         time.sleep(5.5)  # the stage lists the data set again after 5 s
+
+
+def test_a_passed_through_file_replaced_by_one_of_another_size_shows_its_size(tmp_path, mount_stage):
+    """Large files (passed through: the kernel reads the source file
+    itself) replaced by larger and smaller ones and opened again before the
+    stage lists the data set: ``fstat``, ``stat`` and ``mmap`` give the new
+    size, as ``read`` does (they kept the old one for the kernel's 60 s)."""
+    sizes = {"grows.bin": (2_000_000, 3_000_000), "shrinks.bin": (3_000_000, 1_500_000)}
+    root = files_of_sizes(tmp_path, {name: before for name, (before, _) in sizes.items()})
+    stage, mnt = mount_stage(root)
+
+    def reads() -> int:
+        scraped = parse_prometheus(http_get(stage.metrics, "/metrics"))
+        return int(metric_value(scraped, "sluice_stage_mount_requests_total", op="read") or 0)
+
+    before = reads()
+    for name in sizes:
+        assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
+    assert reads() == before, "the files were read through the stage, not passed through"
+    for name, (_, after) in sizes.items():
+        (root / ".next").write_bytes(os.urandom(after))
+        os.rename(root / ".next", root / name)
+    for name, (_, after) in sizes.items():
+        want = (root / name).read_bytes()
+        with open(mnt / "ds" / name, "rb") as f:
+            assert os.fstat(f.fileno()).st_size == after, name
+            assert os.stat(mnt / "ds" / name).st_size == after, name
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                assert m[:] == want, f"{name}: mapped {len(m)} bytes, the file has {after}"
+            assert f.read() == want, name
 
 
 def test_a_file_replaced_while_another_reader_holds_it_reads_as_each_opened_it(tmp_path, mount_stage):

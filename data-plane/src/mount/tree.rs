@@ -15,9 +15,13 @@ use crate::sync::lock;
 
 /// What a name in a directory is.
 pub enum Entry {
-    /// A directory, by its path in the data set, and its owner (listed by
-    /// a local data set).
-    Dir(String, Option<Owner>),
+    /// A directory: its path in the data set, its owner (listed by a local
+    /// data set) and how many directories it holds.
+    Dir {
+        path: String,
+        owner: Option<Owner>,
+        subdirs: u32,
+    },
     /// A file: its name in the data set and what the listing says of it.
     File(String, Shown),
 }
@@ -42,6 +46,9 @@ pub struct Tree {
     dirs: HashMap<String, Vec<(String, Option<Shown>)>>,
     /// A local data set's directories' owners.
     owners: HashMap<String, Owner>,
+    /// How many directories each directory holding any holds (its link
+    /// count is two more, as a local directory's).
+    subdirs: HashMap<String, u32>,
     /// Files not shown because a directory has their name (an object store
     /// holds `a` and `a/b`): the directory is shown, whichever was listed
     /// first.
@@ -90,6 +97,13 @@ impl Tree {
                 shadowed.push(name.to_owned());
             }
         }
+        let subdirs = dirs
+            .iter()
+            .filter_map(|(path, names)| {
+                let n = names.values().filter(|shown| shown.is_none()).count();
+                (n > 0).then(|| (path.clone(), u32::try_from(n).unwrap_or(u32::MAX)))
+            })
+            .collect();
         let dirs = dirs
             .into_iter()
             .map(|(path, names)| (path, names.into_iter().collect()))
@@ -98,13 +112,18 @@ impl Tree {
         Self {
             dirs,
             owners,
+            subdirs,
             shadowed,
         }
     }
 
-    /// The owner of directory `path`, if the listing gave one.
-    pub fn owner(&self, path: &str) -> Option<Owner> {
-        self.owners.get(path).copied()
+    /// Directory `path` as an entry.
+    pub fn dir(&self, path: String) -> Entry {
+        Entry::Dir {
+            owner: self.owners.get(&path).copied(),
+            subdirs: self.subdirs.get(&path).copied().unwrap_or(0),
+            path,
+        }
     }
 
     /// The entry `name` of directory `path`.
@@ -118,10 +137,7 @@ impl Tree {
             format!("{path}/{name}")
         };
         Some(match size {
-            None => {
-                let owner = self.owner(&full);
-                Entry::Dir(full, owner)
-            }
+            None => self.dir(full),
             Some(shown) => Entry::File(full, shown),
         })
     }
@@ -300,15 +316,25 @@ mod tests {
             [("b".to_owned(), true), ("empty".to_owned(), true)]
         );
         assert!(tree.list("a/empty", 0, 10).is_empty());
-        assert!(matches!(tree.entry("a", "empty"), Some(Entry::Dir(p, None)) if p == "a/empty"));
+        assert!(
+            matches!(tree.entry("a", "empty"), Some(Entry::Dir { path, owner: None, subdirs: 0 }) if path == "a/empty")
+        );
         assert_eq!(tree.list("a", 0, 1), [("3.bin".to_owned(), false)]);
         assert!(tree.list("a", 5, 10).is_empty());
         assert!(
             matches!(tree.entry("a/b", "2.bin"), Some(Entry::File(n, s)) if n == "a/b/2.bin" && s.size == 2)
         );
         assert!(
-            matches!(tree.entry("", "a"), Some(Entry::Dir(p, Some(o))) if p == "a" && o == owner)
+            matches!(tree.entry("", "a"), Some(Entry::Dir { path, owner: Some(o), subdirs: 2 }) if path == "a" && o == owner)
         );
+        assert!(matches!(
+            tree.dir(String::new()),
+            Entry::Dir { subdirs: 2, .. }
+        ));
+        assert!(matches!(
+            tree.entry("a", "b"),
+            Some(Entry::Dir { subdirs: 0, .. })
+        ));
         assert!(tree.entry("a", "nothing").is_none());
         assert!(tree.list("missing", 0, 10).is_empty());
     }
