@@ -72,10 +72,7 @@ impl Source {
     pub fn list(&self) -> io::Result<Walked> {
         match self {
             Self::Dir(d) => d.list(),
-            Self::S3(s) => Ok(Walked {
-                files: s.block_on(s.list())?,
-                ..Walked::default()
-            }),
+            Self::S3(s) => s.block_on(s.list()),
         }
     }
 

@@ -171,6 +171,27 @@ def test_files_read_through_the_mount_are_kept_by_the_node_cache(s3, stage_facto
     assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok") == before
 
 
+def test_a_folder_marker_with_nothing_beneath_is_an_empty_directory_in_the_mount(stage_factory, tmp_path,
+                                                                                credentials):
+    """A folder made empty by a console (an empty object `valid/`, as DLIO's
+    layout has when it holds nothing) shows as an empty directory through
+    the mount, as an empty local directory does; a marker above objects
+    shows them, and no folder is a sample."""
+    objects = {f"{PREFIX}/a.bin": b"a", f"{PREFIX}/valid/": b"", f"{PREFIX}/deep/er/": b"",
+               f"{PREFIX}/full/": b"", f"{PREFIX}/full/x.bin": b"x", f"{PREFIX}/": b""}
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with object_store_of(objects) as endpoint:
+        stage = s3_stage(stage_factory, endpoint, "--mount", str(mnt))
+        root = mnt / "@s3" / "ds"
+        assert sorted(os.listdir(root)) == ["a.bin", "deep", "full", "valid"]
+        assert os.path.isdir(root / "valid") and os.listdir(root / "valid") == []
+        assert os.listdir(root / "deep") == ["er"] and os.listdir(root / "deep" / "er") == []
+        assert os.listdir(root / "full") == ["x.bin"]
+        with sluice.Client(stage.socket, job="markers") as c:
+            assert c.dataset("ds").files.names() == ["a.bin", "full/x.bin"]
+
+
 def test_keys_outside_the_prefix_are_not_served(s3, stage_factory):
     server, _files = s3
     stage = s3_stage(stage_factory, f"http://{server.address}")
@@ -441,24 +462,26 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
 
 
 @contextlib.contextmanager
-def web_server_answering_404():
-    """A plain HTTP server whose every answer is a 404 web page; yields its
-    URL."""
-    class NotFound(http.server.BaseHTTPRequestHandler):
+def web_server(answer):
+    """A plain HTTP server answering each GET (and HEAD) of a path, query
+    included, with ``answer(path)``: ``(status, content type, body)``;
+    yields its URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = b"<html><body>404 Not Found</body></html>"
-            self.send_response(404)
-            self.send_header("Content-Type", "text/html")
+            status, kind, body = answer(self.path)
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if self.command == "GET":
+                self.wfile.write(body)
 
         do_HEAD = do_GET
 
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -466,6 +489,49 @@ def web_server_answering_404():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def web_server_answering_404():
+    """A web server whose every answer is a 404 page (no object store)."""
+    return web_server(lambda _path: (404, "text/html", b"<html><body>404 Not Found</body></html>"))
+
+
+def object_store_of(objects: dict):
+    """A minimal S3 store's listings (no checks of signatures, no ranged
+    reads) of bucket ``BUCKET`` holding ``objects`` (key: bytes), keys
+    ending in ``/`` (folder markers, which a console makes and ``s3s-fs``
+    cannot hold) included."""
+    from urllib.parse import parse_qsl, quote, unquote, urlsplit
+    from xml.sax.saxutils import escape
+
+    def answer(path: str):
+        url = urlsplit(path)
+        bucket, _, key = url.path.lstrip("/").partition("/")
+        if bucket != BUCKET:
+            return 404, "application/xml", b"<Error><Code>NoSuchBucket</Code></Error>"
+        query = dict(parse_qsl(url.query))
+        if query.get("list-type") != "2":
+            body = objects.get(unquote(key))
+            if body is None:
+                return 404, "application/xml", b"<Error><Code>NoSuchKey</Code></Error>"
+            return 200, "application/octet-stream", body
+        prefix, delimiter = query.get("prefix", ""), query.get("delimiter")
+        contents, prefixes = [], set()
+        for name in sorted(k for k in objects if k.startswith(prefix)):
+            rest = name[len(prefix):]
+            if delimiter and delimiter in rest:
+                prefixes.add(prefix + rest[:rest.index(delimiter) + 1])
+            else:
+                etag = f"&quot;{len(objects[name])}-{quote(name, safe='')}&quot;"
+                contents.append(f"<Contents><Key>{escape(name)}</Key><Size>{len(objects[name])}</Size>"
+                                f"<ETag>{etag}</ETag></Contents>")
+        common = "".join(f"<CommonPrefixes><Prefix>{escape(p)}</Prefix></CommonPrefixes>"
+                         for p in sorted(prefixes))
+        xml = (f"<ListBucketResult><Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix>"
+               f"<IsTruncated>false</IsTruncated>{''.join(contents)}{common}</ListBucketResult>")
+        return 200, "application/xml", xml.encode()
+
+    return web_server(answer)
 
 
 def test_an_endpoint_from_the_environment_is_addressed_path_style(s3, monkeypatch, stage_factory):

@@ -42,7 +42,7 @@ use tokio::runtime::Handle;
 
 use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
-use crate::entry::{FileEntry, Fnv64};
+use crate::entry::{FileEntry, Fnv64, Walked};
 use crate::metrics::{Metrics, SourceMetrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{MAX_FILE_BYTES, clamp_range};
@@ -174,6 +174,35 @@ impl Skipped {
         self.said = now;
         warned
     }
+}
+
+/// What the pages beneath one prefix held.
+#[derive(Debug, Default)]
+struct Found {
+    entries: Vec<FileEntry>,
+    /// Folder markers' directories.
+    folders: Vec<String>,
+    /// Sub-prefixes, when listed with a delimiter.
+    prefixes: Vec<String>,
+}
+
+/// The folders with nothing listed beneath them (neither an object nor
+/// another folder), sorted: a folder with objects shows by them.
+fn empty_folders(files: &[FileEntry], mut folders: Vec<String>) -> Vec<String> {
+    if folders.is_empty() {
+        return folders;
+    }
+    folders.sort_unstable();
+    folders.dedup();
+    let mut names: Vec<&str> = files.iter().map(|f| f.name.as_str()).collect();
+    names.extend(folders.iter().map(String::as_str));
+    names.sort_unstable();
+    let holds_any = |folder: &str| {
+        let beneath = format!("{folder}/");
+        let at = names.partition_point(|name| *name < beneath.as_str());
+        names.get(at).is_some_and(|name| name.starts_with(&beneath))
+    };
+    folders.iter().filter(|f| !holds_any(f)).cloned().collect()
 }
 
 impl fmt::Debug for S3Source {
@@ -312,11 +341,13 @@ impl S3Source {
     /// round trip, so a million keys listed one page after another take
     /// minutes; the prefix is split at its `/` levels (until there are
     /// [`LIST_SPLIT`] sub-prefixes, at most [`LIST_DEPTH`] levels down) and
-    /// the sub-prefixes are listed [`LIST_CONCURRENCY`] at a time.
-    pub async fn list(&self) -> std::io::Result<Vec<FileEntry>> {
+    /// the sub-prefixes are listed [`LIST_CONCURRENCY`] at a time. Folder
+    /// markers (`valid/`, empty, as consoles make them) with no object
+    /// beneath them are the listing's empty directories.
+    pub async fn list(&self) -> std::io::Result<Walked> {
         let failed =
             |e: ListError| std::io::Error::other(format!("listing {} failed: {e}", self.url));
-        let mut files = Vec::new();
+        let (mut files, mut folders) = (Vec::new(), Vec::new());
         let mut prefixes = vec![self.key_prefix.clone()];
         crate::sync::lock(&self.skipped).begin();
         for _ in 0..LIST_DEPTH {
@@ -330,9 +361,10 @@ impl S3Source {
                 .await;
             let mut deeper = Vec::new();
             for level in levels {
-                let (entries, sub) = level.map_err(failed)?;
-                files.extend(entries);
-                deeper.extend(sub);
+                let found = level.map_err(failed)?;
+                files.extend(found.entries);
+                folders.extend(found.folders);
+                deeper.extend(found.prefixes);
             }
             prefixes = deeper;
         }
@@ -342,34 +374,53 @@ impl S3Source {
             .collect::<Vec<_>>()
             .await;
         for listed in rest {
-            files.extend(listed.map_err(failed)?.0);
+            let found = listed.map_err(failed)?;
+            files.extend(found.entries);
+            folders.extend(found.folders);
         }
         let _ = crate::sync::lock(&self.skipped).report(&self.url);
-        Ok(files)
+        let empty_dirs = empty_folders(&files, folders);
+        Ok(Walked {
+            files,
+            empty_dirs,
+            ..Walked::default()
+        })
     }
 
     /// Every page beneath `prefix`: its entries (each page's objects made
-    /// entries as it comes: a page's keys and ETags are not kept) and
-    /// (when `delimited`) its sub-prefixes.
-    async fn list_all(
-        &self,
-        prefix: &str,
-        delimited: bool,
-    ) -> Result<(Vec<FileEntry>, Vec<String>), ListError> {
-        let (mut entries, mut prefixes) = (Vec::new(), Vec::new());
+    /// entries as it comes: a page's keys and ETags are not kept), its
+    /// folder markers and (when `delimited`) its sub-prefixes.
+    async fn list_all(&self, prefix: &str, delimited: bool) -> Result<Found, ListError> {
+        let mut found = Found::default();
         let mut token = None;
         loop {
             let page = self
                 .lister
                 .page(prefix, delimited, token.as_deref(), list::BUSY_PATIENCE)
                 .await?;
-            entries.extend(page.objects.iter().filter_map(|o| self.entry_of(o)));
-            prefixes.extend(page.prefixes);
+            for listed in &page.objects {
+                match self.folder_of(listed) {
+                    Some(folder) => found.folders.push(folder),
+                    None => found.entries.extend(self.entry_of(listed)),
+                }
+            }
+            found.prefixes.extend(page.prefixes);
             match page.next {
                 Some(next) if Some(&next) != token.as_ref() => token = Some(next),
-                _ => return Ok((entries, prefixes)),
+                _ => return Ok(found),
             }
         }
+    }
+
+    /// The directory a folder marker (an empty object whose key ends in
+    /// `/`, beneath the prefix) stands for, when it is a servable name.
+    fn folder_of(&self, listed: &Listed) -> Option<String> {
+        let folder = listed
+            .key
+            .strip_prefix(&self.key_prefix)?
+            .strip_suffix('/')?;
+        let servable = listed.size == 0 && !folder.is_empty();
+        (servable && crate::entry::check_name(folder).is_ok()).then(|| folder.to_owned())
     }
 
     /// The entry of a listed object; its version is a hash of the ETag
@@ -1546,6 +1597,18 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn folders_with_nothing_beneath_are_the_empty_ones() {
+        let files = ["a.bin", "full/x.bin", "fullness.bin"]
+            .map(|name| crate::entry::FileEntry::new(name.to_owned(), 1, 0));
+        let folders = ["valid", "full", "deep", "deep/er", "valid", "ful"].map(str::to_owned);
+        assert_eq!(
+            super::empty_folders(&files, folders.to_vec()),
+            ["deep/er", "ful", "valid"]
+        );
+        assert!(super::empty_folders(&files, Vec::new()).is_empty());
+    }
+
     #[test]
     fn credentials_in_an_endpoint_url_are_not_shown() {
         let said = super::without_userinfo(
