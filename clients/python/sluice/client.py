@@ -252,12 +252,14 @@ class Client:
         reconnect: float = 60.0,
         run: Optional[int] = None,
     ) -> None:
-        if run is not None and (not isinstance(run, int) or isinstance(run, bool)
-                                or not 0 < run < 1 << 64):
+        if run is not None and not 0 < p.integer(run, "run", 64):
             raise ValueError(f"run must be an integer in [1, 2^64), or None, got {run!r}")
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        run = None if run is None else p.integer(run, "run")
+        world_size = p.integer(world_size, "world_size")
+        if world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        rank = p.integer(rank, "rank")
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         self.job = job
         self.labels = dict(labels or {})
@@ -266,6 +268,7 @@ class Client:
         self.run = run
         # The run PLAN names on this connection: 0 until a stage grants RUNS.
         self._plan_run = 0
+        self._runs = False
         self.address = address if not isinstance(address, socket.socket) else None
         # Validate HELLO's fields before connecting, so a bad job name is a
         # ValueError naming the field instead of a round trip.
@@ -329,7 +332,9 @@ class Client:
             raise ValueError("shared_memory=True needs a UNIX socket to the stage and a platform with "
                              "socket.recv_fds and mmap.madvise (Linux, Python 3.9+)")
         want = version >= 2 and local and _shm.supported() and shared_memory is not False
-        runs = p.FEATURE_RUNS | p.FEATURE_RUN_READS if self.run else 0
+        # RUNS in any case: a plan resumed on a stage that still holds the
+        # plan of the connection it replaces names a run of its own.
+        runs = p.FEATURE_RUNS | (p.FEATURE_RUN_READS if self.run else 0)
         features = (p.FEATURE_SHARED_MEMORY if want else 0) | runs
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
@@ -384,7 +389,9 @@ class Client:
         #: older stage).
         self.protocol_version: int = welcome.version
         self.stage_id: str = welcome.stage_id
-        self._plan_run = self.run if welcome.version >= 2 and welcome.features & p.FEATURE_RUNS else 0
+        #: Whether a plan may name a run on this connection.
+        self._runs = bool(welcome.version >= 2 and welcome.features & p.FEATURE_RUNS)
+        self._plan_run = (self.run or 0) if self._runs else 0
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
         return welcome
@@ -678,6 +685,15 @@ class Client:
                     pass
 
 
+def _names_of(names: Sequence[str], or_else: str = "") -> List[str]:
+    """``names`` as a list; a single name (a ``str`` is a sequence of its
+    characters) is refused, saying how to give it."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"names must be a sequence of file names, got the single name {names!r}: "
+                        f"give [{names!r}]{or_else}")
+    return list(names)
+
+
 def _returns_flusher(client: "Client"):
     """The region's way to send waiting returns: through the client, held
     weakly (the region lives in the client and its samples)."""
@@ -870,6 +886,7 @@ class Dataset:
         order either way. Close the iterator (:meth:`PlanIterator.close`, a
         ``with`` block, or dropping it) to stop the thread early.
         """
+        epoch, seed = p.integer(epoch, "epoch", 64), p.integer(seed, "seed", 64)
         count, digest = self.file_count, self.digest
         return self._submit(lambda run: p.encode_plan_shuffle(epoch, seed, shuffle, count, digest, run),
                             epoch, batch, on_error, prefetch,
@@ -881,7 +898,7 @@ class Dataset:
         """Submits an explicit plan of file indices (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
-        indices = list(indices)
+        indices, epoch = list(indices), p.integer(epoch, "epoch", 64)
 
         def encode(rest, run):
             return p.encode_plan_indices(epoch, rest, run)
@@ -893,7 +910,7 @@ class Dataset:
         """Submits an explicit plan of file names (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
-        names = list(names)
+        names, epoch = _names_of(names), p.integer(epoch, "epoch", 64)
 
         def encode(rest, run):
             return p.encode_plan_names(epoch, rest, run)
@@ -903,6 +920,7 @@ class Dataset:
     def local_order(self, epoch: int, seed: int = 0, shuffle: bool = True) -> List[int]:
         """Returns the file indices :meth:`epoch` delivers for this client's
         rank, derived locally (no round trip)."""
+        epoch, seed = p.integer(epoch, "epoch", 64), p.integer(seed, "seed", 64)
         c = self.client
         return _plan.shuffle_plan(self.file_count, seed, epoch, shuffle, c.rank, c.world_size)
 
@@ -912,10 +930,11 @@ class Dataset:
         connection names, and returns its iterator."""
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
-        if not isinstance(batch, int) or not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
+        if not 1 <= p.integer(batch, "batch") <= p.MAX_SAMPLES_PER_NEXT:
             raise ValueError(f"batch must be an integer in 1..{p.MAX_SAMPLES_PER_NEXT}, got {batch!r}")
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        if p.integer(prefetch, "prefetch") < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
+        epoch, batch, prefetch = p.integer(epoch, "epoch", 64), int(batch), int(prefetch)
         c = self.client
 
         def submit() -> "PlanIterator":
@@ -939,6 +958,8 @@ class Dataset:
         automatically. Raises :class:`sluice.NotFoundError`,
         :class:`sluice.ForbiddenPathError`, :class:`sluice.SluiceIOError`, ...
         """
+        offset = p.integer(offset, "offset")
+        length = None if length is None else p.integer(length, "length")
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"offset and length must be >= 0, got offset={offset} length={length}")
         wire_length = p.READ_TO_END if length is None else length
@@ -968,9 +989,7 @@ class Dataset:
         """
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
-        if isinstance(names, (str, bytes)):
-            raise TypeError(f"names must be a sequence of file names, got the single name {names!r}: "
-                            f"give [{names!r}], or read it with read()")
+        names = _names_of(names, ", or read it with read()")
         if self.client.protocol_version < 2:
             out = []
             for name in names:

@@ -19,8 +19,22 @@ if TYPE_CHECKING:
 __all__ = ["PlanIterator"]
 
 #: How long a resumed plan keeps meeting the old connection's plan (on a
-#: stage that did not restart) before the conflict is an error.
+#: stage that did not restart, and cannot take a plan naming a run) before
+#: the conflict is an error.
 RESUBMIT_CONFLICT_S = 2.0
+
+#: How many times this process is the child of a fork (of its parent's
+#: count): an iterator made before a fork is its parent's.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 class PlanIterator:
@@ -73,11 +87,14 @@ class PlanIterator:
         self._end = False
         self._failure: Optional[BaseException] = None
         self._prefetcher: Optional[_Prefetcher] = None
+        self._fork, self._pid = _forks, os.getpid()
 
     def __iter__(self) -> "PlanIterator":
         return self
 
     def __next__(self) -> Tuple[str, Union[bytes, SluiceError]]:
+        if self._fork != _forks:
+            self._check_process()
         while self._next_pending >= len(self._pending):
             if self._end:
                 raise StopIteration
@@ -93,6 +110,7 @@ class PlanIterator:
     def samples(self) -> Iterator[p.Sample]:
         """Yields the raw :class:`sluice.protocol.Sample` records (with their
         plan positions), errors included, never raising for a sample."""
+        self._check_process()
         while True:
             while self._next_pending < len(self._pending):
                 s = self._pending[self._next_pending]
@@ -136,6 +154,14 @@ class PlanIterator:
             except Exception:  # interpreter shutdown
                 pass
 
+    def _check_process(self) -> None:
+        """Refuses a forked child the batches its parent received (both
+        would yield them); it must open its own client."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this sluice plan iterator was made in another process (pid {self._pid}); a "
+                "forked process must open its own Client and submit its own plan")
+
     def _fill(self) -> None:
         if self._failure is not None:
             raise self._failure
@@ -146,11 +172,12 @@ class PlanIterator:
             client._check_process()
             if self._prefetcher is None:
                 self._prefetcher = _Prefetcher(self._exchange_fn(), self.prefetch, client)
-            try:
-                got = self._prefetcher.take()
-            except BaseException as e:
-                self._failure = e
-                raise
+            # An interrupt of this wait (Ctrl-C) is the caller's, not the
+            # exchange's: a later next() waits again.
+            got = self._prefetcher.take()
+            if type(got) is _Failed:
+                self._failure = got.error
+                raise got.error
             if got is None:  # stopped
                 self._end = True
                 self._pending = []
@@ -258,22 +285,44 @@ class _Exchanger:
     def _resubmit(self) -> None:
         c = self.client
         rest = self.resume.order()[self.next:]
-        # On a stage that stayed up, the old connection's plan lives until
-        # the stage sees that connection close: a moment, so try again.
+        run = c._plan_run
+        # On a stage that stayed up (this client dropped the connection
+        # itself: an interrupt, its timeout), the old connection's plan
+        # lives until the stage sees that connection close, and the entries
+        # it claimed never arrived. A plan of the same identity would meet
+        # it: refused when it differs, joined when it is the same, and then
+        # those entries are lost. So the rest is planned under a run of its
+        # own, or (a stage that takes no runs) once the old plan is gone.
         deadline = time.monotonic() + RESUBMIT_CONFLICT_S
         while True:
             try:
                 with c._lock:
-                    c._call(self.resume.encode(rest, c._plan_run), p.Planned)
+                    planned = c._call(self.resume.encode(rest, run), p.Planned)
+                    if planned.state != p.PlanState.CREATED:
+                        self._leave_plan()
+                        raise PlanConflictError(
+                            "the stage still holds this plan from the connection this client dropped "
+                            "(an interrupt or a timeout mid-exchange), with the samples it had claimed",
+                            fatal=False)
                     c._plan_generation += 1
                     self.generation = c._plan_generation
                 break
             except PlanConflictError:
+                if c._runs:
+                    run = int.from_bytes(os.urandom(8), "big") or 1
+                    continue
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)
         self.base = self.next
         self.resumed += 1
+
+    def _leave_plan(self) -> None:
+        """Detaches the connection from the plan it joined (by opening the
+        data set again), refusing a listing that changed meanwhile."""
+        c = self.client
+        c._dataset = None
+        self.dataset._reopen_if_needed()
 
 
 class _Failed:
@@ -341,9 +390,9 @@ class _Prefetcher:
                 self._items.append(item)
                 self._cond.notify_all()
 
-    def take(self) -> Optional[p.Samples]:
-        """Returns the next answer (waiting for it), raises the failure that
-        ended the thread, or returns None once stopped."""
+    def take(self) -> Union[p.Samples, _Failed, None]:
+        """Returns the next answer (waiting for it), the failure that ended
+        the thread, or None once stopped."""
         with self._cond:
             while not self._items:
                 if self._stopped:
@@ -353,8 +402,6 @@ class _Prefetcher:
                 self._cond.wait()
             item = self._items.popleft()
             self._cond.notify_all()
-        if type(item) is _Failed:
-            raise item.error
         return item
 
     def wake(self) -> None:

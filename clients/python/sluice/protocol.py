@@ -23,6 +23,7 @@ Nothing here touches sockets directly; the client owns the connection.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from typing import BinaryIO, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -269,9 +270,22 @@ _U64 = struct.Struct(">Q")
 _HEADER = struct.Struct(">IB")
 
 
+def integer(value, what: str, bits: Optional[int] = None) -> int:
+    """``value`` as a Python ``int``: an ``int`` or a value of another
+    integer type (NumPy's, a 0-d tensor: what ``operator.index`` takes),
+    never a ``bool``; with ``bits``, in ``[0, 2^bits)``."""
+    try:
+        got = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        got = None
+    if got is None or (bits is not None and not 0 <= got < (1 << bits)):
+        within = f" in [0, 2^{bits})" if bits is not None else ""
+        raise ValueError(f"{what} must be an integer{within}, got {value!r}")
+    return got
+
+
 def _u(bits: int, value: int, what: str) -> None:
-    if not isinstance(value, int) or not 0 <= value < (1 << bits):
-        raise ValueError(f"{what} must be an integer in [0, 2^{bits}), got {value!r}")
+    integer(value, what, bits)
 
 
 def _enc_str(value: str, what: str) -> bytes:

@@ -267,6 +267,30 @@ def test_fetch_of_one_name_as_a_string_says_so(fake, data):
         with pytest.raises(TypeError, match="sequence of file names"):
             ds.fetch(name)
         assert ds.fetch([name]) == [(name, files[name])]
+        # A plan of one name given as a str planned each of its characters.
+        with pytest.raises(TypeError, match=r"give \['"):
+            ds.plan_names(name, 0)
+        assert [n for n, _ in ds.plan_names([name], 0)] == [name]
+
+
+def test_integers_of_other_types_are_taken_as_integers(fake, data):
+    """NumPy's integers (an epoch from ``np.arange``, a seed from
+    ``np.random``) are integers: they were refused with ``epoch must be an
+    integer ..., got np.int64(0)``. Booleans and floats are not."""
+    np = pytest.importorskip("numpy")
+    _root, files = data
+    name = sorted(files)[0]
+    with sluice.Client(fake.path, job="j", rank=np.int64(0), world_size=np.int32(1)) as c:
+        ds = c.dataset("d")
+        got = [n for n, _ in ds.epoch(np.int64(1), seed=np.uint32(7), batch=np.int64(4),
+                                      prefetch=np.int8(1))]
+        assert got == [ds.files[i][0] for i in ds.local_order(1, seed=7)]
+        assert ds.local_order(np.uint64(1), seed=np.int64(7)) == ds.local_order(1, seed=7)
+        assert ds.read(name, np.int64(1), np.int64(2)) == files[name][1:3]
+        assert [n for n, _ in ds.plan_indices(np.arange(2), np.int64(2))] == ds.files.names()[:2]
+        for bad in (True, 1.0, "1"):
+            with pytest.raises(ValueError, match="epoch must be an integer"):
+                ds.epoch(bad)
 
 
 def test_big_read_falls_back_to_ranges(tmp_path):

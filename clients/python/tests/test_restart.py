@@ -131,6 +131,82 @@ def test_a_dropped_connection_to_a_live_stage_resumes_its_plan(stage_factory, ma
         assert c.reconnects == 1
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_epoch_interrupted_mid_batch_goes_on_exactly_once(stage_factory, tmp_path, prefetch):
+    """Ctrl-C while ``next()`` waits for a batch, caught, and the loop goes
+    on (a notebook cell run again, a handler that checkpoints): every
+    sample still comes once, in plan order. A synchronous iterator drops
+    its connection mid-answer and resumes on a stage that still holds the
+    old plan; the samples that answer claimed were lost (the resumed plan
+    joined the old one and the iterator ended short, without an error). A
+    prefetching one kept the interrupt as its failure and raised it from
+    every later ``next()``."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(20_000) for i in range(100)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    # A batch of 16 takes 0.3 s: each interrupt comes while one is awaited.
+    stage = stage_factory({"ds": root}, "--rate-limit", "1MiB/s", "--readers", "1")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sluice.Client(stage.socket, job="ctrl-c", reconnect=10) as c:
+            ds = c.dataset("ds")
+            order = [ds.files[i][0] for i in ds.local_order(0, seed=5)]
+            it = ds.epoch(0, seed=5, batch=16, prefetch=prefetch)
+            timers = [threading.Timer(t, lambda: os.kill(os.getpid(), signal.SIGINT)) for t in (0.1, 1.0)]
+            for t in timers:
+                t.start()
+            got, interrupts = [], 0
+            while True:
+                try:
+                    name, data = next(it)
+                except StopIteration:
+                    break
+                except KeyboardInterrupt:
+                    interrupts += 1
+                    assert interrupts <= 2, "an interrupt raised again by a later next()"
+                    continue
+                assert data == files[name], name
+                got.append(name)
+            for t in timers:
+                t.join()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert interrupts == 2
+    assert got == order, f"{len(got)} of {len(files)} samples, {len(got) - len(set(got))} twice"
+
+
+def test_a_forked_child_cannot_take_its_parents_samples(stage_factory, many_files):
+    """The child of a fork made mid-batch is refused its parent's iterator
+    at its first ``next()``: it yielded the rest of the batch the parent
+    had received, which the parent yielded too."""
+    root, files = many_files
+    stage = stage_factory({"ds": root})
+    with sluice.Client(stage.socket, job="forked") as c:
+        it = c.dataset("ds").epoch(0, seed=1, batch=32)
+        head = [next(it)[0] for _ in range(4)]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                next(it)
+                said = b"yielded"
+            except RuntimeError as e:
+                said = b"refused" if b"another process" in str(e).encode() else b"other"
+            except BaseException:
+                said = b"other"
+            os.write(write, said)
+            os._exit(0)
+        os.close(write)
+        child = os.read(read, 16)
+        os.close(read)
+        os.waitpid(pid, 0)
+        rest = [name for name, _ in it]
+    assert child == b"refused"
+    assert sorted(head + rest) == sorted(files)
+
+
 def test_reads_are_sent_again_after_a_restart(restartable, many_files):
     root, files = many_files
     stage = restartable(root)
