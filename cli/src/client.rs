@@ -326,9 +326,17 @@ pub async fn connect(controller: &Controller) -> Result<Admin, CallError> {
         endpoint
     };
     let bearer = Bearer::new(controller.token.as_deref())?;
-    let channel = endpoint
-        .connect()
+    // The connect timeout is the TCP connect's: a stopped controller's
+    // socket still accepts, and the TLS handshake would wait for ever.
+    let channel = tokio::time::timeout(REQUEST_TIMEOUT, endpoint.connect())
         .await
+        .map_err(|_| {
+            unreachable(format!(
+                "no connection within {} s (the TLS handshake was not answered); check that \
+                 it is running, not stopped or overloaded",
+                REQUEST_TIMEOUT.as_secs()
+            ))
+        })?
         .map_err(|e| unreachable(deepest_reason(&e)))?;
     // Views of thousands of jobs with their labels run past tonic's
     // default of 4 MiB; the controller is the caller's own.

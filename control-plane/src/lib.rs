@@ -38,13 +38,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use sluice_proto::{AdminServiceServer, StageServiceServer};
+use sluice_proto::{AdminServiceServer, StageServiceServer, fd_limit, listen};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::server::TcpIncoming;
 use tracing::{Instrument, info, info_span};
 
 use leader::GrpcGate;
@@ -198,7 +197,13 @@ impl Controller {
         );
         let grpc_cancel = cancel.child_token();
         let gate = GrpcGate(shared.clone());
-        let mut server = tonic::transport::Server::builder();
+        // Each listener holds at most a quarter of the descriptors (raised
+        // to the hard limit), so that neither can take the store's.
+        fd_limit::raise();
+        let most = fd_limit::connections_per_listener();
+        let mut server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(listen::KEEPALIVE))
+            .http2_keepalive_timeout(Some(listen::KEEPALIVE));
         if let Some(tls) = self.config.tls {
             server = server.tls_config(tls).context("configuring TLS")?;
         }
@@ -224,7 +229,7 @@ impl Controller {
             ));
         let grpc = server
             .add_routes(routes.into())
-            .serve_with_incoming_shutdown(TcpIncoming::from(self.grpc), async move {
+            .serve_with_incoming_shutdown(listen::Incoming::new(self.grpc, most), async move {
                 grpc_cancel.cancelled().await;
             });
         tasks.spawn(async move { ("gRPC server", grpc.await.map_err(Into::into)) });
@@ -238,7 +243,7 @@ impl Controller {
                 self.auth.clone(),
                 auth::http_gate,
             ));
-        let http = axum::serve(self.http, router)
+        let http = axum::serve(listen::Incoming::new(self.http, most), router)
             .with_graceful_shutdown(async move { http_cancel.cancelled().await });
         tasks.spawn(async move { ("HTTP server", http.await.map_err(Into::into)) });
         let failure = tokio::select! {

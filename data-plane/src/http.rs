@@ -2,9 +2,8 @@
 //! `/healthz`, `/readyz`, `/api/v1/jobs` (the telemetry snapshot as JSON)
 //! and `/api/v1/cache` (the node cache's capacity and use by data set).
 
-mod guarded;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -14,7 +13,13 @@ use axum::routing::get;
 
 use crate::engine::Engine;
 
-pub use guarded::Guarded;
+/// The HTTP listener, bounded so that its clients cannot take what
+/// trainers need: at most 128 connections at once, each closed after a
+/// minute without a byte (a Prometheus scrape reuses its connection well
+/// within that).
+pub fn listener(listener: tokio::net::TcpListener) -> sluice_proto::listen::Incoming {
+    sluice_proto::listen::Incoming::new(listener, 128).with_idle(Duration::from_secs(60))
+}
 
 pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()

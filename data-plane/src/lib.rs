@@ -16,7 +16,6 @@ mod engine;
 mod entry;
 #[cfg(debug_assertions)]
 mod fault;
-mod fd_limit;
 mod fs_room;
 mod heap;
 mod http;
@@ -46,6 +45,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use sluice_proto::fd_limit;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -261,7 +261,7 @@ impl Stage {
         critical.spawn(
             "metrics server",
             async move {
-                axum::serve(http::Guarded::new(http), app)
+                axum::serve(http::listener(http), app)
                     .with_graceful_shutdown(http_cancel.cancelled_owned())
                     .await
                     .context("serving /metrics")

@@ -40,6 +40,10 @@ const STABLE_SESSION: Duration = Duration::from_secs(10);
 /// session it ended.
 const LEAVE_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a connection to the controller may take, TLS handshake
+/// included.
+const CONNECT_WITHIN: Duration = Duration::from_secs(10);
+
 /// Who this stage is, as its hello (and, with mutual TLS, its
 /// certificate) tells the controller.
 #[derive(Debug, Clone)]
@@ -59,6 +63,8 @@ pub enum SessionError {
     BadUrl { url: String, reason: String },
     #[error("connecting to the controller: {}", error_chain(.0))]
     Connect(#[from] tonic::transport::Error),
+    #[error("connecting to the controller: no connection (TLS handshake included) within {0:?}")]
+    ConnectTimedOut(Duration),
     #[error("{}", refusal(.0))]
     Refused(#[from] tonic::Status),
     #[error("the controller closed the session")]
@@ -127,7 +133,7 @@ impl SessionError {
     /// controller), as opposed to a controller refusing the session.
     fn is_transport(&self) -> bool {
         match self {
-            Self::Connect(_) => true,
+            Self::Connect(_) | Self::ConnectTimedOut(_) => true,
             Self::Refused(status) => {
                 std::error::Error::source(status).is_some_and(|e| e.is::<tonic::transport::Error>())
             }
@@ -170,9 +176,13 @@ async fn session(
         Some(tls) => endpoint.tls_config(tls.clone())?,
         None => endpoint,
     };
-    let Some(channel) = stopping.run_until_cancelled(endpoint.connect()).await else {
+    // The connect timeout above is the TCP connect's: a TLS handshake
+    // through a path that went silent (a partition) would wait for ever.
+    let connect = tokio::time::timeout(CONNECT_WITHIN, endpoint.connect());
+    let Some(channel) = stopping.run_until_cancelled(connect).await else {
         return Ok(());
     };
+    let channel = channel.map_err(|_| SessionError::ConnectTimedOut(CONNECT_WITHIN))?;
     let (tx, rx) = mpsc::channel::<StageMessage>(16);
     let send = |kind| StageMessage { kind: Some(kind) };
     tx.send(send(stage_message::Kind::Hello(hello(engine, identity))))

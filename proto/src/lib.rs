@@ -17,6 +17,8 @@ pub mod v1 {
     tonic::include_proto!("sluice.v1");
 }
 
+pub mod fd_limit;
+pub mod listen;
 pub mod tls;
 
 /// Returns an error with its sources, `: `-separated: a tonic transport

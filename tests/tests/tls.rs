@@ -357,3 +357,82 @@ async fn with_bound_ids_a_stage_takes_only_the_id_its_certificate_names() {
     assert_eq!(code, 64, "{stderr}");
     assert!(stderr.contains("needs mutual TLS"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_speak_do_not_shut_out_the_controllers_clients() {
+    // 300 connections that send nothing, to a controller allowed 256
+    // descriptors, took them all: `sluicectl`, new stage sessions and
+    // `/healthz` were refused until they left.
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Authority::new(dir.path(), "cluster");
+    let server = ca.issue("controller", &["localhost", "127.0.0.1"]);
+    let operator = ca.issue("operator", &["operator"]);
+    let base = controller_command(&format!("sqlite://{}", dir.path().join("c.db").display()));
+    let mut c = Command::new("prlimit");
+    c.arg("--nofile=256:256")
+        .arg("--")
+        .arg(base.get_program())
+        .args(base.get_args())
+        .args(server.args());
+    let (_controller, ready) = support::start(c, &dir.path().join("controller.log"));
+    let grpc = ready["grpc"].as_str().unwrap().to_owned();
+    let http = ready["http"].as_str().unwrap().to_owned();
+    let silent: Vec<_> = (0..300)
+        .map(|_| std::net::TcpStream::connect(&grpc).unwrap())
+        .collect();
+    let answered = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut admin = admin(&grpc, &operator).await;
+        assert_eq!(stage_ids(&mut admin).await, Vec::<String>::new());
+        admin
+    });
+    let admin = answered
+        .await
+        .expect("the controller answered sluicectl's request");
+    assert!(support::http(&http, "GET", "/healthz", "").starts_with("HTTP/1.1 200"));
+    let (command, _) = stage_command(dir.path(), "stage-a", &format!("https://{grpc}"));
+    let mut command = command;
+    command.args(ca.issue("stage-a", &["stage-a"]).args());
+    let _stage = support::start(command, &dir.path().join("stage.log"));
+    eventually("the stage's session", Duration::from_secs(20), || {
+        let mut admin = admin.clone();
+        async move { (stage_ids(&mut admin).await == ["stage-a"]).then_some(()) }
+    })
+    .await;
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_that_never_answers_the_handshake_is_given_up() {
+    // A listener that accepts and says nothing: a stopped controller, or a
+    // network partition. The stage and sluicectl waited in their TLS
+    // handshakes for ever (the connect timeout is the TCP connect's).
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Authority::new(dir.path(), "cluster");
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://{}", silent.local_addr().unwrap());
+    let held = std::thread::spawn(move || {
+        let accepted: Vec<_> = silent.incoming().take(4).collect();
+        std::thread::sleep(Duration::from_secs(60));
+        drop(accepted);
+    });
+    let (mut stage, _) = stage_command(dir.path(), "stage-a", &url);
+    stage.args(ca.issue("stage-a", &["stage-a"]).args());
+    let log = dir.path().join("stage.log");
+    let _stage = support::start(stage, &log);
+    let operator = ca.issue("operator", &["operator"]);
+    let mut ctl = Command::new(sluice_tests::binary("sluicectl"));
+    ctl.args(["--server", &url, "get", "stages"])
+        .args(operator.args())
+        .env_remove("SLUICE_SERVER");
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || ctl.output().unwrap());
+    let text = log_shows(&log, "TLS handshake included) within 10s").await;
+    assert!(text.contains("retry_in"), "{text}");
+    let out = out.await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no connection within 30 s"), "{stderr}");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(45), "{took:?}");
+    drop(held);
+}

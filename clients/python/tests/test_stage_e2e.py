@@ -1087,6 +1087,9 @@ def test_idle_http_clients_cannot_take_the_stages_descriptors(stage_factory, dat
         name = sorted_names(files)[0]
         with sluice.Client(stage.socket, job="beside") as c:
             assert c.dataset("d").read(name) == files[name]
+        # Nor do they keep a client that speaks out of the port: the
+        # oldest silent one gives it its place.
+        assert http_get(stage.metrics, "/healthz") == "ok\n"
     finally:
         for s in held:
             s.close()

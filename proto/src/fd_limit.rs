@@ -1,7 +1,8 @@
-//! The stage's file descriptor limit: raised to what the system allows at
+//! A process's file descriptor limit: raised to what the system allows at
 //! start (the soft limit is often 1024 while the hard one is far higher,
 //! and every open sample, cache file and connection takes one), and split
-//! so that trainer connections cannot take the descriptors reads need.
+//! so that connections cannot take the descriptors the rest needs (a
+//! stage's reads, a controller's store).
 
 #![allow(unsafe_code)]
 
@@ -25,9 +26,9 @@ pub fn raise() -> usize {
     usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
 }
 
-/// The most trainer connections one listener holds at once: a quarter of
-/// the descriptors the stage may open, so that the data files, the node
-/// cache's disk tier, the mount and `/metrics` keep the rest (a floor above
+/// The most connections one listener holds at once: a quarter of the
+/// descriptors the process may open, so that the rest keeps the others
+/// (a stage's data files, node cache, mount and `/metrics`; a floor above
 /// that, under a low limit, let idle connections take every descriptor).
 pub fn connections_per_listener() -> usize {
     let soft = current().map_or(FALLBACK, |l| {
