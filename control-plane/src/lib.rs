@@ -197,10 +197,14 @@ impl Controller {
         );
         let grpc_cancel = cancel.child_token();
         let gate = GrpcGate(shared.clone());
-        // Each listener holds at most a quarter of the descriptors (raised
-        // to the hard limit), so that neither can take the store's.
+        // Each listener holds a share of the descriptors (raised to the hard
+        // limit): the gRPC one, where every stage keeps a session, half;
+        // the HTTP one a quarter; the store keeps the rest.
         fd_limit::raise();
-        let most = fd_limit::connections_per_listener();
+        let (grpc_most, http_most) = {
+            let quarter = fd_limit::connections_per_listener();
+            (quarter.saturating_mul(2), quarter)
+        };
         let mut server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(listen::KEEPALIVE))
             .http2_keepalive_timeout(Some(listen::KEEPALIVE));
@@ -229,9 +233,12 @@ impl Controller {
             ));
         let grpc = server
             .add_routes(routes.into())
-            .serve_with_incoming_shutdown(listen::Incoming::new(self.grpc, most), async move {
-                grpc_cancel.cancelled().await;
-            });
+            .serve_with_incoming_shutdown(
+                listen::Incoming::new(self.grpc, grpc_most),
+                async move {
+                    grpc_cancel.cancelled().await;
+                },
+            );
         tasks.spawn(async move { ("gRPC server", grpc.await.map_err(Into::into)) });
         let http_cancel = cancel.child_token();
         let router = http::router(shared.clone())
@@ -243,7 +250,7 @@ impl Controller {
                 self.auth.clone(),
                 auth::http_gate,
             ));
-        let http = axum::serve(listen::Incoming::new(self.http, most), router)
+        let http = axum::serve(listen::Incoming::new(self.http, http_most), router)
             .with_graceful_shutdown(async move { http_cancel.cancelled().await });
         tasks.spawn(async move { ("HTTP server", http.await.map_err(Into::into)) });
         let failure = tokio::select! {
