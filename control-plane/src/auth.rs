@@ -182,13 +182,26 @@ impl Auth {
                 continue;
             };
             seen = stamp;
+            // Every token deleted (revoked after a leak, say) is applied:
+            // keeping them in force would keep the leaked ones.
+            let now = now.or_else(|e| {
+                if e.holds_no_token() {
+                    Ok(Tokens::default())
+                } else {
+                    Err(e)
+                }
+            });
             let changed = last != now;
             match &now {
                 Ok(tokens) if changed => {
                     *self.tokens.write().unwrap_or_else(|e| e.into_inner()) = tokens.clone();
                     let (admin, readers) = (tokens.count(Role::Admin), tokens.count(Role::Read));
                     let file = path.display();
-                    info!(%file, admin, read = readers, "admin tokens read");
+                    if admin + readers == 0 {
+                        warn!(%file, "the token file holds no token: every call that needs one is refused until one is written");
+                    } else {
+                        info!(%file, admin, read = readers, "admin tokens read");
+                    }
                 }
                 Err(e) if changed || asked => {
                     warn!(error = %e, "cannot use the token file; keeping the tokens in force");

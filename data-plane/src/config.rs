@@ -263,8 +263,8 @@ pub struct StageFile {
     #[serde(default)]
     pub limits: LimitsFile,
     /// Which jobs and labels trainers may claim (left out: any; an empty
-    /// list is refused).
-    #[serde(default)]
+    /// list, or the key with nothing under it, is refused).
+    #[serde(default, deserialize_with = "given")]
     pub trainers: Option<Vec<TrainerRule>>,
     /// How to reach the object store of `s3://` datasets.
     #[serde(default)]
@@ -500,7 +500,7 @@ impl StageConfig {
         }
         if file.trainers.as_ref().is_some_and(Vec::is_empty) {
             return Err(ConfigError(
-                "`trainers:` is an empty list, which would let every trainer claim any job: give at least one rule, or leave `trainers:` out for no restriction"
+                "`trainers:` holds no rule (an empty list, or nothing under the key: every rule commented out?), which would let every trainer claim any job: give at least one rule, or leave `trainers:` out for no restriction"
                     .into(),
             ));
         }
@@ -596,6 +596,16 @@ impl StageConfig {
 
 /// The job of reads through the mount that name none.
 pub const DEFAULT_MOUNT_JOB: &str = "mount";
+
+/// A list whose key is given with nothing under it (YAML's null: every
+/// item commented out) as an empty one, not as a key left out.
+fn given<'de, D, T>(deserializer: D) -> Result<Option<Vec<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<Vec<T>>::deserialize(deserializer).map(|list| Some(list.unwrap_or_default()))
+}
 
 /// A map in which a key given twice is an error (YAML keeps the last).
 fn unique_keys<'de, D, V>(deserializer: D) -> Result<BTreeMap<String, V>, D::Error>
@@ -1336,7 +1346,12 @@ mod tests {
                 "`labels:` in the configuration file",
             ),
             (&["--node", " "], "", "the node name is empty"),
-            (&[], "trainers: []", "`trainers:` is an empty list"),
+            (&[], "trainers: []", "`trainers:` holds no rule"),
+            (
+                &[],
+                "trainers:\n#  - any: true\n",
+                "`trainers:` holds no rule",
+            ),
             (&[], "socket: ''", "--socket is empty"),
             (&["--socket", &long_socket], "", "must be at most 107 bytes"),
             (

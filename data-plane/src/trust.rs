@@ -120,9 +120,27 @@ impl TrainerRule {
                 "trainers[{index}] allows no job: give it `jobs` (`\"*\"` for any)"
             ));
         }
-        if let Some(k) = self.require.iter().find(|k| !self.labels.contains_key(*k)) {
+        // A pattern no job id can match (`team-a/*`, ""): a typo that
+        // would allow nothing.
+        let job_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '*');
+        if let Some(p) = self
+            .jobs
+            .iter()
+            .find(|p| p.is_empty() || !p.chars().all(job_char))
+        {
             return Err(format!(
-                "trainers[{index}] requires label `{k}` but allows no value of it: list it under `labels`"
+                "trainers[{index}] allows job `{p}`, which no job id can be (1 to 128 characters of [A-Za-z0-9._-], `*` for any run of them)"
+            ));
+        }
+        if let Some(k) = self.labels.keys().find(|k| k.is_empty()) {
+            return Err(format!(
+                "trainers[{index}] allows label key `{k}`, which no trainer can send (keys are 1 to 63 bytes)"
+            ));
+        }
+        let allowed = |k: &String| self.labels.get(k).is_some_and(|values| !values.is_empty());
+        if let Some(k) = self.require.iter().find(|k| !allowed(k)) {
+            return Err(format!(
+                "trainers[{index}] requires label `{k}` but allows no value of it: list values of it under `labels`"
             ));
         }
         Ok(())
@@ -367,5 +385,20 @@ mod tests {
                 .contains("trainers[3] allows no job")
         );
         assert!(serde_yaml_ng::from_str::<Vec<TrainerRule>>("- uid: [1]\n  jobs: [x]").is_err());
+        // Rules that can allow nothing: refused too.
+        for (rule, said) in [
+            ("jobs: ['']", "allows job ``"),
+            ("jobs: ['team-a/*']", "allows job `team-a/*`"),
+            ("jobs: [x]\n  labels: {'': [a]}", "allows label key ``"),
+            (
+                "jobs: [x]\n  labels: {team: []}\n  require: [team]",
+                "requires label `team`",
+            ),
+        ] {
+            let r: Vec<TrainerRule> =
+                serde_yaml_ng::from_str(&format!("- any: true\n  {rule}")).unwrap();
+            let e = r[0].validate(0).unwrap_err();
+            assert!(e.contains(said), "{rule}: {e}");
+        }
     }
 }

@@ -258,7 +258,21 @@ async fn sluicectl_sends_its_token_and_tokens_rotate() {
     .await;
     let out = sluicectl(grpc, &["get", "pools"], Some(rotated));
     assert!(out.status.success(), "{out:?}");
+    // Every line deleted revokes every token (they stayed in force).
+    std::fs::write(dir.path().join("tokens.new"), "# revoked\n").unwrap();
+    std::fs::rename(dir.path().join("tokens.new"), &tokens).unwrap();
+    eventually("every token to be revoked", WAIT, || async {
+        let out = sluicectl(grpc, &["get", "pools"], Some(rotated));
+        (!out.status.success()).then_some(())
+    })
+    .await;
+    let out = sluicectl(grpc, &["get", "pools"], Some(READ));
+    assert!(
+        stderr(&out).contains("not one this controller accepts"),
+        "{out:?}"
+    );
     let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("the token file holds no token"), "{log}");
     assert!(
         !log.contains(ADMIN) && !log.contains(READ) && !log.contains(rotated),
         "{log}"

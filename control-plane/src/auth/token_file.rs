@@ -85,6 +85,19 @@ pub struct TokenFileError {
     pub reason: String,
 }
 
+/// Why a file that parses but holds no token is refused (at start: a
+/// controller nobody could call; read again, it revokes every token).
+const NO_TOKEN: &str =
+    "no token in it: write one `ROLE TOKEN` line per token, ROLE `admin` or `read`";
+
+impl TokenFileError {
+    /// Whether the file parsed but holds no token (every line deleted or
+    /// commented out): a revocation of them all, not a typo.
+    pub fn holds_no_token(&self) -> bool {
+        self.reason == NO_TOKEN
+    }
+}
+
 impl Tokens {
     /// Reads and parses the token file at `path`.
     pub fn read(path: &Path) -> Result<Self, TokenFileError> {
@@ -154,9 +167,7 @@ impl Tokens {
         if tokens.by_digest.is_empty() {
             return Err(TokenFileError {
                 location: path.display().to_string(),
-                reason: "no token in it: write one `ROLE TOKEN` line per token, ROLE `admin` \
-                         or `read`"
-                    .into(),
+                reason: NO_TOKEN.into(),
             });
         }
         Ok(tokens)
