@@ -252,9 +252,10 @@ class Client:
         reconnect: float = 60.0,
         run: Optional[int] = None,
     ) -> None:
-        if run is not None and not 0 < p.integer(run, "run", 64):
-            raise ValueError(f"run must be an integer in [1, 2^64), or None, got {run!r}")
-        run = None if run is None else p.integer(run, "run")
+        if run is not None:
+            given, run = run, p.integer(run, "run", 64)
+            if run == 0:
+                raise ValueError(f"run must be an integer in [1, 2^64), or None, got {given!r}")
         world_size = p.integer(world_size, "world_size")
         if world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -930,11 +931,13 @@ class Dataset:
         connection names, and returns its iterator."""
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
-        if not 1 <= p.integer(batch, "batch") <= p.MAX_SAMPLES_PER_NEXT:
-            raise ValueError(f"batch must be an integer in 1..{p.MAX_SAMPLES_PER_NEXT}, got {batch!r}")
-        if p.integer(prefetch, "prefetch") < 0:
+        given = batch
+        batch = p.integer(batch, "batch")
+        if not 1 <= batch <= p.MAX_SAMPLES_PER_NEXT:
+            raise ValueError(f"batch must be an integer in 1..{p.MAX_SAMPLES_PER_NEXT}, got {given!r}")
+        prefetch = p.integer(prefetch, "prefetch")
+        if prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
-        epoch, batch, prefetch = p.integer(epoch, "epoch", 64), int(batch), int(prefetch)
         c = self.client
 
         def submit() -> "PlanIterator":
