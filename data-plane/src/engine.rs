@@ -291,6 +291,11 @@ impl Engine {
         self.datasets.get(name).cloned()
     }
 
+    /// How many data sets the stage serves.
+    pub fn dataset_count(&self) -> usize {
+        self.datasets.len()
+    }
+
     pub fn dataset_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.datasets.keys().cloned().collect();
         names.sort();

@@ -1317,7 +1317,7 @@ impl MountFs {
         let mut attr = attr(self.started, ino, node);
         if let Node::Root | Node::JobRoot(_) = node {
             // It holds the data sets (`@<job>` directories are not listed).
-            let datasets = self.engine.dataset_names().len();
+            let datasets = self.engine.dataset_count();
             attr.nlink = u32::try_from(datasets).map_or(u32::MAX, |n| n.saturating_add(2));
         }
         attr
