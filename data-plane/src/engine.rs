@@ -32,7 +32,7 @@ use crate::metrics::Metrics;
 use crate::settings::PushedSettings;
 use crate::shm::{Kept, Region, allowance_for_budget};
 use crate::sync::lock;
-use crate::trust::{Peer, TrainerAccess};
+use crate::trust::{Peer, TrainerAccess, show_labels};
 
 /// How long a job with no connections is kept (tuned settings, counters)
 /// before it is forgotten.
@@ -326,50 +326,54 @@ impl Engine {
         self.jobs_changed.notified().await;
     }
 
-    /// Returns the job called `id`, creating it with the configuration in
-    /// force for it.
-    /// The caller holds a connection to it until the handle is dropped.
-    pub fn attach(&self, id: &str, labels: BTreeMap<String, String>) -> job::JobHandle {
-        self.attach_with(id, Some(labels), true)
-    }
-
-    /// The labels job `id` runs under and whether anything is attached to
-    /// it now, if the job exists.
-    pub fn labels_of(&self, id: &str) -> Option<(BTreeMap<String, String>, bool)> {
-        lock(&self.jobs)
-            .get(id)
-            .map(|job| (job.labels(), job.connected()))
-    }
-
-    /// Whether the local user `uid`:`gid` may act as job `id` without
-    /// declaring labels (a read through the mount, an order file): the
-    /// `trainers:` rules, checked against the labels the job runs under.
-    pub fn may_join(
+    /// Attaches `peer` to job `id` if the `trainers:` rules let it claim
+    /// the job: with the `labels` it names, or, naming none, with those
+    /// the job runs under (it joins the job as it runs, without clearing
+    /// them). Under rules, labels change only while nothing is attached
+    /// to the job: a peer's labels would otherwise apply to connections
+    /// whose peers were never checked against them. The check and the
+    /// attach are one step under the job table's lock, so two claims of
+    /// one new job cannot both set its labels. Refusals say why in one
+    /// sentence.
+    pub fn claim(
         &self,
         access: &TrainerAccess,
-        uid: u32,
-        gid: u32,
+        peer: &Peer,
         id: &str,
-    ) -> Result<(), String> {
+        labels: Option<BTreeMap<String, String>>,
+    ) -> Result<job::JobHandle, String> {
+        let mut jobs = lock(&self.jobs);
+        if access.restricts() {
+            let current = jobs.get(id).map(|job| (job.labels(), job.connected()));
+            check_claim(access, peer, id, labels.as_ref(), current)?;
+        }
+        let (handle, started) = self.attach_locked(&mut jobs, id, labels, true);
+        drop(jobs);
+        if started {
+            // After the handle exists: the report shows the connection.
+            self.jobs_changed.notify_one();
+        }
+        Ok(handle)
+    }
+
+    /// Whether `peer` may act as job `id` without declaring labels (a
+    /// read through the mount, once its job is attached): the `trainers:`
+    /// rules, checked against the labels the job runs under.
+    pub fn may_join(&self, access: &TrainerAccess, peer: &Peer, id: &str) -> Result<(), String> {
         if !access.restricts() {
             return Ok(());
         }
-        let runs_under = self
-            .labels_of(id)
-            .map(|(labels, _)| labels)
-            .unwrap_or_default();
-        access.check(&Peer::Unix { uid, gid }, id, &runs_under)
+        let current = lock(&self.jobs)
+            .get(id)
+            .map(|job| (job.labels(), job.connected()));
+        check_claim(access, peer, id, None, current)
     }
 
-    /// [`Engine::attach`] for a reader that declares no labels (a read
-    /// through the mount, a trainer whose `HELLO` names none): a job that
-    /// exists keeps its labels.
-    pub fn attach_keeping_labels(&self, id: &str) -> job::JobHandle {
-        self.attach_with(id, None, true)
-    }
-
-    /// [`Engine::attach`], with buffers in shared memory only when
-    /// `shared` (a job nobody outside the stage reads needs none).
+    /// Returns the job called `id`, creating it with the configuration in
+    /// force for it, and sets its `labels` when given; its buffers are in
+    /// shared memory only when `shared` (a job nobody outside the stage
+    /// reads needs none). The caller holds a connection to it until the
+    /// handle is dropped.
     fn attach_with(
         &self,
         id: &str,
@@ -377,8 +381,26 @@ impl Engine {
         shared: bool,
     ) -> job::JobHandle {
         let mut jobs = lock(&self.jobs);
+        let (handle, started) = self.attach_locked(&mut jobs, id, labels, shared);
+        drop(jobs);
+        if started {
+            self.jobs_changed.notify_one();
+        }
+        handle
+    }
+
+    /// [`Engine::attach_with`] on the locked job table; says whether the
+    /// job started (the caller tells `jobs_changed` once the lock is
+    /// released).
+    fn attach_locked(
+        &self,
+        jobs: &mut HashMap<String, Arc<Job>>,
+        id: &str,
+        labels: Option<BTreeMap<String, String>>,
+        shared: bool,
+    ) -> (job::JobHandle, bool) {
         if !jobs.contains_key(id) {
-            self.forget_idle_beyond(&mut jobs, MAX_IDLE_JOBS - 1);
+            self.forget_idle_beyond(jobs, MAX_IDLE_JOBS - 1);
         }
         let mut started = false;
         let job = jobs
@@ -411,12 +433,7 @@ impl Engine {
         if let Some(labels) = labels {
             job.set_labels(labels);
         }
-        let handle = job::JobHandle::new(job);
-        if started {
-            // After the handle exists: the report shows the connection.
-            self.jobs_changed.notify_one();
-        }
-        handle
+        (job::JobHandle::new(job), started)
     }
 
     /// Forgets the jobs idle longest until at most `most` are idle.
@@ -663,9 +680,87 @@ impl Engine {
     }
 }
 
+/// The `trainers:` check of a claim of job `id` by `peer`, naming `labels`
+/// or none, against the job as it is (`current`: its labels and whether
+/// anything is attached to it), if it exists.
+fn check_claim(
+    access: &TrainerAccess,
+    peer: &Peer,
+    id: &str,
+    labels: Option<&BTreeMap<String, String>>,
+    current: Option<(BTreeMap<String, String>, bool)>,
+) -> Result<(), String> {
+    let running = current.as_ref().map(|(labels, _)| labels);
+    let runs_under = labels.or(running).cloned().unwrap_or_default();
+    access.check(peer, id, &runs_under).map_err(|why| match labels {
+        None if !runs_under.is_empty() => format!(
+            "{why} (job `{id}` runs under {}: a trainer or reader that names no labels joins it under them)",
+            show_labels(&runs_under)
+        ),
+        _ => why,
+    })?;
+    match (labels, current) {
+        (Some(labels), Some((running, true))) if *labels != running => Err(format!(
+            "job `{id}` runs under {}: a trainer joining it claims the same labels, or none (a job's labels are set by the first of its trainers, mount readers or order files, and change only once none is attached)",
+            if running.is_empty() {
+                "no labels".to_owned()
+            } else {
+                format!("other labels ({})", show_labels(&running))
+            }
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_join_says_the_labels_are_the_running_jobs() {
+        let access = TrainerAccess::new(
+            serde_yaml_ng::from_str("- gids: [2000]\n  jobs: ['*']\n  labels: {team: [a]}")
+                .unwrap(),
+        );
+        let peer = Peer::Unix {
+            uid: 1000,
+            gid: 2000,
+        };
+        let running: BTreeMap<String, String> = [("team", "a"), ("priority", "low")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        let e = check_claim(&access, &peer, "x", None, Some((running.clone(), true))).unwrap_err();
+        assert!(
+            e.contains("may not claim label `priority=low`")
+                && e.contains("(job `x` runs under {priority=low, team=a}: a trainer or reader that names no labels joins it under them)"),
+            "{e}"
+        );
+        // Labels the trainer named are its own: no note.
+        let e = check_claim(&access, &peer, "x", Some(&running), None).unwrap_err();
+        assert!(!e.contains("runs under"), "{e}");
+        // Other labels than a running job's, and none while it runs without.
+        let team_a = BTreeMap::from([("team".to_owned(), "a".to_owned())]);
+        let e = check_claim(
+            &access,
+            &peer,
+            "x",
+            Some(&team_a),
+            Some((BTreeMap::new(), true)),
+        )
+        .unwrap_err();
+        assert!(e.starts_with("job `x` runs under no labels: "), "{e}");
+        assert!(
+            check_claim(
+                &access,
+                &peer,
+                "x",
+                Some(&team_a),
+                Some((BTreeMap::new(), false))
+            )
+            .is_ok()
+        );
+    }
 
     #[test]
     fn samples_larger_than_the_budget_are_read_over_it_one_at_a_time() {

@@ -32,6 +32,7 @@ mod orders;
 mod tree;
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry as Slot;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -60,7 +61,7 @@ use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_range_now;
 use crate::source::{Pinned, changed};
 use crate::sync::lock;
-use crate::trust::TrainerAccess;
+use crate::trust::{Peer, TrainerAccess};
 use io_mode::{Way, WayHeld, Ways};
 use orders::Orders;
 use tree::{Entry, Tree, Trees};
@@ -1064,20 +1065,34 @@ struct Attached {
 }
 
 impl Readers {
-    /// The job of a file being opened, attached if it was not.
-    fn open(&self, engine: &Engine, job: &Arc<str>) -> Arc<Job> {
+    /// The job of a file being opened by `peer`, if the `trainers:` rules
+    /// let it read as the job: attached if it was not (the check and the
+    /// attach one step, see [`Engine::claim`]).
+    fn open(
+        &self,
+        engine: &Engine,
+        access: &TrainerAccess,
+        peer: &Peer,
+        job: &Arc<str>,
+    ) -> Result<Arc<Job>, String> {
         let mut jobs = lock(&self.jobs);
-        let attached = jobs.entry(Arc::clone(job)).or_insert_with(|| Attached {
-            handle: engine.attach_keeping_labels(job),
-            open: 0,
-            idle_since: None,
-        });
+        let attached = match jobs.entry(Arc::clone(job)) {
+            Slot::Occupied(attached) => {
+                engine.may_join(access, peer, job)?;
+                attached.into_mut()
+            }
+            Slot::Vacant(slot) => slot.insert(Attached {
+                handle: engine.claim(access, peer, job, None)?,
+                open: 0,
+                idle_since: None,
+            }),
+        };
         attached.open += 1;
         attached.idle_since = None;
         let job = Arc::clone(attached.handle.job());
         drop(jobs);
         lock(&self.detached).remove(job.id());
-        job
+        Ok(job)
     }
 
     /// A file of `job` was closed.
@@ -1327,10 +1342,11 @@ impl MountFs {
     /// rules, as for a trainer on the socket with the reader's uid and
     /// gid); refusals are logged.
     fn may_read_as(&self, req: &Request<'_>, job: &str) -> bool {
-        match self
-            .engine
-            .may_join(&self.access, req.uid(), req.gid(), job)
-        {
+        let reader = Peer::Unix {
+            uid: req.uid(),
+            gid: req.gid(),
+        };
+        match self.engine.may_join(&self.access, &reader, job) {
             Ok(()) => true,
             Err(why) => {
                 warn!(%why, "a read through the mount was refused");
@@ -1706,11 +1722,18 @@ impl Filesystem for MountFs {
         else {
             return reply.error(libc::EISDIR);
         };
-        if !self.may_read_as(req, &job) {
-            return reply.error(libc::EACCES);
-        }
+        let reader = Peer::Unix {
+            uid: req.uid(),
+            gid: req.gid(),
+        };
+        let job = match self.readers.open(&self.engine, &self.access, &reader, &job) {
+            Ok(job) => job,
+            Err(why) => {
+                warn!(%why, "a read through the mount was refused");
+                return reply.error(libc::EACCES);
+            }
+        };
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let job = self.readers.open(&self.engine, &job);
         let open = Arc::clone(&self.open);
         // A plan entry of the job is delivered whole, exactly once; a file
         // no plan holds is answered here, without a task, and so is a large

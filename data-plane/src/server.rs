@@ -29,14 +29,12 @@ use crate::protocol::{
 };
 use crate::source::{Pinned, changed};
 use crate::storage::clamp_range;
-use crate::trust::{Peer, TrainerAccess};
+use crate::trust::{MAX_LABEL_KEY, MAX_LABEL_VALUE, Peer, TrainerAccess};
 use shared::Shared;
 
 /// Limits on what `HELLO` may carry.
 use crate::protocol::MAX_JOB_BYTES;
 const MAX_LABELS: usize = 64;
-const MAX_LABEL_KEY: usize = 63;
-const MAX_LABEL_VALUE: usize = 256;
 
 /// Serves one trainer connection until it says goodbye, breaks the protocol,
 /// disconnects, or the stage shuts down. `unix` is the connection's socket
@@ -486,40 +484,14 @@ impl Connection {
             )));
         }
         // A HELLO without labels joins the job as it runs (its labels are
-        // kept: another connection of the job must not clear them), so
-        // the claim checked is the labels it will run under.
+        // kept: another connection of the job must not clear them).
         let claimed = (!labels.is_empty()).then_some(labels);
-        let current = self.engine.labels_of(job);
-        let runs_under = match (&claimed, &current) {
-            (Some(labels), _) => labels.clone(),
-            (None, Some((labels, _))) => labels.clone(),
-            (None, None) => BTreeMap::new(),
-        };
-        if let Err(why) = self.access.check(&self.peer, job, &runs_under) {
-            return Err(ProtocolError::new(ErrorCode::ClaimRefused, why));
-        }
-        // Under `trainers:` rules, labels change only while nobody runs
-        // under them: a peer's new labels would otherwise apply to
-        // connections whose peers were never checked against them.
-        if self.access.restricts()
-            && let Some(labels) = &claimed
-            && let Some((running, true)) = &current
-            && labels != running
-        {
-            return Err(ProtocolError::new(
-                ErrorCode::ClaimRefused,
-                format!(
-                    "job `{job}` runs under other labels ({}): a trainer joining it claims the same labels, or none",
-                    crate::trust::show_labels(running)
-                ),
-            ));
-        }
+        let handle = self
+            .engine
+            .claim(&self.access, &self.peer, job, claimed)
+            .map_err(|why| ProtocolError::new(ErrorCode::ClaimRefused, why))?;
         self.rank = rank;
         self.world_size = world_size;
-        let handle = match claimed {
-            Some(labels) => self.engine.attach(job, labels),
-            None => self.engine.attach_keeping_labels(job),
-        };
         #[cfg(debug_assertions)]
         crate::fault::panic_job_if_asked(handle.job());
         self.job = Some(handle);

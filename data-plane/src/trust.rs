@@ -10,14 +10,23 @@
 //! job with the labels it has.
 //! A UNIX-socket trainer is known by the kernel's account of its process
 //! (`SO_PEERCRED`: uid and primary gid at `connect`), which it cannot forge;
-//! a TCP trainer only by being on TCP. Without rules every claim is allowed
-//! (the stage's socket permissions are then the only gate).
+//! a TCP trainer only by being on TCP; an order file by its owner, which
+//! only root can change (not by its group, which a set-group-id directory
+//! or `chgrp` gives it). Without rules every claim is allowed (the stage's
+//! socket permissions are then the only gate).
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 
 use serde::Deserialize;
+
+use sluice_policy::{MAX_JOB_ID_BYTES as MAX_JOB_BYTES, valid_job_id};
+
+/// Longest label key a trainer may send.
+pub const MAX_LABEL_KEY: usize = 63;
+/// Longest label value a trainer may send.
+pub const MAX_LABEL_VALUE: usize = 256;
 
 /// Who is on the other end of a trainer connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +35,10 @@ pub enum Peer {
     Unix { uid: u32, gid: u32 },
     /// A TCP peer: its address, which proves nothing.
     Tcp(SocketAddr),
+    /// The owner of an order file. Its group is no proof of the writer's
+    /// primary group (a set-group-id directory or `chgrp` sets it), so
+    /// `gids` rules do not cover it.
+    Owner { uid: u32 },
     /// A UNIX-socket peer whose credentials could not be read.
     Unknown,
 }
@@ -35,6 +48,7 @@ impl fmt::Display for Peer {
         match self {
             Self::Unix { uid, gid } => write!(f, "uid {uid} (gid {gid})"),
             Self::Tcp(addr) => write!(f, "TCP peer {addr}"),
+            Self::Owner { uid } => write!(f, "uid {uid} (an order file's owner)"),
             Self::Unknown => f.write_str("a peer whose credentials are unknown"),
         }
     }
@@ -75,6 +89,7 @@ impl TrainerRule {
             || match peer {
                 Peer::Unix { uid, gid } => self.uids.contains(uid) || self.gids.contains(gid),
                 Peer::Tcp(_) => self.tcp,
+                Peer::Owner { uid } => self.uids.contains(uid),
                 Peer::Unknown => false,
             }
     }
@@ -120,27 +135,46 @@ impl TrainerRule {
                 "trainers[{index}] allows no job: give it `jobs` (`\"*\"` for any)"
             ));
         }
-        // A pattern no job id can match (`team-a/*`, ""): a typo that
-        // would allow nothing.
-        let job_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '*');
-        if let Some(p) = self
-            .jobs
-            .iter()
-            .find(|p| p.is_empty() || !p.chars().all(job_char))
+        // A pattern no job id can match (`team-a/*`, "", `..`, one too
+        // long): a typo that would allow nothing.
+        let job_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        let may_match = |p: &str| match p.contains('*') {
+            false => valid_job_id(p),
+            true => literal(p).len() <= MAX_JOB_BYTES && literal(p).chars().all(job_char),
+        };
+        if let Some(p) = self.jobs.iter().find(|p| !may_match(p)) {
+            return Err(format!(
+                "trainers[{index}] allows job `{p}`, which no job id can be (1 to {MAX_JOB_BYTES} characters of [A-Za-z0-9._-], not `.` or `..`; `*` for any run of them)"
+            ));
+        }
+        if let Some(k) = self
+            .labels
+            .keys()
+            .find(|k| k.is_empty() || k.len() > MAX_LABEL_KEY)
         {
             return Err(format!(
-                "trainers[{index}] allows job `{p}`, which no job id can be (1 to 128 characters of [A-Za-z0-9._-], `*` for any run of them)"
+                "trainers[{index}] allows label key `{k}`, which no trainer can send (keys are 1 to {MAX_LABEL_KEY} bytes)"
             ));
         }
-        if let Some(k) = self.labels.keys().find(|k| k.is_empty()) {
+        if let Some((k, v)) = self.labels.iter().find_map(|(k, values)| {
+            values
+                .iter()
+                .find(|v| literal(v).len() > MAX_LABEL_VALUE)
+                .map(|v| (k, v))
+        }) {
             return Err(format!(
-                "trainers[{index}] allows label key `{k}`, which no trainer can send (keys are 1 to 63 bytes)"
+                "trainers[{index}] allows value `{v}` of label `{k}`, which no trainer can send (values are at most {MAX_LABEL_VALUE} bytes)"
             ));
         }
-        let allowed = |k: &String| self.labels.get(k).is_some_and(|values| !values.is_empty());
-        if let Some(k) = self.require.iter().find(|k| !allowed(k)) {
+        // An empty value does not carry a required label.
+        let carried = |k: &String| {
+            self.labels
+                .get(k)
+                .is_some_and(|values| values.iter().any(|v| !v.is_empty()))
+        };
+        if let Some(k) = self.require.iter().find(|k| !carried(k)) {
             return Err(format!(
-                "trainers[{index}] requires label `{k}` but allows no value of it: list values of it under `labels`"
+                "trainers[{index}] requires label `{k}` but allows no value that carries it: list non-empty values of it under `labels`"
             ));
         }
         Ok(())
@@ -219,6 +253,11 @@ impl TrainerAccess {
 pub fn show_labels(labels: &BTreeMap<String, String>) -> String {
     let pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
     format!("{{{}}}", pairs.join(", "))
+}
+
+/// What `pattern` matches at the least: itself without its `*`s.
+fn literal(pattern: &str) -> String {
+    pattern.replace('*', "")
 }
 
 /// Matches `text` against `pattern`, where `*` stands for any run of
@@ -386,6 +425,10 @@ mod tests {
         );
         assert!(serde_yaml_ng::from_str::<Vec<TrainerRule>>("- uid: [1]\n  jobs: [x]").is_err());
         // Rules that can allow nothing: refused too.
+        let long_job = format!("jobs: [{}]", "j".repeat(129));
+        let long_job_pattern = format!("jobs: ['{}*']", "j".repeat(129));
+        let long_key = format!("jobs: [x]\n  labels: {{{}: [a]}}", "k".repeat(64));
+        let long_value = format!("jobs: [x]\n  labels: {{team: ['{}']}}", "v".repeat(257));
         for (rule, said) in [
             ("jobs: ['']", "allows job ``"),
             ("jobs: ['team-a/*']", "allows job `team-a/*`"),
@@ -394,11 +437,61 @@ mod tests {
                 "jobs: [x]\n  labels: {team: []}\n  require: [team]",
                 "requires label `team`",
             ),
+            ("jobs: ['..']", "allows job `..`"),
+            ("jobs: ['.']", "allows job `.`"),
+            (&long_job, "which no job id can be"),
+            (&long_job_pattern, "which no job id can be"),
+            (
+                &long_key,
+                "which no trainer can send (keys are 1 to 63 bytes)",
+            ),
+            (&long_value, "values are at most 256 bytes"),
+            (
+                "jobs: [x]\n  labels: {team: ['']}\n  require: [team]",
+                "allows no value that carries it",
+            ),
         ] {
             let r: Vec<TrainerRule> =
                 serde_yaml_ng::from_str(&format!("- any: true\n  {rule}")).unwrap();
             let e = r[0].validate(0).unwrap_err();
             assert!(e.contains(said), "{rule}: {e}");
         }
+        // What the longest ids, keys and values are is allowed.
+        for rule in [
+            format!("jobs: [{}, '.*', '{}*']", "j".repeat(128), "j".repeat(128)),
+            format!(
+                "jobs: [x]\n  labels: {{{}: ['{}', '*']}}",
+                "k".repeat(63),
+                "v".repeat(256)
+            ),
+            "jobs: [x]\n  labels: {team: ['', a]}\n  require: [team]".to_owned(),
+        ] {
+            let r: Vec<TrainerRule> =
+                serde_yaml_ng::from_str(&format!("- any: true\n  {rule}")).unwrap();
+            assert_eq!(r[0].validate(0), Ok(()), "{rule}");
+        }
+    }
+
+    #[test]
+    fn an_order_files_owner_is_covered_by_its_uid_never_by_its_group() {
+        let access = rules(
+            r#"
+- uids: [1000]
+  jobs: ["team-a-*"]
+- gids: [2000]
+  jobs: ["*"]
+"#,
+        );
+        let owner = Peer::Owner { uid: 1000 };
+        assert!(access.check(&owner, "team-a-x", &labels(&[])).is_ok());
+        let e = access.check(&owner, "team-b-x", &labels(&[])).unwrap_err();
+        assert!(
+            e.contains("uid 1000 (an order file's owner) may not claim job `team-b-x`"),
+            "{e}"
+        );
+        let e = access
+            .check(&Peer::Owner { uid: 2000 }, "team-b-x", &labels(&[]))
+            .unwrap_err();
+        assert!(e.contains("no rule"), "{e}");
     }
 }

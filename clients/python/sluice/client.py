@@ -35,6 +35,7 @@ from . import plan as _plan
 from . import protocol as p
 from . import shm as _shm
 from .errors import (
+    ClaimRefusedError,
     ConnectionClosedError,
     NoDatasetError,
     ProtocolError,
@@ -640,6 +641,15 @@ class Client:
                     self._abort()
                     last = e
             else:
+                if isinstance(last, ClaimRefusedError):
+                    # The stage is back and says no: it does not know the
+                    # labels of a job that this trainer joined naming none.
+                    raise ConnectionClosedError(
+                        f"the stage at {self.address} went away ({cause}) and, back, refused this "
+                        f"trainer's claim for {self.reconnect:g} s: {last}"
+                        + ("; a trainer that joined its job naming no labels gets back in only once "
+                           "one that names them has: give every trainer of the job its labels"
+                           if not self.labels else ""), fatal=True) from None
                 raise ConnectionClosedError(
                     f"the stage at {self.address} went away ({cause}) and did not come back "
                     f"within {self.reconnect:g} s (last attempt: {last}); start it again, or give "

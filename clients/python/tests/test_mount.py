@@ -615,7 +615,8 @@ def test_an_order_file_counts_as_its_owner_claiming_the_job(tmp_path, mount_stag
     config = tmp_path / "stage.yaml"
     config.write_text("trainers:\n"
                       f"  - uids: [{os.getuid()}]\n    jobs: ['mine-*']\n"
-                      "  - uids: [65534]\n    jobs: ['team-*']\n")
+                      "  - uids: [65534]\n    jobs: ['team-*']\n"
+                      "  - gids: [4242]\n    jobs: ['*']\n")
     stage, mnt = mount_stage(root, "--mount-orders", str(orders), "--config", str(config))
     names = sorted(files)
     reads = lambda job: job_metric(stage, "sluice_stage_storage_reads_total", job)  # noqa: E731
@@ -637,6 +638,18 @@ def test_an_order_file_counts_as_its_owner_claiming_the_job(tmp_path, mount_stag
         wait_for(lambda: reads("team-b") == 3, what="the other user's own job prefetched")
         wait_for((orders / "mine-2" / "ds.error").exists, what="the other user's order refused")
         assert reads("mine-2") == 0
+        # A file's group proves nothing of its writer's (a set-group-id
+        # directory or chgrp gives it one): group 4242's rule does not let
+        # user 65534's file order for job mine-3 (it did).
+        (orders / "mine-3").mkdir()
+        tmp = orders / "mine-3" / ".ds.tmp"
+        tmp.write_text("".join(f"{name}\n" for name in names[:3]))
+        os.chown(tmp, 65534, 4242)
+        os.rename(tmp, orders / "mine-3" / "ds")
+        error = orders / "mine-3" / "ds.error"
+        wait_for(error.exists, what="the order of a file of group 4242 refused")
+        assert "uid 65534 (an order file's owner) may not claim job `mine-3`" in error.read_text()
+        assert reads("mine-3") == 0
 
 
 def stage_io_threads(stage) -> int:
@@ -1389,7 +1402,8 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
         config = tmp_path / "stage.yaml"
         config.write_text("trainers:\n"
                           "  - uids: [0]\n    jobs: ['*']\n"
-                          "  - uids: [65534]\n    jobs: ['team-*']\n")
+                          "  - uids: [65534]\n    jobs: ['team-*']\n"
+                      "  - gids: [4242]\n    jobs: ['*']\n")
         stage = stage_factory({"ds": str(root)}, "--mount", mnt, "--config", str(config))
         seen = os.stat(os.path.join(mnt, "ds", "open.bin"))
         assert seen.st_mtime == 1_000_000_000

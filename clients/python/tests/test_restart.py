@@ -442,6 +442,62 @@ def test_under_trainer_rules_a_running_jobs_labels_do_not_change(stage_factory, 
         assert job_labels(stage, "j") == {"team": "b"}, "once nobody runs under them, a claim sets them"
 
 
+def test_claims_racing_for_a_new_job_do_not_both_set_its_labels(stage_factory, dataset, tmp_path):
+    """Two trainers claiming one new job with other labels at the same
+    moment: one sets the labels, the other is refused (both were let in,
+    the job running under the second's labels, when the check and the
+    attach were two steps)."""
+    root, _ = dataset
+    config = tmp_path / "stage.yaml"
+    config.write_text(f"trainers:\n  - uids: [{os.getuid()}]\n    jobs: [\"*\"]\n    labels: {{team: [a, b]}}\n")
+    stage = stage_factory({"ds": root}, "--config", str(config))
+    both = []
+    for i in range(150):
+        barrier = threading.Barrier(2)
+        clients = {}
+
+        def claim(team, job=f"race-{i}"):
+            barrier.wait()
+            try:
+                clients[team] = sluice.Client(stage.socket, job=job, labels={"team": team})
+            except sluice.ClaimRefusedError:
+                clients[team] = None
+
+        threads = [threading.Thread(target=claim, args=(team,)) for team in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        welcomed = [c for c in clients.values() if c is not None]
+        assert welcomed, "one of the two claims is let in"
+        if len(welcomed) == 2:
+            both.append(f"race-{i} under {job_labels(stage, f'race-{i}')}")
+        for c in welcomed:
+            c.close()
+    assert not both, f"both claims let in for {len(both)} of 150 jobs: {both[:3]}"
+
+
+def test_a_trainer_that_joined_without_labels_and_cannot_get_back_in_is_told_why(
+        restartable, dataset, tmp_path):
+    """After a restart the stage no longer knows the labels of a job whose
+    trainer joined it naming none: under a rule that requires a label it is
+    refused until a trainer naming them is back, and the client says so
+    (it said the stage "did not come back" while it was up)."""
+    root, files = dataset
+    stage = restartable(root, "--config", team_a_rules(tmp_path, "    require: [team]"))
+    name = sorted(files)[0]
+    with sluice.Client(stage.sock, job="team-a-x", labels={"team": "a"}):
+        with sluice.Client(stage.sock, job="team-a-x", reconnect=1.5) as joined:
+            ds = joined.dataset("ds")
+            assert ds.read(name) == files[name]
+            stage.kill()
+            stage.start()
+            with pytest.raises(sluice.ConnectionClosedError,
+                               match=r"back, refused this trainer's claim for 1.5 s: .*must claim label `team`"
+                                     r".*give every trainer of the job its labels"):
+                ds.read(name)
+
+
 def test_a_connection_without_labels_keeps_the_jobs_labels(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"ds": root})

@@ -23,7 +23,7 @@ use tracing::{info, warn};
 
 use crate::engine::{Engine, JobHandle, PlanHandle, PlanKey};
 use crate::protocol::valid_job_id;
-use crate::trust::TrainerAccess;
+use crate::trust::{Peer, TrainerAccess};
 
 /// How often the directory is looked at.
 pub const POLL: Duration = Duration::from_millis(200);
@@ -284,7 +284,13 @@ impl Orders {
             .listing()
             .map_err(|e| format!("data set `{dataset}` cannot be listed: {e}"))?;
         let file = open_regular(path)?;
-        self.may_order(job, &file)?;
+        // The owner's claim, checked before the file is read and again
+        // as the plan's job is attached (the job may have changed since).
+        let owner = owner_of(&file)?;
+        let refused = |why| format!("its owner may not order for job `{job}`: {why}");
+        self.engine
+            .may_join(&self.access, &owner, job)
+            .map_err(refused)?;
         let mut reader = std::io::BufReader::new(file);
         // Each file at most a few times over, so a runaway file cannot take
         // the node's memory.
@@ -339,7 +345,10 @@ impl Orders {
             return Err("it lists no file".to_owned());
         }
         let key = (job.to_owned(), dataset.to_owned());
-        let handle = self.engine.attach_keeping_labels(job);
+        let handle = self
+            .engine
+            .claim(&self.access, &owner, job, None)
+            .map_err(refused)?;
         // A sampler already gives this job's order over the data set: a
         // second order would read every file again into a buffer nobody
         // takes from.
@@ -382,20 +391,6 @@ impl Orders {
 
     /// The data set name a line gives, with the mount path it may start
     /// with taken off.
-    /// Whether the owner of order `file` may give `job` its order: the
-    /// `trainers:` rules, as for a trainer of that uid and gid joining the
-    /// job without labels (a user who may write into the orders directory
-    /// must not make the stage run a job the rules keep from them).
-    fn may_order(&self, job: &str, file: &std::fs::File) -> Result<(), String> {
-        use std::os::unix::fs::MetadataExt;
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot read it: {e}"))?;
-        self.engine
-            .may_join(&self.access, meta.uid(), meta.gid(), job)
-            .map_err(|why| format!("its owner may not order for job `{job}`: {why}"))
-    }
-
     fn relative<'a>(&self, prefixes: &[String], line: &'a str) -> &'a str {
         prefixes
             .iter()
@@ -446,6 +441,18 @@ fn write_error(path: &Path, why: &str) {
 /// Opens the order file at `path` for reading if it is a regular file:
 /// neither a link (not followed) nor a FIFO or device, whose open or read
 /// could block the scan of every job's orders or never end.
+/// Who gave order `file`, for the `trainers:` rules: its owner, whom only
+/// root can change. Not its group: a set-group-id orders directory, or
+/// `chgrp` to any group the writer is in, gives it another than the
+/// writer's own.
+fn owner_of(file: &std::fs::File) -> Result<Peer, String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    Ok(Peer::Owner { uid: meta.uid() })
+}
+
 fn open_regular(path: &Path) -> Result<std::fs::File, String> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
