@@ -29,6 +29,7 @@ use crate::cache::{Cache, Terms};
 use crate::dataset::Dataset;
 use crate::job_config::JobConfig;
 use crate::metrics::Metrics;
+use crate::protocol::{ErrorCode, ProtocolError};
 use crate::settings::PushedSettings;
 use crate::shm::{Kept, Region, allowance_for_budget};
 use crate::sync::lock;
@@ -43,6 +44,13 @@ pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// job cannot make it keep their regions (a descriptor each) and readers
 /// for a minute each.
 pub const MAX_IDLE_JOBS: usize = 128;
+
+/// Jobs a stage holds at once, attached or idle: each that reads takes
+/// reader threads (16 to start), a region descriptor and metric series,
+/// so a client naming job after job (a connection or an `@<job>` path
+/// each) would otherwise take the stage's threads until it aborted (at
+/// about 1,000 jobs here). A node runs a handful of jobs.
+pub const MAX_JOBS: usize = 256;
 
 /// How long a job's shared-memory region hands out no slot before the free
 /// pages it keeps for reuse go back to the system: jobs that went quiet do
@@ -61,7 +69,14 @@ pub struct Memory {
     members: Mutex<Vec<std::sync::Weak<Job>>>,
     /// The part of `used` that trainers hold in shared memory, every job's.
     lent: AtomicU64,
-    jobs: AtomicUsize,
+    /// Bytes of the entries claimed by `NEXT`s not yet answered and taken,
+    /// every job's: at most half the budget (beyond one entry each), so
+    /// that trainers that claim and never read their answers cannot take
+    /// the buffer of every job.
+    claimed: AtomicU64,
+    /// The jobs that hold a plan, among which the budget is shared (a
+    /// job that only said `HELLO` takes no share).
+    planning: AtomicUsize,
 }
 
 impl Memory {
@@ -71,7 +86,8 @@ impl Memory {
             used: Arc::new(AtomicU64::new(0)),
             members: Mutex::new(Vec::new()),
             lent: AtomicU64::new(0),
-            jobs: AtomicUsize::new(0),
+            claimed: AtomicU64::new(0),
+            planning: AtomicUsize::new(0),
         }
     }
 
@@ -210,9 +226,33 @@ impl Memory {
         freed
     }
 
-    /// The share of the budget one job may use while `jobs` jobs are active.
+    /// The share of the budget one job may use while the jobs that hold
+    /// plans now are active.
     fn job_share(&self) -> u64 {
-        self.budget / self.jobs.load(Ordering::Relaxed).max(1) as u64
+        self.budget / self.planning.load(Ordering::Relaxed).max(1) as u64
+    }
+
+    /// A job starts (`true`) or stops holding plans.
+    fn planning(&self, holds: bool) {
+        if holds {
+            self.planning.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.planning.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes `NEXT` claims may still take before every job's claims hold
+    /// half the budget.
+    fn claim_room(&self) -> u64 {
+        (self.budget / 2).saturating_sub(self.claimed.load(Ordering::Acquire))
+    }
+
+    fn hold_claim(&self, n: u64) {
+        self.claimed.fetch_add(n, Ordering::AcqRel);
+    }
+
+    fn drop_claim(&self, n: u64) {
+        self.claimed.fetch_sub(n, Ordering::AcqRel);
     }
 }
 
@@ -334,18 +374,32 @@ impl Engine {
     /// whose peers were never checked against them. The check and the
     /// attach are one step under the job table's lock, so two claims of
     /// one new job cannot both set its labels. Refusals say why in one
-    /// sentence.
+    /// sentence: `CLAIM_REFUSED` by the rules, `UNAVAILABLE` when the
+    /// stage holds [`MAX_JOBS`] jobs, none idle.
     pub fn claim(
         &self,
         access: &TrainerAccess,
         peer: &Peer,
         id: &str,
         labels: Option<BTreeMap<String, String>>,
-    ) -> Result<job::JobHandle, String> {
+    ) -> Result<job::JobHandle, ProtocolError> {
         let mut jobs = lock(&self.jobs);
         if access.restricts() {
             let current = jobs.get(id).map(|job| (job.labels(), job.connected()));
-            check_claim(access, peer, id, labels.as_ref(), current)?;
+            check_claim(access, peer, id, labels.as_ref(), current)
+                .map_err(|why| ProtocolError::new(ErrorCode::ClaimRefused, why))?;
+        }
+        if !jobs.contains_key(id) && jobs.len() >= MAX_JOBS {
+            // Full: the idle jobs go first, however recently they read.
+            self.forget_idle_beyond(&mut jobs, 0);
+            if jobs.len() >= MAX_JOBS {
+                return Err(ProtocolError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the stage serves {MAX_JOBS} jobs, the most it holds at once, and none of them is idle: job `{id}` can start once one of them ends"
+                    ),
+                ));
+            }
         }
         let (handle, started) = self.attach_locked(&mut jobs, id, labels, true);
         drop(jobs);
@@ -407,7 +461,6 @@ impl Engine {
             .entry(id.to_owned())
             .or_insert_with(|| {
                 started = true;
-                self.memory.jobs.fetch_add(1, Ordering::Relaxed);
                 self.metrics.jobs.inc();
                 let config = self.config_for(id);
                 let hold = self
@@ -458,7 +511,6 @@ impl Engine {
     /// Stops a job taken out of the table and uncounts it.
     fn forget(&self, job: &Job) {
         job.stop();
-        self.memory.jobs.fetch_sub(1, Ordering::Relaxed);
         self.metrics.jobs.dec();
     }
 

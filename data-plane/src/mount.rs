@@ -185,6 +185,7 @@ pub fn mount(
         nodes: Arc::default(),
         trees: Arc::default(),
         open: Arc::new(Mutex::new(HashMap::new())),
+        most_open: sluice_proto::fd_limit::connections_per_listener(),
         dirs: HashMap::new(),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
@@ -1058,6 +1059,12 @@ struct Readers {
 /// later looks its files up again.
 const DROP_JOB_PATHS: Duration = Duration::from_secs(90);
 
+/// Jobs kept attached with no file open through the mount, at most: a
+/// reader opening files under one `@<job>` name after another would
+/// otherwise keep every one attached for [`ATTACHED_IDLE`] (4,196 names in
+/// five seconds held 4,196 jobs), past what the engine keeps idle.
+const MAX_IDLE_ATTACHED: usize = 16;
+
 struct Attached {
     handle: JobHandle,
     open: usize,
@@ -1074,11 +1081,13 @@ impl Readers {
         access: &TrainerAccess,
         peer: &Peer,
         job: &Arc<str>,
-    ) -> Result<Arc<Job>, String> {
+    ) -> Result<Arc<Job>, ProtocolError> {
         let mut jobs = lock(&self.jobs);
         let attached = match jobs.entry(Arc::clone(job)) {
             Slot::Occupied(attached) => {
-                engine.may_join(access, peer, job)?;
+                engine
+                    .may_join(access, peer, job)
+                    .map_err(|why| ProtocolError::new(ErrorCode::ClaimRefused, why))?;
                 attached.into_mut()
             }
             Slot::Vacant(slot) => slot.insert(Attached {
@@ -1095,14 +1104,34 @@ impl Readers {
         Ok(job)
     }
 
-    /// A file of `job` was closed.
+    /// A file of `job` was closed. Past [`MAX_IDLE_ATTACHED`] jobs with
+    /// no file open, the one idle longest is detached at once.
     fn close(&self, job: &str) {
-        if let Some(attached) = lock(&self.jobs).get_mut(job) {
+        let detached = {
+            let mut jobs = lock(&self.jobs);
+            let Some(attached) = jobs.get_mut(job) else {
+                return;
+            };
             attached.open = attached.open.saturating_sub(1);
-            if attached.open == 0 {
-                attached.idle_since = Some(Instant::now());
+            if attached.open > 0 {
+                return;
             }
-        }
+            attached.idle_since = Some(Instant::now());
+            let idle = jobs.values().filter(|a| a.idle_since.is_some());
+            if idle.count() <= MAX_IDLE_ATTACHED {
+                return;
+            }
+            let oldest = jobs
+                .iter()
+                .filter_map(|(job, a)| a.idle_since.map(|t| (t, Arc::clone(job))))
+                .min()
+                .map(|(_, job)| job)
+                .expect("more than none are idle");
+            lock(&self.detached).insert(Arc::clone(&oldest), Instant::now());
+            jobs.remove(&oldest)
+        };
+        // Dropped outside the lock: the last handle of a job reports it.
+        drop(detached);
     }
 
     /// Detaches the jobs idle for [`ATTACHED_IDLE`]; returns the jobs
@@ -1146,6 +1175,9 @@ struct MountFs {
     nodes: Arc<Mutex<Nodes>>,
     trees: Arc<Trees>,
     open: Arc<Mutex<HashMap<u64, Open>>>,
+    /// Files open at once, at most: a quarter of the descriptor limit, as
+    /// each listener holds.
+    most_open: usize,
     /// The tree each open data set directory is read from: the listing it
     /// began with, so that a listing taken again meanwhile does not shift
     /// the offsets of one read in pages (names twice, or none).
@@ -1541,8 +1573,9 @@ fn being_killed(pid: u32) -> bool {
 fn errno(e: &ProtocolError) -> i32 {
     match e.code {
         ErrorCode::NotFound | ErrorCode::NoSuchDataset => libc::ENOENT,
-        ErrorCode::ForbiddenPath => libc::EACCES,
+        ErrorCode::ForbiddenPath | ErrorCode::ClaimRefused => libc::EACCES,
         ErrorCode::InvalidArgument => libc::EINVAL,
+        ErrorCode::Unavailable => libc::EAGAIN,
         _ => libc::EIO,
     }
 }
@@ -1722,15 +1755,30 @@ impl Filesystem for MountFs {
         else {
             return reply.error(libc::EISDIR);
         };
+        if lock(&self.open).len() >= self.most_open {
+            // Each open file may hold a descriptor of the stage: past a
+            // quarter of them, the other jobs' reads would fail for want
+            // of one (4,079 files held open made a socket trainer's reads
+            // fail with "Too many open files").
+            static FULL: Mutex<Sparse> = Mutex::new(Sparse::new());
+            if let Some(n) = lock(&FULL).note(Duration::from_secs(60)) {
+                warn!(
+                    refused = n,
+                    most = self.most_open,
+                    "files held open through the mount take a quarter of the stage's descriptors: further opens fail (ENFILE) until some are closed"
+                );
+            }
+            return reply.error(libc::ENFILE);
+        }
         let reader = Peer::Unix {
             uid: req.uid(),
             gid: req.gid(),
         };
         let job = match self.readers.open(&self.engine, &self.access, &reader, &job) {
             Ok(job) => job,
-            Err(why) => {
-                warn!(%why, "a read through the mount was refused");
-                return reply.error(libc::EACCES);
+            Err(e) => {
+                warn!(why = %e.message, "a read through the mount was refused");
+                return reply.error(errno(&e));
             }
         };
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);

@@ -486,10 +486,7 @@ impl Connection {
         // A HELLO without labels joins the job as it runs (its labels are
         // kept: another connection of the job must not clear them).
         let claimed = (!labels.is_empty()).then_some(labels);
-        let handle = self
-            .engine
-            .claim(&self.access, &self.peer, job, claimed)
-            .map_err(|why| ProtocolError::new(ErrorCode::ClaimRefused, why))?;
+        let handle = self.engine.claim(&self.access, &self.peer, job, claimed)?;
         self.rank = rank;
         self.world_size = world_size;
         #[cfg(debug_assertions)]

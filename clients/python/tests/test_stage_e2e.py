@@ -1125,8 +1125,9 @@ def test_the_metrics_port_says_what_it_serves(stage_factory, dataset):
 def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage_factory, tmp_path):
     """Connections that ask for samples and never read the answers (hung
     or stopped trainers) hold the memory of what they were answered for
-    30 s at most: then they are closed, and another job reads its epoch
-    (before, such answers held a small node's whole budget for good)."""
+    30 s at most (before, such answers held a small node's whole budget
+    for good), and their claims hold at most half the budget meanwhile:
+    another job reads its epoch without waiting for them to be closed."""
     root = tmp_path / "d"
     root.mkdir()
     files = {f"f{i:04d}.bin": os.urandom(64 << 10) for i in range(200)}
@@ -1147,8 +1148,9 @@ def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage
         with sluice.Client(stage.socket, job="innocent", timeout=90) as c:
             got = {name: bytes(data) for name, data in c.dataset("d").epoch(0, batch=64)}
         assert got == files
-        assert time.monotonic() - t0 < 60
-        assert "did not take its answer within 30 s" in stage.stderr_tail()
+        assert time.monotonic() - t0 < 20, "the epoch waited for the hung trainers to be cut"
+        wait_for(lambda: "did not take its answer within 30 s" in stage.stderr_tail(), timeout=45,
+                 what="the hung trainers closed")
     finally:
         for raw in stuck:
             raw.close()

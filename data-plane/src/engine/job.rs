@@ -89,6 +89,9 @@ struct StatsSample {
 #[derive(Debug)]
 struct JobState {
     plans: HashMap<u64, PlanRun>,
+    /// Whether the job is counted among those holding plans (the budget's
+    /// shares; see [`JobState::count_plans`]).
+    planning: bool,
     by_key: HashMap<PlanIdentity, u64>,
     completed: VecDeque<(PlanIdentity, u64)>,
     next_id: u64,
@@ -305,6 +308,7 @@ impl Job {
                 connections: 0,
                 idle_since: Some(Instant::now()),
                 stopped: false,
+                planning: false,
                 last_tick: None,
                 datasets: HashMap::new(),
                 over_waiting: None,
@@ -382,6 +386,9 @@ impl Job {
         let datasets: Vec<String> = {
             let mut st = self.lock();
             st.stopped = true;
+            if std::mem::take(&mut st.planning) {
+                self.memory.planning(false);
+            }
             st.datasets.keys().cloned().collect()
         };
         self.work.notify_all();
@@ -766,6 +773,16 @@ impl JobState {
             self.full = self.reserved > capacity - margin;
         }
         !self.full
+    }
+
+    /// Counts the job among those holding plans while it holds one (and
+    /// is not stopped). Call after the plans change.
+    fn count_plans(&mut self, memory: &Memory) {
+        let holds = !self.plans.is_empty() && !self.stopped;
+        if holds != self.planning {
+            self.planning = holds;
+            memory.planning(holds);
+        }
     }
 
     /// Forgets a fully delivered plan and remembers that it completed.

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime};
 use tracing::{info, warn};
 
 use crate::engine::{Engine, JobHandle, PlanHandle, PlanKey};
-use crate::protocol::valid_job_id;
+use crate::protocol::{ErrorCode, valid_job_id};
 use crate::trust::{Peer, TrainerAccess};
 
 /// How often the directory is looked at.
@@ -348,7 +348,10 @@ impl Orders {
         let handle = self
             .engine
             .claim(&self.access, &owner, job, None)
-            .map_err(refused)?;
+            .map_err(|e| match e.code {
+                ErrorCode::ClaimRefused => refused(e.message),
+                _ => e.message,
+            })?;
         // A sampler already gives this job's order over the data set: a
         // second order would read every file again into a buffer nobody
         // takes from.

@@ -13,6 +13,7 @@ use super::{Job, MEMORY_RECHECK, OVER_PATIENCE, PlanState};
 use crate::cache::{Fill, Lookup};
 use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
+use crate::engine::Memory;
 use crate::engine::plan_run::{PlanIdentity, PlanKey, PlanRun, ShardOrder};
 use crate::metrics::DatasetMetrics;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, SAMPLES_FRAME_BUDGET, Sample, TO_END};
@@ -66,6 +67,32 @@ pub struct Reservation {
     /// Bytes moved to samples lent in shared memory: they leave the plan's
     /// share on drop, and the job's when the trainer returns them.
     lent: u64,
+    /// The `NEXT` claim the data answers, counted until it goes.
+    _claim: Option<ClaimHold>,
+}
+
+/// Bytes of entries a `NEXT` claimed, counted in the node's claims (see
+/// [`Memory::claim_room`]) until its answer goes or it is given up.
+#[derive(Debug)]
+struct ClaimHold {
+    memory: Arc<Memory>,
+    bytes: u64,
+}
+
+impl ClaimHold {
+    fn new(memory: &Arc<Memory>, bytes: u64) -> Self {
+        memory.hold_claim(bytes);
+        Self {
+            memory: Arc::clone(memory),
+            bytes,
+        }
+    }
+}
+
+impl Drop for ClaimHold {
+    fn drop(&mut self) {
+        self.memory.drop_claim(self.bytes);
+    }
 }
 
 impl Drop for Reservation {
@@ -220,6 +247,7 @@ impl Job {
         if complete {
             st.finish_plan(id);
         }
+        st.count_plans(&self.memory);
         self.ensure_readers(&mut st);
         drop(st);
         self.work.notify_all();
@@ -258,6 +286,7 @@ impl Job {
         }
         let plan = st.plans.remove(&id).expect("present");
         st.by_key.remove(&plan.identity());
+        st.count_plans(&self.memory);
         // In-flight reads release their own bytes when they find the plan gone.
         let buffered = plan.buffered_bytes();
         st.reserved -= buffered;
@@ -290,21 +319,34 @@ impl Job {
         let Some(id) = handle.id else {
             return empty(true);
         };
-        let (positions, metrics, waiting) = {
+        let (positions, metrics, waiting, claim) = {
             let mut st = self.lock();
             let Some(plan) = st.plans.get_mut(&id) else {
                 return empty(true);
             };
-            // At most a quarter of the node's budget at once, and half the
-            // job's share of it (at least one entry): the answer waits for
-            // every claimed entry, and what the budget cannot hold at once
-            // would never all be fetched, nor would every job's claims
-            // together (read-ahead nobody claimed makes way for them).
-            let cap = (self.memory.budget() / 4).min(self.memory.job_share() / 2);
+            // At most a quarter of the node's budget at once, half the
+            // job's share of it, and what every job's unanswered claims
+            // leave of half the budget (at least one entry): the answer
+            // waits for every claimed entry, and what the budget cannot
+            // hold at once would never all be fetched, nor would every
+            // job's claims together (read-ahead nobody claimed makes way
+            // for them). The shares alone did not bound the claims: each
+            // is cut from the jobs of its moment, and trainers that claim
+            // and never read their answers keep them.
+            let cap = (self.memory.budget() / 4)
+                .min(self.memory.job_share() / 2)
+                .min(self.memory.claim_room());
             let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(cap));
+            let bytes = positions.iter().map(|&p| plan.size_of(p)).sum();
             let waiting = plan.consumer_waiting();
             let dataset = plan.dataset.name.clone();
-            (positions, self.dataset_metrics(&mut st, &dataset), waiting)
+            let claim = ClaimHold::new(&self.memory, bytes);
+            (
+                positions,
+                self.dataset_metrics(&mut st, &dataset),
+                waiting,
+                claim,
+            )
         };
         if positions.is_empty() {
             return empty(true);
@@ -320,10 +362,12 @@ impl Job {
             return empty(true);
         };
         self.count_delivered(&metrics, &samples);
+        let mut reservation = self.reservation(id, bytes);
+        reservation._claim = Some(claim);
         NextBatch {
             samples,
             end,
-            reservation: self.reservation(id, bytes),
+            reservation,
         }
     }
 
@@ -369,6 +413,7 @@ impl Job {
                         let end = plan.exhausted();
                         if plan.remaining == 0 {
                             st.finish_plan(id);
+                            st.count_plans(&self.memory);
                         }
                         drop(st);
                         if waited && stalled() {
@@ -611,6 +656,7 @@ impl Job {
             plan.remaining -= 1;
             if plan.remaining == 0 {
                 st.finish_plan(id);
+                st.count_plans(&self.memory);
             }
         }
     }
@@ -640,6 +686,7 @@ impl Job {
             plan,
             bytes,
             lent: 0,
+            _claim: None,
         }
     }
 

@@ -1,0 +1,164 @@
+"""Trainers and mount readers that hold what they take (answers they never
+read, jobs they never use, files they never close) against the stage's
+bounds: the other jobs keep reading."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pathlib
+import socket
+import struct
+import time
+
+import pytest
+from conftest import job_metric, wait_for
+
+import sluice
+from sluice import protocol as p
+
+
+def files_of(root: pathlib.Path, count: int, size: int) -> dict:
+    root.mkdir()
+    files = {}
+    for i in range(count):
+        name = f"f{i:04d}.bin"
+        files[name] = os.urandom(size)
+        (root / name).write_bytes(files[name])
+    return files
+
+
+def raw(stage, job: str) -> socket.socket:
+    """A connection that said HELLO as ``job`` (with a small receive
+    buffer, so that answers it does not read stay with the stage)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(stage.socket)
+    s.settimeout(10)
+    s.sendall(p.encode_hello(job))
+    answer(s)
+    return s
+
+
+def answer(s: socket.socket) -> object:
+    with s.makefile("rb") as f:
+        return p.read_response(f)
+
+
+def test_trainers_that_claim_and_never_read_their_answers_do_not_stop_other_jobs(stage_factory, tmp_path):
+    """Each NEXT's claim was cut from the jobs of its moment, so the claims of
+    trainers arriving one after another, never read, held more than the
+    whole budget and another job got nothing until the stage's write
+    timeout (30 s) cut them. Unanswered claims now hold at most half the
+    budget (beyond one entry each)."""
+    files = files_of(tmp_path / "data", 200, 100 * 1024)
+    stage = stage_factory({"ds": str(tmp_path / "data")}, "--memory-budget", "256MiB")
+    hogs = []
+    for j in range(16):
+        s = raw(stage, f"hog-{j}")
+        s.sendall(p.encode_open("ds"))
+        answer(s)
+        s.sendall(p.encode_plan_indices(0, list(range(200)) * 20))
+        answer(s)
+        s.sendall(p.encode_next(4096))  # and never reads the answer
+        hogs.append(s)
+        time.sleep(0.1)
+    time.sleep(1)
+    start = time.monotonic()
+    with sluice.Client(stage.socket, job="good", timeout=60) as c:
+        # As a training loop does, each sample is let go once used.
+        got = {name: hashlib.sha256(data).digest() for name, data in c.dataset("ds").epoch(0, seed=1)}
+    took = time.monotonic() - start
+    assert got == {name: hashlib.sha256(data).digest() for name, data in files.items()}
+    assert took < 15, f"an epoch of 200 samples took {took:.1f} s beside trainers that do not read"
+    assert stage.alive()
+    for s in hogs:
+        s.close()
+
+
+def test_the_stage_holds_at_most_256_jobs_and_says_so(stage_factory, tmp_path):
+    """Every job that reads takes reader threads: a client naming job after
+    job took a stage to 16,000 threads and an abort at about 1,000 jobs."""
+    files_of(tmp_path / "data", 4, 1000)
+    stage = stage_factory({"ds": str(tmp_path / "data")})
+    held = [raw(stage, f"held-{j}") for j in range(256)]
+    with pytest.raises(sluice.UnavailableError, match=r"serves 256 jobs, the most it holds at once"):
+        sluice.Client(stage.socket, job="one-too-many", reconnect=0)
+    # A job whose trainers left makes room for a new one.
+    for s in held[:3]:
+        s.close()
+    with sluice.Client(stage.socket, job="newcomer") as c:
+        assert c.dataset("ds").read("f0000.bin") == (tmp_path / "data" / "f0000.bin").read_bytes()
+    assert stage.alive()
+    for s in held[3:]:
+        s.close()
+
+
+def test_jobs_that_only_said_hello_take_no_share_of_the_budget(stage_factory, tmp_path):
+    """The budget was split among every job, so 1,000 connections that
+    only said HELLO cut a reading job's buffer to a thousandth of it."""
+    files_of(tmp_path / "data", 50, 10_000)
+    stage = stage_factory({"ds": str(tmp_path / "data")}, "--memory-budget", "64MiB")
+    idle = [raw(stage, f"idle-{j}") for j in range(100)]
+    with sluice.Client(stage.socket, job="reader") as c:
+        with c.dataset("ds").epoch(0, seed=1) as it:
+            next(it)
+            capacity = job_metric(stage, "sluice_stage_buffer_capacity_bytes", "reader")
+            assert capacity >= 32 * 2**20, f"the reading job's buffer is {capacity:.0f} bytes"
+            for _ in it:
+                pass
+    for s in idle:
+        s.close()
+
+
+def test_files_held_open_through_the_mount_leave_the_stage_its_descriptors(stage_factory, tmp_path):
+    """Each file open through the mount may hold a descriptor of the stage:
+    with no bound, a reader holding files open took every one, and socket
+    trainers' reads failed with "Too many open files". Opens past a quarter
+    of the limit fail with ENFILE instead."""
+    files = files_of(tmp_path / "data", 120, 1000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": str(tmp_path / "data")}, "--mount", str(mnt), nofile=256)
+    held, refused = [], None
+    for name in sorted(files):
+        try:
+            held.append(open(mnt / "ds" / name, "rb"))
+        except OSError as e:
+            refused = e
+            break
+    assert refused is not None and refused.errno == errno.ENFILE, refused
+    assert len(held) == 64, f"{len(held)} files open before the first refusal"
+    with sluice.Client(stage.socket, job="socket") as c:
+        got = {name: data for name, data in c.dataset("ds").epoch(0, seed=2)}
+    assert got == files, "socket trainers read on"
+    for f in held:
+        f.close()
+    with open(mnt / "ds" / "f0119.bin", "rb") as f:
+        assert f.read() == files["f0119.bin"]
+
+
+def test_many_job_names_read_through_the_mount_are_not_all_kept(stage_factory, tmp_path):
+    """Each `@<job>` name read through the mount stayed attached for 10 s
+    after its file closed: a reader naming job after job made thousands of
+    jobs (a descriptor and a share of the budget each)."""
+    files_of(tmp_path / "data", 2, 1000)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = stage_factory({"ds": str(tmp_path / "data")}, "--mount", str(mnt))
+    for j in range(300):
+        with open(mnt / f"@name-{j}" / "ds" / "f0000.bin", "rb") as f:
+            f.read()
+
+    def jobs():
+        from conftest import http_get
+        line = next(line for line in http_get(stage.metrics, "/metrics").splitlines()
+                    if line.startswith("sluice_stage_jobs "))
+        return float(line.split()[1])
+    wait_for(lambda: jobs() <= 128 + 16, timeout=3, what="the jobs kept to 128 idle and 16 attached")
+    assert stage.alive()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
