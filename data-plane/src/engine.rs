@@ -77,6 +77,10 @@ pub struct Memory {
     /// The jobs that hold a plan, among which the budget is shared (a
     /// job that only said `HELLO` takes no share).
     planning: AtomicUsize,
+    /// Entries of every job's active plans: their bookkeeping (about 10
+    /// bytes an entry) is held outside the budget, so it is bounded too
+    /// ([`Memory::most_planned`]).
+    planned: AtomicU64,
 }
 
 impl Memory {
@@ -88,6 +92,7 @@ impl Memory {
             lent: AtomicU64::new(0),
             claimed: AtomicU64::new(0),
             planning: AtomicUsize::new(0),
+            planned: AtomicU64::new(0),
         }
     }
 
@@ -245,6 +250,29 @@ impl Memory {
     /// half the budget.
     fn claim_room(&self) -> u64 {
         (self.budget / 2).saturating_sub(self.claimed.load(Ordering::Acquire))
+    }
+
+    /// Entries every job's active plans may hold together: a quarter of
+    /// the budget's bytes at about 10 bytes an entry, and at least 8 Mi
+    /// (six ImageNet epochs). Forty idle connections with a plan of 4 Mi
+    /// entries each took a stage with a 256 MiB budget to 1.2 GiB.
+    fn most_planned(&self) -> u64 {
+        (self.budget / 40).max(8 << 20)
+    }
+
+    /// Counts `n` more planned entries if they fit in
+    /// [`Memory::most_planned`]; else says how many are planned.
+    fn try_plan(&self, n: u64) -> Result<(), u64> {
+        let most = self.most_planned();
+        self.planned
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |planned| {
+                (planned + n <= most).then_some(planned + n)
+            })
+            .map(drop)
+    }
+
+    fn unplan(&self, n: u64) {
+        self.planned.fetch_sub(n, Ordering::AcqRel);
     }
 
     fn hold_claim(&self, n: u64) {

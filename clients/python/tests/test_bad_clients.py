@@ -112,6 +112,34 @@ def test_jobs_that_only_said_hello_take_no_share_of_the_budget(stage_factory, tm
         s.close()
 
 
+def test_plans_of_idle_connections_are_bounded(stage_factory, tmp_path):
+    """A plan's bookkeeping (about 10 bytes an entry) is held outside the
+    budget: forty idle connections with a plan of 4 Mi entries each took a
+    stage with a 256 MiB budget to 1.2 GiB. Every job's plans together now
+    hold at most a quarter of the budget's bytes in entries (8 Mi at least):
+    a plan past that is refused, saying why, and fits once others end."""
+    files_of(tmp_path / "data", 4, 1000)
+    stage = stage_factory({"ds": str(tmp_path / "data")}, "--memory-budget", "256MiB")
+    indices = [3] * ((16 * 2**20 - 32) // 4)
+    held = []
+    for j in range(3):
+        s = raw(stage, f"plans-{j}")
+        s.sendall(p.encode_open("ds"))
+        answer(s)
+        s.sendall(p.encode_plan_indices(0, indices))
+        held.append((s, answer(s)))
+    assert [type(a).__name__ for _, a in held] == ["Planned", "Planned", "Error"], held
+    refused = held[2][1]
+    assert refused.code == sluice.ErrorCode.TOO_LARGE, refused
+    assert "the stage's plans hold 8388592 entries, and its memory budget allows 8388608" in refused.message
+    held[0][0].close()
+    s = held[2][0]
+    wait_for(lambda: (s.sendall(p.encode_plan_indices(1, indices)), answer(s))[1].__class__.__name__ == "Planned",
+             timeout=5, what="the plan fits once another connection's ended")
+    for s, _ in held[1:]:
+        s.close()
+
+
 def test_files_held_open_through_the_mount_leave_the_stage_its_descriptors(stage_factory, tmp_path):
     """Each file open through the mount may hold a descriptor of the stage:
     with no bound, a reader holding files open took every one, and socket

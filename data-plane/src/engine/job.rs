@@ -92,6 +92,8 @@ struct JobState {
     /// Whether the job is counted among those holding plans (the budget's
     /// shares; see [`JobState::count_plans`]).
     planning: bool,
+    /// Entries of its plans counted in the node's planned entries.
+    planned: u64,
     by_key: HashMap<PlanIdentity, u64>,
     completed: VecDeque<(PlanIdentity, u64)>,
     next_id: u64,
@@ -309,6 +311,7 @@ impl Job {
                 idle_since: Some(Instant::now()),
                 stopped: false,
                 planning: false,
+                planned: 0,
                 last_tick: None,
                 datasets: HashMap::new(),
                 over_waiting: None,
@@ -389,6 +392,7 @@ impl Job {
             if std::mem::take(&mut st.planning) {
                 self.memory.planning(false);
             }
+            self.memory.unplan(std::mem::take(&mut st.planned));
             st.datasets.keys().cloned().collect()
         };
         self.work.notify_all();
@@ -777,11 +781,17 @@ impl JobState {
 
     /// Counts the job among those holding plans while it holds one (and
     /// is not stopped). Call after the plans change.
+    /// Its planned entries are given back as its plans go.
     fn count_plans(&mut self, memory: &Memory) {
         let holds = !self.plans.is_empty() && !self.stopped;
         if holds != self.planning {
             self.planning = holds;
             memory.planning(holds);
+        }
+        let planned: u64 = self.plans.values().map(|p| p.files.len() as u64).sum();
+        if planned < self.planned {
+            memory.unplan(self.planned - planned);
+            self.planned = planned;
         }
     }
 

@@ -237,6 +237,16 @@ impl Job {
             }
             st.completed.remove(i);
         }
+        if let Err(planned) = self.memory.try_plan(u64::from(length)) {
+            return Err(ProtocolError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "a plan of {length} entries does not fit: the stage's plans hold {planned} entries, and its memory budget allows {} (a quarter of it, at about 10 bytes an entry); plan fewer at a time, or end plans no longer read",
+                    self.memory.most_planned()
+                ),
+            ));
+        }
+        st.planned += u64::from(length);
         let id = st.next_id;
         st.next_id += 1;
         let mut plan = PlanRun::new(id, key, fingerprint, dataset, listing, files);
