@@ -1104,6 +1104,11 @@ impl Readers {
         Ok(job)
     }
 
+    /// How many files of `job` are open through the mount.
+    fn open_files(&self, job: &str) -> usize {
+        lock(&self.jobs).get(job).map_or(0, |a| a.open)
+    }
+
     /// A file of `job` was closed. Past [`MAX_IDLE_ATTACHED`] jobs with
     /// no file open, the one idle longest is detached at once.
     fn close(&self, job: &str) {
@@ -1755,17 +1760,21 @@ impl Filesystem for MountFs {
         else {
             return reply.error(libc::EISDIR);
         };
-        if lock(&self.open).len() >= self.most_open {
-            // Each open file may hold a descriptor of the stage: past a
-            // quarter of them, the other jobs' reads would fail for want
-            // of one (4,079 files held open made a socket trainer's reads
-            // fail with "Too many open files").
+        // Each open file may hold a descriptor of the stage: past a quarter
+        // of them, the other jobs' reads would fail for want of one (4,079
+        // files held open made a socket trainer's reads fail with "Too
+        // many open files"); and one job holds at most half of those, so
+        // that a reader holding files open leaves the other jobs' readers
+        // of the mount room.
+        let all = lock(&self.open).len() >= self.most_open;
+        if all || self.readers.open_files(&job) >= self.most_open / 2 {
             static FULL: Mutex<Sparse> = Mutex::new(Sparse::new());
             if let Some(n) = lock(&FULL).note(Duration::from_secs(60)) {
                 warn!(
                     refused = n,
                     most = self.most_open,
-                    "files held open through the mount take a quarter of the stage's descriptors: further opens fail (ENFILE) until some are closed"
+                    job = %job,
+                    "files held open through the mount take a quarter of the stage's descriptors, or this job half of those: further opens fail (ENFILE) until some are closed"
                 );
             }
             return reply.error(libc::ENFILE);

@@ -144,26 +144,35 @@ def test_files_held_open_through_the_mount_leave_the_stage_its_descriptors(stage
     """Each file open through the mount may hold a descriptor of the stage:
     with no bound, a reader holding files open took every one, and socket
     trainers' reads failed with "Too many open files". Opens past a quarter
-    of the limit fail with ENFILE instead."""
+    of the limit fail with ENFILE instead, and one job holds at most half
+    of those, so other jobs' readers of the mount still open files."""
     files = files_of(tmp_path / "data", 120, 1000)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     stage = stage_factory({"ds": str(tmp_path / "data")}, "--mount", str(mnt), nofile=256)
-    held, refused = [], None
-    for name in sorted(files):
-        try:
-            held.append(open(mnt / "ds" / name, "rb"))
-        except OSError as e:
-            refused = e
-            break
+
+    def hold(job: str) -> tuple[list, OSError]:
+        held = []
+        for name in sorted(files):
+            try:
+                held.append(open(mnt / f"@{job}" / "ds" / name, "rb"))
+            except OSError as e:
+                return held, e
+        return held, None
+
+    first, refused = hold("first")
     assert refused is not None and refused.errno == errno.ENFILE, refused
-    assert len(held) == 64, f"{len(held)} files open before the first refusal"
+    assert len(first) == 32, f"{len(first)} files of one job open before the first refusal"
+    second, refused = hold("second")
+    assert len(second) == 32 and refused.errno == errno.ENFILE, (len(second), refused)
+    third, refused = hold("third")
+    assert not third and refused.errno == errno.ENFILE, "64 files open: the mount's share of the descriptors"
     with sluice.Client(stage.socket, job="socket") as c:
         got = {name: data for name, data in c.dataset("ds").epoch(0, seed=2)}
     assert got == files, "socket trainers read on"
-    for f in held:
+    for f in first + second:
         f.close()
-    with open(mnt / "ds" / "f0119.bin", "rb") as f:
+    with open(mnt / "@third" / "ds" / "f0119.bin", "rb") as f:
         assert f.read() == files["f0119.bin"]
 
 
