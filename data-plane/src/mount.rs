@@ -1021,6 +1021,15 @@ fn held_elsewhere(
     })
 }
 
+/// The reader of `req`, for the `trainers:` rules: its uid and gid as the
+/// kernel gives them.
+fn reader_of(req: &Request<'_>) -> Peer {
+    Peer::Unix {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
 /// The errno of a read through the mount that failed with `e`; a failure
 /// of the source is logged (once a minute, with how many there were).
 fn failed(e: &ProtocolError) -> i32 {
@@ -1065,6 +1074,14 @@ const DROP_JOB_PATHS: Duration = Duration::from_secs(90);
 /// five seconds held 4,196 jobs), past what the engine keeps idle.
 const MAX_IDLE_ATTACHED: usize = 16;
 
+/// Why an open through the mount was refused.
+enum Refused {
+    /// By the `trainers:` rules, or the stage's job table (see [`errno`]).
+    Claim(ProtocolError),
+    /// The mount, or the job, holds its share of open files.
+    Full,
+}
+
 struct Attached {
     handle: JobHandle,
     open: usize,
@@ -1073,25 +1090,31 @@ struct Attached {
 
 impl Readers {
     /// The job of a file being opened by `peer`, if the `trainers:` rules
-    /// let it read as the job: attached if it was not (the check and the
-    /// attach one step, see [`Engine::claim`]).
+    /// let it read as the job (the check and the attach one step, see
+    /// [`Engine::claim`]) and the job holds fewer than `most` files open.
     fn open(
         &self,
         engine: &Engine,
         access: &TrainerAccess,
         peer: &Peer,
         job: &Arc<str>,
-    ) -> Result<Arc<Job>, ProtocolError> {
+        most: usize,
+    ) -> Result<Arc<Job>, Refused> {
         let mut jobs = lock(&self.jobs);
         let attached = match jobs.entry(Arc::clone(job)) {
             Slot::Occupied(attached) => {
-                engine
-                    .may_join(access, peer, job)
-                    .map_err(|why| ProtocolError::new(ErrorCode::ClaimRefused, why))?;
+                engine.may_join(access, peer, job).map_err(|why| {
+                    Refused::Claim(ProtocolError::new(ErrorCode::ClaimRefused, why))
+                })?;
+                if attached.get().open >= most {
+                    return Err(Refused::Full);
+                }
                 attached.into_mut()
             }
             Slot::Vacant(slot) => slot.insert(Attached {
-                handle: engine.claim(access, peer, job, None)?,
+                handle: engine
+                    .claim(access, peer, job, None)
+                    .map_err(Refused::Claim)?,
                 open: 0,
                 idle_since: None,
             }),
@@ -1102,11 +1125,6 @@ impl Readers {
         drop(jobs);
         lock(&self.detached).remove(job.id());
         Ok(job)
-    }
-
-    /// How many files of `job` are open through the mount.
-    fn open_files(&self, job: &str) -> usize {
-        lock(&self.jobs).get(job).map_or(0, |a| a.open)
     }
 
     /// A file of `job` was closed. Past [`MAX_IDLE_ATTACHED`] jobs with
@@ -1379,11 +1397,7 @@ impl MountFs {
     /// rules, as for a trainer on the socket with the reader's uid and
     /// gid); refusals are logged.
     fn may_read_as(&self, req: &Request<'_>, job: &str) -> bool {
-        let reader = Peer::Unix {
-            uid: req.uid(),
-            gid: req.gid(),
-        };
-        match self.engine.may_join(&self.access, &reader, job) {
+        match self.engine.may_join(&self.access, &reader_of(req), job) {
             Ok(()) => true,
             Err(why) => {
                 warn!(%why, "a read through the mount was refused");
@@ -1766,26 +1780,28 @@ impl Filesystem for MountFs {
         // many open files"); and one job holds at most half of those, so
         // that a reader holding files open leaves the other jobs' readers
         // of the mount room.
-        let all = lock(&self.open).len() >= self.most_open;
-        if all || self.readers.open_files(&job) >= self.most_open / 2 {
-            static FULL: Mutex<Sparse> = Mutex::new(Sparse::new());
-            if let Some(n) = lock(&FULL).note(Duration::from_secs(60)) {
-                warn!(
-                    refused = n,
-                    most = self.most_open,
-                    job = %job,
-                    "files held open through the mount take a quarter of the stage's descriptors, or this job half of those: further opens fail (ENFILE) until some are closed"
-                );
-            }
-            return reply.error(libc::ENFILE);
-        }
-        let reader = Peer::Unix {
-            uid: req.uid(),
-            gid: req.gid(),
+        let opened = if lock(&self.open).len() >= self.most_open {
+            Err(Refused::Full)
+        } else {
+            let most = (self.most_open / 2).max(1);
+            self.readers
+                .open(&self.engine, &self.access, &reader_of(req), &job, most)
         };
-        let job = match self.readers.open(&self.engine, &self.access, &reader, &job) {
+        let job = match opened {
             Ok(job) => job,
-            Err(e) => {
+            Err(Refused::Full) => {
+                static FULL: Mutex<Sparse> = Mutex::new(Sparse::new());
+                if let Some(n) = lock(&FULL).note(Duration::from_secs(60)) {
+                    warn!(
+                        refused = n,
+                        most = self.most_open,
+                        job = %job,
+                        "files held open through the mount take a quarter of the stage's descriptors, or this job half of those: further opens fail (ENFILE) until some are closed"
+                    );
+                }
+                return reply.error(libc::ENFILE);
+            }
+            Err(Refused::Claim(e)) => {
                 warn!(why = %e.message, "a read through the mount was refused");
                 return reply.error(errno(&e));
             }

@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
-use sluice_policy::{MAX_JOB_ID_BYTES as MAX_JOB_BYTES, valid_job_id};
+use sluice_policy::{MAX_JOB_ID_BYTES as MAX_JOB_BYTES, job_id_byte, valid_job_id};
 
 /// Longest label key a trainer may send.
 pub const MAX_LABEL_KEY: usize = 63;
@@ -137,10 +137,9 @@ impl TrainerRule {
         }
         // A pattern no job id can match (`team-a/*`, "", `..`, one too
         // long): a typo that would allow nothing.
-        let job_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         let may_match = |p: &str| match p.contains('*') {
             false => valid_job_id(p),
-            true => literal(p).len() <= MAX_JOB_BYTES && literal(p).chars().all(job_char),
+            true => literal(p).len() <= MAX_JOB_BYTES && literal(p).bytes().all(job_id_byte),
         };
         if let Some(p) = self.jobs.iter().find(|p| !may_match(p)) {
             return Err(format!(

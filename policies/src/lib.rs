@@ -67,7 +67,7 @@ pub use selector::{Labels, Operator, Requirement, Selector, Witness, WitnessValu
 pub use set::{Action, Change, DeleteError, PolicySet, policy_for_job};
 pub use validate::{
     DEFAULT_STAGING_RATE, DEFAULT_TENANT, MAX_DATASET_NAME_BYTES, MAX_JOB_ID_BYTES, MAX_READERS,
-    MAX_WEIGHT, check_label, valid_dataset_name, valid_job_id,
+    MAX_WEIGHT, check_label, job_id_byte, valid_dataset_name, valid_job_id,
 };
 
 /// Parses and validates every document of a YAML (or JSON) stream.

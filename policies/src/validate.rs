@@ -19,7 +19,8 @@ mod prefetch;
 
 pub use cache::{DEFAULT_STAGING_RATE, DEFAULT_TENANT};
 pub use labels::{
-    MAX_DATASET_NAME_BYTES, MAX_JOB_ID_BYTES, check_label, valid_dataset_name, valid_job_id,
+    MAX_DATASET_NAME_BYTES, MAX_JOB_ID_BYTES, check_label, job_id_byte, valid_dataset_name,
+    valid_job_id,
 };
 
 use labels::{check_labels, label_key, selector};

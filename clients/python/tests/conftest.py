@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from sluice import protocol as p
 from sluice.bench.common import wait_for as bench_wait_for
 from sluice.bench.stage import StageProcess, StageStartError
 
@@ -146,3 +147,54 @@ def job_metric(stage, name: str, job: str) -> float:
     body = http_get(stage.metrics, "/metrics")
     found = re.search(rf'^{name}{{job="{re.escape(job)}"}} (\S+)$', body, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+class Raw:
+    """A hand-driven connection for sending arbitrary bytes."""
+
+    def __init__(self, path, timeout=10.0, receive_buffer=None):
+        """``path``: the UNIX socket, or ``(host, port)`` over TCP; with
+        ``receive_buffer`` (UNIX only), the socket's receive buffer in
+        bytes, so that answers it does not read stay with the stage."""
+        if isinstance(path, tuple):
+            self.sock = socket.create_connection(path, timeout=timeout)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if receive_buffer is not None:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+        self.f = self.sock.makefile("rb")
+
+    def send(self, data: bytes):
+        self.sock.sendall(data)
+
+    def recv(self):
+        return p.read_response(self.f)
+
+    def call(self, frame):
+        self.send(frame)
+        return self.recv()
+
+    def hello(self, job="raw", rank=0, world_size=1):
+        msg = self.call(p.encode_hello(job, {}, rank, world_size))
+        assert isinstance(msg, p.Welcome), msg
+        return msg
+
+    def drain_until_closed(self, timeout=10.0) -> bytes:
+        """Reads until the stage closes the connection; returns what came."""
+        self.sock.settimeout(timeout)
+        chunks = []
+        while True:
+            try:
+                b = self.sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+
+    def close(self):
+        self.f.close()
+        self.sock.close()

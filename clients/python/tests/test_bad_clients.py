@@ -8,12 +8,10 @@ import errno
 import hashlib
 import os
 import pathlib
-import socket
-import struct
 import time
 
 import pytest
-from conftest import job_metric, wait_for
+from conftest import Raw, job_metric, wait_for
 
 import sluice
 from sluice import protocol as p
@@ -29,21 +27,12 @@ def files_of(root: pathlib.Path, count: int, size: int) -> dict:
     return files
 
 
-def raw(stage, job: str) -> socket.socket:
-    """A connection that said HELLO as ``job`` (with a small receive
-    buffer, so that answers it does not read stay with the stage)."""
-    s = socket.socket(socket.AF_UNIX)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(stage.socket)
-    s.settimeout(10)
-    s.sendall(p.encode_hello(job))
-    answer(s)
-    return s
-
-
-def answer(s: socket.socket) -> object:
-    with s.makefile("rb") as f:
-        return p.read_response(f)
+def raw(stage, job: str) -> Raw:
+    """A connection that said HELLO as ``job``, with a small receive buffer
+    so that answers it does not read stay with the stage."""
+    r = Raw(stage.socket, receive_buffer=4096)
+    r.hello(job)
+    return r
 
 
 def test_trainers_that_claim_and_never_read_their_answers_do_not_stop_other_jobs(stage_factory, tmp_path):
@@ -56,13 +45,11 @@ def test_trainers_that_claim_and_never_read_their_answers_do_not_stop_other_jobs
     stage = stage_factory({"ds": str(tmp_path / "data")}, "--memory-budget", "256MiB")
     hogs = []
     for j in range(16):
-        s = raw(stage, f"hog-{j}")
-        s.sendall(p.encode_open("ds"))
-        answer(s)
-        s.sendall(p.encode_plan_indices(0, list(range(200)) * 20))
-        answer(s)
-        s.sendall(p.encode_next(4096))  # and never reads the answer
-        hogs.append(s)
+        r = raw(stage, f"hog-{j}")
+        r.call(p.encode_open("ds"))
+        r.call(p.encode_plan_indices(0, list(range(200)) * 20))
+        r.send(p.encode_next(4096))  # and never reads the answer
+        hogs.append(r)
         time.sleep(0.1)
     time.sleep(1)
     start = time.monotonic()
@@ -73,8 +60,8 @@ def test_trainers_that_claim_and_never_read_their_answers_do_not_stop_other_jobs
     assert got == {name: hashlib.sha256(data).digest() for name, data in files.items()}
     assert took < 15, f"an epoch of 200 samples took {took:.1f} s beside trainers that do not read"
     assert stage.alive()
-    for s in hogs:
-        s.close()
+    for r in hogs:
+        r.close()
 
 
 def test_the_stage_holds_at_most_256_jobs_and_says_so(stage_factory, tmp_path):
@@ -86,13 +73,13 @@ def test_the_stage_holds_at_most_256_jobs_and_says_so(stage_factory, tmp_path):
     with pytest.raises(sluice.UnavailableError, match=r"serves 256 jobs, the most it holds at once"):
         sluice.Client(stage.socket, job="one-too-many", reconnect=0)
     # A job whose trainers left makes room for a new one.
-    for s in held[:3]:
-        s.close()
+    for r in held[:3]:
+        r.close()
     with sluice.Client(stage.socket, job="newcomer") as c:
         assert c.dataset("ds").read("f0000.bin") == (tmp_path / "data" / "f0000.bin").read_bytes()
     assert stage.alive()
-    for s in held[3:]:
-        s.close()
+    for r in held[3:]:
+        r.close()
 
 
 def test_jobs_that_only_said_hello_take_no_share_of_the_budget(stage_factory, tmp_path):
@@ -108,8 +95,8 @@ def test_jobs_that_only_said_hello_take_no_share_of_the_budget(stage_factory, tm
             assert capacity >= 32 * 2**20, f"the reading job's buffer is {capacity:.0f} bytes"
             for _ in it:
                 pass
-    for s in idle:
-        s.close()
+    for r in idle:
+        r.close()
 
 
 def test_plans_of_idle_connections_are_bounded(stage_factory, tmp_path):
@@ -123,21 +110,19 @@ def test_plans_of_idle_connections_are_bounded(stage_factory, tmp_path):
     indices = [3] * ((16 * 2**20 - 32) // 4)
     held = []
     for j in range(3):
-        s = raw(stage, f"plans-{j}")
-        s.sendall(p.encode_open("ds"))
-        answer(s)
-        s.sendall(p.encode_plan_indices(0, indices))
-        held.append((s, answer(s)))
+        r = raw(stage, f"plans-{j}")
+        r.call(p.encode_open("ds"))
+        held.append((r, r.call(p.encode_plan_indices(0, indices))))
     assert [type(a).__name__ for _, a in held] == ["Planned", "Planned", "Error"], held
     refused = held[2][1]
     assert refused.code == sluice.ErrorCode.TOO_LARGE, refused
     assert "the stage's plans hold 8388592 entries, and its memory budget allows 8388608" in refused.message
     held[0][0].close()
-    s = held[2][0]
-    wait_for(lambda: (s.sendall(p.encode_plan_indices(1, indices)), answer(s))[1].__class__.__name__ == "Planned",
+    r = held[2][0]
+    wait_for(lambda: isinstance(r.call(p.encode_plan_indices(1, indices)), p.Planned),
              timeout=5, what="the plan fits once another connection's ended")
-    for s, _ in held[1:]:
-        s.close()
+    for r, _ in held[1:]:
+        r.close()
 
 
 def test_files_held_open_through_the_mount_leave_the_stage_its_descriptors(stage_factory, tmp_path):

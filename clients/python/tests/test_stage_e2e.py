@@ -21,7 +21,7 @@ from sluice import protocol as p
 
 from sluice.bench.common import metric_value, parse_prometheus
 
-from conftest import http_get, make_dataset, sorted_names, wait_for
+from conftest import Raw, http_get, make_dataset, sorted_names, wait_for
 
 
 def fnv1a_digest(entries):
@@ -31,53 +31,6 @@ def fnv1a_digest(entries):
         for b in name.encode() + b"\x00" + struct.pack(">Q", size):
             h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return h
-
-
-class Raw:
-    """A hand-driven connection for sending arbitrary bytes."""
-
-    def __init__(self, path, timeout=10.0):
-        """``path``: the UNIX socket, or ``(host, port)`` over TCP."""
-        if isinstance(path, tuple):
-            self.sock = socket.create_connection(path, timeout=timeout)
-        else:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout)
-            self.sock.connect(path)
-        self.f = self.sock.makefile("rb")
-
-    def send(self, data: bytes):
-        self.sock.sendall(data)
-
-    def recv(self):
-        return p.read_response(self.f)
-
-    def call(self, frame):
-        self.send(frame)
-        return self.recv()
-
-    def hello(self, job="raw", rank=0, world_size=1):
-        msg = self.call(p.encode_hello(job, {}, rank, world_size))
-        assert isinstance(msg, p.Welcome), msg
-        return msg
-
-    def drain_until_closed(self, timeout=10.0) -> bytes:
-        """Reads until the stage closes the connection; returns what came."""
-        self.sock.settimeout(timeout)
-        chunks = []
-        while True:
-            try:
-                b = self.sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-
-    def close(self):
-        self.f.close()
-        self.sock.close()
 
 
 def expect_error_then_close(raw: Raw, code: int):

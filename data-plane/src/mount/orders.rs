@@ -441,9 +441,6 @@ fn write_error(path: &Path, why: &str) {
     }
 }
 
-/// Opens the order file at `path` for reading if it is a regular file:
-/// neither a link (not followed) nor a FIFO or device, whose open or read
-/// could block the scan of every job's orders or never end.
 /// Who gave order `file`, for the `trainers:` rules: its owner, whom only
 /// root can change. Not its group: a set-group-id orders directory, or
 /// `chgrp` to any group the writer is in, gives it another than the
@@ -456,6 +453,9 @@ fn owner_of(file: &std::fs::File) -> Result<Peer, String> {
     Ok(Peer::Owner { uid: meta.uid() })
 }
 
+/// Opens the order file at `path` for reading if it is a regular file:
+/// neither a link (not followed) nor a FIFO or device, whose open or read
+/// could block the scan of every job's orders or never end.
 fn open_regular(path: &Path) -> Result<std::fs::File, String> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()

@@ -54,9 +54,12 @@ pub fn valid_job_id(job: &str) -> bool {
         && job != "."
         && job != ".."
         && job.len() <= MAX_JOB_ID_BYTES
-        && job
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && job.bytes().all(job_id_byte)
+}
+
+/// Whether `b` may be part of a job id: a letter, a digit, `.`, `_` or `-`.
+pub fn job_id_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')
 }
 
 /// Longest data set name.
