@@ -55,9 +55,14 @@ pub struct Args {
     #[arg(long, env = "SLUICE_LISTEN", value_parser = parse_addr)]
     pub listen: Option<SocketAddr>,
     /// A dataset to serve, as NAME=DIR or NAME=s3://BUCKET/PREFIX
-    /// (repeatable; comma-separated in the environment variable).
-    #[arg(long = "dataset", env = "SLUICE_DATASETS", value_delimiter = ',', value_parser = parse_dataset)]
+    /// (repeatable; the whole value is the path, commas and all).
+    #[arg(long = "dataset", value_parser = parse_dataset)]
     pub datasets: Vec<(String, PathBuf)>,
+    /// The datasets as NAME=DIR, comma-separated (read when no `--dataset`
+    /// is given; a path with a comma is given with `--dataset` or in the
+    /// file). A value split at commas broke such paths given as flags.
+    #[arg(long = "datasets", env = "SLUICE_DATASETS", value_delimiter = ',', value_parser = parse_dataset, hide = true)]
+    pub env_datasets: Vec<(String, PathBuf)>,
     /// Memory for all jobs' prefetch buffers together, e.g. `1GiB` [default: 1GiB].
     #[arg(long, env = "SLUICE_MEMORY_BUDGET")]
     pub memory_budget: Option<ByteSize>,
@@ -424,7 +429,12 @@ impl StageConfig {
 
     /// Lays the flags over the file and validates the result.
     fn merge(args: Args, file: StageFile) -> Result<Self, ConfigError> {
-        let datasets = merge_datasets(&file.datasets, &args.datasets)?;
+        let flags = if args.datasets.is_empty() {
+            &args.env_datasets
+        } else {
+            &args.datasets
+        };
+        let datasets = merge_datasets(&file.datasets, flags)?;
         let memory_budget = memory_budget(args.memory_budget.or(file.memory_budget))?;
         let cache = cache_options(&args, &file.cache, memory_budget, &datasets)?;
         // Read once for every data set (unreadable: every one counts as local).
@@ -1310,6 +1320,25 @@ mod tests {
             Ok(_) => panic!("{flags:?} over {yaml:?} was taken"),
             Err(e) => e.to_string(),
         }
+    }
+
+    #[test]
+    fn a_dataset_flag_is_one_path_commas_and_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, other) = (dir.path().join("lr=0.1,bs=256"), dir.path().join("other"));
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        let flag = format!("d={}", run.display());
+        let merged = StageConfig::merge(args(&["--dataset", &flag]), StageFile::default()).unwrap();
+        assert_eq!(merged.datasets, vec![("d".to_owned(), run.clone())]);
+        // SLUICE_DATASETS is a comma-separated list, used when no flag is.
+        let listed = format!("d={},e={}", other.display(), other.display());
+        let merged =
+            StageConfig::merge(args(&["--datasets", &listed]), StageFile::default()).unwrap();
+        assert_eq!(merged.datasets.len(), 2);
+        let both = args(&["--dataset", &flag, "--datasets", &listed]);
+        let merged = StageConfig::merge(both, StageFile::default()).unwrap();
+        assert_eq!(merged.datasets, vec![("d".to_owned(), run)]);
     }
 
     #[test]

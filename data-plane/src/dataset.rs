@@ -102,6 +102,11 @@ impl Listing {
             .map(|i| i as u32)
     }
 
+    /// The listed size of the file called `name`.
+    pub fn size_of(&self, name: &str) -> Option<u64> {
+        self.position(name).map(|i| self.files[i as usize].size)
+    }
+
     pub fn len(&self) -> u32 {
         self.files.len() as u32
     }

@@ -18,8 +18,9 @@ pub struct FileEntry {
     pub name: String,
     pub size: u64,
     pub version: u64,
-    /// A local file's modification time in nanoseconds (0 for an object).
-    pub mtime_ns: u64,
+    /// A local file's modification time in nanoseconds since 1970
+    /// (before it: negative; 0 for an object).
+    pub mtime_ns: i64,
     /// A local file's permissions and owner (an object has none).
     pub owner: Option<Owner>,
 }

@@ -389,10 +389,7 @@ impl Node {
                 name,
                 size: shown.size,
                 version: shown.version,
-                meta: Meta::of(
-                    shown.owner,
-                    Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(shown.mtime_ns)),
-                ),
+                meta: Meta::of(shown.owner, Some(time_of(shown.mtime_ns))),
             },
         }
     }
@@ -1566,6 +1563,21 @@ fn attr(started: SystemTime, ino: u64, node: &Node) -> FileAttr {
         blksize: BLOCK_SIZE,
         flags: 0,
     }
+}
+
+/// The time `ns` nanoseconds from 1970 (before it when negative), as the
+/// kernel is to be told it. `fuser` (0.16) sends a time before 1970 as
+/// minus its whole seconds before and plus its nanoseconds, so that 0.5 s
+/// before would reach the kernel as 0.5 s after: such a time is given as
+/// the one whose seconds and nanoseconds before are the kernel's (whole
+/// seconds rounded down, nanoseconds after them).
+fn time_of(ns: i64) -> SystemTime {
+    const NANOS: i64 = 1_000_000_000;
+    if ns >= 0 {
+        return SystemTime::UNIX_EPOCH + Duration::from_nanos(ns.unsigned_abs());
+    }
+    let (secs, nanos) = (ns.div_euclid(NANOS), ns.rem_euclid(NANOS));
+    SystemTime::UNIX_EPOCH - Duration::new(secs.unsigned_abs(), nanos as u32)
 }
 
 /// Whether thread `pid` (as the stage sees it; 0 when it cannot) is gone

@@ -778,11 +778,7 @@ impl Connection {
         let (dataset, listing) = self.opened()?.clone();
         // One answer carries at most the frame budget in its frame (or one
         // file): the client splits its batches by the listed sizes.
-        let listed: u64 = names
-            .iter()
-            .filter_map(|n| listing.position(n))
-            .map(|i| listing.files[i as usize].size)
-            .sum();
+        let listed: u64 = names.iter().filter_map(|n| listing.size_of(n)).sum();
         if names.len() > 1 && listed > SAMPLES_FRAME_BUDGET {
             return Err(invalid(format!(
                 "FETCH of {} files holding {listed} bytes is more than one answer carries \
@@ -803,6 +799,8 @@ impl Connection {
                 ),
             ));
         }
+        // Counted before anything is read, so that waiting holds nothing.
+        let mut untaken = Some(job.hold_answer(listed).await?);
         let mut reads = tokio::task::JoinSet::new();
         for (position, name) in names.into_iter().enumerate() {
             let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));
@@ -823,7 +821,10 @@ impl Connection {
             // or the direct read gave it.
             sample.position = position as u32;
             samples.push(sample);
-            holder.push(reservation.map(|r| {
+            holder.push(reservation.map(|mut r| {
+                if let Some(untaken) = untaken.take() {
+                    r.keep_untaken(untaken);
+                }
                 held.push(r);
                 held.len() - 1
             }));
@@ -841,14 +842,18 @@ impl Connection {
     }
 
     async fn read(&mut self, name: String, offset: u64, length: u64) -> Answer {
-        let (dataset, _) = self.opened()?.clone();
+        let (dataset, listing) = self.opened()?.clone();
         check_name(&name)?;
         let job = Arc::clone(self.job());
+        // Counted before anything is read, so that waiting holds nothing.
+        let (_, listed) = clamp_range(listing.size_of(&name).unwrap_or(0), offset, length);
+        let untaken = job.hold_answer(listed).await?;
         if offset == 0
             && length == TO_END
-            && let Some((sample, reservation)) =
+            && let Some((sample, mut reservation)) =
                 job.read_planned(&dataset.name, &name, self.reads_for).await
         {
+            reservation.keep_untaken(untaken);
             return data(sample).map(|data| (Response::Data(data), vec![reservation]));
         }
         let resumed = self.ranged.take().filter(|r| {
@@ -885,7 +890,10 @@ impl Connection {
                 });
             }
         }
-        Ok((Response::Data(chunk), Vec::new()))
+        // Its bytes count in the budget until written.
+        let mut reservation = job.hold_read(chunk.len() as u64);
+        reservation.keep_untaken(untaken);
+        Ok((Response::Data(chunk), vec![reservation]))
     }
 }
 

@@ -59,6 +59,9 @@ DEFAULT_PREFETCH = 2
 #: Listed bytes one ``FETCH`` asks for at most (the stage's frame budget).
 FETCH_BYTES = 32 << 20
 
+#: Bytes of a ``PLAN`` request besides its names or indices, at most.
+PLAN_FRAME_SLACK = 1024
+
 #: Attempts at reading a file too large for one answer in ranges of one
 #: version (see ``Dataset._read_ranges``).
 RANGED_TRIES = 3
@@ -775,6 +778,7 @@ class FileList(Sequence):
     def __init__(self, dataset: "Dataset") -> None:
         self._ds = dataset
         self._pages: dict = {}
+        self._index: Optional[dict] = None
 
     def __len__(self) -> int:
         return self._ds.file_count
@@ -800,6 +804,18 @@ class FileList(Sequence):
     def names(self) -> List[str]:
         """Returns every file name, in index order."""
         return [name for name, _ in self]
+
+    def indices_of(self, names: Sequence[str]) -> List[int]:
+        """Returns the indices of ``names`` (the whole listing is fetched,
+        and indexed once)."""
+        if self._index is None:
+            self._index = {name: i for i, (name, _) in enumerate(self)}
+        index = self._index
+        try:
+            return [index[name] for name in names]
+        except KeyError as e:
+            raise error_from_code(p.ErrorCode.BAD_PLAN,
+                                  f"`{e.args[0]}` is not in the listing of dataset `{self._ds.name}`") from None
 
     def _fetch(self, k: int) -> list:
         ds = self._ds
@@ -920,8 +936,15 @@ class Dataset:
                    on_error: str = "raise", prefetch: int = DEFAULT_PREFETCH) -> "PlanIterator":
         """Submits an explicit plan of file names (not sharded; repeats
         allowed) and returns an iterator of ``(name, data)`` in that order.
+        More names than one request carries (16 MiB of them) go as the
+        files' indices in the listing, which is fetched for it once.
         See :meth:`epoch` for ``batch``, ``on_error`` and ``prefetch``."""
         names, epoch = _names_of(names), p.integer(epoch, "epoch", 64)
+        if sum(2 + len(str(name).encode("utf-8", "surrogatepass")) for name in names) > \
+                self.client.max_request_frame - PLAN_FRAME_SLACK:
+            # More names than one request carries (ImageNet's 1.28 M are
+            # 49 MB): the same plan as the files' indices, 4 bytes each.
+            return self.plan_indices(self.files.indices_of(names), epoch, batch, on_error, prefetch)
 
         def encode(rest, run):
             return p.encode_plan_names(epoch, rest, run)

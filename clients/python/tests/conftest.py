@@ -142,6 +142,12 @@ def http_get(addr: str, path: str, timeout: float = 5.0) -> str:
     return body
 
 
+def stage_metric(stage, name: str) -> float:
+    """The value of the stage's unlabelled series ``name``."""
+    found = re.search(rf"^{name} (\S+)$", http_get(stage.metrics, "/metrics"), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def job_metric(stage, name: str, job: str) -> float:
     """The value of the stage's ``name{job="<job>"}`` series (0 when absent)."""
     body = http_get(stage.metrics, "/metrics")

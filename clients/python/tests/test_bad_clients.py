@@ -11,7 +11,7 @@ import pathlib
 import time
 
 import pytest
-from conftest import Raw, job_metric, wait_for
+from conftest import Raw, job_metric, stage_metric, wait_for
 
 import sluice
 from sluice import protocol as p
@@ -184,3 +184,48 @@ def test_many_job_names_read_through_the_mount_are_not_all_kept(stage_factory, t
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def peak_rss(stage) -> int:
+    with open(f"/proc/{stage.proc.pid}/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmHWM:"))
+
+
+def test_reads_by_name_never_taken_hold_a_bounded_part_of_the_node(stage_factory, tmp_path):
+    """A whole-file READ was not counted in the budget at all, and FETCHes
+    of a file larger than the budget went over it together after 2 s: six
+    connections each reading a 150 MiB file and never taking the answer
+    held 900 MiB of a stage with a 128 MiB budget. Answers to reads by name
+    now hold at most half the budget, or one larger answer alone, until
+    their trainers take them; other reads by name go on beside them."""
+    root = tmp_path / "data"
+    files = files_of(root, 20, 100 * 1024)
+    big = os.urandom(48 * 2**20)
+    (root / "big.bin").write_bytes(big)
+    stage = stage_factory({"ds": str(root)}, "--memory-budget", "32MiB")
+    hogs = []
+    for j in range(8):
+        r = raw(stage, f"hog-{j}")
+        r.call(p.encode_open("ds"))
+        r.send(p.encode_read("big.bin") if j % 2 else p.encode_fetch(["big.bin"]))  # never read
+        hogs.append(r)
+    time.sleep(3)  # past the 2 s a read waits before it may go over the budget
+    # The answer on its way is counted in the budget.
+    assert stage_metric(stage, "sluice_stage_memory_used_bytes") >= len(big)
+    start = time.monotonic()
+    with sluice.Client(stage.socket, job="good", timeout=60) as c:
+        ds = c.dataset("ds")
+        for name, data in files.items():
+            assert ds.read(name) == data, name
+        assert [(n, bytes(d)) for n, d in ds.fetch(sorted(files))] == sorted(files.items())
+    took = time.monotonic() - start
+    assert took < 10, f"reads by name of 2 MiB took {took:.1f} s beside answers nobody takes"
+    peak = peak_rss(stage)
+    # Before: every hog's 48 MiB at once (more than 400 MiB).
+    assert peak <= 32 * 2**20 + len(big) + 80 * 2**20, f"the stage's RSS peaked at {peak / 2**20:.0f} MiB"
+    for r in hogs:
+        r.close()
+    # With the hogs gone, the big file is read whole again.
+    with sluice.Client(stage.socket, job="good", timeout=60) as c:
+        assert c.dataset("ds").read("big.bin") == big
+    assert stage.alive()

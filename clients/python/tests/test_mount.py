@@ -1392,6 +1392,8 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
     os.chmod(root / "secret.bin", 0o600)
     os.chmod(root / "closed", 0o700)
     os.utime(root / "open.bin", (1_000_000_000, 1_000_000_000))
+    # Dated before 1970 (as archives keep some): shown as 1970 before.
+    os.utime(root / "secret.bin", ns=(-315_360_000_000_000_005, -315_360_000_000_000_005))
     # A mount point other users can reach (pytest's own directories are
     # the owner's alone).
     shared = tempfile.mkdtemp(prefix="sluice-mount-")
@@ -1407,6 +1409,7 @@ def test_files_show_the_sources_modes_owner_and_times_and_the_kernel_enforces_th
         stage = stage_factory({"ds": str(root)}, "--mount", mnt, "--config", str(config))
         seen = os.stat(os.path.join(mnt, "ds", "open.bin"))
         assert seen.st_mtime == 1_000_000_000
+        assert os.stat(os.path.join(mnt, "ds", "secret.bin")).st_mtime_ns == -315_360_000_000_000_005
         assert stat.S_IMODE(seen.st_mode) == 0o444
         assert stat.S_IMODE(os.stat(os.path.join(mnt, "ds", "secret.bin")).st_mode) == 0o400
         # Through a symlink, what the directories above its target allow.

@@ -21,7 +21,7 @@ from sluice import protocol as p
 
 from sluice.bench.common import metric_value, parse_prometheus
 
-from conftest import Raw, http_get, make_dataset, sorted_names, wait_for
+from conftest import Raw, http_get, make_dataset, sorted_names, stage_metric, wait_for
 
 
 def fnv1a_digest(entries):
@@ -112,6 +112,30 @@ def test_explicit_plans(stage_factory, dataset):
         else:
             assert out[0] == (names[0], files[names[0]])
             assert isinstance(out[1][1], sluice.SluiceError) and out[1][0] == "no/such.bin"
+
+
+def test_a_plan_of_more_names_than_one_request_carries_is_planned(stage_factory, tmp_path):
+    """A plan by names went in one request, so one whose names passed the
+    16 MiB request limit could not be made (ImageNet's 1.28 M names, 49 MB,
+    through MountSampler on one rank). It now goes as the files' indices."""
+    root = tmp_path / "long"
+    (root / "cls").mkdir(parents=True)
+    names = [f"cls/{i:06d}_" + "x" * 230 + ".jpg" for i in range(70_000)]
+    for name in names:
+        (root / name).touch()
+    files = {name: os.urandom(100) for name in names[::7000]}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    assert sum(2 + len(n) for n in names) > 16 << 20
+    stage = stage_factory({"d": root})
+    order = names[1::2] + names[::2]
+    with sluice.Client(stage.socket, job="long-names") as c:
+        got = [(name, bytes(data)) for name, data in c.dataset("d").plan_names(order, epoch=0, batch=4096)]
+    assert [name for name, _ in got] == order
+    assert {name: data for name, data in got if name in files} == files
+    with sluice.Client(stage.socket, job="long-names") as c:
+        with pytest.raises(sluice.BadPlanError, match="`cls/none` is not in the listing"):
+            c.dataset("d").plan_names(order + ["cls/none"], epoch=1)
 
 
 def test_big_sample_is_sent_alone(stage_factory, tmp_path):
@@ -1155,12 +1179,6 @@ def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, datase
             s.close()
     with sluice.Client(f"tcp://{stage.tcp}", job="after") as c:
         assert dict(c.dataset("d").epoch(0)) == files
-
-
-def stage_metric(stage, name: str) -> float:
-    """The value of the stage's unlabelled series ``name``."""
-    found = re.search(rf"^{name} (\S+)$", http_get(stage.metrics, "/metrics"), re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def small_files(root, n: int, sizes=(16 << 10, 22 << 10)) -> dict:

@@ -48,6 +48,10 @@ const MEMORY_RECHECK: Duration = Duration::from_millis(5);
 /// How long a waited entry waits to be read over the budget while
 /// something else is over it, before it goes over all the same.
 const OVER_PATIENCE: Duration = Duration::from_secs(2);
+/// How long a read by name waits for other trainers to take their answers
+/// (see [`Job::hold_answer`]): twice the 30 s a trainer has to take one,
+/// so only answers asked for again and again outlast it.
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
 /// The least a full buffer drains before its readers refill it.
 const REFILL_MIN: u64 = 4 << 20;
 

@@ -32,8 +32,9 @@ pub struct Shown {
     pub size: u64,
     /// The listing's version of it (see [`crate::entry::FileEntry`]).
     pub version: u64,
-    /// A local file's modification time in nanoseconds (0 for an object).
-    pub mtime_ns: u64,
+    /// A local file's modification time in nanoseconds since 1970
+    /// (before it: negative; 0 for an object).
+    pub mtime_ns: i64,
     pub owner: Option<Owner>,
 }
 

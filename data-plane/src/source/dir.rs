@@ -6,7 +6,6 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::UNIX_EPOCH;
 
 use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
@@ -319,15 +318,17 @@ fn file_version(meta: &std::fs::Metadata) -> u64 {
     which.write(&meta.ino().to_le_bytes());
     which.write(&meta.ctime().to_le_bytes());
     which.write(&meta.ctime_nsec().to_le_bytes());
-    mtime_ns(meta) ^ which.0
+    mtime_ns(meta) as u64 ^ which.0
 }
 
 /// A file's modification time in nanoseconds since the epoch.
-fn mtime_ns(meta: &std::fs::Metadata) -> u64 {
-    meta.modified()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos() as u64)
+/// The file's modification time in nanoseconds since 1970, negative before
+/// it (archives keep such dates: they were shown as 1970), saturated at
+/// the years 1677 and 2262.
+fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
+    use std::os::unix::fs::MetadataExt;
+    let ns = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+    ns.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
 /// A walk of a root: what it has listed so far, and the directories on the
@@ -617,7 +618,7 @@ mod tests {
     #[test]
     fn a_file_replaced_by_one_of_the_same_size_and_time_is_another_version() {
         let dir = tempfile::tempdir().unwrap();
-        let at = UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000);
         let write = |name: &str, bytes: &[u8]| {
             let path = dir.path().join(name);
             std::fs::write(&path, bytes).unwrap();

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tracing::debug;
 
-use super::{Job, MEMORY_RECHECK, OVER_PATIENCE, PlanState};
+use super::{ANSWER_WAIT, Job, MEMORY_RECHECK, OVER_PATIENCE, PlanState};
 use crate::cache::{Fill, Lookup};
 use crate::chunk::Chunk;
 use crate::dataset::{Dataset, Listing};
@@ -67,31 +67,34 @@ pub struct Reservation {
     /// Bytes moved to samples lent in shared memory: they leave the plan's
     /// share on drop, and the job's when the trainer returns them.
     lent: u64,
-    /// The `NEXT` claim the data answers, counted until it goes.
-    _claim: Option<ClaimHold>,
+    /// The bound on answers not yet taken that the data counts in (a
+    /// `NEXT`'s claim, a read by name) until it goes.
+    _untaken: Option<Untaken>,
 }
 
-/// Bytes of entries a `NEXT` claimed, counted in the node's claims (see
-/// [`Memory::claim_room`]) until its answer goes or it is given up.
+/// Bytes of an answer not yet taken, counted in one of the node's bounds
+/// on them until the answer goes or is given up: every job's `NEXT`
+/// claims ([`Memory::claim_room`]) or answers to reads by name
+/// ([`Job::hold_answer`]).
 #[derive(Debug)]
-struct ClaimHold {
+pub struct Untaken {
     memory: Arc<Memory>,
     bytes: u64,
+    of: Answers,
 }
 
-impl ClaimHold {
-    fn new(memory: &Arc<Memory>, bytes: u64) -> Self {
-        memory.hold_claim(bytes);
-        Self {
-            memory: Arc::clone(memory),
-            bytes,
-        }
-    }
+#[derive(Debug, Clone, Copy)]
+enum Answers {
+    Claims,
+    ByName,
 }
 
-impl Drop for ClaimHold {
+impl Drop for Untaken {
     fn drop(&mut self) {
-        self.memory.drop_claim(self.bytes);
+        match self.of {
+            Answers::Claims => self.memory.drop_claim(self.bytes),
+            Answers::ByName => self.memory.drop_answer(self.bytes),
+        }
     }
 }
 
@@ -104,6 +107,12 @@ impl Drop for Reservation {
 }
 
 impl Reservation {
+    /// Keeps `untaken` counted until this reservation goes (with the
+    /// answer that carries its data).
+    pub fn keep_untaken(&mut self, untaken: Untaken) {
+        self._untaken = Some(untaken);
+    }
+
     /// Moves `bytes` of this reservation to a sample lent to a trainer in
     /// shared memory: they leave the plan's buffer when the reservation
     /// goes, and the node budget when the trainer releases the slot (or
@@ -350,7 +359,12 @@ impl Job {
             let bytes = positions.iter().map(|&p| plan.size_of(p)).sum();
             let waiting = plan.consumer_waiting();
             let dataset = plan.dataset.name.clone();
-            let claim = ClaimHold::new(&self.memory, bytes);
+            self.memory.hold_claim(bytes);
+            let claim = Untaken {
+                memory: Arc::clone(&self.memory),
+                bytes,
+                of: Answers::Claims,
+            };
             (
                 positions,
                 self.dataset_metrics(&mut st, &dataset),
@@ -373,7 +387,7 @@ impl Job {
         };
         self.count_delivered(&metrics, &samples);
         let mut reservation = self.reservation(id, bytes);
-        reservation._claim = Some(claim);
+        reservation._untaken = Some(claim);
         NextBatch {
             samples,
             end,
@@ -689,6 +703,42 @@ impl Job {
         Some(self.reservation(NO_PLAN, bytes))
     }
 
+    /// Waits until every job's answers to reads by name (`READ`,
+    /// `FETCH`) leave room for one of `bytes` listed bytes (see
+    /// [`crate::engine::Memory`]'s `hold_answer`), and counts it until the
+    /// returned hold goes; `IO_ERROR` when none was taken for
+    /// [`ANSWER_WAIT`] (their trainers do not read them).
+    pub async fn hold_answer(&self, bytes: u64) -> Result<Untaken, ProtocolError> {
+        let memory = &self.memory;
+        match memory.hold_answer(bytes, ANSWER_WAIT, MEMORY_RECHECK).await {
+            Ok(()) => Ok(Untaken {
+                memory: Arc::clone(memory),
+                bytes,
+                of: Answers::ByName,
+            }),
+            Err(on_way) => Err(ProtocolError::new(
+                ErrorCode::IoError,
+                format!(
+                    "this answer of {bytes} bytes was not read: answers to reads by name that their \
+                     trainers have not taken hold {on_way} bytes of the stage's {}-byte memory budget \
+                     (half of it, or one answer larger than that, at most), and none was taken for \
+                     {} s; ask again",
+                    memory.budget(),
+                    ANSWER_WAIT.as_secs()
+                ),
+            )),
+        }
+    }
+
+    /// Counts `bytes` read now for a `READ` in the node budget, over it if
+    /// need be (how many such answers are on their way at once is bounded
+    /// by [`Job::hold_answer`]), until the returned reservation goes.
+    pub fn hold_read(self: &Arc<Self>, bytes: u64) -> Reservation {
+        self.memory.reserve_over(bytes);
+        self.lock().reserved += bytes;
+        self.reservation(NO_PLAN, bytes)
+    }
+
     /// Holds `bytes` of plan `plan` until dropped.
     fn reservation(self: &Arc<Self>, plan: u64, bytes: u64) -> Reservation {
         Reservation {
@@ -696,7 +746,7 @@ impl Job {
             plan,
             bytes,
             lent: 0,
-            _claim: None,
+            _untaken: None,
         }
     }
 
@@ -873,9 +923,7 @@ fn offer_whole(fill: Option<Fill>, data: Result<&Chunk, &ProtocolError>, size: u
 /// costs a round trip), else the source's answer, which also says whether
 /// the file exists.
 fn charged_size(dataset: &Dataset, name: &str) -> Result<u64, ProtocolError> {
-    let listed = dataset
-        .listed()
-        .and_then(|l| l.position(name).map(|i| l.files[i as usize].size));
+    let listed = dataset.listed().and_then(|l| l.size_of(name));
     match listed {
         Some(size) => Ok(size),
         None => dataset.source().stat(name),
