@@ -42,6 +42,7 @@ from .errors import (
     UnavailableError,
     UnsupportedVersionError,
 )
+from .iterator import SupersededError
 from .plan import shuffle_plan
 from .protocol import PlanState
 
@@ -52,6 +53,7 @@ __all__ = [
     "Dataset",
     "FileList",
     "PlanIterator",
+    "SupersededError",
     "PlanState",
     "parse_address",
     "shuffle_plan",

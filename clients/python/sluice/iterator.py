@@ -16,7 +16,7 @@ from .errors import ConnectionClosedError, PlanConflictError, ProtocolError, Slu
 if TYPE_CHECKING:
     from .client import Client, Dataset
 
-__all__ = ["PlanIterator"]
+__all__ = ["PlanIterator", "SupersededError"]
 
 #: How long a resumed plan keeps meeting the old connection's plan (on a
 #: stage that did not restart, and cannot take a plan naming a run) before
@@ -35,6 +35,11 @@ def _forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
+
+
+class SupersededError(RuntimeError):
+    """The iterator's plan is no longer its client's: another plan was
+    submitted, or another dataset opened, on the same client."""
 
 
 class PlanIterator:
@@ -75,7 +80,8 @@ class PlanIterator:
                 f"epoch {epoch} of job {c.job!r} (shard {c.rank} of {c.world_size}) was already read in "
                 f"full by {by} on this stage, so this plan delivers nothing (its iterator yields nothing, "
                 f"and reads of its files are not prefetched); to read it again use {again} or a new job "
-                f"name", RuntimeWarning, stacklevel=3)
+                f"name (with a DataLoader: call set_epoch before each epoch, and leave persistent_workers "
+                f"off, as its workers never see set_epoch)", RuntimeWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch
@@ -87,6 +93,10 @@ class PlanIterator:
         self._end = False
         self._failure: Optional[BaseException] = None
         self._prefetcher: Optional[_Prefetcher] = None
+        # The last answer taken from the prefetch thread's queue; the plan
+        # position after the batches a synchronous iterator holds.
+        self._taken: Optional[p.Samples] = None
+        self._handed = 0
         self._fork, self._pid = _forks, os.getpid()
 
     def __iter__(self) -> "PlanIterator":
@@ -100,10 +110,15 @@ class PlanIterator:
                 raise StopIteration
             self._fill()
         s = self._pending[self._next_pending]
+        data = self.dataset._data_of(s)
+        failed = isinstance(data, SluiceError) and not self._yield_errors
+        # The sample is the caller's from here: nothing between taking it
+        # and returning it calls a function, so an interrupt (Ctrl-C, a
+        # signal handler's exception), which Python raises only at calls
+        # and loops, lands before it (the next call yields it) or after.
         self._next_pending += 1
         self.delivered += 1
-        data = self.dataset._data_of(s)
-        if isinstance(data, SluiceError) and not self._yield_errors:
+        if failed:
             raise data
         return s.name, data
 
@@ -167,25 +182,45 @@ class PlanIterator:
             raise self._failure
         client = self.dataset.client
         if self.prefetch <= 0:
-            got = self._exchange()
-        else:
-            client._check_process()
-            if self._prefetcher is None:
-                self._prefetcher = _Prefetcher(self._exchange_fn(), self.prefetch, client)
-            # An interrupt of this wait (Ctrl-C) is the caller's, not the
-            # exchange's: a later next() waits again.
-            got = self._prefetcher.take()
-            if type(got) is _Failed:
-                self._failure = got.error
-                raise got.error
-            if got is None:  # stopped
-                self._end = True
-                self._pending = []
-                self._next_pending = 0
-                return
+            try:
+                got = self._exchange()
+            except (SluiceError, RuntimeError):
+                raise
+            except BaseException:
+                # Interrupted (Ctrl-C, a signal handler's exception) anywhere
+                # in the exchange, perhaps after its answer came: what it
+                # received is not this iterator's, so the next call takes
+                # the plan up again from the first entry after its batches
+                # (marked without a call: an interrupt lands only at one).
+                self._exchanger.rewind = self._handed
+                raise
+            self._pending = got.samples
+            self._next_pending = 0
+            self._end = got.end
+            self._handed = self._exchanger.next
+            return
+        client._check_process()
+        if self._prefetcher is None:
+            self._prefetcher = _Prefetcher(self._exchange_fn(), self.prefetch, client)
+        self._prefetcher.start()
+        # An interrupt of this wait (Ctrl-C) is the caller's, not the
+        # exchange's: a later next() waits again. The answer leaves the
+        # queue only once this iterator holds it, so an interrupt between
+        # the two loses nothing (the next look passes over it).
+        got = self._prefetcher.peek(self._taken)
+        if type(got) is _Failed:
+            self._failure = got.error
+            raise got.error
+        if got is None:  # stopped
+            self._end = True
+            self._pending = []
+            self._next_pending = 0
+            return
         self._pending = got.samples
         self._next_pending = 0
         self._end = got.end
+        self._taken = got
+        self._prefetcher.drop(got)
 
     def _exchange_fn(self):
         """Returns a callable doing one NEXT exchange that holds no
@@ -211,8 +246,12 @@ def _next_exchange(client: Client, dataset: Dataset, generation: int, frame: byt
     is still the connection's and the request are one locked step."""
     client._check_process()
     with client._lock:
-        if client._plan_generation != generation or client._dataset is not dataset:
-            raise RuntimeError(
+        # A closed connection (an interrupt dropped it, perhaps before its
+        # data set was opened again) is no sign of another plan: the
+        # request raises the lost connection, which resumes the plan.
+        if not client._closed and (client._plan_generation != generation
+                                   or client._dataset is not dataset):
+            raise SupersededError(
                 "this plan iterator was superseded: another plan was submitted or another dataset "
                 "opened on the same sluice.Client; use one Client per concurrent iterator")
         got = client._call(frame, p.Samples)
@@ -254,19 +293,31 @@ class _Exchanger:
         self.base = 0
         self.next = 0
         self.resumed = 0
+        # Set when an interrupt cut an exchange short (the stage may have
+        # sent its answer, and this exchanger counted it): the plan position
+        # of the first entry the iterator does not hold. The next exchange
+        # connects again and submits the plan from there.
+        self.rewind: Optional[int] = None
 
     def __call__(self) -> p.Samples:
         while True:
             seen = self.client._connection
             try:
+                if self.rewind is not None:
+                    raise ConnectionClosedError("an interrupt cut this plan's last exchange short",
+                                                fatal=True)
                 got = _next_exchange(self.client, self.dataset, self.generation, self.frame)
             except (ConnectionClosedError, UnavailableError) as e:
                 if self.resume is None:
                     raise
                 self.client._reconnect(e, seen)
+                if self.rewind is not None:
+                    self.next = min(self.next, self.rewind)
+                if self.next < self.length:
+                    self._resubmit()
+                self.rewind = None
                 if self.next >= self.length:
                     return p.Samples(end=True, samples=[])
-                self._resubmit()
                 continue
             if self.resume is not None:
                 self._track(got)
@@ -297,6 +348,9 @@ class _Exchanger:
         while True:
             try:
                 with c._lock:
+                    # Opened again by the reconnect, unless an interrupt cut
+                    # that short.
+                    self.dataset._reopen_if_needed()
                     planned = c._call(self.resume.encode(rest, run), p.Planned)
                     if planned.state != p.PlanState.CREATED:
                         self._leave_plan()
@@ -358,7 +412,17 @@ class _Prefetcher:
         self._done = False
         client._prefetchers.add(self)
         self.thread = threading.Thread(target=self._run, name="sluice-prefetch", daemon=True)
-        self.thread.start()
+
+    def start(self) -> None:
+        """Starts the thread unless it runs: called by every look at the
+        queue, so that an interrupt between making the prefetcher and
+        starting it leaves no iterator without its thread (and none with
+        two)."""
+        if self.thread.ident is None and not self.thread.is_alive():
+            try:
+                self.thread.start()
+            except RuntimeError:  # started by a start an interrupt cut short
+                pass
 
     def _run(self) -> None:
         cond, items = self._cond, self._items
@@ -390,19 +454,30 @@ class _Prefetcher:
                 self._items.append(item)
                 self._cond.notify_all()
 
-    def take(self) -> Union[p.Samples, _Failed, None]:
-        """Returns the next answer (waiting for it), the failure that ended
-        the thread, or None once stopped."""
+    def peek(self, taken=None) -> Union[p.Samples, _Failed, None]:
+        """Returns the next answer (waiting for it) without taking it from
+        the queue, the failure that ended the thread, or None once stopped;
+        ``taken``, an answer the caller already holds, is dropped first if
+        it is still queued."""
         with self._cond:
-            while not self._items:
+            while True:
+                if self._items and self._items[0] is taken:
+                    self._items.popleft()
+                    self._cond.notify_all()
+                if self._items:
+                    return self._items[0]
                 if self._stopped:
                     return None
                 if self._done:
                     raise RuntimeError("the sluice prefetch thread ended without an answer")
                 self._cond.wait()
-            item = self._items.popleft()
-            self._cond.notify_all()
-        return item
+
+    def drop(self, taken) -> None:
+        """Takes answer ``taken`` (which :meth:`peek` returned) from the queue."""
+        with self._cond:
+            if self._items and self._items[0] is taken:
+                self._items.popleft()
+                self._cond.notify_all()
 
     def wake(self) -> None:
         """Lets a thread waiting for room re-check the client (closed)."""
@@ -420,5 +495,5 @@ class _Prefetcher:
             self._cond.notify_all()
 
     def join(self, timeout: Optional[float] = None, unless: Optional[threading.Thread] = None) -> None:
-        if self.thread is not unless and os.getpid() == self.pid:
+        if self.thread is not unless and os.getpid() == self.pid and self.thread.ident is not None:
             self.thread.join(timeout)

@@ -291,7 +291,13 @@ def _u(bits: int, value: int, what: str) -> None:
 def _enc_str(value: str, what: str) -> bytes:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__}")
-    raw = value.encode("utf-8")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        # What os.listdir gives for a name that is not UTF-8 (the stage
+        # lists no such name: it serves names as UTF-8).
+        raise ValueError(f"{what} {value!r} is not valid UTF-8 (a file name that is not UTF-8 "
+                         "cannot be served: rename it)") from None
     if len(raw) > 0xFFFF:
         raise ValueError(f"{what} is {len(raw)} bytes of UTF-8; the protocol allows at most 65535")
     if b"\x00" in raw:

@@ -101,10 +101,12 @@ from .errors import (
     BadPlanError,
     ConnectionClosedError,
     ErrorCode,
+    PlanConflictError,
     SluiceError,
     UnavailableError,
     error_from_code,
 )
+from .iterator import SupersededError
 from .protocol import PlanState
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -731,7 +733,14 @@ class SluiceSampler(_PlanningSampler):
         # replaces it.
         # prefetch=0: this iterator is never read (the workers' READs deliver
         # the entries); a prefetch thread would claim them with NEXT.
-        self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, prefetch=0)
+        try:
+            self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, prefetch=0)
+        except PlanConflictError as e:
+            raise error_from_code(
+                ErrorCode.PLAN_CONFLICT,
+                f"{e.message}; two samplers over one SluiceDataset (a training and an evaluation "
+                "loader) plan the same job, rank and epoch: give the other loader a SluiceDataset "
+                "of its own") from None
         self.plan_state = self._plan.state
         everything = _plan.permutation(self.dataset.file_count, self.seed, self.epoch, self.shuffle)
         order = _plan.shard(everything, self.rank, self.world_size)
@@ -982,12 +991,18 @@ class SluiceIterableDataset(_data.IterableDataset):
         # The iterator's prefetch thread stops when this generator is closed
         # (the DataLoader drops it, or the loop breaks).
         with it:
-            for name, data in it:
-                if not isinstance(data, SluiceError):
-                    data = convert(data, client)
-                    if transform is not None:
-                        data = transform(data)
-                yield name, data
+            try:
+                for name, data in it:
+                    if not isinstance(data, SluiceError):
+                        data = convert(data, client)
+                        if transform is not None:
+                            data = transform(data)
+                    yield name, data
+            except SupersededError as e:
+                raise SupersededError(
+                    f"{e}: this process iterated the dataset again before this iteration ended (two "
+                    "iterators of one DataLoader at once): iterate one at a time, or give the other "
+                    "loop a SluiceIterableDataset of its own") from None
 
     def close(self) -> None:
         """Closes this process's connection (it reopens on next use)."""

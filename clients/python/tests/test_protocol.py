@@ -1,6 +1,7 @@
 """Frame codec: round trips, malformed and oversized frames."""
 
 import io
+import os
 import struct
 
 import pytest
@@ -165,6 +166,9 @@ def test_encoders_validate_fields():
         p.encode_open("x" * 70000)
     with pytest.raises(ValueError, match="NUL"):
         p.encode_read("a\x00b")
+    # A name os.listdir gives for bytes that are not UTF-8.
+    with pytest.raises(ValueError, match="is not valid UTF-8"):
+        p.encode_read(os.fsdecode(b"bad\xff"))
     with pytest.raises(ValueError, match="plan indices"):
         p.encode_plan_indices(0, [1, -1])
     with pytest.raises(TypeError):

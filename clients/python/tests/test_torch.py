@@ -533,3 +533,29 @@ def test_workers_end_with_their_killed_trainer_even_with_their_result_pipe_full(
              what="the workers of a killed trainer to end")
     wait_for(lambda: job_metric(stage, "sluice_stage_trainer_connections", "stalled") == 0, timeout=15,
              what="their connections to close")
+
+
+def test_two_loops_over_one_dataset_at_once_are_told_what_to_do(stage_factory, dataset):
+    """Two iterators of one iterable loader without workers, or a training
+    and an evaluation sampler over one SluiceDataset, cannot each have the
+    epoch: the errors said to use one Client per iterator, or another epoch
+    number, which a user of these classes cannot do as said."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceIterableDataset(stage.socket, "d", job="twice", seed=1, batch=2)
+    loader = DataLoader(ds, batch_size=2, collate_fn=collate)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    next(second)
+    with pytest.raises(sluice.SupersededError, match="iterate one at a time, or give the other loop"):
+        list(first)
+    ds.close()
+    mapped = SluiceDataset(stage.socket, "d", job="train-and-eval")
+    train, evaluation = SluiceSampler(mapped, seed=1), SluiceSampler(mapped, shuffle=False)
+    iter(train)
+    with pytest.raises(sluice.PlanConflictError, match="give the other loader a SluiceDataset of its own"):
+        iter(evaluation)
+    # Its own dataset object plans apart.
+    apart = SluiceDataset(stage.socket, "d", job="train-and-eval")
+    assert sorted(SluiceSampler(apart, shuffle=False)) == list(range(len(files)))
