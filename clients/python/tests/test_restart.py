@@ -177,6 +177,9 @@ def test_an_epoch_interrupted_mid_batch_goes_on_exactly_once(stage_factory, tmp_
     assert got == order, f"{len(got)} of {len(files)} samples, {len(got) - len(set(got))} twice"
 
 
+# An interrupt that lands in a shared-memory sample's finalizer is reported
+# by Python as ignored; that slot goes back with its connection instead.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_an_epoch_interrupted_anywhere_in_the_client_goes_on_exactly_once(stage_factory, tmp_path, prefetch):
     """An interrupt can land at any call inside the client, not only while
@@ -184,7 +187,7 @@ def test_an_epoch_interrupted_anywhere_in_the_client_goes_on_exactly_once(stage_
     it connected again or submitted the rest of its plan. A prefetching
     iterator lost the batch it was taking (8 to 40 of 1,500 samples,
     silently); a synchronous one ended with "superseded" or "no dataset is
-    open". Here an interrupt comes every 5 ms while client code runs."""
+    open". Here an interrupt comes every 2 ms while client code runs."""
     root = tmp_path / "ds"
     root.mkdir()
     files = {f"{i:04d}.bin": os.urandom(2000 + i) for i in range(1500)}
@@ -194,7 +197,11 @@ def test_an_epoch_interrupted_anywhere_in_the_client_goes_on_exactly_once(stage_
     client_dir = os.path.dirname(sluice.__file__) + os.sep
 
     def interrupt_in_client(signum, frame):
+        # In the client and what it calls, but not in pytest's hook for an
+        # exception a finalizer of the client's ignored.
         while frame is not None:
+            if os.sep + "_pytest" + os.sep in frame.f_code.co_filename:
+                return
             if frame.f_code.co_filename.startswith(client_dir):
                 raise KeyboardInterrupt
             frame = frame.f_back
@@ -204,9 +211,9 @@ def test_an_epoch_interrupted_anywhere_in_the_client_goes_on_exactly_once(stage_
         with sluice.Client(stage.socket, job=f"storm-{prefetch}", reconnect=30) as c:
             ds = c.dataset("ds")
             order = [ds.files[i][0] for i in ds.local_order(0, seed=3)]
-            it = ds.epoch(0, seed=3, batch=8, prefetch=prefetch)
+            it = ds.epoch(0, seed=3, batch=4, prefetch=prefetch)
             got, interrupts = [], 0
-            signal.setitimer(signal.ITIMER_REAL, 0.005, 0.005)
+            signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
             deadline = time.monotonic() + 120
             try:
                 while time.monotonic() < deadline:
