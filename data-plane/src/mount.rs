@@ -1775,17 +1775,29 @@ impl Filesystem for MountFs {
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return reply.error(libc::EROFS);
         }
-        let Some(Node::File {
+        let Some(node @ Node::File { .. }) = self.node(ino) else {
+            return reply.error(libc::EISDIR);
+        };
+        // The version and size the latest listing has: the kernel keeps a
+        // file's attributes (and pages) for 60 s, so an object replaced and
+        // listed again since was read whole as the old one, or failed its
+        // first open with EIO, for up to a minute.
+        let latest = match self.refreshed(&node) {
+            Some(Node::File { version, size, .. }) => Some((version, size)),
+            _ => None,
+        };
+        let Node::File {
             job,
             dataset,
             name,
             size,
             version,
             ..
-        }) = self.node(ino)
+        } = node
         else {
-            return reply.error(libc::EISDIR);
+            unreachable!("matched above");
         };
+        let listed = latest.unwrap_or((version, size));
         // Each open file may hold a descriptor of the stage: past a quarter
         // of them, the other jobs' reads would fail for want of one (4,079
         // files held open made a socket trainer's reads fail with "Too
@@ -1843,14 +1855,15 @@ impl Filesystem for MountFs {
             }),
             None => Some(self.ways.open_unplanned(ino)),
         };
-        let listed = (version, size);
         let Some(claim) = claim else {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
             let (pages, pin) = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held);
             let keep = pages.flags();
             // A local file found another size than the kernel has (replaced
-            // since it took the attributes) reads as it is now.
-            let resized = pin.as_ref().map(|p| p.size).filter(|&now| now != size);
+            // since it took the attributes), or an object listed at another
+            // since, reads as it is now.
+            let now = pin.as_ref().map_or(listed.1, |p| p.size);
+            let resized = (now != size).then_some(now);
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
             let file = file.pinned(pin, pages);
             return match way {

@@ -22,7 +22,7 @@ from sluice.bench.harness import HarnessError, free_port
 from sluice.bench.s3 import (ACCESS_KEY, SECRET_KEY, S3Server, SlowHttp, find_s3_server,
                              find_slowhttp_binary)
 
-from conftest import REPO, http_get, in_ci, make_dataset, sorted_names, stage_binary
+from conftest import REPO, http_get, in_ci, make_dataset, sorted_names, stage_binary, wait_for
 
 BUCKET = "bucket"
 PREFIX = "train"
@@ -679,6 +679,27 @@ def test_the_harness_stores_etags_where_the_server_reads_them(s3):
     # the new digest; one reading the stored ETag answers with the old.
     Path(server.root, BUCKET, PREFIX, name).write_bytes(bytes(len(files[name])))
     assert etag(f"{PREFIX}/{name}") == hashlib.md5(files[name]).hexdigest()
+
+
+def test_an_object_replaced_and_listed_again_is_read_new_through_the_mount_at_once(s3, stage_factory):
+    """The kernel keeps a file's attributes and pages for 60 s: an object
+    replaced (at another size) and listed again by the stage was read
+    through the mount whole as the old object, or failed its open's first
+    read with EIO, for up to a minute after. An open goes by the latest
+    listing."""
+    size = 20 * 10**6
+    stage, path, old, file = mounted_object(s3, stage_factory, size)
+    for _ in range(2):  # two epochs read it whole: the kernel keeps its pages
+        with open(file, "rb") as f:
+            assert f.read() == old
+    new = os.urandom(15 * 10**6)
+    path.write_bytes(new)
+    with sluice.Client(stage.socket, job="lister") as c:
+        wait_for(lambda: dict(c.dataset("ds").files).get("big.bin") == len(new), timeout=30,
+                 what="the stage to list the new object")
+    with open(file, "rb") as f:
+        assert os.fstat(f.fileno()).st_size == len(new)
+        assert f.read() == new
 
 
 def mounted_object(s3, stage_factory, size: int):

@@ -331,7 +331,7 @@ impl Orders {
             // A name may begin or end with spaces; trimmed is what people mean.
             let index = [exact, line]
                 .into_iter()
-                .find_map(|l| listing.position(self.relative(&prefixes, l)))
+                .find_map(|l| listing.position(self.relative(&prefixes, &lexical(l))))
                 .ok_or_else(|| {
                     format!(
                         "line {i}: `{}` is not a file of data set `{dataset}` (give names relative to the data set, or paths under {})",
@@ -399,7 +399,6 @@ impl Orders {
             .iter()
             .find_map(|p| line.strip_prefix(p.as_str()))
             .unwrap_or(line)
-            .trim_start_matches("./")
     }
 
     /// What a line may start with to name a file by its mount path.
@@ -476,9 +475,59 @@ fn open_regular(path: &Path) -> Result<std::fs::File, String> {
 }
 
 /// `text` as an error message shows it: at most [`SHOWN`] characters.
+/// `path` as the kernel reads it, without empty and `.` components and
+/// with each `..` taking off the one before it: a path joined from a
+/// directory given with a trailing slash (`glob` and `tf.io.gfile.glob`
+/// keep the `//`) names the same file. (Every directory of a data set is
+/// one through the mount, so `a/..` is where `a` is.)
+fn lexical(path: &str) -> std::borrow::Cow<'_, str> {
+    let plain = !path
+        .split('/')
+        .enumerate()
+        .any(|(i, c)| (c.is_empty() && i > 0) || c == "." || c == "..");
+    if plain {
+        return path.into();
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." if kept.last().is_some_and(|last| *last != "..") => {
+                kept.pop();
+            }
+            c => kept.push(c),
+        }
+    }
+    let joined = kept.join("/");
+    if path.starts_with('/') {
+        format!("/{joined}").into()
+    } else {
+        joined.into()
+    }
+}
+
 fn shown(text: &str) -> String {
     match text.char_indices().nth(SHOWN) {
         Some((end, _)) => format!("{}...", &text[..end]),
         None => text.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lexical;
+
+    #[test]
+    fn paths_are_read_as_the_kernel_reads_them() {
+        assert_eq!(
+            lexical("/mnt/@j/ds//shards/x.rec"),
+            "/mnt/@j/ds/shards/x.rec"
+        );
+        assert_eq!(lexical("/mnt/./@j/ds/./a"), "/mnt/@j/ds/a");
+        assert_eq!(lexical("./a//b"), "a/b");
+        assert_eq!(lexical("a/b"), "a/b");
+        assert_eq!(lexical("/mnt/@j/ds/sub/../x"), "/mnt/@j/ds/x");
+        assert_eq!(lexical("../x"), "../x");
+        assert_eq!(lexical("/mnt/@j/ds/"), "/mnt/@j/ds");
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
 
@@ -166,6 +166,10 @@ pub struct Trees {
     by_dataset: Mutex<HashMap<String, Built>>,
 }
 
+/// How long a look through the mount waits for the data set's listing
+/// again when it is due (see [`Trees::list_again_if_due`]).
+const FRESH_WAIT: Duration = Duration::from_secs(1);
+
 #[derive(Debug)]
 struct Built {
     digest: u64,
@@ -174,13 +178,14 @@ struct Built {
 }
 
 impl Trees {
-    /// The tree of the data set's listing as the stage has it. Lookups
-    /// never wait for the source once there is a listing: as often as a
-    /// socket reader's would (5 s, or ten times as long as listing takes:
+    /// The tree of the data set's listing as the stage has it. As often as
+    /// a socket reader's would (5 s, or ten times as long as listing takes:
     /// [`Dataset::refresh_interval`]) the data set is listed again on
-    /// `runtime`'s blocking threads, and a later call sees it, so that the
-    /// mount and a plan over the socket name the same files.
+    /// `runtime`'s blocking threads, and this call waits for that up to
+    /// [`FRESH_WAIT`] (a later call sees a longer one), so that the mount
+    /// and a plan over the socket name the same files.
     pub fn of(&self, dataset: &Arc<Dataset>, runtime: &Handle) -> Result<Arc<Tree>, ProtocolError> {
+        self.list_again_if_due(dataset, runtime);
         let listing = match dataset.listed() {
             Some(listing) => listing,
             None => dataset.listing().map_err(|e| {
@@ -223,16 +228,35 @@ impl Trees {
                 trees.get_mut(&dataset.name).expect("just inserted")
             }
         };
-        if built.checked.elapsed() >= dataset.refresh_interval() {
-            built.checked = Instant::now();
-            let dataset = Arc::clone(dataset);
-            runtime.spawn_blocking(move || {
-                if let Err(e) = dataset.listing() {
-                    tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
-                }
-            });
-        }
         Ok(Arc::clone(&built.tree))
+    }
+
+    /// Lists the data set again on `runtime`'s blocking threads when its
+    /// tree was last checked a refresh interval ago, and waits for that
+    /// listing up to [`FRESH_WAIT`]: files added at the source show at the
+    /// look that follows their writing (a `glob` right after a job wrote its
+    /// shards found none, an `open` of one `ENOENT`), while a source that
+    /// hangs holds a look for that long at most, not the mount.
+    fn list_again_if_due(&self, dataset: &Arc<Dataset>, runtime: &Handle) {
+        {
+            let mut trees = lock(&self.by_dataset);
+            let Some(built) = trees.get_mut(&dataset.name) else {
+                return;
+            };
+            if built.checked.elapsed() < dataset.refresh_interval() {
+                return;
+            }
+            built.checked = Instant::now();
+        }
+        let (done, listed) = std::sync::mpsc::channel();
+        let dataset = Arc::clone(dataset);
+        runtime.spawn_blocking(move || {
+            if let Err(e) = dataset.listing() {
+                tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
+            }
+            let _ = done.send(());
+        });
+        let _ = listed.recv_timeout(FRESH_WAIT);
     }
 }
 
