@@ -302,15 +302,10 @@ impl Memory {
     /// answers hold when none made room in time.
     async fn hold_answer(&self, n: u64, patience: Duration, recheck: Duration) -> Result<(), u64> {
         let start = Instant::now();
-        let half = self.budget / 2;
-        let (answers, alone) = if n > half {
-            (&self.oversized, true)
-        } else {
-            (&self.answering, false)
-        };
+        let (half, answers) = (self.budget / 2, self.answers_of(n));
         loop {
             let held = answers.fetch_update(Ordering::AcqRel, Ordering::Acquire, |on_way| {
-                let room = if alone {
+                let room = if n > half {
                     on_way == 0
                 } else {
                     on_way + n <= half
@@ -326,12 +321,17 @@ impl Memory {
     }
 
     fn drop_answer(&self, n: u64) {
-        let answers = if n > self.budget / 2 {
+        self.answers_of(n).fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// The count an answer of `n` listed bytes is held in: the one larger
+    /// than half the budget goes alone, in a count of its own.
+    fn answers_of(&self, n: u64) -> &AtomicU64 {
+        if n > self.budget / 2 {
             &self.oversized
         } else {
             &self.answering
-        };
-        answers.fetch_sub(n, Ordering::AcqRel);
+        }
     }
 }
 
