@@ -83,7 +83,7 @@ pub struct Memory {
     planned: AtomicU64,
     /// Listed bytes of the answers to reads by name (`READ`, `FETCH`)
     /// from before they are read until they are written, every job's: at
-    /// most half the budget (see [`Memory::hold_answer`]).
+    /// most half the budget (see [`Memory::try_hold_answer`]).
     answering: AtomicU64,
     /// The same of the one answer larger than half the budget that may be
     /// on its way (0: none).
@@ -292,32 +292,25 @@ impl Memory {
         self.claimed.fetch_sub(n, Ordering::AcqRel);
     }
 
-    /// Counts an answer of `n` listed bytes to a read by name once every
+    /// Counts an answer of `n` listed bytes to a read by name if every
     /// job's answers leave room for it in half the budget (one larger than
-    /// that: once no other such is on its way), waiting up to `patience`.
+    /// that: if no other such is on its way); else returns what they hold.
     /// Answers by name are read outside the readers, over the budget when
-    /// it is full, and held until their trainer takes them: without this,
-    /// six connections each reading a 150 MiB file whole and never taking
-    /// it held 900 MiB of a stage with a 128 MiB budget. Returns what the
-    /// answers hold when none made room in time.
-    async fn hold_answer(&self, n: u64, patience: Duration, recheck: Duration) -> Result<(), u64> {
-        let start = Instant::now();
-        let (half, answers) = (self.budget / 2, self.answers_of(n));
-        loop {
-            let held = answers.fetch_update(Ordering::AcqRel, Ordering::Acquire, |on_way| {
+    /// it is full, and held until their trainer takes them: without this
+    /// bound, six connections each reading a 150 MiB file whole and never
+    /// taking it held 900 MiB of a stage with a 128 MiB budget.
+    fn try_hold_answer(&self, n: u64) -> Result<(), u64> {
+        let half = self.budget / 2;
+        self.answers_of(n)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |on_way| {
                 let room = if n > half {
                     on_way == 0
                 } else {
                     on_way + n <= half
                 };
                 room.then_some(on_way + n)
-            });
-            match held {
-                Ok(_) => return Ok(()),
-                Err(on_way) if start.elapsed() >= patience => return Err(on_way),
-                Err(_) => tokio::time::sleep(recheck).await,
-            }
-        }
+            })
+            .map(drop)
     }
 
     fn drop_answer(&self, n: u64) {
@@ -916,28 +909,27 @@ mod tests {
         assert_eq!(memory.used(), 210);
     }
 
-    #[tokio::test]
-    async fn answers_by_name_hold_half_the_budget_or_one_larger_alone() {
+    #[test]
+    fn answers_by_name_hold_half_the_budget_or_one_larger_alone() {
         let memory = Memory::new(100);
-        let (patience, recheck) = (Duration::from_millis(30), Duration::from_millis(1));
-        assert_eq!(memory.hold_answer(30, patience, recheck).await, Ok(()));
-        assert_eq!(memory.hold_answer(20, patience, recheck).await, Ok(()));
+        assert_eq!(memory.try_hold_answer(30), Ok(()));
+        assert_eq!(memory.try_hold_answer(20), Ok(()));
         assert_eq!(
-            memory.hold_answer(1, patience, recheck).await,
+            memory.try_hold_answer(1),
             Err(50),
-            "half the budget is on its way: the next waits, then gives up"
+            "half the budget is on its way: the next waits"
         );
-        assert_eq!(memory.hold_answer(0, patience, recheck).await, Ok(()));
+        assert_eq!(memory.try_hold_answer(0), Ok(()));
         assert_eq!(
-            memory.hold_answer(150, patience, recheck).await,
+            memory.try_hold_answer(150),
             Ok(()),
             "a larger answer goes alone, beside the others"
         );
-        assert_eq!(memory.hold_answer(51, patience, recheck).await, Err(150));
+        assert_eq!(memory.try_hold_answer(51), Err(150));
         memory.drop_answer(150);
         memory.drop_answer(30);
-        assert_eq!(memory.hold_answer(51, patience, recheck).await, Ok(()));
-        assert_eq!(memory.hold_answer(30, patience, recheck).await, Ok(()));
+        assert_eq!(memory.try_hold_answer(51), Ok(()));
+        assert_eq!(memory.try_hold_answer(30), Ok(()));
     }
 
     #[test]

@@ -1861,14 +1861,16 @@ impl Filesystem for MountFs {
             let keep = pages.flags();
             // A local file found another size than the kernel has (replaced
             // since it took the attributes), or an object listed at another
-            // since, reads as it is now.
+            // since, reads as it is now; so does one found another size than
+            // its latest listing (replaced since): it is shown at the size
+            // found until a listing has another version of it.
             let now = pin.as_ref().map_or(listed.1, |p| p.size);
-            let resized = (now != size).then_some(now);
+            let resized = (now != size || now != listed.1).then_some(now);
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
             let file = file.pinned(pin, pages);
             return match way {
                 Some(way) if way.way() == Way::Passthrough => {
-                    let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| version);
+                    let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| listed.0);
                     let file = (file, keep, way);
                     self.open_passthrough(req.pid(), ino, fh, file, delivered_first, resized, reply)
                 }
@@ -1877,7 +1879,7 @@ impl Filesystem for MountFs {
                 way if resized.is_some() && pages != Pages::Bypass => {
                     let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
                     self.answer_soon(async move {
-                        ask_size_again(&file, &nodes, &notifier, ino, version).await;
+                        ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
                         lock(&open).insert(fh, Open { _way: way, ..file });
                         reply.opened(fh, keep);
                     });
@@ -1923,7 +1925,7 @@ impl Filesystem for MountFs {
                 None if too_large => dataset.source().local_version(&name).map(|(_, n)| n),
                 None => None,
             };
-            let resized = now.filter(|&now| now != size);
+            let resized = now.filter(|&now| now != size || now != listed.1);
             // Another open of the file reads the pages the kernel has: they
             // are left to it, and read by this open too while they are of
             // the file as it is (this open reads past them otherwise).
@@ -1974,7 +1976,7 @@ impl Filesystem for MountFs {
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), whole);
             let file = file.pinned(pin, pages);
             if resized.is_some() && pages != Pages::Bypass {
-                ask_size_again(&file, &nodes, &notifier, ino, version).await;
+                ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
             }
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());

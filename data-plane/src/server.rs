@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey, ShardOrder};
-use crate::engine::{JobHandle, Reservation};
+use crate::engine::{JobHandle, PlannedClaim, Reservation};
 use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
@@ -799,12 +799,36 @@ impl Connection {
                 ),
             ));
         }
-        // Counted before anything is read, so that waiting holds nothing.
-        let mut untaken = Some(job.hold_answer(listed).await?);
+        // Counted before anything is read, so that waiting holds nothing;
+        // but planned entries a reader has started (before or while this
+        // waits) are the plan's bytes, counted already: they are taken
+        // and wait for no room (waiting, they kept the buffer full, and
+        // the read that held the room waited 2 s for it to empty).
+        let mut buffered: Vec<Option<PlannedClaim>> = names.iter().map(|_| None).collect();
+        let unbuffered = || {
+            let mut bytes = 0;
+            for (name, claim) in names.iter().zip(&mut buffered) {
+                if claim.is_none() && check_name(name).is_ok() {
+                    *claim = job.claim_buffered(&dataset.name, name, run);
+                }
+                if claim.is_none() {
+                    bytes += listing.size_of(name).unwrap_or(0);
+                }
+            }
+            bytes
+        };
+        let mut untaken = Some(job.hold_answer(unbuffered).await?);
         let mut reads = tokio::task::JoinSet::new();
         for (position, name) in names.into_iter().enumerate() {
             let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));
-            reads.spawn(async move { (position, read_whole_file(job, dataset, name, run).await) });
+            let claim = buffered[position].take();
+            reads.spawn(async move {
+                let answer = match claim {
+                    Some(claim) => deliver_whole(&job, dataset, Some(claim), name).await,
+                    None => read_whole_file(job, dataset, name, run).await,
+                };
+                (position, answer)
+            });
         }
         let mut answers: Vec<(usize, Sample, Option<Reservation>)> = Vec::new();
         while let Some(done) = reads.join_next().await {
@@ -846,10 +870,26 @@ impl Connection {
         check_name(&name)?;
         let job = Arc::clone(self.job());
         // Counted before anything is read, so that waiting holds nothing.
+        let (whole, run) = (offset == 0 && length == TO_END, self.reads_for);
+        // Counted before anything is read, so that waiting holds nothing;
+        // but a planned entry a reader has started (before or while this
+        // waits) is the plan's bytes, counted already: it waits for no
+        // room (as in `fetch`).
         let (_, listed) = clamp_range(listing.size_of(&name).unwrap_or(0), offset, length);
-        let untaken = job.hold_answer(listed).await?;
-        if offset == 0
-            && length == TO_END
+        let mut buffered = None;
+        let unbuffered = || {
+            if whole && buffered.is_none() {
+                buffered = job.claim_buffered(&dataset.name, &name, run);
+            }
+            if buffered.is_some() { 0 } else { listed }
+        };
+        let untaken = job.hold_answer(unbuffered).await?;
+        if let Some(claim) = buffered {
+            let (sample, reservation) = deliver_whole(&job, dataset, Some(claim), name).await;
+            let held = reservation.into_iter().collect();
+            return data(sample).map(|data| (Response::Data(data), held));
+        }
+        if whole
             && let Some((sample, mut reservation)) =
                 job.read_planned(&dataset.name, &name, self.reads_for).await
         {
@@ -960,7 +1000,21 @@ async fn read_whole_file(
         };
         return (sample, None);
     }
-    if let Some((sample, reservation)) = job.read_planned(&dataset.name, &name, run).await {
+    let claim = job.claim_planned(&dataset.name, &name, run);
+    deliver_whole(&job, dataset, claim, name).await
+}
+
+/// File `name` whole: its planned entry `claim` when there is one, else
+/// (or when its plan was abandoned meanwhile) read now.
+async fn deliver_whole(
+    job: &Arc<crate::engine::Job>,
+    dataset: Arc<Dataset>,
+    claim: Option<PlannedClaim>,
+    name: String,
+) -> (Sample, Option<Reservation>) {
+    if let Some(claim) = claim
+        && let Some((sample, reservation)) = job.deliver_claimed(claim, &name).await
+    {
         return (sample, Some(reservation));
     }
     let metrics = job.metrics_for(&dataset.name);

@@ -85,6 +85,18 @@ def stage_factory(tmp_path):
         assert code == 0, f"sluice-stage exited {code} on SIGTERM; {s.stderr_tail()}"
 
 
+def files_of(root: pathlib.Path, count: int, size: int) -> dict:
+    """Writes ``count`` random files of ``size`` bytes into a new directory
+    ``root``; returns name -> bytes."""
+    root.mkdir()
+    files = {}
+    for i in range(count):
+        name = f"f{i:04d}.bin"
+        files[name] = os.urandom(size)
+        (root / name).write_bytes(files[name])
+    return files
+
+
 def make_dataset(root: pathlib.Path, seed: int = 0) -> dict:
     """Writes a small tree with nested dirs and varied sizes; returns name -> bytes."""
     rng = random.Random(seed)

@@ -7,24 +7,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import pathlib
 import time
 
 import pytest
-from conftest import Raw, job_metric, stage_metric, wait_for
+from conftest import Raw, files_of, job_metric, stage_metric, wait_for
 
 import sluice
 from sluice import protocol as p
-
-
-def files_of(root: pathlib.Path, count: int, size: int) -> dict:
-    root.mkdir()
-    files = {}
-    for i in range(count):
-        name = f"f{i:04d}.bin"
-        files[name] = os.urandom(size)
-        (root / name).write_bytes(files[name])
-    return files
 
 
 def raw(stage, job: str) -> Raw:

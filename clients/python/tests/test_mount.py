@@ -841,6 +841,39 @@ def test_a_passed_through_file_replaced_by_one_of_another_size_shows_its_size(tm
             assert f.read() == want, name
 
 
+def test_a_file_replaced_again_after_an_open_listed_it_anew_reads_whole_at_its_size(tmp_path, mount_stage):
+    """Files replaced by same-size ones, opened once the listing was due
+    (the open lists the data set again and reads the new files), then
+    replaced at once by files of other sizes while that listing is fresh:
+    the next open reads the newest files whole and ``fstat`` gives their
+    size (the size shown was the kernel's inode's first version's, so it
+    cut them at the old size), through the page cache and passed through."""
+    sizes = {"small.bin": 200_000, "large.bin": 3_000_000}
+    root = files_of_sizes(tmp_path, sizes)
+    stage, mnt = mount_stage(root)
+
+    def replace(name: str, size: int) -> bytes:
+        data = os.urandom(size)
+        (root / ".next").write_bytes(data)
+        os.rename(root / ".next", root / name)
+        return data
+
+    for name in sizes:
+        assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
+    same = {name: replace(name, size) for name, size in sizes.items()}
+    time.sleep(5.5)  # the stage lists the data set again after 5 s
+    for name in sizes:
+        assert (mnt / "ds" / name).read_bytes() == same[name], f"{name}: the same-size replacement"
+    for round_, grow in (("larger", 7), ("smaller", -100_000)):
+        for name, size in sizes.items():
+            want = replace(name, size + grow)
+            with open(mnt / "ds" / name, "rb") as f:
+                shown = os.fstat(f.fileno()).st_size
+                got = f.read()
+            assert (shown, len(got)) == (size + grow, size + grow), (round_, name)
+            assert got == want, (round_, name)
+
+
 def test_a_file_replaced_while_another_reader_holds_it_reads_as_each_opened_it(tmp_path, mount_stage):
     """Reader A opened the file and read part of it; the source is replaced
     by a rename; reader B opens and reads the new file; A reads on. As on a

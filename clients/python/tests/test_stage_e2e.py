@@ -21,7 +21,7 @@ from sluice import protocol as p
 
 from sluice.bench.common import metric_value, parse_prometheus
 
-from conftest import Raw, http_get, make_dataset, sorted_names, stage_metric, wait_for
+from conftest import Raw, files_of, http_get, make_dataset, sorted_names, stage_metric, wait_for
 
 
 def fnv1a_digest(entries):
@@ -1106,10 +1106,7 @@ def test_trainers_that_stop_reading_their_answers_do_not_starve_other_jobs(stage
     for good), and their claims hold at most half the budget meanwhile:
     another job reads its epoch without waiting for them to be closed."""
     root = tmp_path / "d"
-    root.mkdir()
-    files = {f"f{i:04d}.bin": os.urandom(64 << 10) for i in range(200)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
+    files = files_of(root, 200, 64 << 10)
     stage = stage_factory({"d": root}, "--memory-budget", "32MiB")
     stuck = []
     for _ in range(4):

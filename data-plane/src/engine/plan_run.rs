@@ -185,6 +185,13 @@ impl PlanRun {
 
     /// Claims the first undelivered position that reads file `file`.
     pub fn claim_file(&mut self, file: u32) -> Option<u32> {
+        let pos = self.unclaimed_of(file)?;
+        self.entries[pos as usize].claimed = true;
+        Some(pos)
+    }
+
+    /// The first undelivered position that reads file `file`, if any.
+    pub fn unclaimed_of(&mut self, file: u32) -> Option<u32> {
         let files = &self.files;
         let by_file = self.by_file.get_or_insert_with(|| {
             let mut order: Vec<u32> = (0..files.len() as u32).collect();
@@ -197,7 +204,6 @@ impl PlanRun {
             .take_while(|&&pos| files[pos as usize] == file)
             .copied()
             .find(|&pos| !self.entries[pos as usize].claimed)?;
-        self.entries[pos as usize].claimed = true;
         Some(pos)
     }
 

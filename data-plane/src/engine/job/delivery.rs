@@ -490,7 +490,24 @@ impl Job {
         name: &str,
         run: Option<u64>,
     ) -> Option<PlannedClaim> {
-        self.claim_by_name(dataset, name, run).map(PlannedClaim)
+        self.claim_by_name(dataset, name, run, false)
+            .map(PlannedClaim)
+    }
+
+    /// [`Job::claim_planned`] of an entry a reader has started (buffered
+    /// or on its way), or `None`: its bytes are the plan's, counted in
+    /// the budget already, so its answer waits for no room (see
+    /// [`Job::hold_answer`]); a read by name that waited for room while
+    /// its planned entry sat in the buffer kept the buffer full for the
+    /// other reads' 2 s.
+    pub fn claim_buffered(
+        &self,
+        dataset: &str,
+        name: &str,
+        run: Option<u64>,
+    ) -> Option<PlannedClaim> {
+        self.claim_by_name(dataset, name, run, true)
+            .map(PlannedClaim)
     }
 
     /// The second half of [`Job::read_planned`]: the claimed entry, from the
@@ -546,14 +563,25 @@ impl Job {
     }
 
     /// Claims the first undelivered entry of `name` in an active plan on
-    /// `dataset` (of run `run` when given), marking it started.
-    fn claim_by_name(&self, dataset: &str, name: &str, run: Option<u64>) -> Option<Claimed> {
+    /// `dataset` (of run `run` when given), marking it started; only one
+    /// a reader started already when `started_only`.
+    fn claim_by_name(
+        &self,
+        dataset: &str,
+        name: &str,
+        run: Option<u64>,
+        started_only: bool,
+    ) -> Option<Claimed> {
         let mut st = self.lock();
         let found = st.plans.values_mut().find_map(|plan| {
             if plan.dataset.name != dataset || run.is_some_and(|r| plan.key.run != r) {
                 return None;
             }
             let file = plan.listing.position(name)?;
+            let first = plan.unclaimed_of(file)?;
+            if started_only && !plan.entries[first as usize].started {
+                return None;
+            }
             let pos = plan.claim_file(file)?;
             let started = std::mem::replace(&mut plan.entries[pos as usize].started, true);
             Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
@@ -704,29 +732,42 @@ impl Job {
     }
 
     /// Waits until every job's answers to reads by name (`READ`,
-    /// `FETCH`) leave room for one of `bytes` listed bytes (see
-    /// [`crate::engine::Memory`]'s `hold_answer`), and counts it until the
-    /// returned hold goes; `IO_ERROR` when none was taken for
-    /// [`ANSWER_WAIT`] (their trainers do not read them).
-    pub async fn hold_answer(&self, bytes: u64) -> Result<Untaken, ProtocolError> {
-        let memory = &self.memory;
-        match memory.hold_answer(bytes, ANSWER_WAIT, MEMORY_RECHECK).await {
-            Ok(()) => Ok(Untaken {
-                memory: Arc::clone(memory),
-                bytes,
-                of: Answers::ByName,
-            }),
-            Err(on_way) => Err(ProtocolError::new(
-                ErrorCode::IoError,
-                format!(
-                    "this answer of {bytes} bytes was not read: answers to reads by name that their \
-                     trainers have not taken hold {on_way} bytes of the stage's {}-byte memory budget \
-                     (half of it, or one answer larger than that, at most), and none was taken for \
-                     {} s; ask again",
-                    memory.budget(),
-                    ANSWER_WAIT.as_secs()
-                ),
-            )),
+    /// `FETCH`) leave room for one of the listed bytes `unheld` gives (see
+    /// [`crate::engine::Memory`]'s `try_hold_answer`), asking it again at
+    /// each look (what it names may have been started by a reader since),
+    /// and counts them until the returned hold goes; `IO_ERROR` when none
+    /// was taken for [`ANSWER_WAIT`] (their trainers do not read them).
+    pub async fn hold_answer(
+        &self,
+        mut unheld: impl FnMut() -> u64,
+    ) -> Result<Untaken, ProtocolError> {
+        let (memory, start) = (&self.memory, Instant::now());
+        loop {
+            let bytes = unheld();
+            let on_way = match memory.try_hold_answer(bytes) {
+                Ok(()) => {
+                    return Ok(Untaken {
+                        memory: Arc::clone(memory),
+                        bytes,
+                        of: Answers::ByName,
+                    });
+                }
+                Err(on_way) => on_way,
+            };
+            if start.elapsed() >= ANSWER_WAIT {
+                return Err(ProtocolError::new(
+                    ErrorCode::IoError,
+                    format!(
+                        "this answer of {bytes} bytes was not read: answers to reads by name that \
+                         their trainers have not taken hold {on_way} bytes of the stage's {}-byte \
+                         memory budget (half of it, or one answer larger than that, at most), and \
+                         none was taken for {} s; ask again",
+                        memory.budget(),
+                        ANSWER_WAIT.as_secs()
+                    ),
+                ));
+            }
+            tokio::time::sleep(MEMORY_RECHECK).await;
         }
     }
 
