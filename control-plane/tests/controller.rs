@@ -122,6 +122,15 @@ async fn session_with(grpc: &str, hello: pb::Hello) -> Session {
     s
 }
 
+/// The settings a message from the controller carries.
+fn settings_in(m: Result<Option<pb::ControllerMessage>, tonic::Status>) -> pb::Settings {
+    let m = m.unwrap().expect("open");
+    let Some(controller_message::Kind::Settings(s)) = m.kind else {
+        panic!("not settings: {m:?}")
+    };
+    s
+}
+
 fn message(kind: stage_message::Kind) -> StageMessage {
     StageMessage { kind: Some(kind) }
 }
@@ -154,15 +163,24 @@ impl Session {
 
     async fn settings(&mut self) -> pb::Settings {
         let next = tokio::time::timeout(Duration::from_secs(10), self.down.message());
-        let m = next
-            .await
-            .expect("settings in time")
-            .unwrap()
-            .expect("open");
-        let Some(controller_message::Kind::Settings(s)) = m.kind else {
-            panic!("not settings: {m:?}")
-        };
-        s
+        settings_in(next.await.expect("settings in time"))
+    }
+
+    /// The next settings, reporting every 250 ms meanwhile as a stage
+    /// does (twice a second): one silent past the stage timeout (1 s
+    /// here) is marked lost and pushed nothing, and a policy applied
+    /// within the controller's first stage timeout waits for its end.
+    async fn settings_reporting(&mut self) -> pb::Settings {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match tokio::time::timeout(Duration::from_millis(250), self.down.message()).await {
+                Ok(m) => return settings_in(m),
+                Err(_) => {
+                    assert!(tokio::time::Instant::now() < deadline, "settings in time");
+                    self.report().await;
+                }
+            }
+        }
     }
 
     async fn send(&self, kind: stage_message::Kind) {
@@ -944,7 +962,7 @@ async fn a_misbehaving_stage_does_not_hold_up_the_others() {
         // The good stage gets every change: the whole limit, or half of it
         // while the stuck stage still counts as serving the job.
         loop {
-            let s = good.settings().await;
+            let s = good.settings_reporting().await;
             // Pushed before the first policy: the job unmanaged.
             let Some(job) = s.jobs.first() else {
                 continue;

@@ -817,15 +817,35 @@ impl Connection {
             }
             bytes
         };
-        let mut untaken = Some(job.hold_answer(unbuffered).await?);
+        let held = job.hold_answer(unbuffered).await;
+        // No room came: the entries taken meanwhile are delivered all the
+        // same (dropped, their plan would stay an entry short), the other
+        // names answered with why.
+        let (mut untaken, refused) = match held {
+            Ok(untaken) => (Some(untaken), None),
+            Err(e) if buffered.iter().all(Option::is_none) => return Err(e),
+            Err(e) => (None, Some(e)),
+        };
         let mut reads = tokio::task::JoinSet::new();
         for (position, name) in names.into_iter().enumerate() {
             let (job, dataset) = (Arc::clone(&job), Arc::clone(&dataset));
             let claim = buffered[position].take();
+            let refused = refused.clone();
             reads.spawn(async move {
-                let answer = match claim {
-                    Some(claim) => deliver_whole(&job, dataset, Some(claim), name).await,
-                    None => read_whole_file(job, dataset, name, run).await,
+                let answer = match (claim, refused) {
+                    (Some(claim), _) => deliver_whole(&job, dataset, Some(claim), name).await,
+                    (None, Some(e)) => {
+                        let data = Err(e);
+                        (
+                            Sample {
+                                position: 0,
+                                name,
+                                data,
+                            },
+                            None,
+                        )
+                    }
+                    (None, None) => read_whole_file(job, dataset, name, run).await,
                 };
                 (position, answer)
             });
