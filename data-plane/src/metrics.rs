@@ -98,10 +98,14 @@ impl SourceMetrics {
         }
     }
 
-    /// A transfer whose body stopped coming after an `ok` head: given up
-    /// and asked for again, so counted among the retries.
-    pub fn stalled(&self) {
+    /// A transfer whose body stopped coming (nothing for `idle`) after an
+    /// `ok` head: given up and asked for again, so counted among the
+    /// retries, and named as why when its sample runs out of its deadline.
+    pub fn stalled(&self, idle: std::time::Duration) {
         self.retried.inc();
+        self.note_retried(format!(
+            "the answer stopped coming: no bytes of it for {idle:?} (a connection that died mid-transfer, or a store that stalled)"
+        ));
     }
 
     /// Requests the store answered with 503 SlowDown or 429 so far.

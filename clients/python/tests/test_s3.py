@@ -372,6 +372,51 @@ def test_a_transfer_that_stalls_halfway_is_resumed_within_the_deadline(s3, stage
     assert metric_sum(stage, "sluice_stage_source_retries_total") >= 2
 
 
+def test_a_sample_whose_every_transfer_stalls_names_the_stall_past_its_deadline(s3, stage_factory):
+    """Every answer stops halfway: each sample fails at its deadline, and
+    its error says the answers stopped coming (it said "no try failed, the
+    store was slow to answer", though every try had failed)."""
+    server, files = s3
+    names = [n for n in sorted_names(files) if 2 <= len(files[n]) < 2**20][:3]
+    with proxy(server, stall_body_every=1) as slow:
+        stage = s3_stage(stage_factory, slow.endpoint, "--s3-deadline", "3s")
+        with sluice.Client(stage.socket, job="s3", timeout=60) as c:
+            got = dict(c.dataset("ds").plan_names(names, epoch=0, on_error="yield"))
+    for name in names:
+        message = got[name].message
+        assert "3s deadline" in message and "stopped coming" in message, message
+        assert "no try failed" not in message, message
+
+
+def test_a_stage_started_while_its_store_throttles_starts_once_it_answers(s3, stage_factory):
+    """The store answers 503 SlowDown to everything for 6 s while the stage
+    starts (stages of a fleet started at once): the stage waits for it and
+    serves (it gave up after 5 s, with the store's XML as its message)."""
+    server, files = s3
+    busy = proxy(server, throttle_every=1)
+    address = busy.endpoint.removeprefix("http://")
+    calm = []
+
+    def calm_down():
+        time.sleep(6)
+        busy.stop()
+        calm.append(proxy(server, listen=address))
+
+    threading.Thread(target=calm_down, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        stage = s3_stage(stage_factory, busy.endpoint)
+        took = time.monotonic() - t0
+        assert took >= 5, f"started in {took:.1f} s while the store throttled every request"
+        name = sorted_names(files)[0]
+        with sluice.Client(stage.socket, job="s3") as c:
+            assert c.dataset("ds").read(name) == files[name]
+    finally:
+        busy.stop()
+        for p in calm:
+            p.stop()
+
+
 def test_a_store_too_slow_for_the_deadline_fails_the_sample_never_hangs(s3, stage_factory):
     server, files = s3
     names = sorted_names(files)[:3]

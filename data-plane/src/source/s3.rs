@@ -46,7 +46,7 @@ use crate::entry::{FileEntry, Fnv64, Walked};
 use crate::metrics::{Metrics, SourceMetrics};
 use crate::protocol::{ErrorCode, ProtocolError};
 use crate::storage::{MAX_FILE_BYTES, clamp_range};
-use list::{ListError, Listed, Lister, Version};
+use list::{ListError, Listed, Lister, Version, busy};
 
 mod list;
 
@@ -892,15 +892,40 @@ async fn check(
     at: &Probed<'_>,
 ) -> Result<(), String> {
     let (bucket, endpoint, not_s3) = (at.bucket, at.endpoint, at.not_s3());
-    // A store too busy to answer its first page at start is reported as
-    // such within the probe's time.
+    // A store that answers it is busy (503 SlowDown, 429, another 5xx) is
+    // there: it is asked again for as long as a listing page would be
+    // (stages of a fleet started at once are throttled together, and one
+    // that gave up after 5 s did not start); one that does not answer is
+    // reported within the probe's time.
     let first_prefix = key_prefix(prefix);
-    let page = lister.page(&first_prefix, false, None, PROBE_TIMEOUT / 2);
-    let first = match tokio::time::timeout(PROBE_TIMEOUT, page).await {
-        Ok(Ok(page)) => page,
-        Ok(Err(e)) => return Err(list_failure(&e, at)),
-        Err(_) => {
-            return Err(no_answer(endpoint));
+    let started = Instant::now();
+    let mut told = false;
+    let first = loop {
+        let page = lister.page(&first_prefix, false, None, PROBE_TIMEOUT / 2);
+        match tokio::time::timeout(PROBE_TIMEOUT, page).await {
+            Ok(Ok(page)) => break page,
+            Ok(Err(ListError::Status(status, body)))
+                if busy(status) && started.elapsed() < list::BUSY_PATIENCE =>
+            {
+                if !std::mem::replace(&mut told, true) {
+                    tracing::warn!(
+                        bucket,
+                        %endpoint,
+                        answer = %ListError::Status(status, body),
+                        "the object store is busy: asking again for up to {:?} before giving up",
+                        list::BUSY_PATIENCE
+                    );
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(Err(e @ ListError::Status(status, _))) if busy(status) => {
+                return Err(format!(
+                    "the object store at {endpoint} answered every listing of bucket `{bucket}` for {} s that it is busy ({e}): it is reachable but throttling or failing; start the stage again when it answers, or ask its operator",
+                    started.elapsed().as_secs()
+                ));
+            }
+            Ok(Err(e)) => return Err(list_failure(&e, at)),
+            Err(_) => return Err(no_answer(endpoint)),
         }
     };
     // A server that is not an object store (a web server answering every
@@ -1002,7 +1027,7 @@ fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
                 || body.contains("AuthorizationHeaderMalformed")
                 || body.contains("IncorrectEndpoint") =>
         {
-            match xml_field(body, "Region") {
+            match list::xml_field(body, "Region") {
                 Some(region) => format!(
                     "bucket `{bucket}` is in region {region}, not the one the stage signs for: set --s3-region {region} (or AWS_REGION)"
                 ),
@@ -1047,13 +1072,6 @@ fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
         ),
         ListError::Status(..) => format!("listing bucket `{bucket}` at {endpoint} failed: {e}"),
     }
-}
-
-/// The text of the first `<name>` element of an S3 error body.
-fn xml_field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
-    let start = body.find(&format!("<{name}>"))? + name.len() + 2;
-    let len = body[start..].find(&format!("</{name}>"))?;
-    Some(body[start..start + len].trim()).filter(|v| !v.is_empty())
 }
 
 /// The builder for `bucket` with the endpoint, region, addressing and
@@ -1572,9 +1590,10 @@ where
                     std::io::ErrorKind::TimedOut,
                     format!("no bytes of the answer for {limit:?}"),
                 );
+                let idle = *limit;
                 this.idle = None;
                 if let Some(metrics) = &this.metrics {
-                    metrics.stalled();
+                    metrics.stalled(idle);
                 }
                 Poll::Ready(Some(Err(HttpError::new(HttpErrorKind::Timeout, stalled))))
             }

@@ -100,8 +100,8 @@ class SlowHttp(Harness):
     @classmethod
     def start(cls, binary: str, upstream: str, latency: str = "0ms", throttle_every: int = 0,
               reset_every: int = 0, deny: Optional[str] = None, timeout: float = 20.0,
-              hang_every: int = 0, stall_body_every: int = 0) -> "SlowHttp":
-        args = [binary, "--upstream", upstream, "--latency", latency,
+              hang_every: int = 0, stall_body_every: int = 0, listen: str = "127.0.0.1:0") -> "SlowHttp":
+        args = [binary, "--upstream", upstream, "--listen", listen, "--latency", latency,
                 "--throttle-every", str(throttle_every), "--reset-every", str(reset_every),
                 "--hang-every", str(hang_every), "--stall-body-every", str(stall_body_every)]
         if deny:

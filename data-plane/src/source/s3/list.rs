@@ -90,13 +90,43 @@ pub enum ListError {
 impl std::fmt::Display for ListError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Status(status, body) => write!(f, "the store answered {status}: {body}"),
+            Self::Status(status, body) => match summary(body) {
+                summary if summary.is_empty() => write!(f, "the store answered {status}"),
+                summary => write!(f, "the store answered {status} ({summary})"),
+            },
             Self::Transport(e) => write!(f, "{e}"),
             Self::Timeout(t) => write!(f, "no answer within {t:?}"),
             Self::NotS3(e) => write!(f, "the answer is not an S3 listing ({e})"),
             Self::Credentials(e) => write!(f, "could not get S3 credentials ({e})"),
         }
     }
+}
+
+/// An error answer's body in one line: S3's error code and message, or
+/// the body's words (at most 200 characters) when it is no S3 error
+/// document.
+pub fn summary(body: &str) -> String {
+    match (xml_field(body, "Code"), xml_field(body, "Message")) {
+        (Some(code), Some(message)) => format!("{code}: {message}"),
+        (Some(code), None) => code.to_owned(),
+        _ => {
+            let words = body.split_whitespace().collect::<Vec<_>>().join(" ");
+            words.chars().take(200).collect()
+        }
+    }
+}
+
+/// Whether an answer of `status` says the store is there but busy
+/// (throttling, or failing for now): it is asked again.
+pub fn busy(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+/// The text of the first `<name>` element of an S3 error body.
+pub fn xml_field<'a>(body: &'a str, name: &str) -> Option<&'a str> {
+    let start = body.find(&format!("<{name}>"))? + name.len() + 2;
+    let len = body[start..].find(&format!("</{name}>"))?;
+    Some(body[start..start + len].trim()).filter(|v| !v.is_empty())
 }
 
 impl Lister {
@@ -119,9 +149,7 @@ impl Lister {
             let answer = self.request(prefix, delimited, token).await;
             let again = match &answer {
                 Err(ListError::Transport(_) | ListError::Timeout(_)) => tries < TRIES,
-                Err(ListError::Status(status, _))
-                    if status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS =>
-                {
+                Err(ListError::Status(status, _)) if busy(*status) => {
                     started.elapsed() + backoff <= patience
                 }
                 _ => false,
@@ -315,6 +343,29 @@ fn decode(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_answer_is_told_in_one_line() {
+        let slow_down = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>\n<Message>Please reduce your request rate.</Message><RequestId>1</RequestId></Error>";
+        let e = ListError::Status(StatusCode::SERVICE_UNAVAILABLE, slow_down.into());
+        assert_eq!(
+            e.to_string(),
+            "the store answered 503 Service Unavailable (SlowDown: Please reduce your request rate.)"
+        );
+        let page = ListError::Status(
+            StatusCode::BAD_GATEWAY,
+            "<html>\n <b>Bad\tgateway</b>\n</html>\n".into(),
+        );
+        assert_eq!(
+            page.to_string(),
+            "the store answered 502 Bad Gateway (<html> <b>Bad gateway</b> </html>)"
+        );
+        let empty = ListError::Status(StatusCode::INTERNAL_SERVER_ERROR, String::new());
+        assert_eq!(
+            empty.to_string(),
+            "the store answered 500 Internal Server Error"
+        );
+    }
 
     #[test]
     fn keys_are_decoded_only_when_the_store_encoded_them() {
