@@ -847,24 +847,29 @@ impl Source {
 
 /// Whether an open of the file `name` at `ino`, listed as `listed`
 /// (version and size), may let the kernel keep the pages it holds of it
-/// (`FOPEN_KEEP_CACHE`). The first open since the kernel looked the file
-/// up may; a later one asks a local source what the file is now (a
-/// `stat`), and when it is not what it was when the pages were kept (a
-/// file replaced between epochs, before the stage lists it again) the
-/// kernel drops them, so the reader never gets the old file's cached
-/// pages joined to the new one's read through the stage. An object
-/// store's files are not asked (a request each); its objects' pages go
-/// when the listing shows a new version (`FUSE_AUTO_INVAL_DATA`).
+/// (`FOPEN_KEEP_CACHE`), and the version its reads are pinned to. A local
+/// file is opened here, as a local reader's open would open it: the
+/// open's reads read that file, whatever is renamed over it afterwards
+/// (its first read opened the file, so a file replaced between the open
+/// and that read failed it with EIO, two readers' first reads could fill
+/// one buffer from two versions, a file replaced since it was listed was
+/// cut at its listed size, and a file deleted since it was read opened
+/// with its old bytes). The pages the kernel keeps are kept while they
+/// are of the file opened; when they are not (a file replaced between
+/// epochs, before the stage lists it again) the kernel drops them, so
+/// the reader never gets the old file's cached pages joined to the new
+/// one's read through the stage. An object store's files are not asked
+/// (a request each); its objects' pages go when the listing shows a new
+/// version (`FUSE_AUTO_INVAL_DATA`).
 ///
 /// The pages are the inode's, shared by every open of it: while another
 /// open reads the file as it was (`held`: one of the same job, data set
 /// and name is alive), they are neither dropped nor refilled with the new
 /// file, which this open reads past them ([`Pages::Bypass`]).
 ///
-/// With the answer comes the version the source gave, when it was asked:
-/// the open's reads are pinned to it, so that the pages it fills are of
-/// that version, even while the stage's listing (by which the node cache
-/// is looked up) still shows the file as it was.
+/// The pin also keeps the open's reads of a file the node cache holds by
+/// the listing's version to the file as it is now, while the stage's
+/// listing still shows it as it was.
 fn may_keep_pages(
     nodes: &Mutex<Nodes>,
     ino: u64,
@@ -872,35 +877,33 @@ fn may_keep_pages(
     name: &str,
     listed: (u64, u64),
     held: impl FnOnce() -> bool,
-) -> (Pages, Option<Pinned>) {
-    if dataset.source().remote().is_some() {
-        return object_pages(nodes, ino, listed, held);
-    }
+) -> Result<(Pages, Option<Pinned>), ProtocolError> {
+    let pin = match dataset.source().open_local(name) {
+        Some(opened) => opened?,
+        None => return Ok(object_pages(nodes, ino, listed, held)),
+    };
+    let now = (pin.version, pin.size);
     let kept = match lock(nodes).known.get_mut(&ino) {
         // A new inode: the kernel holds no pages of it yet.
         Some(Known {
             kept: kept @ None, ..
         }) => {
-            *kept = Some(listed);
-            return (Pages::Keep, None);
+            *kept = Some(now);
+            return Ok((Pages::Keep, Some(pin)));
         }
         Some(known) => known.kept,
-        None => return (Pages::Keep, None),
+        None => return Ok((Pages::Keep, Some(pin))),
     };
-    let Some(now) = dataset.source().local_version(name) else {
-        return (Pages::Keep, None);
-    };
-    let pin = Some(Pinned::cached(now.0, now.1));
     if Some(now) == kept {
-        return (Pages::Keep, pin);
+        return Ok((Pages::Keep, Some(pin)));
     }
     if held() {
-        return (Pages::Bypass, pin);
+        return Ok((Pages::Bypass, Some(pin)));
     }
     if let Some(known) = lock(nodes).known.get_mut(&ino) {
         known.kept = Some(now);
     }
-    (Pages::Drop, pin)
+    Ok((Pages::Drop, Some(pin)))
 }
 
 /// [`may_keep_pages`] for an object. The pages the kernel keeps of it are
@@ -1848,7 +1851,17 @@ impl Filesystem for MountFs {
         // before its open is passed through.
         let (mut claim, mut delivered_first) = (claim, None);
         let way = match &claim {
-            _ if !self.may_pass_through(size) => None,
+            // Not to be passed through, but the inode's way all the same
+            // (one open of a file that grew past the least passed through,
+            // or shrank below it, took the other way, and a second open
+            // while it was alive failed with EIO).
+            _ if !self.may_pass_through(size) => {
+                let way = self.ways.open_small(ino);
+                if way.way() == Way::Passthrough {
+                    delivered_first = claim.take().and_then(|c| job.deliver_unread(c));
+                }
+                Some(way)
+            }
             Some(_) => self.ways.open_planned(ino).or_else(|| {
                 delivered_first = claim.take().and_then(|c| job.deliver_unread(c));
                 Some(self.ways.open_unplanned(ino))
@@ -1857,7 +1870,14 @@ impl Filesystem for MountFs {
         };
         let Some(claim) = claim else {
             let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
-            let (pages, pin) = may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held);
+            let (pages, pin) = match may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held)
+            {
+                Ok(kept) => kept,
+                Err(e) => {
+                    self.readers.close(job.id());
+                    return reply.error(errno(&e));
+                }
+            };
             let keep = pages.flags();
             // A local file found another size than the kernel has (replaced
             // since it took the attributes), or an object listed at another
@@ -1963,7 +1983,9 @@ impl Filesystem for MountFs {
             } else if whole_held {
                 // Reads past the page cache cannot be mapped (`mmap` fails
                 // with ENODEV): they are only for pages of another file.
+                // (Its bytes are the buffer's: a file gone since is read.)
                 may_keep_pages(&nodes, ino, &dataset, &name, listed, || true)
+                    .unwrap_or((Pages::Bypass, None))
             } else if whole.is_some() {
                 // Its pages are refilled from the buffer's bytes.
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
@@ -1971,7 +1993,13 @@ impl Filesystem for MountFs {
                 }
                 (Pages::Drop, None)
             } else {
-                may_keep_pages(&nodes, ino, &dataset, &name, listed, held)
+                match may_keep_pages(&nodes, ino, &dataset, &name, listed, held) {
+                    Ok(kept) => kept,
+                    Err(e) => {
+                        readers.close(job.id());
+                        return reply.error(errno(&e));
+                    }
+                }
             };
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), whole);
             let file = file.pinned(pin, pages);

@@ -112,6 +112,15 @@ impl Source {
         }
     }
 
+    /// Of a local file: `name` opened now, its reads pinned to that file
+    /// (see [`DirSource::open_pinned`]); `None` for an object. Blocking.
+    pub fn open_local(&self, name: &str) -> Option<Result<Pinned, ProtocolError>> {
+        match self {
+            Self::Dir(d) => Some(d.open_pinned(name)),
+            Self::S3(_) => None,
+        }
+    }
+
     /// Reads `name` (a checked name a trainer gave) whole into a buffer
     /// from `alloc`. Blocking.
     pub fn read_unlisted(

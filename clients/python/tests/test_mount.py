@@ -874,6 +874,120 @@ def test_a_file_replaced_again_after_an_open_listed_it_anew_reads_whole_at_its_s
             assert got == want, (round_, name)
 
 
+def _replace(root, name: str, data: bytes) -> None:
+    """Replaces ``root/name`` as a data-preparation job does: written
+    beside it and renamed over it."""
+    (root / ".next").write_bytes(data)
+    os.rename(root / ".next", root / name)
+
+
+def test_an_open_reads_the_file_it_opened_whatever_is_renamed_over_it_before_its_first_read(tmp_path,
+                                                                                         mount_stage):
+    """A file opened, then replaced before the opener's first read, reads
+    whole as the file opened, as on a local directory (a file read before
+    failed that first read with EIO, "was replaced while it was read"; one
+    never read read whatever was there at the first read); and a file
+    replaced by one of another size since the stage listed it, opened for
+    the first time, reads whole at its size (it was cut at the listed
+    size)."""
+    sizes = {"read-before.bin": 5000, "never-read.bin": 5000, "grown.bin": 3000, "shrunk.bin": 9000}
+    root = files_of_sizes(tmp_path, sizes)
+    stage, mnt = mount_stage(root)
+    assert sorted(os.listdir(mnt / "ds")) == sorted(sizes)  # listed
+    assert (mnt / "ds" / "read-before.bin").read_bytes() == (root / "read-before.bin").read_bytes()
+    for name in ("read-before.bin", "never-read.bin"):
+        opened = os.urandom(9000)
+        _replace(root, name, opened)
+        fd = os.open(mnt / "ds" / name, os.O_RDONLY)
+        try:
+            _replace(root, name, os.urandom(7000))
+            got = os.read(fd, 1 << 20)
+            shown = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        assert (len(got), shown) == (9000, 9000), name
+        assert got == opened, f"{name}: not the file opened"
+    for name, size in (("grown.bin", 8000), ("shrunk.bin", 2000)):
+        want = os.urandom(size)
+        _replace(root, name, want)
+        with open(mnt / "ds" / name, "rb") as f:
+            got, shown = f.read(), os.fstat(f.fileno()).st_size
+        assert (len(got), shown) == (size, size), name
+        assert got == want, name
+
+
+def test_two_readers_opening_a_file_as_it_is_replaced_each_read_one_version(tmp_path, mount_stage):
+    """Two readers open and read a file the mount listed and nobody read,
+    while it is replaced by a rename: each reads one version whole (one
+    read in 30 returned the old file's first 128 KiB joined to the new
+    file's bytes, and about as many failed with EIO)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    old, new = os.urandom(300_000), os.urandom(300_000)
+    trials = 60
+    for n in range(trials):
+        (root / f"f{n}").write_bytes(old)
+    stage, mnt = mount_stage(root)
+    assert len(os.listdir(mnt / "ds")) == trials
+    seen = {"old": 0, "new": 0}
+    for n in range(trials):
+        path = mnt / "ds" / f"f{n}"
+        got = []
+        readers = [threading.Thread(target=lambda: got.append(path.read_bytes())) for _ in range(2)]
+        for r in readers:
+            r.start()
+        time.sleep(random.random() * 0.003)
+        _replace(root, f"f{n}", new)
+        for r in readers:
+            r.join(30)
+        assert len(got) == 2, f"f{n}: a reader failed"
+        for data in got:
+            assert data in (old, new), f"f{n}: {len(data)} bytes of neither version whole"
+            seen["old" if data == old else "new"] += 1
+    assert sum(seen.values()) == 2 * trials, seen
+
+
+def test_a_file_that_grew_or_shrank_across_the_passthrough_size_opens_twice_at_once(tmp_path, mount_stage):
+    """Files read while under 1 MiB (or over it), then replaced by ones
+    over (or under) it: two opens of each at once read it whole (the
+    second failed with EIO: the first had gone the way of the old size,
+    the second the other way, and the kernel reads an inode one way)."""
+    sizes = {"grew.bin": (900_000, 2 << 20), "grew-just.bin": (3004, (1 << 20) + 5),
+             "shrank.bin": (2 << 20, 5000)}
+    root = files_of_sizes(tmp_path, {name: before for name, (before, _) in sizes.items()})
+    stage, mnt = mount_stage(root)
+    for name in sizes:
+        assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
+    for name, (_, after) in sizes.items():
+        want = os.urandom(after)
+        _replace(root, name, want)
+        with open(mnt / "ds" / name, "rb") as first:
+            assert first.read() == want, name
+            with open(mnt / "ds" / name, "rb") as second:
+                assert second.read() == want, name
+
+
+def test_a_file_deleted_after_it_was_read_no_longer_opens(tmp_path, mount_stage):
+    """A file read through the mount, then deleted from the source: a new
+    open fails with ENOENT (it opened and read the deleted file's bytes,
+    for as long as the kernel kept its name), whether or not a reader
+    still holds it open; the holder reads on."""
+    root = files_of_sizes(tmp_path, {"gone.bin": 4000, "held.bin": 4000})
+    stage, mnt = mount_stage(root)
+    held_bytes = (root / "held.bin").read_bytes()
+    for name in ("gone.bin", "held.bin"):
+        assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
+    holder = open(mnt / "ds" / "held.bin", "rb")
+    try:
+        for name in ("gone.bin", "held.bin"):
+            os.unlink(root / name)
+            with pytest.raises(FileNotFoundError):
+                open(mnt / "ds" / name, "rb").close()
+        assert holder.read() == held_bytes
+    finally:
+        holder.close()
+
+
 def test_a_file_replaced_while_another_reader_holds_it_reads_as_each_opened_it(tmp_path, mount_stage):
     """Reader A opened the file and read part of it; the source is replaced
     by a rename; reader B opens and reads the new file; A reads on. As on a

@@ -26,8 +26,7 @@ pub(super) enum Way {
     Passthrough,
 }
 
-/// The open files of each inode by the way they are read (only inodes
-/// large enough to be passed through are counted).
+/// The open files of each inode by the way they are read.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Ways(Arc<Mutex<HashMap<u64, Opens>>>);
 
@@ -50,13 +49,33 @@ impl Ways {
     /// Counts an open of `ino` that no plan holds, which is passed through
     /// unless the inode is open through the page cache now.
     pub(super) fn open_unplanned(&self, ino: u64) -> WayHeld {
+        self.open(ino, |opens| {
+            if opens.page_cache > 0 && opens.passthrough == 0 {
+                Way::PageCache
+            } else {
+                Way::Passthrough
+            }
+        })
+    }
+
+    /// Counts an open of `ino` too small to be passed through: through
+    /// the page cache unless the inode is passed through now (a larger
+    /// version of the file is open), when it has to be passed through too.
+    pub(super) fn open_small(&self, ino: u64) -> WayHeld {
+        self.open(ino, |opens| {
+            if opens.passthrough > 0 {
+                Way::Passthrough
+            } else {
+                Way::PageCache
+            }
+        })
+    }
+
+    /// Counts an open of `ino` the way `pick` chooses from its open files.
+    fn open(&self, ino: u64, pick: impl FnOnce(&Opens) -> Way) -> WayHeld {
         let mut ways = lock(&self.0);
         let opens = ways.entry(ino).or_default();
-        let way = if opens.page_cache > 0 && opens.passthrough == 0 {
-            Way::PageCache
-        } else {
-            Way::Passthrough
-        };
+        let way = pick(opens);
         *opens.of(way) += 1;
         WayHeld {
             ways: self.clone(),
@@ -133,6 +152,28 @@ impl Drop for WayHeld {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_small_open_takes_the_way_of_the_inodes_open_files() {
+        let ways = Ways::default();
+        let small = ways.open_small(1);
+        assert_eq!(small.way(), Way::PageCache);
+        assert_eq!(
+            ways.open_unplanned(1).way(),
+            Way::PageCache,
+            "a file grown large since is not passed through beside it"
+        );
+        drop(small);
+        let large = ways.open_unplanned(1);
+        assert_eq!(large.way(), Way::Passthrough);
+        assert_eq!(
+            ways.open_small(1).way(),
+            Way::Passthrough,
+            "a file shrunk since is passed through beside the large one"
+        );
+        drop(large);
+        assert_eq!(ways.open_small(1).way(), Way::PageCache);
+    }
 
     #[test]
     fn an_inode_open_one_way_is_opened_that_way_until_its_last_open_goes() {

@@ -247,6 +247,16 @@ impl DirSource {
             .map_err(|e| io_error(name, &e))
     }
 
+    /// Opens `name` as a reader's open of it would, pinning the file it
+    /// is now: later ranges read with the pin read that file (see
+    /// [`Pinned`]). Blocking.
+    pub fn open_pinned(&self, name: &str) -> Result<Pinned, ProtocolError> {
+        let path = self.resolve(name)?;
+        let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
+        let meta = file.metadata().map_err(|e| io_error(name, &e))?;
+        Ok(Pinned::file(file_version(&meta), size, file))
+    }
+
     /// Reads a byte range of `name`. Blocking.
     pub fn read_range(
         &self,
@@ -258,10 +268,7 @@ impl DirSource {
         let pinned = match pin.filter(|p| p.held_file().is_some()) {
             Some(pinned) => pinned.clone(),
             None => {
-                let path = self.resolve(name)?;
-                let (file, size) = open_regular(&path).map_err(|e| io_error(name, &e))?;
-                let meta = file.metadata().map_err(|e| io_error(name, &e))?;
-                let now = Pinned::file(file_version(&meta), size, file);
+                let now = self.open_pinned(name)?;
                 if pin.is_some_and(|p| !p.same(&now)) {
                     return Err(changed(name));
                 }
