@@ -83,6 +83,26 @@ def test_a_changed_sample_is_never_served_stale(tmp_path, stage_factory):
     assert source_reads(stage) >= 11
 
 
+def test_files_replaced_between_epochs_are_read_new_at_once_not_from_the_cache(tmp_path, stage_factory):
+    """Every file replaced (renamed over, same size or smaller) right
+    after an epoch, before the stage lists the data set again: the next
+    epoch, and reads by name, get the new files, as without a cache (they
+    got the cached old ones, epoch after epoch, while each began within
+    the listing interval of the last listing)."""
+    root = tmp_path / "ds"
+    files = write_files(root, 12, 5_000)
+    stage = stage_factory({"ds": str(root)}, *cache_args(4 * MIB))
+    assert read_epoch(stage, "a", 0) == files
+    for epoch in (1, 2):
+        for i, name in enumerate(sorted(files)):
+            files[name] = os.urandom(5_000 if i % 2 else 4_000)
+            (root / ".next").write_bytes(files[name])
+            os.rename(root / ".next", root / name)
+        assert read_epoch(stage, "a", epoch) == files, f"epoch {epoch}"
+        with sluice.Client(stage.socket, job="a") as c:
+            assert c.dataset("ds").read("s00003.bin") == files["s00003.bin"]
+
+
 def test_a_connection_opened_before_a_change_gets_the_new_bytes_as_without_a_cache(tmp_path, stage_factory):
     """A trainer keeps one connection for its whole run: a sample written
     again in place (same size) or deleted since its connection listed the

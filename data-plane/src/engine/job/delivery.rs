@@ -874,7 +874,7 @@ impl Job {
         // the caller's connection holds: a sample changed or deleted since
         // is not answered from the cache (it is read from its source, as
         // without a cache).
-        let key = dataset.latest_key(name)?;
+        let key = dataset.current_key(name)?;
         let cached = Pinned::cached(key.version, key.size);
         if pin.is_some_and(|p| !p.same(&cached)) {
             return None;

@@ -213,7 +213,7 @@ impl Job {
         // A sample changed or deleted since the plan's listing (a new
         // listing says so) is read from its source, as without a cache,
         // not answered with the bytes cached under its old version.
-        let key = work.dataset.latest_key(&work.name)?;
+        let key = work.dataset.current_key(&work.name)?;
         if (key.version, key.size) != (work.version, work.file_bytes) {
             return None;
         }
