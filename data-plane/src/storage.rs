@@ -48,6 +48,10 @@ pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
             ErrorCode::NotFound,
             format!("`{name}` does not exist in the dataset"),
         ),
+        io::ErrorKind::NotADirectory => ProtocolError::new(
+            ErrorCode::NotFound,
+            format!("`{name}` does not exist in the dataset (a directory of its path is a file)"),
+        ),
         io::ErrorKind::FileTooLarge => ProtocolError::new(
             ErrorCode::TooLarge,
             format!("`{name}`: {e}; read it in ranges with READ offset/length"),
@@ -236,6 +240,12 @@ pub fn read_whole(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_beneath_a_file_is_not_found() {
+        let e = io_error("a.bin/x", &io::Error::from_raw_os_error(libc::ENOTDIR));
+        assert_eq!(e.code, ErrorCode::NotFound, "{e}");
+    }
 
     #[test]
     fn whole_direct_and_range_reads_agree() {
