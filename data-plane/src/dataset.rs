@@ -250,14 +250,19 @@ impl Dataset {
     }
 
     /// The node cache's key of `name` as the latest listing has it (see
-    /// [`Dataset::latest`]), and, of a local file, as it is now (a `stat`:
-    /// a file replaced since the listing, between epochs, was read from
-    /// the cache as it was for every epoch its plan began before the next
-    /// listing); `None` when it lists no such file, or the file is not
-    /// what the listing says.
-    pub fn current_key(&self, name: &str) -> Option<SampleKey> {
+    /// [`Dataset::latest`]); `None` when it lists no such file.
+    pub fn latest_key(&self, name: &str) -> Option<SampleKey> {
         let listing = self.latest()?;
-        let key = self.key_of(&listing.files[listing.position(name)? as usize]);
+        Some(self.key_of(&listing.files[listing.position(name)? as usize]))
+    }
+
+    /// [`Dataset::latest_key`], and, of a local file, as it is now (a
+    /// `stat`: a file replaced since the listing, between epochs, was read
+    /// from the cache as it was for every epoch its plan began before the
+    /// next listing); `None` also when the file is not what the listing
+    /// says.
+    pub fn current_key(&self, name: &str) -> Option<SampleKey> {
+        let key = self.latest_key(name)?;
         let local = self.source().remote().is_none();
         if local && self.source().local_version(name) != Some((key.version, key.size)) {
             return None;

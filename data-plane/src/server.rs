@@ -889,7 +889,6 @@ impl Connection {
         let (dataset, listing) = self.opened()?.clone();
         check_name(&name)?;
         let job = Arc::clone(self.job());
-        // Counted before anything is read, so that waiting holds nothing.
         let (whole, run) = (offset == 0 && length == TO_END, self.reads_for);
         // Counted before anything is read, so that waiting holds nothing;
         // but a planned entry a reader has started (before or while this
@@ -911,7 +910,7 @@ impl Connection {
         }
         if whole
             && let Some((sample, mut reservation)) =
-                job.read_planned(&dataset.name, &name, self.reads_for).await
+                job.read_planned(&dataset.name, &name, run).await
         {
             reservation.keep_untaken(untaken);
             return data(sample).map(|data| (Response::Data(data), vec![reservation]));

@@ -97,6 +97,14 @@ def files_of(root: pathlib.Path, count: int, size: int) -> dict:
     return files
 
 
+def replace_file(root: pathlib.Path, name: str, data: bytes) -> bytes:
+    """Replaces ``root/name`` with ``data`` as a data-preparation job does:
+    written beside it and renamed over it. Returns ``data``."""
+    (root / ".next").write_bytes(data)
+    os.rename(root / ".next", root / name)
+    return data
+
+
 def make_dataset(root: pathlib.Path, seed: int = 0) -> dict:
     """Writes a small tree with nested dirs and varied sizes; returns name -> bytes."""
     rng = random.Random(seed)

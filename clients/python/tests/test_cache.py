@@ -15,7 +15,7 @@ import sluice
 from sluice.errors import NotFoundError, SluiceError
 from sluice.bench.common import metric_value, parse_prometheus
 
-from conftest import http_get, stage_binary, wait_for
+from conftest import http_get, replace_file, stage_binary, wait_for
 
 MIB = 2**20
 
@@ -96,8 +96,7 @@ def test_files_replaced_between_epochs_are_read_new_at_once_not_from_the_cache(t
     for epoch in (1, 2):
         for i, name in enumerate(sorted(files)):
             files[name] = os.urandom(5_000 if i % 2 else 4_000)
-            (root / ".next").write_bytes(files[name])
-            os.rename(root / ".next", root / name)
+            replace_file(root, name, files[name])
         assert read_epoch(stage, "a", epoch) == files, f"epoch {epoch}"
         with sluice.Client(stage.socket, job="a") as c:
             assert c.dataset("ds").read("s00003.bin") == files["s00003.bin"]

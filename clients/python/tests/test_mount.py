@@ -24,7 +24,7 @@ import sluice
 from sluice.bench.common import metric_value, parse_prometheus
 from sluice.bench.stage import StageProcess, StageStartError
 
-from conftest import http_get, stage_binary, start_stage, wait_for
+from conftest import http_get, replace_file, stage_binary, start_stage, wait_for
 
 
 def walk(root) -> dict:
@@ -598,8 +598,7 @@ def test_files_a_mount_sampler_plans_after_they_grew_read_whole(tmp_path, mount_
     for epoch in range(2):
         if epoch == 1:
             for name, (_, after) in sizes.items():
-                (root / ".next").write_bytes(os.urandom(after))
-                os.rename(root / ".next", root / name)
+                replace_file(root, name, os.urandom(after))
             time.sleep(5.5)  # older than the listing interval (5 s)
         sampler.set_epoch(epoch)
         for i in sampler:
@@ -800,8 +799,7 @@ def test_a_file_replaced_by_one_of_another_size_reads_whole_before_the_stage_lis
     for name in sizes:
         assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
     for name, (_, after) in sizes.items():
-        (root / ".next").write_bytes(os.urandom(after))
-        os.rename(root / ".next", root / name)
+        replace_file(root, name, os.urandom(after))
     for round_ in ("before the listing", "after it"):
         for name, (_, after) in sizes.items():
             with open(mnt / "ds" / name, "rb") as f:
@@ -829,8 +827,7 @@ def test_a_passed_through_file_replaced_by_one_of_another_size_shows_its_size(tm
         assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
     assert reads() == before, "the files were read through the stage, not passed through"
     for name, (_, after) in sizes.items():
-        (root / ".next").write_bytes(os.urandom(after))
-        os.rename(root / ".next", root / name)
+        replace_file(root, name, os.urandom(after))
     for name, (_, after) in sizes.items():
         want = (root / name).read_bytes()
         with open(mnt / "ds" / name, "rb") as f:
@@ -852,33 +849,20 @@ def test_a_file_replaced_again_after_an_open_listed_it_anew_reads_whole_at_its_s
     root = files_of_sizes(tmp_path, sizes)
     stage, mnt = mount_stage(root)
 
-    def replace(name: str, size: int) -> bytes:
-        data = os.urandom(size)
-        (root / ".next").write_bytes(data)
-        os.rename(root / ".next", root / name)
-        return data
-
     for name in sizes:
         assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
-    same = {name: replace(name, size) for name, size in sizes.items()}
+    same = {name: replace_file(root, name, os.urandom(size)) for name, size in sizes.items()}
     time.sleep(5.5)  # the stage lists the data set again after 5 s
     for name in sizes:
         assert (mnt / "ds" / name).read_bytes() == same[name], f"{name}: the same-size replacement"
     for round_, grow in (("larger", 7), ("smaller", -100_000)):
         for name, size in sizes.items():
-            want = replace(name, size + grow)
+            want = replace_file(root, name, os.urandom(size + grow))
             with open(mnt / "ds" / name, "rb") as f:
                 shown = os.fstat(f.fileno()).st_size
                 got = f.read()
             assert (shown, len(got)) == (size + grow, size + grow), (round_, name)
             assert got == want, (round_, name)
-
-
-def _replace(root, name: str, data: bytes) -> None:
-    """Replaces ``root/name`` as a data-preparation job does: written
-    beside it and renamed over it."""
-    (root / ".next").write_bytes(data)
-    os.rename(root / ".next", root / name)
 
 
 def test_an_open_reads_the_file_it_opened_whatever_is_renamed_over_it_before_its_first_read(tmp_path,
@@ -897,10 +881,10 @@ def test_an_open_reads_the_file_it_opened_whatever_is_renamed_over_it_before_its
     assert (mnt / "ds" / "read-before.bin").read_bytes() == (root / "read-before.bin").read_bytes()
     for name in ("read-before.bin", "never-read.bin"):
         opened = os.urandom(9000)
-        _replace(root, name, opened)
+        replace_file(root, name, opened)
         fd = os.open(mnt / "ds" / name, os.O_RDONLY)
         try:
-            _replace(root, name, os.urandom(7000))
+            replace_file(root, name, os.urandom(7000))
             got = os.read(fd, 1 << 20)
             shown = os.fstat(fd).st_size
         finally:
@@ -909,7 +893,7 @@ def test_an_open_reads_the_file_it_opened_whatever_is_renamed_over_it_before_its
         assert got == opened, f"{name}: not the file opened"
     for name, size in (("grown.bin", 8000), ("shrunk.bin", 2000)):
         want = os.urandom(size)
-        _replace(root, name, want)
+        replace_file(root, name, want)
         with open(mnt / "ds" / name, "rb") as f:
             got, shown = f.read(), os.fstat(f.fileno()).st_size
         assert (len(got), shown) == (size, size), name
@@ -937,7 +921,7 @@ def test_two_readers_opening_a_file_as_it_is_replaced_each_read_one_version(tmp_
         for r in readers:
             r.start()
         time.sleep(random.random() * 0.003)
-        _replace(root, f"f{n}", new)
+        replace_file(root, f"f{n}", new)
         for r in readers:
             r.join(30)
         assert len(got) == 2, f"f{n}: a reader failed"
@@ -960,7 +944,7 @@ def test_a_file_that_grew_or_shrank_across_the_passthrough_size_opens_twice_at_o
         assert (mnt / "ds" / name).read_bytes() == (root / name).read_bytes()
     for name, (_, after) in sizes.items():
         want = os.urandom(after)
-        _replace(root, name, want)
+        replace_file(root, name, want)
         with open(mnt / "ds" / name, "rb") as first:
             assert first.read() == want, name
             with open(mnt / "ds" / name, "rb") as second:

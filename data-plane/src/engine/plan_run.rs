@@ -183,13 +183,6 @@ impl PlanRun {
         claimed
     }
 
-    /// Claims the first undelivered position that reads file `file`.
-    pub fn claim_file(&mut self, file: u32) -> Option<u32> {
-        let pos = self.unclaimed_of(file)?;
-        self.entries[pos as usize].claimed = true;
-        Some(pos)
-    }
-
     /// The first undelivered position that reads file `file`, if any.
     pub fn unclaimed_of(&mut self, file: u32) -> Option<u32> {
         let files = &self.files;
@@ -199,12 +192,11 @@ impl PlanRun {
             order
         });
         let first = by_file.partition_point(|&pos| files[pos as usize] < file);
-        let pos = by_file[first..]
+        by_file[first..]
             .iter()
             .take_while(|&&pos| files[pos as usize] == file)
             .copied()
-            .find(|&pos| !self.entries[pos as usize].claimed)?;
-        Some(pos)
+            .find(|&pos| !self.entries[pos as usize].claimed)
     }
 
     /// Whether every entry has been claimed (nothing left for `NEXT`).
@@ -249,13 +241,25 @@ mod tests {
         )
     }
 
+    /// Claims the first undelivered position that reads file `file`, as
+    /// a read by name does.
+    fn claim_file(p: &mut PlanRun, file: u32) -> Option<u32> {
+        let pos = p.unclaimed_of(file)?;
+        p.entries[pos as usize].claimed = true;
+        Some(pos)
+    }
+
     #[test]
     fn claims_in_order_and_skip_what_read_took() {
         let mut p = plan(vec![3, 1, 2, 1, 0]);
-        assert_eq!(p.claim_file(1), Some(1));
+        assert_eq!(claim_file(&mut p, 1), Some(1));
         assert_eq!(p.claim_next(2, u64::MAX), [0, 2]);
-        assert_eq!(p.claim_file(1), Some(3));
-        assert_eq!(p.claim_file(1), None, "both entries of file 1 are taken");
+        assert_eq!(claim_file(&mut p, 1), Some(3));
+        assert_eq!(
+            claim_file(&mut p, 1),
+            None,
+            "both entries of file 1 are taken"
+        );
         assert!(!p.exhausted());
         assert_eq!(p.claim_next(10, u64::MAX), [4]);
         assert!(p.exhausted());

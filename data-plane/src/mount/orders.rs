@@ -474,7 +474,6 @@ fn open_regular(path: &Path) -> Result<std::fs::File, String> {
     Ok(file)
 }
 
-/// `text` as an error message shows it: at most [`SHOWN`] characters.
 /// `path` as the kernel reads it, without empty and `.` components and
 /// with each `..` taking off the one before it: a path joined from a
 /// directory given with a trailing slash (`glob` and `tf.io.gfile.glob`
@@ -506,6 +505,7 @@ fn lexical(path: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// `text` as an error message shows it: at most [`SHOWN`] characters.
 fn shown(text: &str) -> String {
     match text.char_indices().nth(SHOWN) {
         Some((end, _)) => format!("{}...", &text[..end]),

@@ -578,12 +578,13 @@ impl Job {
                 return None;
             }
             let file = plan.listing.position(name)?;
-            let first = plan.unclaimed_of(file)?;
-            if started_only && !plan.entries[first as usize].started {
+            let pos = plan.unclaimed_of(file)?;
+            let entry = &mut plan.entries[pos as usize];
+            if started_only && !entry.started {
                 return None;
             }
-            let pos = plan.claim_file(file)?;
-            let started = std::mem::replace(&mut plan.entries[pos as usize].started, true);
+            entry.claimed = true;
+            let started = std::mem::replace(&mut entry.started, true);
             Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
         });
         let (id, pos, started, ds) = found?;
@@ -873,8 +874,12 @@ impl Job {
         // The sample as last listed, which may be newer than the listing
         // the caller's connection holds: a sample changed or deleted since
         // is not answered from the cache (it is read from its source, as
-        // without a cache).
-        let key = dataset.current_key(name)?;
+        // without a cache). An open file's reads are pinned to the file it
+        // opened, which decides: a local one is not asked again each read.
+        let key = match pin {
+            Some(_) => dataset.latest_key(name)?,
+            None => dataset.current_key(name)?,
+        };
         let cached = Pinned::cached(key.version, key.size);
         if pin.is_some_and(|p| !p.same(&cached)) {
             return None;
