@@ -3,6 +3,7 @@ thread that receives batches ahead of the training loop."""
 
 from __future__ import annotations
 
+import _thread
 import collections
 import os
 import threading
@@ -22,6 +23,10 @@ __all__ = ["PlanIterator", "SupersededError"]
 #: stage that did not restart, and cannot take a plan naming a run) before
 #: the conflict is an error.
 RESUBMIT_CONFLICT_S = 2.0
+
+#: The longest a prefetcher's wait lasts before it looks at its queue again
+#: (a wake-up is normally prompt; this bounds one an interrupt cut short).
+WAIT_RECHECK_S = 0.5
 
 #: How many times this process is the child of a fork (of its parent's
 #: count): an iterator made before a fork is its parent's.
@@ -405,8 +410,15 @@ class _Prefetcher:
         self._client = client  # for client._closed only
         self.pid = os.getpid()
         # Reentrant: a garbage collection on the holding thread may run an
-        # iterator's __del__, which calls stop().
-        self._cond = threading.Condition(threading.RLock())
+        # iterator's __del__, which calls stop(). Waits are not a
+        # threading.Condition's: its wait() releases the lock and takes it
+        # again in Python code, and an interrupt (a KeyboardInterrupt from a
+        # signal handler) landing between the two left the lock released
+        # inside a `with` block, whose end then failed with "cannot release
+        # un-acquired lock". Here a waiter registers under the lock and
+        # blocks after leaving it (see _waiter).
+        self._lock = threading.RLock()
+        self._waiters: List = []
         self._items: collections.deque = collections.deque()
         self._stopped = False
         self._done = False
@@ -424,16 +436,34 @@ class _Prefetcher:
             except RuntimeError:  # started by a start an interrupt cut short
                 pass
 
+    def _waiter(self):
+        """Called under the lock: a lock to block on once the lock is left,
+        released by the next :meth:`_notify`. A wait ends at the latest
+        after ``WAIT_RECHECK_S`` (then the caller looks again), so a notify
+        an interrupt cut short delays a waiter and never strands it."""
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        return waiter
+
+    def _notify(self) -> None:
+        """Called under the lock: wakes every registered waiter once."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
+
     def _run(self) -> None:
-        cond, items = self._cond, self._items
+        items = self._items
         try:
             while True:
-                with cond:
-                    while (not self._stopped and len(items) >= self._depth
-                           and not self._client._closed):
-                        cond.wait()
-                    if self._stopped:
-                        return
+                while True:
+                    with self._lock:
+                        if self._stopped:
+                            return
+                        if len(items) < self._depth or self._client._closed:
+                            break
+                        waiter = self._waiter()
+                    waiter.acquire(timeout=WAIT_RECHECK_S)
                 try:
                     got = self._exchange()
                 except BaseException as e:  # delivered to the consumer, in order
@@ -443,56 +473,57 @@ class _Prefetcher:
                 if got.end:
                     return
         finally:
-            with cond:
+            with self._lock:
                 self._done = True
-                cond.notify_all()
+                self._notify()
             self._exchange = None  # drop the client/dataset references early
 
     def _put(self, item) -> None:
-        with self._cond:
+        with self._lock:
             if not self._stopped:
                 self._items.append(item)
-                self._cond.notify_all()
+                self._notify()
 
     def peek(self, taken=None) -> Union[p.Samples, _Failed, None]:
         """Returns the next answer (waiting for it) without taking it from
         the queue, the failure that ended the thread, or None once stopped;
         ``taken``, an answer the caller already holds, is dropped first if
         it is still queued."""
-        with self._cond:
-            while True:
+        while True:
+            with self._lock:
                 if self._items and self._items[0] is taken:
                     self._items.popleft()
-                    self._cond.notify_all()
+                    self._notify()
                 if self._items:
                     return self._items[0]
                 if self._stopped:
                     return None
                 if self._done:
                     raise RuntimeError("the sluice prefetch thread ended without an answer")
-                self._cond.wait()
+                waiter = self._waiter()
+            waiter.acquire(timeout=WAIT_RECHECK_S)
 
     def drop(self, taken) -> None:
         """Takes answer ``taken`` (which :meth:`peek` returned) from the queue."""
-        with self._cond:
+        with self._lock:
             if self._items and self._items[0] is taken:
                 self._items.popleft()
-                self._cond.notify_all()
+                self._notify()
 
     def wake(self) -> None:
         """Lets a thread waiting for room re-check the client (closed)."""
         if os.getpid() != self.pid:
             return
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._notify()
 
     def stop(self) -> None:
         """Asks the thread to end (after its exchange in progress) and drops
         the queued answers."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._items.clear()
-            self._cond.notify_all()
+            self._notify()
 
     def join(self, timeout: Optional[float] = None, unless: Optional[threading.Thread] = None) -> None:
         if self.thread is not unless and os.getpid() == self.pid and self.thread.ident is not None:
