@@ -89,20 +89,34 @@ impl SourceMetrics {
     /// Counts one request that ended with `outcome` (one the source
     /// retries, if `retried`) after `elapsed`.
     pub fn request(&self, outcome: &str, retried: bool, elapsed: std::time::Duration) {
+        self.answered(elapsed);
+        self.ended(outcome, retried);
+    }
+
+    /// Times one request's head, `elapsed` after it was sent: a request
+    /// whose head says `ok` is counted by [`ended`](Self::ended) once its
+    /// body has come (or failed).
+    pub fn answered(&self, elapsed: std::time::Duration) {
+        self.request_latency.observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts one request that ended with `outcome` (one the source
+    /// retries, if `retried`).
+    pub fn ended(&self, outcome: &str, retried: bool) {
         self.requests
             .with_label_values(&[&self.dataset, outcome])
             .inc();
-        self.request_latency.observe(elapsed.as_secs_f64());
         if retried {
             self.retried.inc();
         }
     }
 
     /// A transfer whose body stopped coming (nothing for `idle`) after an
-    /// `ok` head: given up and asked for again, so counted among the
-    /// retries, and named as why when its sample runs out of its deadline.
+    /// `ok` head: given up and asked for again, so counted `stalled` among
+    /// the retries, and named as why when its sample runs out of its
+    /// deadline.
     pub fn stalled(&self, idle: std::time::Duration) {
-        self.retried.inc();
+        self.ended("stalled", true);
         self.note_retried(format!(
             "the answer stopped coming: no bytes of it for {idle:?} (a connection that died mid-transfer, or a store that stalled)"
         ));
@@ -273,15 +287,17 @@ impl Metrics {
                     "Requests to remote sources, by how they ended: ok, throttled (503 SlowDown, 429), \
                      server_error (other 5xx), denied (401, 403), not_found, out_of_range (416: the \
                      first read of an empty object), client_error (other 4xx), \
-                     connection (refused, reset, timed out), abandoned (given up unanswered: \
-                     its sample's deadline ran out, or the sample was no longer wanted).",
+                     connection (refused, reset, timed out, or cut off mid-answer), stalled (the \
+                     answer stopped coming after its head), abandoned (given up before its answer \
+                     ended: its sample's deadline ran out, or the sample was no longer wanted). \
+                     A request whose head says ok is counted once its whole answer has come.",
                     &["dataset", "outcome"],
                 ),
                 request_latency: r.add(
                     HistogramVec::new(
                         HistogramOpts::new(
                             "sluice_stage_source_request_seconds",
-                            "Latency of one request to a remote source (retries count separately).",
+                            "Latency of one request to a remote source, until its answer's head (retries count separately).",
                         )
                         .buckets(LATENCY_BUCKETS.to_vec()),
                         &["dataset"],

@@ -22,13 +22,18 @@ pub mod listen;
 pub mod tls;
 
 /// Returns an error with its sources, `: `-separated: a tonic transport
-/// error's own message is only "transport error".
+/// error's own message is only "transport error". A source whose message
+/// the chain already holds (an error that quotes its source) is not
+/// repeated.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
+        let said = s.to_string();
+        if !out.contains(&said) {
+            out.push_str(": ");
+            out.push_str(&said);
+        }
         source = s.source();
     }
     out

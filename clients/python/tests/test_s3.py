@@ -381,7 +381,13 @@ def test_a_sample_whose_every_transfer_stalls_names_the_stall_past_its_deadline(
     with proxy(server, stall_body_every=1) as slow:
         stage = s3_stage(stage_factory, slow.endpoint, "--s3-deadline", "3s")
         with sluice.Client(stage.socket, job="s3", timeout=60) as c:
-            got = dict(c.dataset("ds").plan_names(names, epoch=0, on_error="yield"))
+            ds = c.dataset("ds")
+            ok = metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok")
+            got = dict(ds.plan_names(names, epoch=0, on_error="yield"))
+        # No transfer came whole: none is an ok request (each was counted
+        # ok at its head).
+        assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="ok") == ok
+        assert metric_sum(stage, "sluice_stage_source_requests_total", outcome="stalled") >= len(names)
     for name in names:
         message = got[name].message
         assert "3s deadline" in message and "stopped coming" in message, message
@@ -470,6 +476,10 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
     assert "bucket `no-such-bucket` does not exist" in err, err
     err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", f"http://127.0.0.1:{free_port()}")
     assert "cannot reach the object store" in err or "did not answer" in err, err
+    # https:// to a store that serves plain HTTP: named (it said only
+    # "client error (Connect)").
+    err = start_fails(tmp_path, "--dataset", f"ds={url}", "--s3-endpoint", f"https://{server.address}")
+    assert "does not speak TLS" in err and "http://" in err, err
     # No keys, no profile, and no instance metadata service (a closed port
     # stands in for the unroutable address off a cloud).
     closed = f"http://127.0.0.1:{free_port()}"

@@ -1439,7 +1439,12 @@ impl HttpService for Http {
             Ok(response) => Outcome::of_status(response.status().as_u16()),
             Err(_) => Outcome::Connection,
         };
-        self.count(outcome, start);
+        // An ok head is counted when its body ends: it may still stall or
+        // be cut off.
+        match (&self.metrics, outcome) {
+            (Some(metrics), Outcome::Ok) => metrics.answered(start.elapsed()),
+            _ => self.count(outcome, start),
+        }
         if outcome.retried() {
             self.note_retried(|| match &answer {
                 Ok(response) => format!("the store answered {}", response.status()),
@@ -1454,6 +1459,7 @@ impl HttpService for Http {
                 let body = AnswerBody(std::sync::Mutex::new(Stalling {
                     body,
                     metrics: self.metrics.clone(),
+                    uncounted: outcome == Outcome::Ok,
                     idle: self
                         .answer_within
                         .map(|limit| (limit, Box::pin(tokio::time::sleep(limit)))),
@@ -1500,10 +1506,10 @@ pub enum Outcome {
     OutOfRange,
     /// Another 4xx.
     ClientError,
-    /// No answer: refused, reset or timed out; retried.
+    /// No answer, or not all of it: refused, reset or timed out; retried.
     Connection,
-    /// Given up unanswered: its sample's deadline ran out, or the sample
-    /// was no longer wanted.
+    /// Given up before its answer ended: its sample's deadline ran out, or
+    /// the sample was no longer wanted.
     Abandoned,
 }
 
@@ -1546,14 +1552,41 @@ impl Outcome {
 /// may wait for its answer: a transfer that stalled after the head (a
 /// connection that died quietly) is then resumed by object_store, which
 /// asks for the rest with a ranged GET on another connection.
-struct AnswerBody<B>(std::sync::Mutex<Stalling<B>>);
+struct AnswerBody<B: http_body::Body>(std::sync::Mutex<Stalling<B>>);
 
-struct Stalling<B> {
+struct Stalling<B: http_body::Body> {
     body: B,
-    /// Counts a stalled transfer as a retry (object_store asks again).
+    /// Counts the request when its body ends (an `ok` head's), and a
+    /// stalled transfer as a retry (object_store asks again).
     metrics: Option<SourceMetrics>,
+    /// The request is counted when the body ends: `ok` when all of it
+    /// came, `connection` when it failed, `stalled`, or `abandoned` when it
+    /// was dropped before its end.
+    uncounted: bool,
     /// How long the body may send nothing, and the time it runs out.
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl<B: http_body::Body> Stalling<B> {
+    /// Counts the request, once, as ending with `outcome`.
+    fn count(&mut self, outcome: Outcome) {
+        if std::mem::take(&mut self.uncounted)
+            && let Some(metrics) = &self.metrics
+        {
+            metrics.ended(outcome.name(), outcome.retried());
+        }
+    }
+}
+
+impl<B: http_body::Body> Drop for Stalling<B> {
+    fn drop(&mut self) {
+        let outcome = if self.body.is_end_stream() {
+            Outcome::Ok
+        } else {
+            Outcome::Abandoned
+        };
+        self.count(outcome);
+    }
 }
 
 impl<B> http_body::Body for AnswerBody<B>
@@ -1577,6 +1610,12 @@ where
                 if let Some((limit, sleep)) = &mut this.idle {
                     sleep.as_mut().reset(tokio::time::Instant::now() + *limit);
                 }
+                match &frame {
+                    None => this.count(Outcome::Ok),
+                    Some(Err(_)) => this.count(Outcome::Connection),
+                    Some(Ok(_)) if this.body.is_end_stream() => this.count(Outcome::Ok),
+                    Some(Ok(_)) => {}
+                }
                 Poll::Ready(frame)
             }
             Poll::Pending => {
@@ -1592,9 +1631,10 @@ where
                 );
                 let idle = *limit;
                 this.idle = None;
-                if let Some(metrics) = &this.metrics {
+                if let (Some(metrics), true) = (&this.metrics, this.uncounted) {
                     metrics.stalled(idle);
                 }
+                this.uncounted = false;
                 Poll::Ready(Some(Err(HttpError::new(HttpErrorKind::Timeout, stalled))))
             }
         }

@@ -116,6 +116,20 @@ pub fn summary(body: &str) -> String {
     }
 }
 
+/// A failed request's error with its sources (object_store's own message
+/// stops at "client error (Connect)"), and what it means where its words
+/// do not say: TLS spoken to a port that serves plain HTTP.
+pub fn told(e: &dyn std::error::Error) -> String {
+    let chain = sluice_proto::error_chain(e);
+    if chain.contains("InvalidContentType") {
+        format!(
+            "{chain}; the endpoint does not speak TLS: use an http:// URL for a store that serves plain HTTP"
+        )
+    } else {
+        chain
+    }
+}
+
 /// Whether an answer of `status` says the store is there but busy
 /// (throttling, or failing for now): it is asked again.
 pub fn busy(status: StatusCode) -> bool {
@@ -208,7 +222,7 @@ impl Lister {
                     HttpErrorKind::Connect => "cannot connect",
                     _ => "the request failed",
                 };
-                ListError::Transport(format!("{kind}: {e}"))
+                ListError::Transport(format!("{kind}: {}", told(&e)))
             })?;
             let status = response.status();
             let body = response
