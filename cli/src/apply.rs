@@ -72,6 +72,16 @@ fn request(sources: &[Source], dry_run: bool) -> Result<v1::ApplyPoliciesRequest
         // as `validate` finds them, rather than one at a time.
         return Err(validate::load(sources).err().unwrap_or(errors));
     }
+    // The request's own framing is a few bytes per source.
+    let size: usize = policy_sources
+        .iter()
+        .map(|s| s.name.len() + s.yaml.len() + 16)
+        .sum();
+    if size > input::MAX_INPUT_BYTES {
+        return Err(vec![format!(
+            "sluicectl: the inputs together are {size} bytes, more than the 4 MiB the controller takes in one apply: apply them in several runs"
+        )]);
+    }
     Ok(v1::ApplyPoliciesRequest {
         sources: policy_sources,
         dry_run,

@@ -16,6 +16,11 @@ const STDIN_ARG: &str = "-";
 /// How standard input is named in error locations.
 pub const STDIN_NAME: &str = "<stdin>";
 
+/// The most bytes one apply may send: the controller takes requests of up
+/// to 4 MiB. An input larger than that is refused as it is read, so a
+/// stream without end (`-f /dev/zero`) does not fill the memory.
+pub const MAX_INPUT_BYTES: usize = 4 << 20;
+
 /// The bytes of one input and the name its errors are reported under.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Source {
@@ -35,6 +40,8 @@ pub enum InputError {
     NoPolicyFiles { dir: PathBuf },
     /// `-` appeared more than once: the second would read nothing.
     StdinTwice,
+    /// An input is larger than [`MAX_INPUT_BYTES`].
+    TooLarge { name: String },
 }
 
 impl fmt::Display for InputError {
@@ -47,6 +54,10 @@ impl fmt::Display for InputError {
                 write!(f, "no *.yaml or *.yml file in directory {}", dir.display())
             }
             Self::StdinTwice => f.write_str("`-` (standard input) can be given only once"),
+            Self::TooLarge { name } => write!(
+                f,
+                "{name} is larger than 4 MiB, the most sluicectl reads from one input (and the controller takes in one apply): split it into smaller files"
+            ),
         }
     }
 }
@@ -63,16 +74,9 @@ pub fn read_all(args: &[PathBuf], stdin: &mut dyn Read) -> Result<Vec<Source>, I
     let mut sources = Vec::new();
     for arg in args {
         if is_stdin(arg) {
-            let mut bytes = Vec::new();
-            stdin
-                .read_to_end(&mut bytes)
-                .map_err(|error| InputError::Read {
-                    path: PathBuf::from(STDIN_NAME),
-                    error,
-                })?;
             sources.push(Source {
                 name: STDIN_NAME.to_owned(),
-                bytes,
+                bytes: read_bounded(stdin, STDIN_NAME)?,
             });
         } else if metadata(arg)?.is_dir() {
             for path in policy_files(arg)? {
@@ -130,15 +134,32 @@ fn metadata(path: &Path) -> Result<fs::Metadata, InputError> {
     })
 }
 
+/// Reads `input` to its end, refusing more than [`MAX_INPUT_BYTES`].
+fn read_bounded(input: &mut dyn Read, name: &str) -> Result<Vec<u8>, InputError> {
+    let mut bytes = Vec::new();
+    input
+        .take(MAX_INPUT_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|error| InputError::Read {
+            path: PathBuf::from(name),
+            error,
+        })?;
+    if bytes.len() > MAX_INPUT_BYTES {
+        return Err(InputError::TooLarge {
+            name: name.to_owned(),
+        });
+    }
+    Ok(bytes)
+}
+
 fn read_file(path: &Path) -> Result<Source, InputError> {
-    let bytes = fs::read(path).map_err(|error| InputError::Read {
+    let name = path.display().to_string();
+    let mut file = fs::File::open(path).map_err(|error| InputError::Read {
         path: path.to_owned(),
         error,
     })?;
-    Ok(Source {
-        name: path.display().to_string(),
-        bytes,
-    })
+    let bytes = read_bounded(&mut file, &name)?;
+    Ok(Source { name, bytes })
 }
 
 /// An I/O error as a person reads it: "No such file or directory",
@@ -216,5 +237,26 @@ mod tests {
         let twice = [PathBuf::from("-"), PathBuf::from("-")];
         let err = read_all(&twice, &mut io::empty()).unwrap_err();
         assert!(matches!(err, InputError::StdinTwice), "{err}");
+    }
+
+    #[test]
+    fn an_input_larger_than_an_apply_is_refused_as_it_is_read() {
+        let mut endless = io::repeat(b'#');
+        let err = read_all(&[PathBuf::from("-")], &mut endless).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("<stdin> is larger than 4 MiB, the most sluicectl reads"),
+            "{err}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.yaml");
+        fs::write(&big, vec![b'#'; MAX_INPUT_BYTES + 1]).unwrap();
+        let err = read_all(std::slice::from_ref(&big), &mut io::empty()).unwrap_err();
+        assert!(matches!(err, InputError::TooLarge { .. }), "{err}");
+        fs::write(&big, vec![b'#'; MAX_INPUT_BYTES]).unwrap();
+        assert_eq!(
+            read_all(&[big], &mut io::empty()).unwrap()[0].bytes.len(),
+            MAX_INPUT_BYTES
+        );
     }
 }

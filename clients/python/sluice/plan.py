@@ -9,6 +9,8 @@ driven by SplitMix64 with rejection sampling, then rank ``r`` of ``w`` takes
 
 from __future__ import annotations
 
+from .protocol import integer
+
 __all__ = ["GOLDEN_GAMMA", "SplitMix64", "permutation", "shard", "shuffle_plan"]
 
 _MASK = 0xFFFFFFFFFFFFFFFF
@@ -54,8 +56,8 @@ def permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
 
     With ``shuffle=False`` this is ``[0, 1, ..., n-1]``.
     """
-    _check_u64("seed", seed)
-    _check_u64("epoch", epoch)
+    seed = _u64("seed", seed)
+    epoch = _u64("epoch", epoch)
     if n < 0:
         raise ValueError(f"file count must be >= 0, got {n}")
     order = list(range(n))
@@ -105,6 +107,7 @@ def shuffle_plan(
     return shard(permutation(n, seed, epoch, shuffle), rank, world_size)
 
 
-def _check_u64(what: str, value: int) -> None:
-    if not 0 <= value <= _MASK:
-        raise ValueError(f"{what} must fit in an unsigned 64-bit integer, got {value}")
+def _u64(what: str, value) -> int:
+    """``value`` as a Python ``int`` in ``[0, 2^64)``: any integer type
+    (NumPy's included, whose arithmetic would overflow above), not ``bool``."""
+    return integer(value, what, 64)

@@ -107,7 +107,7 @@ from .errors import (
     error_from_code,
 )
 from .iterator import SupersededError
-from .protocol import PlanState
+from .protocol import PlanState, integer
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
 
@@ -302,6 +302,9 @@ def _distributed_place(rank: Optional[int], world_size: Optional[int]) -> Tuple[
             world_size = _dist.get_world_size() if initialized else 1
         if rank is None:
             rank = _dist.get_rank() if initialized else 0
+    rank, world_size = integer(rank, "rank"), integer(world_size, "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return rank, world_size
@@ -699,7 +702,7 @@ class SluiceSampler(_PlanningSampler):
         if not isinstance(dataset, SluiceDataset):
             raise TypeError(f"SluiceSampler needs a SluiceDataset, got {type(dataset).__name__}")
         self.dataset = dataset
-        self.seed = seed
+        self.seed = integer(seed, "seed", 64)
         self.shuffle = shuffle
         self.even = _check_even(even)
         self.rank, self.world_size = _distributed_place(rank, world_size)
@@ -716,7 +719,7 @@ class SluiceSampler(_PlanningSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``__iter__`` plans."""
-        self.epoch = epoch
+        self.epoch = integer(epoch, "epoch", 64)
 
     def __len__(self) -> int:
         return _even_length(self.dataset.file_count, self.rank, self.world_size, self.even)
@@ -845,7 +848,7 @@ class MountSampler(_PlanningSampler):
                  labels: Optional[Dict[str, str]] = None, timeout: Optional[float] = 30.0,
                  reconnect: float = 60.0, even: Optional[str] = None) -> None:
         self.job, self.dataset_name, self.names = _mount_names(paths)
-        self.seed = seed
+        self.seed = integer(seed, "seed", 64)
         self.shuffle = shuffle
         self.even = _check_even(even)
         self.rank, self.world_size = _distributed_place(rank, world_size)
@@ -856,7 +859,7 @@ class MountSampler(_PlanningSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next ``__iter__`` plans."""
-        self.epoch = epoch
+        self.epoch = integer(epoch, "epoch", 64)
 
     def __len__(self) -> int:
         return _even_length(len(self.names), self.rank, self.world_size, self.even)
@@ -940,7 +943,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.address = address
         self.dataset = dataset
         self.job = job
-        self.seed = seed
+        self.seed = integer(seed, "seed", 64)
         self.shuffle = shuffle
         self.rank, self.world_size = _distributed_place(rank, world_size)
         self.batch = batch
@@ -958,7 +961,7 @@ class SluiceIterableDataset(_data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch the next iteration reads."""
-        self.epoch = epoch
+        self.epoch = integer(epoch, "epoch", 64)
 
     def __len__(self) -> int:
         return _even_length(self.file_count, self.rank, self.world_size, self.even)

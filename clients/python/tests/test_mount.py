@@ -314,7 +314,9 @@ def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mo
                              "--min-buffer", "1MiB", "--max-buffer", "1MiB", "--initial-buffer", "1MiB")
     paths = [str(mnt / "@cached" / "ds" / name) for name in sorted(files)]
     sampler = MountSampler(paths, stage.socket, seed=1)
-    for epoch in range(2):
+    import numpy as np
+    # Epochs counted with NumPy integers: torch's manual_seed refused them.
+    for epoch in np.arange(2):
         sampler.set_epoch(epoch)
         order = list(iter(sampler))
         if epoch == 1:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from conftest import files_of, http_get, in_ci, job_metric, sorted_names, wait_for
@@ -77,8 +78,11 @@ def test_even_shares_are_distributed_samplers_shares_of_the_plan_order(stage_fac
     counts = {}
     for rank in range(world):
         ds = SluiceDataset(stage.socket, "d", job=f"even-{even}")
-        sampler = SluiceSampler(ds, seed=7, rank=rank, world_size=world, even=even)
-        sampler.set_epoch(2)
+        # Odd ranks count epochs with NumPy integers (`for epoch in
+        # np.arange(...)`): their arithmetic overflowed in the plan.
+        integer = np.int64 if rank % 2 else int
+        sampler = SluiceSampler(ds, seed=integer(7), rank=rank, world_size=world, even=even)
+        sampler.set_epoch(integer(2))
         expected = shares[rank]
         assert len(sampler) == len(expected) == (len(files) // world + (even == "pad"))
         got = _collect(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2 if rank == world - 1 else 0,
@@ -109,9 +113,9 @@ def test_iterable_even_shares_are_distributed_samplers_shares_split_between_work
     world = EVEN_WORLD
     _everything, shares = _distributed_shares(files, even)
     for rank, workers in ((0, 0), (3, 2), (4, 3)):
-        ds = SluiceIterableDataset(stage.socket, "d", job=f"iter-even-{even}", seed=7, rank=rank,
+        ds = SluiceIterableDataset(stage.socket, "d", job=f"iter-even-{even}", seed=np.uint64(7), rank=rank,
                                    world_size=world, batch=3, even=even)
-        ds.set_epoch(2)
+        ds.set_epoch(np.int32(2))
         expected = shares[rank]
         assert len(ds) == len(expected) == (len(files) // world + (even == "pad"))
         got = _collect(DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate))
@@ -592,3 +596,26 @@ def test_two_loops_over_one_dataset_at_once_are_told_what_to_do(stage_factory, d
     # Its own dataset object plans apart.
     apart = SluiceDataset(stage.socket, "d", job="train-and-eval")
     assert sorted(SluiceSampler(apart, shuffle=False)) == list(range(len(files)))
+
+
+def test_bad_places_seeds_and_epochs_are_named_before_anything_is_planned():
+    """A rank, world size, seed or epoch that is no integer (or out of
+    range) is a ValueError naming it; NumPy integers are integers. It was a
+    TypeError or torch's "manual_seed expected a long" at the first epoch,
+    and world_size=0 was blamed on the rank."""
+    from sluice.torch import MountSampler
+
+    paths = ["/mnt/sluice/@j/ds/a.bin", "/mnt/sluice/@j/ds/b.bin"]
+    socket_path = "/nonexistent/stage.sock"  # nothing connects before an epoch
+    with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
+        MountSampler(paths, socket_path, rank=0, world_size=0)
+    with pytest.raises(ValueError, match="rank must be an integer, got '1'"):
+        MountSampler(paths, socket_path, rank="1", world_size=2)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        MountSampler(paths, socket_path, seed="7", rank=0, world_size=1)
+    sampler = MountSampler(paths, socket_path, seed=np.int64(7), rank=np.int64(1), world_size=np.int32(2))
+    for bad in ("2", 1.5, -1, True):
+        with pytest.raises(ValueError, match="epoch must be an integer"):
+            sampler.set_epoch(bad)
+    sampler.set_epoch(np.int64(3))
+    assert len(sampler.order()) == 1
