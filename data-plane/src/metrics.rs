@@ -111,12 +111,10 @@ impl SourceMetrics {
         }
     }
 
-    /// A transfer whose body stopped coming (nothing for `idle`) after an
-    /// `ok` head: given up and asked for again, so counted `stalled` among
-    /// the retries, and named as why when its sample runs out of its
-    /// deadline.
-    pub fn stalled(&self, idle: std::time::Duration) {
-        self.ended("stalled", true);
+    /// Notes a transfer whose body stopped coming (nothing for `idle`)
+    /// after its head, given up and asked for again, as why its sample
+    /// runs out of its deadline if it does.
+    pub fn note_stalled(&self, idle: std::time::Duration) {
         self.note_retried(format!(
             "the answer stopped coming: no bytes of it for {idle:?} (a connection that died mid-transfer, or a store that stalled)"
         ));

@@ -56,8 +56,9 @@ def permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
 
     With ``shuffle=False`` this is ``[0, 1, ..., n-1]``.
     """
-    seed = _u64("seed", seed)
-    epoch = _u64("epoch", epoch)
+    # Python ints: NumPy's fixed-width arithmetic would overflow below.
+    seed = integer(seed, "seed", 64)
+    epoch = integer(epoch, "epoch", 64)
     if n < 0:
         raise ValueError(f"file count must be >= 0, got {n}")
     order = list(range(n))
@@ -105,9 +106,3 @@ def shuffle_plan(
     the same ``(seed, shuffle, epoch)`` on a connection with that rank.
     """
     return shard(permutation(n, seed, epoch, shuffle), rank, world_size)
-
-
-def _u64(what: str, value) -> int:
-    """``value`` as a Python ``int`` in ``[0, 2^64)``: any integer type
-    (NumPy's included, whose arithmetic would overflow above), not ``bool``."""
-    return integer(value, what, 64)

@@ -1508,6 +1508,8 @@ pub enum Outcome {
     ClientError,
     /// No answer, or not all of it: refused, reset or timed out; retried.
     Connection,
+    /// An `ok` head whose body stopped coming: retried.
+    Stalled,
     /// Given up before its answer ended: its sample's deadline ran out, or
     /// the sample was no longer wanted.
     Abandoned,
@@ -1536,13 +1538,17 @@ impl Outcome {
             Self::OutOfRange => "out_of_range",
             Self::ClientError => "client_error",
             Self::Connection => "connection",
+            Self::Stalled => "stalled",
             Self::Abandoned => "abandoned",
         }
     }
 
     /// Whether object_store tries a request that ended so again.
     pub fn retried(self) -> bool {
-        matches!(self, Self::Throttled | Self::ServerError | Self::Connection)
+        matches!(
+            self,
+            Self::Throttled | Self::ServerError | Self::Connection | Self::Stalled
+        )
     }
 }
 
@@ -1556,8 +1562,8 @@ struct AnswerBody<B: http_body::Body>(std::sync::Mutex<Stalling<B>>);
 
 struct Stalling<B: http_body::Body> {
     body: B,
-    /// Counts the request when its body ends (an `ok` head's), and a
-    /// stalled transfer as a retry (object_store asks again).
+    /// Counts the request when its body ends (an `ok` head's); a stalled
+    /// transfer is a retry (object_store asks again).
     metrics: Option<SourceMetrics>,
     /// The request is counted when the body ends: `ok` when all of it
     /// came, `connection` when it failed, `stalled`, or `abandoned` when it
@@ -1631,10 +1637,10 @@ where
                 );
                 let idle = *limit;
                 this.idle = None;
-                if let (Some(metrics), true) = (&this.metrics, this.uncounted) {
-                    metrics.stalled(idle);
+                this.count(Outcome::Stalled);
+                if let Some(metrics) = &this.metrics {
+                    metrics.note_stalled(idle);
                 }
-                this.uncounted = false;
                 Poll::Ready(Some(Err(HttpError::new(HttpErrorKind::Timeout, stalled))))
             }
         }
