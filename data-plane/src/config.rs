@@ -886,7 +886,7 @@ fn apart_from_datasets(
 }
 
 /// `path` with symlinks resolved as far as it exists (the rest appended).
-fn resolved(path: &Path) -> PathBuf {
+pub(crate) fn resolved(path: &Path) -> PathBuf {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
     let mut existing = absolute.as_path();
     let mut rest = Vec::new();

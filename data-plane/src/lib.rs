@@ -145,9 +145,17 @@ impl Stage {
         }
         let metrics = Metrics::new();
         let mut datasets = Vec::new();
+        let own_mount = config.mount.as_ref().map(|m| config::resolved(&m.dir));
         for (name, location) in &config.datasets {
-            let source =
-                Source::open(name, location, config.direct_io, &config.s3, &metrics).await?;
+            let source = Source::open(
+                name,
+                location,
+                config.direct_io,
+                &config.s3,
+                own_mount.as_deref(),
+                &metrics,
+            )
+            .await?;
             info!(dataset = %name, source = %source.describe(), "serving a dataset");
             datasets.push(Dataset::new(name, source));
         }

@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::protocol::{ErrorCode, ProtocolError};
 
 mod dir;
+mod fence;
 mod s3;
 
 pub use dir::DirSource;
@@ -33,13 +34,16 @@ pub enum Source {
 }
 
 impl Source {
-    /// Opens `location`: an `s3://bucket/prefix` URL or a directory. An
-    /// object store is checked with one request; the error says what to fix.
+    /// Opens `location`: an `s3://bucket/prefix` URL or a directory, whose
+    /// symlinks are not followed into `own_mount` (the stage's mount
+    /// directory, canonical). An object store is checked with one request;
+    /// the error says what to fix.
     pub async fn open(
         dataset: &str,
         location: &Path,
         direct: bool,
         s3: &S3Options,
+        own_mount: Option<&Path>,
         metrics: &Metrics,
     ) -> anyhow::Result<Self> {
         match location.to_str() {
@@ -48,7 +52,10 @@ impl Source {
                     .await
                     .map_err(anyhow::Error::msg)?,
             ))),
-            _ => Ok(Self::Dir(DirSource::open(dataset, location, direct)?)),
+            _ => Ok(Self::Dir(
+                DirSource::open(dataset, location, direct)?
+                    .beside_mount(own_mount.map(Path::to_path_buf)),
+            )),
         }
     }
 

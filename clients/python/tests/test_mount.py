@@ -142,6 +142,38 @@ def test_symlinks_that_leave_the_data_set_are_not_followed_out_of_it(tmp_path, m
             open(mnt / "ds" / name, "rb")
 
 
+def test_symlinks_into_the_stages_own_mount_are_left_out_and_the_mount_goes_on(tmp_path, mount_stage):
+    """The stage answers the mount itself: a symlink of the data set into it
+    resolved by the kernel asked the stage while it listed, and the mount hung."""
+    root, via = tmp_path / "data", tmp_path / "via"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "f.bin").write_bytes(b"real")
+    mnt = tmp_path / "mnt"
+    os.symlink(mnt / "ds" / "a" / "f.bin", root / "direct.bin")
+    os.symlink(mnt, root / "whole-mount")
+    os.symlink(mnt / "ds", via)
+    os.symlink(via / "a" / "f.bin", root / "chain.bin")  # into it through another link
+    stage, mnt = mount_stage(root)
+    # In a child with a deadline: a hung mount must fail the test, not hang it.
+    listing = subprocess.run([sys.executable, "-c", (
+        "import os, sys\n"
+        "for d, _, names in os.walk(sys.argv[1]):\n"
+        "    for n in names:\n"
+        "        print(os.path.relpath(os.path.join(d, n), sys.argv[1]), open(os.path.join(d, n), 'rb').read())\n"),
+        str(mnt / "ds")], capture_output=True, text=True, timeout=20)
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.split("\n") == ["a/f.bin b'real'", ""]
+    assert "inside the stage's own mount" in wait_for(
+        lambda: next((l for l in stage.stderr_tail(10**6).splitlines() if "own mount" in l), None), 10)
+    with sluice.Client(stage.socket, job="links") as c:
+        ds = c.dataset("ds")
+        assert list(ds.files.names()) == ["a/f.bin"]
+        for name in ("direct.bin", "chain.bin", "whole-mount/ds/a/f.bin"):
+            with pytest.raises(sluice.ForbiddenPathError, match="own mount"):
+                ds.read(name)
+        assert ds.read("a/f.bin") == b"real"
+
+
 def test_a_reader_killed_mid_file_leaves_the_mount_serving_the_others(mounted):
     stage, mnt, files = mounted
     big = max(files, key=lambda n: len(files[n]))

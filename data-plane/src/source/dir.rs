@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use super::fence::{self, IntoMount, into_mount};
 use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Owner, Walked};
@@ -27,6 +28,9 @@ pub struct DirSource {
     mount: AtomicU64,
     /// Prefetch with `O_DIRECT`; cleared when the file system refuses it.
     direct: AtomicBool,
+    /// The stage's own mount (canonical), which symlinks are not resolved
+    /// into (see [`fence`]).
+    own_mount: Option<PathBuf>,
 }
 
 impl DirSource {
@@ -53,7 +57,26 @@ impl DirSource {
             device: AtomicU64::new(0),
             mount: AtomicU64::new(0),
             direct: AtomicBool::new(direct),
+            own_mount: None,
         })
+    }
+
+    /// Resolves no symlink into `mount` (canonical), the stage's own mount
+    /// directory: one that leads there is left out of the listing, and a
+    /// read through it is refused.
+    #[must_use]
+    pub fn beside_mount(mut self, mount: Option<PathBuf>) -> Self {
+        self.own_mount = mount;
+        self
+    }
+
+    /// `base` (canonical) joined with `rest`, its symlinks resolved, none
+    /// into the stage's own mount. Blocking.
+    fn canonical(&self, base: &Path, rest: &Path) -> io::Result<PathBuf> {
+        match &self.own_mount {
+            Some(mount) => fence::resolve(base, rest, mount),
+            None => base.join(rest).canonicalize(),
+        }
     }
 
     /// Where the root resolved at the last listing.
@@ -68,7 +91,7 @@ impl DirSource {
     /// to a version not there), the listing fails naming the configured
     /// root and where it led before (not the old target alone).
     fn resolve_root(&self) -> io::Result<Arc<PathBuf>> {
-        let now = self.given.canonicalize().map_err(|e| {
+        let now = self.canonical(Path::new("/"), &self.given).map_err(|e| {
             let last = self.root();
             let note = if *last == self.given {
                 String::new()
@@ -99,11 +122,13 @@ impl DirSource {
         let at_root = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", root.display()));
         let entries = std::fs::read_dir(root).map_err(at_root)?;
         let mut walk = Walk {
+            source: self,
             root,
             out: Walked::default(),
             ancestors: vec![root.to_path_buf()],
             unreadable: LeftOut::default(),
             outside: LeftOut::default(),
+            into_mount: LeftOut::default(),
             broken: LeftOut::default(),
             not_utf8: LeftOut::default(),
         };
@@ -120,6 +145,11 @@ impl DirSource {
             "left symlinks out of the listing whose targets are outside the data set's directory \
              (only files beneath it are served): point the data set at a directory that holds \
              the targets too",
+        );
+        walk.into_mount.report(
+            root,
+            "left symlinks out of the listing whose targets are inside the stage's own mount \
+             (the stage would read the data set through itself): point them at the storage",
         );
         walk.broken.report(
             root,
@@ -182,10 +212,15 @@ impl DirSource {
     /// that leave it. Blocking (it resolves symlinks).
     pub fn resolve(&self, name: &str) -> Result<PathBuf, ProtocolError> {
         let root = self.root();
-        let canonical = root
-            .join(name)
-            .canonicalize()
-            .map_err(|e| io_error(name, &e))?;
+        let canonical = self.canonical(&root, Path::new(name)).map_err(|e| {
+            match e.get_ref().and_then(|e| e.downcast_ref::<IntoMount>()) {
+                Some(into) => ProtocolError::new(
+                    ErrorCode::ForbiddenPath,
+                    format!("`{name}` is not served through a symlink: {into}"),
+                ),
+                None => io_error(name, &e),
+            }
+        })?;
         if !canonical.starts_with(root.as_path()) {
             return Err(ProtocolError::new(
                 ErrorCode::ForbiddenPath,
@@ -342,6 +377,7 @@ fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
 /// path it is in (canonical, the root first), which it does not enter
 /// again: a symlink to one of them is a cycle.
 struct Walk<'a> {
+    source: &'a DirSource,
     root: &'a Path,
     out: Walked,
     ancestors: Vec<PathBuf>,
@@ -351,6 +387,8 @@ struct Walk<'a> {
     unreadable: LeftOut,
     /// Symlinks whose targets leave the root.
     outside: LeftOut,
+    /// Symlinks that lead into the stage's own mount.
+    into_mount: LeftOut,
     /// Symlinks that dangle or loop.
     broken: LeftOut,
     /// Entries whose names are not UTF-8 (a directory's tree with it).
@@ -451,8 +489,13 @@ impl Walk<'_> {
         if !file_type.is_symlink() {
             return Ok(Some((file_type, path, Vec::new())));
         }
-        let resolved = match path.canonicalize() {
+        let parent = path.parent().unwrap_or(self.root);
+        let resolved = match self.source.canonical(parent, Path::new(&entry.file_name())) {
             Ok(resolved) => resolved,
+            Err(error) if into_mount(&error) => {
+                self.into_mount.note(path, || error.to_string());
+                return Ok(None);
+            }
             Err(error) => {
                 self.broken.note(path, || error.to_string());
                 return Ok(None);
