@@ -6,10 +6,16 @@
 //! without traffic), so the ones closed never began their TLS handshake
 //! or HTTP/2 preface, or went silent: a few hundred such connections used
 //! to take every descriptor of a controller, and with them stage sessions,
-//! `sluicectl` and `/healthz`. A listener
-//! that holds as many as it may makes room by closing the oldest that has
-//! not sent a byte yet, so that such connections cannot shut others out;
-//! with none of those, the new one is closed (said once a minute).
+//! `sluicectl` and `/healthz`.
+//!
+//! A listener that holds as many as it may makes room by closing the
+//! oldest connection not yet established: one that has not answered the
+//! server (sent [`ANSWERED`] bytes after the server first wrote to it).
+//! A client that sends a byte now and then, never finishing its TLS
+//! handshake, HTTP/2 preface or HTTP/1 request head, is never answered by
+//! the server, and so can always be closed for another; counting any byte
+//! as speech let such trickles hold every place. With none to close, the
+//! new connection is closed (said once a minute).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -33,14 +39,21 @@ pub const KEEPALIVE: Duration = Duration::from_secs(10);
 /// How long a connection may carry nothing before it is closed.
 pub const IDLE: Duration = Duration::from_secs(30);
 
+/// How many bytes a client sends after the server's first write to it
+/// before its connection is established (no longer closed to make room):
+/// the length of the HTTP/2 client preface, less than a TLS client's
+/// handshake finish or any HTTP request.
+pub const ANSWERED: usize = 24;
+
 /// One listener's accepted connections, each [`Guarded`].
 pub struct Incoming {
     listener: TcpListener,
     live: Arc<AtomicUsize>,
     most: usize,
     idle: Duration,
-    /// The connections accepted that had not spoken yet, oldest first.
-    silent: VecDeque<Weak<Slot>>,
+    /// The connections accepted that were not established yet, oldest
+    /// first.
+    opening: VecDeque<Weak<Slot>>,
     /// Connections refused since the last warning, and when that was.
     refused: u64,
     said: Option<Instant>,
@@ -55,7 +68,7 @@ impl Incoming {
             live: Arc::default(),
             most: most.max(1),
             idle: IDLE,
-            silent: VecDeque::new(),
+            opening: VecDeque::new(),
             refused: 0,
             said: None,
         }
@@ -72,7 +85,7 @@ impl Incoming {
         loop {
             let (stream, peer) = ready!(self.listener.poll_accept(cx))?;
             if self.live.load(Ordering::Relaxed) >= self.most {
-                self.evict_silent();
+                self.evict_opening();
             }
             if self.live.load(Ordering::Relaxed) >= self.most {
                 drop(stream);
@@ -85,7 +98,7 @@ impl Incoming {
                         listener = ?self.listener.local_addr().ok(),
                         open = self.most,
                         refused = self.refused,
-                        "connections refused: the listener holds as many as it may, all of which have spoken (a share of the descriptor limit; raise `ulimit -n`, or look for a client that opens connections and leaves them)"
+                        "connections refused: the listener holds as many as it may, all of them established (a share of the descriptor limit; raise `ulimit -n`, or look for a client that opens connections and leaves them)"
                     );
                     self.said = Some(Instant::now());
                     self.refused = 0;
@@ -95,18 +108,18 @@ impl Incoming {
             let _ = stream.set_nodelay(true);
             self.live.fetch_add(1, Ordering::Relaxed);
             let guarded = Guarded::new(stream, Arc::clone(&self.live), self.idle);
-            if self.silent.len() >= self.most {
-                self.silent
-                    .retain(|slot| slot.upgrade().is_some_and(|s| s.is(SILENT)));
+            if self.opening.len() >= self.most {
+                self.opening
+                    .retain(|slot| slot.upgrade().is_some_and(|s| s.is(OPENING)));
             }
-            self.silent.push_back(Arc::downgrade(&guarded.slot));
+            self.opening.push_back(Arc::downgrade(&guarded.slot));
             return Poll::Ready(Ok((guarded, peer)));
         }
     }
 
-    /// Closes the oldest connection that has not spoken, if any.
-    fn evict_silent(&mut self) {
-        while let Some(slot) = self.silent.pop_front() {
+    /// Closes the oldest connection not established, if any.
+    fn evict_opening(&mut self) {
+        while let Some(slot) = self.opening.pop_front() {
             if let Some(slot) = slot.upgrade()
                 && slot.evict()
             {
@@ -117,10 +130,10 @@ impl Incoming {
     }
 }
 
-/// A connection has sent nothing yet.
-const SILENT: u8 = 0;
-/// It has sent bytes.
-const SPOKE: u8 = 1;
+/// A connection has not answered the server yet.
+const OPENING: u8 = 0;
+/// It has: it is never closed to make room.
+const ESTABLISHED: u8 = 1;
 /// It was closed to make room (no longer counted).
 const EVICTED: u8 = 2;
 
@@ -141,11 +154,12 @@ impl Slot {
         self.state.load(Ordering::Acquire) == state
     }
 
-    /// Marks a silent connection evicted and wakes its read; whether it was.
+    /// Marks a connection not established evicted and wakes its read;
+    /// whether it was.
     fn evict(&self) -> bool {
         let evicted = self
             .state
-            .compare_exchange(SILENT, EVICTED, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(OPENING, EVICTED, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if evicted && let Some(waker) = lock(&self.waker).take() {
             waker.wake();
@@ -194,6 +208,8 @@ pub struct Guarded {
     slot: Arc<Slot>,
     idle: Duration,
     quiet_until: Pin<Box<Sleep>>,
+    /// Bytes read since the server first wrote (`None`: it has not).
+    answered: Option<usize>,
 }
 
 impl Guarded {
@@ -204,6 +220,14 @@ impl Guarded {
             slot: Arc::default(),
             idle,
             quiet_until: Box::pin(tokio::time::sleep(idle)),
+            answered: None,
+        }
+    }
+
+    /// Notes the server's write: bytes read from here on answer it.
+    fn wrote(&mut self, written: &io::Result<usize>) {
+        if self.answered.is_none() && matches!(written, Ok(n) if *n > 0) {
+            self.answered = Some(0);
         }
     }
 }
@@ -224,31 +248,38 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let closed = |why: String| Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, why)));
+        let evicted = || closed("closed to make room: it had not answered the server".into());
         if self.slot.is(EVICTED) {
-            return closed("closed to make room: it had sent nothing".into());
+            return evicted();
         }
         let before = buf.filled().len();
         match Pin::new(&mut self.stream).poll_read(cx, buf) {
             Poll::Ready(read) => {
-                if buf.filled().len() > before {
+                let read_now = buf.filled().len() - before;
+                if read_now > 0 {
                     let until = Instant::now() + self.idle;
                     self.quiet_until.as_mut().reset(until);
-                    // Spoken: never evicted (a race with an eviction
-                    // leaves it evicted, and its next read fails).
-                    let _ = self.slot.state.compare_exchange(
-                        SILENT,
-                        SPOKE,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
+                    if let Some(answered) = &mut self.answered {
+                        *answered += read_now;
+                        if *answered >= ANSWERED {
+                            // Never evicted now (a race with an eviction
+                            // leaves it evicted, and its next read fails).
+                            let _ = self.slot.state.compare_exchange(
+                                OPENING,
+                                ESTABLISHED,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            );
+                        }
+                    }
                 }
                 Poll::Ready(read)
             }
             Poll::Pending => {
-                if self.slot.is(SILENT) {
+                if self.slot.is(OPENING) {
                     *lock(&self.slot.waker) = Some(cx.waker().clone());
                     if self.slot.is(EVICTED) {
-                        return closed("closed to make room: it had sent nothing".into());
+                        return evicted();
                     }
                 }
                 ready!(self.quiet_until.as_mut().poll(cx));
@@ -267,7 +298,9 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let written = ready!(Pin::new(&mut self.stream).poll_write(cx, buf));
+        self.wrote(&written);
+        Poll::Ready(written)
     }
 
     fn poll_write_vectored(
@@ -275,7 +308,9 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let written = ready!(Pin::new(&mut self.stream).poll_write_vectored(cx, bufs));
+        self.wrote(&written);
+        Poll::Ready(written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -307,23 +342,43 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[tokio::test]
-    async fn silent_connections_make_room_then_go_quiet_and_one_past_the_most_is_refused() {
+    async fn connections_not_established_make_room_then_go_quiet_and_one_past_the_most_is_refused()
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut incoming = Incoming::new(listener, 1).with_idle(Duration::from_millis(300));
         let mut accept = async || std::future::poll_fn(|cx| incoming.poll_accept(cx)).await;
+        let make_room = |e: io::Error| assert!(e.to_string().contains("make room"), "{e}");
         let _silent = TcpStream::connect(addr).await.unwrap();
         let mut first = accept().await.unwrap().0;
         // A connection that never spoke gives its place to a new one.
-        let mut speaking = TcpStream::connect(addr).await.unwrap();
+        let mut trickle = TcpStream::connect(addr).await.unwrap();
         let mut second = accept().await.unwrap().0;
-        let mut byte = [0u8; 1];
-        let evicted = first.read(&mut byte).await.unwrap_err();
-        assert!(evicted.to_string().contains("make room"), "{evicted}");
+        let mut byte = [0u8; 64];
+        make_room(first.read(&mut byte).await.unwrap_err());
         drop(first);
-        speaking.write_all(b"x").await.unwrap();
-        assert_eq!(second.read(&mut byte).await.unwrap(), 1);
-        // One that spoke keeps it: the next is closed at once.
+        // So does one that sends a byte now and then, the server never
+        // answering (an unfinished handshake or request head).
+        for _ in 0..ANSWERED * 2 {
+            trickle.write_all(b"x").await.unwrap();
+            assert_eq!(second.read(&mut byte).await.unwrap(), 1);
+        }
+        let mut speaking = TcpStream::connect(addr).await.unwrap();
+        let mut third = tokio::time::timeout(Duration::from_secs(5), accept())
+            .await
+            .expect("the trickling connection made no room")
+            .unwrap()
+            .0;
+        make_room(second.read(&mut byte).await.unwrap_err());
+        drop(second);
+        // One that answered the server keeps its place: the next is closed
+        // at once.
+        speaking.write_all(b"hello").await.unwrap();
+        assert_eq!(third.read(&mut byte).await.unwrap(), 5);
+        third.write_all(b"settings").await.unwrap();
+        assert_eq!(speaking.read(&mut byte).await.unwrap(), 8);
+        speaking.write_all(&[7; ANSWERED]).await.unwrap();
+        third.read_exact(&mut byte[..ANSWERED]).await.unwrap();
         let mut refused = TcpStream::connect(addr).await.unwrap();
         tokio::select! {
             _ = accept() => panic!("a connection past the most was accepted"),
@@ -331,10 +386,10 @@ mod tests {
         }
         // Then silence closes it.
         let quiet = Instant::now();
-        let read = second.read(&mut byte).await;
+        let read = third.read(&mut byte).await;
         assert_eq!(read.unwrap_err().kind(), io::ErrorKind::TimedOut);
         assert!(quiet.elapsed() >= Duration::from_millis(250));
-        drop(second);
+        drop(third);
         assert_eq!(incoming.live.load(Ordering::Relaxed), 0);
     }
 }

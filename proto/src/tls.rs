@@ -13,6 +13,11 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 
+/// How long a client has to finish its TLS handshake: one that sends its
+/// handshake a byte at a time is closed then, not kept for as long as it
+/// keeps sending.
+pub const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A TLS flag whose file is missing, unreadable or not what it must be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsError {
@@ -89,11 +94,12 @@ impl TlsFiles {
     }
 
     /// A server that presents the certificate and requires client
-    /// certificates the CA signed.
+    /// certificates the CA signed, within [`HANDSHAKE`] of connecting.
     pub fn server(self) -> Result<ServerTlsConfig, TlsError> {
         let tls = ServerTlsConfig::new()
             .identity(Identity::from_pem(&self.cert, &self.key))
-            .client_ca_root(Certificate::from_pem(&self.ca));
+            .client_ca_root(Certificate::from_pem(&self.ca))
+            .timeout(HANDSHAKE);
         Server::builder()
             .tls_config(tls.clone())
             .map_err(|e| self.unusable(&e))?;

@@ -11,6 +11,8 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
@@ -380,6 +382,27 @@ async fn connections_that_never_speak_do_not_shut_out_the_controllers_clients() 
     let silent: Vec<_> = (0..300)
         .map(|_| std::net::TcpStream::connect(&grpc).unwrap())
         .collect();
+    // The later half, which the listener holds once the earlier ones gave
+    // their places to them, send a byte of a TLS handshake now and then,
+    // never finishing it: counted as having spoken, they were never closed
+    // to make room, and held every place.
+    let stop = Arc::new(AtomicBool::new(false));
+    let trickle = {
+        let stop = Arc::clone(&stop);
+        let mut tricklers: Vec<_> = silent
+            .iter()
+            .skip(150)
+            .map(|s| s.try_clone().unwrap())
+            .collect();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                for s in &mut tricklers {
+                    let _ = std::io::Write::write_all(s, &[0x16]);
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
     let answered = tokio::time::timeout(Duration::from_secs(30), async {
         let mut admin = admin(&grpc, &operator).await;
         assert_eq!(stage_ids(&mut admin).await, Vec::<String>::new());
@@ -398,6 +421,8 @@ async fn connections_that_never_speak_do_not_shut_out_the_controllers_clients() 
         async move { (stage_ids(&mut admin).await == ["stage-a"]).then_some(()) }
     })
     .await;
+    stop.store(true, Ordering::Relaxed);
+    trickle.join().unwrap();
     drop(silent);
 }
 
