@@ -271,11 +271,37 @@ class _Resume:
     plan's entries (indices or names) in order, ``encode(rest, run)`` the
     ``PLAN`` frame of a tail of them for a run."""
 
-    __slots__ = ("order", "encode")
+    __slots__ = ("_make", "encode", "_made", "_maker")
 
-    def __init__(self, order, encode) -> None:
-        self.order = order
+    def __init__(self, make, encode) -> None:
+        self._make = make
         self.encode = encode
+        self._made: Optional[tuple] = None
+        self._maker: Optional[threading.Thread] = None
+
+    def order(self) -> list:
+        """The plan's entries, made once, on a thread of their own: an
+        interrupt of the caller (a signal handler that raises) while a long
+        order is made does not throw the work away. Made again at each
+        resume, a shuffled order of a few thousand entries took longer than
+        the interval of a storm of interrupts, and the plan never got on."""
+        if self._made is None:
+            maker = self._maker
+            if maker is None:
+                maker = threading.Thread(target=self._run, name="sluice-resume-order", daemon=True)
+                maker.start()
+                self._maker = maker
+            maker.join()
+        order, error = self._made
+        if error is not None:
+            raise error
+        return order
+
+    def _run(self) -> None:
+        try:
+            self._made = (self._make(), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self._made = (None, e)
 
 
 class _Exchanger:
