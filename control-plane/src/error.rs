@@ -24,6 +24,9 @@ pub enum ApiError {
     /// The token's role does not allow the operation.
     #[error("{0}")]
     Forbidden(String),
+    /// The request is larger than the controller takes.
+    #[error("{0}")]
+    TooLarge(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -38,6 +41,7 @@ impl ApiError {
             Self::Conflict(_) => (Code::FailedPrecondition, StatusCode::CONFLICT),
             Self::Unauthenticated(_) => (Code::Unauthenticated, StatusCode::UNAUTHORIZED),
             Self::Forbidden(_) => (Code::PermissionDenied, StatusCode::FORBIDDEN),
+            Self::TooLarge(_) => (Code::ResourceExhausted, StatusCode::PAYLOAD_TOO_LARGE),
             Self::Store(e) => match e {
                 StoreError::PolicyNotFound { .. } | StoreError::StageNotFound { .. } => {
                     (Code::NotFound, StatusCode::NOT_FOUND)

@@ -9,8 +9,10 @@ mod query;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
+use axum::extract::rejection::StringRejection;
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Serialize;
@@ -40,7 +42,31 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn(refuse_declared_too_large))
         .with_state(shared)
+}
+
+/// Refuses a request whose `Content-Length` is over [`MAX_BODY`] before
+/// its body is sent (it was read up to the limit first, however slowly it
+/// came).
+async fn refuse_declared_too_large(request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(size) if size > MAX_BODY as u64 => too_large(&format!("{size} bytes")).into_response(),
+        _ => next.run(request).await,
+    }
+}
+
+/// A body larger than one apply takes.
+fn too_large(size: &str) -> ApiError {
+    ApiError::TooLarge(format!(
+        "the body is {size}: one apply takes at most 4 MiB ({MAX_BODY} bytes) of policies; \
+         apply them in several parts"
+    ))
 }
 
 impl IntoResponse for ApiError {
@@ -183,8 +209,12 @@ async fn list_policies(State(shared): State<Arc<Shared>>, RawQuery(q): RawQuery)
 async fn apply_policies(
     State(shared): State<Arc<Shared>>,
     RawQuery(q): RawQuery,
-    body: String,
+    body: Result<String, StringRejection>,
 ) -> ApiResponse {
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => too_large("larger than 4 MiB"),
+        _ => ApiError::Invalid(e.body_text()),
+    })?;
     let query = Query::parse(q.as_deref(), &["dry_run", "source"])?;
     let source = Source {
         name: query.text("source")?.unwrap_or("body").to_owned(),

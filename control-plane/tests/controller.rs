@@ -480,9 +480,25 @@ async fn http_view_applies_lists_and_refuses() {
     let huge = "#".repeat(5 << 20);
     let too_big = http(&c.http, "POST", "/api/v1/policies", &huge).await;
     assert!(
-        too_big.starts_with("HTTP/1.1 413"),
+        too_big.starts_with("HTTP/1.1 413") && too_big.contains("at most 4 MiB"),
         "{}",
-        &too_big[..too_big.len().min(200)]
+        &too_big[..too_big.len().min(400)]
+    );
+    // A body declared too large is refused at its head, not waited for.
+    let declared = tokio::time::timeout(Duration::from_secs(5), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&c.http).await.unwrap();
+        let head = "POST /api/v1/policies HTTP/1.1\r\nHost: x\r\nContent-Length: 10485760\r\n\r\n";
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = vec![0; 4096];
+        let n = s.read(&mut out).await.unwrap();
+        String::from_utf8_lossy(&out[..n]).into_owned()
+    })
+    .await
+    .expect("the controller waited for a body its head declared too large");
+    assert!(
+        declared.starts_with("HTTP/1.1 413") && declared.contains("the body is 10485760 bytes"),
+        "{declared}"
     );
 
     let policies = http(&c.http, "GET", "/api/v1/policies?history=true", "").await;
