@@ -2,7 +2,7 @@
 //! (`file:line:column`) and a message that says what was wrong and what to
 //! write instead; [`PolicyErrors`] carries all errors found in one apply.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
 use crate::yaml::Pos;
@@ -36,14 +36,33 @@ impl fmt::Display for Location {
 }
 
 /// One problem found in a policy document, with where it is.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{location}: {kind}")]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PolicyError {
     /// Where the problem is.
     pub location: Location,
     /// What the problem is.
     pub kind: ErrorKind,
 }
+
+impl fmt::Display for PolicyError {
+    /// `FILE:LINE:COLUMN: message`, on one line: control characters the
+    /// message quotes from the document or its name (an escape sequence, a
+    /// newline in a key) are written escaped (`\u{1b}`), so that an error
+    /// shown in a terminal or a log is the error's text and nothing else.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = format!("{}: {}", self.location, self.kind);
+        for c in text.chars() {
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                f.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PolicyError {}
 
 /// Renders `Some(x)` as "did you mean `x`? " and `None` as nothing.
 struct DidYouMean<'a>(&'a Option<String>);

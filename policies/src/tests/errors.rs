@@ -340,3 +340,19 @@ fn ops_guarantees_need_ops_capacity() {
         "t.yaml:17:20: spec.guarantee.ops (20k ops/s) is above the capacity of pool `shared` (10k ops/s, t.yaml:8:10): lower the guarantee or raise the pool's spec.capacity.ops"
     );
 }
+
+#[test]
+fn control_characters_quoted_from_the_document_are_escaped() {
+    // An escape sequence in a kind (a terminal would have run it), and a
+    // tab and a newline in a key quoted by its error.
+    assert_eq!(
+        error("apiVersion: sluice.dev/v1\nkind: \"\\e[2JJobPolicy\"\n"),
+        "t.yaml:2:7: unknown kind `\\u{1b}[2JJobPolicy`: did you mean `JobPolicy`? sluice.dev/v1 has the kinds `StoragePool`, `JobPolicy` and `DatasetCache`"
+    );
+    let text = error(&job(
+        "train",
+        "  selector: {}\n  pool: shared\n  \"we\\tig\\nht\": 2\n",
+    ));
+    assert!(text.contains("`we\\tig\\nht`"), "{text}");
+    assert!(!text.chars().any(char::is_control), "{text}");
+}
