@@ -550,7 +550,21 @@ def test_ranks_cutting_their_shares_from_different_orders_are_warned_about(stage
             sluice.Client(stage.socket, job="agreed", rank=1, world_size=2) as b:
         with a.dataset("d").epoch(0, seed=5), b.dataset("d").epoch(0, seed=5):
             pass
+    # Shares of a larger world that nest in the others' (the two workers of
+    # rank 1 of 2, as SluiceIterableDataset plans them: shares 1 and 3 of 4)
+    # are apart from rank 0's.
+    with sluice.Client(stage.socket, job="nested", rank=0, world_size=2) as a, \
+            sluice.Client(stage.socket, job="nested", rank=1, world_size=4) as b, \
+            sluice.Client(stage.socket, job="nested", rank=3, world_size=4) as c:
+        with a.dataset("d").epoch(0, seed=5), b.dataset("d").epoch(0, seed=5), c.dataset("d").epoch(0, seed=5):
+            pass
     assert "their shares overlap" not in stage.stderr_tail()
+    with sluice.Client(stage.socket, job="nested-twice", rank=0, world_size=2) as a, \
+            sluice.Client(stage.socket, job="nested-twice", rank=2, world_size=4) as b:
+        with a.dataset("d").epoch(0, seed=5), b.dataset("d").epoch(0, seed=5):
+            pass
+    assert ("job `nested-twice`: rank 2 plans epoch 0 of data set `d` with seed 5 (shuffled) over 4 ranks, "
+            "but rank 0 reads that epoch with seed 5 (shuffled) over 2 ranks: their shares overlap") in stage.stderr_tail()
     with sluice.Client(stage.socket, job="split", rank=0, world_size=2) as a, \
             sluice.Client(stage.socket, job="split", rank=1, world_size=2) as b, \
             sluice.Client(stage.socket, job="split", rank=2, world_size=3) as c:

@@ -30,6 +30,24 @@ pub struct ShardOrder {
     pub world_size: u32,
 }
 
+impl ShardOrder {
+    /// Whether share `rank` of this order and share `other` of `theirs`
+    /// can hold the same entries, or leave some out between them. Shares of
+    /// one epoch order whose world sizes divide one another nest: share
+    /// `k` of `n * w` is part of share `k mod n` of `n` (a
+    /// `SluiceIterableDataset`'s workers beside `SluiceSampler` ranks), so
+    /// they are apart where their ranks differ in the smaller world.
+    pub fn overlaps(&self, rank: u32, theirs: &Self, other: u32) -> bool {
+        let same_order =
+            self.shuffle == theirs.shuffle && (!self.shuffle || self.seed == theirs.seed);
+        let (small, large) = (
+            self.world_size.min(theirs.world_size).max(1),
+            self.world_size.max(theirs.world_size),
+        );
+        !same_order || large % small != 0 || rank % small == other % small
+    }
+}
+
 impl std::fmt::Display for ShardOrder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let how = if self.shuffle {
@@ -215,6 +233,37 @@ impl PlanRun {
 
 #[cfg(test)]
 mod tests {
+    use super::ShardOrder;
+
+    #[test]
+    fn shares_of_one_order_in_nested_worlds_are_apart_and_others_overlap() {
+        let order = |seed, shuffle, world_size| ShardOrder {
+            seed,
+            shuffle,
+            world_size,
+        };
+        let ranks = order(5, true, 2);
+        // Two workers' shares of each of two ranks: shares 0..4 of 4.
+        let workers = order(5, true, 4);
+        assert!(!ranks.overlaps(0, &workers, 1) && !ranks.overlaps(0, &workers, 3));
+        assert!(
+            ranks.overlaps(0, &workers, 2),
+            "share 2 of 4 is part of share 0 of 2"
+        );
+        assert!(!workers.overlaps(3, &ranks, 0));
+        assert!(ranks.overlaps(0, &order(6, true, 2), 1), "another seed");
+        assert!(ranks.overlaps(0, &order(5, false, 2), 1), "unshuffled");
+        assert!(
+            ranks.overlaps(0, &order(5, true, 3), 1),
+            "worlds that do not nest"
+        );
+        assert!(
+            !order(1, false, 2).overlaps(0, &order(2, false, 2), 1),
+            "no shuffle: no seed"
+        );
+        assert!(!ranks.overlaps(0, &ranks, 1));
+    }
+
     use super::*;
     use crate::entry::FileEntry;
 

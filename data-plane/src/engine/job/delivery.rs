@@ -275,9 +275,10 @@ impl Job {
     }
 
     /// Records the order the plan of `handle` was cut from and returns
-    /// another rank's live plan of the same data set and epoch cut from a
-    /// different one (its rank and order), if any: their shares then
-    /// overlap and leave samples out.
+    /// another rank's live plan of the same data set and epoch whose share
+    /// can overlap this one's (its rank and order), if any: cut from a
+    /// different order, or from a world that does not nest with this one's
+    /// (see [`ShardOrder::overlaps`]).
     pub fn note_order(&self, handle: &PlanHandle, order: ShardOrder) -> Option<(u32, ShardOrder)> {
         let id = handle.id?;
         let mut st = self.lock();
@@ -289,8 +290,8 @@ impl Job {
             (other.key.rank != key.rank
                 && other.key.epoch == key.epoch
                 && other.dataset.name == dataset
-                && theirs != order)
-                .then_some((other.key.rank, theirs))
+                && order.overlaps(key.rank, &theirs, other.key.rank))
+            .then_some((other.key.rank, theirs))
         })
     }
 
