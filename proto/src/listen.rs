@@ -260,8 +260,9 @@ impl AsyncRead for Guarded {
                     let until = Instant::now() + self.idle;
                     self.quiet_until.as_mut().reset(until);
                     if let Some(answered) = &mut self.answered {
-                        *answered += read_now;
-                        if *answered >= ANSWERED {
+                        let had = *answered;
+                        *answered = had.saturating_add(read_now);
+                        if had < ANSWERED && *answered >= ANSWERED {
                             // Never evicted now (a race with an eviction
                             // leaves it evicted, and its next read fails).
                             let _ = self.slot.state.compare_exchange(

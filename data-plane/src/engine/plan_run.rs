@@ -233,7 +233,8 @@ impl PlanRun {
 
 #[cfg(test)]
 mod tests {
-    use super::ShardOrder;
+    use super::*;
+    use crate::entry::FileEntry;
 
     #[test]
     fn shares_of_one_order_in_nested_worlds_are_apart_and_others_overlap() {
@@ -263,9 +264,6 @@ mod tests {
         );
         assert!(!ranks.overlaps(0, &ranks, 1));
     }
-
-    use super::*;
-    use crate::entry::FileEntry;
 
     fn plan(files: Vec<u32>) -> PlanRun {
         let dir = tempfile::tempdir().unwrap();
