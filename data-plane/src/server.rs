@@ -29,7 +29,7 @@ use crate::protocol::{
 };
 use crate::source::{Pinned, changed};
 use crate::storage::clamp_range;
-use crate::trust::{MAX_LABEL_KEY, MAX_LABEL_VALUE, Peer, TrainerAccess};
+use crate::trust::{Peer, TrainerAccess};
 use shared::Shared;
 
 /// Limits on what `HELLO` may carry.
@@ -470,13 +470,14 @@ impl Connection {
                 labels.len()
             )));
         }
-        if let Some((k, _)) = labels
+        // The labels operators' policies can select on, and no others: the
+        // controller takes no other from stages, so a job labelled otherwise
+        // would run under no policy at all.
+        if let Some(why) = labels
             .iter()
-            .find(|(k, v)| k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE)
+            .find_map(|(k, v)| sluice_policy::check_label(k, v).err())
         {
-            return Err(invalid(format!(
-                "label `{k}` is invalid: keys are 1 to {MAX_LABEL_KEY} bytes and values at most {MAX_LABEL_VALUE}"
-            )));
+            return Err(invalid(why));
         }
         if world_size == 0 || rank >= world_size {
             return Err(invalid(format!(

@@ -23,8 +23,6 @@ use serde::Deserialize;
 
 use sluice_policy::{MAX_JOB_ID_BYTES as MAX_JOB_BYTES, job_id_byte, valid_job_id};
 
-/// Longest label key a trainer may send.
-pub const MAX_LABEL_KEY: usize = 63;
 /// Longest label value a trainer may send.
 pub const MAX_LABEL_VALUE: usize = 256;
 
@@ -146,13 +144,13 @@ impl TrainerRule {
                 "trainers[{index}] allows job `{p}`, which no job id can be (1 to {MAX_JOB_BYTES} characters of [A-Za-z0-9._-], not `.` or `..`; `*` for any run of them)"
             ));
         }
-        if let Some(k) = self
+        if let Some(why) = self
             .labels
             .keys()
-            .find(|k| k.is_empty() || k.len() > MAX_LABEL_KEY)
+            .find_map(|k| sluice_policy::check_label(k, "").err())
         {
             return Err(format!(
-                "trainers[{index}] allows label key `{k}`, which no trainer can send (keys are 1 to {MAX_LABEL_KEY} bytes)"
+                "trainers[{index}] allows a label no trainer can send: {why}"
             ));
         }
         if let Some((k, v)) = self.labels.iter().find_map(|(k, values)| {
@@ -431,7 +429,14 @@ mod tests {
         for (rule, said) in [
             ("jobs: ['']", "allows job ``"),
             ("jobs: ['team-a/*']", "allows job `team-a/*`"),
-            ("jobs: [x]\n  labels: {'': [a]}", "allows label key ``"),
+            (
+                "jobs: [x]\n  labels: {'': [a]}",
+                "label key `` is not valid",
+            ),
+            (
+                "jobs: [x]\n  labels: {'cost center': [a]}",
+                "label key `cost center` is not valid",
+            ),
             (
                 "jobs: [x]\n  labels: {team: []}\n  require: [team]",
                 "requires label `team`",
@@ -442,7 +447,7 @@ mod tests {
             (&long_job_pattern, "which no job id can be"),
             (
                 &long_key,
-                "which no trainer can send (keys are 1 to 63 bytes)",
+                "allows a label no trainer can send: label key `kkk",
             ),
             (&long_value, "values are at most 256 bytes"),
             (

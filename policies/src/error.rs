@@ -51,7 +51,18 @@ impl fmt::Display for PolicyError {
     /// shown in a terminal or a log is the error's text and nothing else.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = format!("{}: {}", self.location, self.kind);
-        for c in text.chars() {
+        write!(f, "{}", Printable(&text))
+    }
+}
+
+/// Text quoted in an error, its control characters written escaped
+/// (`\u{1b}`), so that what a terminal or a log shows is the text and
+/// nothing else.
+pub(crate) struct Printable<'a>(pub &'a str);
+
+impl fmt::Display for Printable<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
             if c.is_control() {
                 write!(f, "{}", c.escape_default())?;
             } else {

@@ -413,6 +413,18 @@ def test_hello_rules(stage_factory, dataset):
         raw.close()
     with pytest.raises(sluice.InvalidArgumentError):
         sluice.Client(stage.socket, job="no spaces")
+    # Labels that no policy could select on (the controller would take no
+    # report of such a job, so it would run under no policy): refused,
+    # saying which and what a label may be, its control characters escaped.
+    for labels, said in (({"cost center": "x"}, "label key `cost center` is not valid"),
+                         ({"équipe": "x"}, "label key `équipe` is not valid"),
+                         ({"team": "nlp\x1b[0m"}, "label value `nlp\\u{1b}[0m` is not valid"),
+                         ({"team": "a\nb"}, "label value `a\\nb` is not valid"),
+                         ({"team": "v" * 257}, "use at most 256 bytes")):
+        with pytest.raises(sluice.InvalidArgumentError, match=re.escape(said)):
+            sluice.Client(stage.socket, job="labelled", labels=labels)
+    with sluice.Client(stage.socket, job="labelled", labels={"example.com/team": "v" * 256}):
+        pass
     # BYE is answered with GOODBYE and the stage closes.
     raw = Raw(stage.socket)
     raw.hello()

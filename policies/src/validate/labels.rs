@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Check, invalid};
 use crate::document::{RawRequirement, RawSelector};
-use crate::error::ErrorKind;
+use crate::error::{ErrorKind, Printable};
 use crate::selector::{Operator, Requirement, Selector};
 use crate::yaml::Node;
 
@@ -25,7 +25,8 @@ pub(super) fn label_key(key: &str) -> Result<(), String> {
         return Ok(());
     }
     Err(format!(
-        "label key `{key}` is not valid: use 1 to 63 letters, digits, `-`, `_`, `.` and at most one `/`, starting and ending with a letter or digit, e.g. `team` or `example.com/team`"
+        "label key `{}` is not valid: use 1 to 63 letters, digits, `-`, `_`, `.` and at most one `/`, starting and ending with a letter or digit, e.g. `team` or `example.com/team`",
+        Printable(key)
     ))
 }
 
