@@ -45,6 +45,13 @@ pub const JOB_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// for a minute each.
 pub const MAX_IDLE_JOBS: usize = 128;
 
+/// Jobs kept with nothing attached under the process's descriptor limit:
+/// [`MAX_IDLE_JOBS`], and at most an eighth of the limit under a low one
+/// (32 of 256), at least 8.
+fn most_idle_jobs() -> usize {
+    (sluice_proto::fd_limit::soft() / 8).clamp(8, MAX_IDLE_JOBS)
+}
+
 /// Jobs a stage holds at once, attached or idle: each that reads takes
 /// reader threads (16 to start), a region descriptor and metric series,
 /// so a client naming job after job (a connection or an `@<job>` path
@@ -533,7 +540,7 @@ impl Engine {
         shared: bool,
     ) -> (job::JobHandle, bool) {
         if !jobs.contains_key(id) {
-            self.forget_idle_beyond(jobs, MAX_IDLE_JOBS - 1);
+            self.forget_idle_beyond(jobs, most_idle_jobs() - 1);
         }
         let mut started = false;
         let job = jobs
@@ -566,6 +573,16 @@ impl Engine {
             job.set_labels(labels);
         }
         (job::JobHandle::new(job), started)
+    }
+
+    /// Forgets every job with nothing attached, returning how many: what
+    /// they hold (a shared-memory region's descriptor each) is needed now
+    /// (the stage ran out of descriptors).
+    pub fn forget_idle_jobs(&self) -> usize {
+        let mut jobs = lock(&self.jobs);
+        let before = jobs.len();
+        self.forget_idle_beyond(&mut jobs, 0);
+        before - jobs.len()
     }
 
     /// Forgets the jobs idle longest until at most `most` are idle.
@@ -772,11 +789,13 @@ impl Engine {
             job.give_back_idle_pages(REGION_IDLE);
         }
         self.refresh_listings();
+        // Reads that waited for a descriptor: the idle jobs' go back.
+        let short = crate::storage::descriptors_were_short();
         let mut jobs = lock(&self.jobs);
         jobs.retain(|_, job| {
             let keep = job
                 .idle_since(now)
-                .is_none_or(|idle| idle < JOB_IDLE_TIMEOUT);
+                .is_none_or(|idle| idle < JOB_IDLE_TIMEOUT && !short);
             if !keep {
                 self.forget(job);
             }

@@ -14,11 +14,13 @@ use axum::routing::get;
 use crate::engine::Engine;
 
 /// The HTTP listener, bounded so that its clients cannot take what
-/// trainers need: at most 128 connections at once, each closed after a
-/// minute without a byte (a Prometheus scrape reuses its connection well
-/// within that).
+/// trainers need: at most 128 connections at once, and at most a
+/// sixteenth of the descriptor limit under a low one (16 of 256), each
+/// closed after a minute without a byte (a Prometheus scrape reuses its
+/// connection well within that).
 pub fn listener(listener: tokio::net::TcpListener) -> sluice_proto::listen::Incoming {
-    sluice_proto::listen::Incoming::new(listener, 128).with_idle(Duration::from_secs(60))
+    let most = (sluice_proto::fd_limit::soft() / 16).clamp(4, 128);
+    sluice_proto::listen::Incoming::new(listener, most).with_idle(Duration::from_secs(60))
 }
 
 pub fn router(engine: Arc<Engine>) -> Router {

@@ -61,6 +61,7 @@ use cache::Cache;
 use dataset::Dataset;
 use engine::Engine;
 use metrics::Metrics;
+use protocol::{ErrorCode, ProtocolError, Response};
 use source::Source;
 use trust::{Peer, TrainerAccess};
 
@@ -115,6 +116,9 @@ pub struct Stage {
     access: Arc<TrainerAccess>,
     /// The read-only mount, unmounted at shutdown.
     mount: Option<mount::Mount>,
+    /// A descriptor held back for each trainer listener (see [`Reserve`]),
+    /// taken before the stage says it is ready.
+    reserves: [Reserve; 2],
 }
 
 /// The addresses a bound stage listens on (printed as its ready line).
@@ -223,6 +227,7 @@ impl Stage {
             http,
             controller,
             access,
+            reserves: [Reserve::new(), Reserve::new()],
         })
     }
 
@@ -248,6 +253,7 @@ impl Stage {
             controller,
             access,
             mount,
+            reserves: [unix_reserve, tcp_reserve],
         } = self;
         let tracker = TaskTracker::new();
         // The long-lived tasks: each runs until `cancel` fires, so one that
@@ -295,14 +301,22 @@ impl Stage {
             drain: drain.clone(),
             tracker: tracker.clone(),
         };
-        let most = fd_limit::connections_per_listener();
+        // The trainer listeners together hold at most a quarter of the
+        // descriptor limit in connections, each its share (so that peers
+        // of one cannot shut out the other's trainers): each connection's
+        // job may hold a shared-memory region's beside it, and reads need
+        // the rest.
+        let listeners = if tcp.is_some() { 2 } else { 1 };
+        let most = (fd_limit::connections_per_listener() / listeners).max(1);
         let socket_file = Arc::new(std::sync::Mutex::new(socket_file));
-        let accept_unix = ctx
-            .clone()
-            .run(Listener::Unix(unix, Arc::clone(&socket_file)), most);
+        let accept_unix = ctx.clone().run(
+            Listener::Unix(unix, Arc::clone(&socket_file)),
+            most,
+            unix_reserve,
+        );
         let accept_tcp = async {
             if let Some(tcp) = tcp {
-                ctx.clone().run(Listener::Tcp(tcp), most).await;
+                ctx.clone().run(Listener::Tcp(tcp), most, tcp_reserve).await;
             }
         };
         let accepting = async { tokio::join!(accept_unix, accept_tcp) };
@@ -414,6 +428,15 @@ enum Listener {
     Tcp(TcpListener),
 }
 
+impl Listener {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Unix(..) => "UNIX socket",
+            Self::Tcp(_) => "TCP listener",
+        }
+    }
+}
+
 /// How often the trainer socket's file is checked for.
 const SOCKET_CHECK: Duration = Duration::from_secs(2);
 
@@ -435,15 +458,20 @@ impl Accepting {
     /// `most` at once: a connection past that is closed as soon as it is
     /// accepted, so that peers which connect and stay (a port scanner, a
     /// client leaking sockets) cannot take the descriptors every job's
-    /// reads need.
-    async fn run(self, mut listener: Listener, most: usize) {
+    /// reads need. A stage out of descriptors takes a waiting connection
+    /// with its reserve one and tells it why, instead of leaving it to
+    /// time out.
+    async fn run(self, mut listener: Listener, most: usize, mut reserve: Reserve) {
         let open = Arc::new(tokio::sync::Semaphore::new(most));
         let mut refused = Refusals::default();
+        // When idle jobs were last forgotten to free descriptors.
+        let mut freeing: Option<Instant> = None;
         loop {
             let accepted = match &mut listener {
                 Listener::Unix(l, file) => self.accept_unix(l, file).await.map(|r| {
                     r.map(|s| {
                         let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
+                            let _ = s.try_write(&full(most));
                             return refused.count(&self.engine, "UNIX socket", most);
                         };
                         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
@@ -460,6 +488,7 @@ impl Accepting {
                 Listener::Tcp(l) => self.cancel.run_until_cancelled(l.accept()).await.map(|r| {
                     r.map(|(s, peer)| {
                         let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
+                            let _ = s.try_write(&full(most));
                             return refused.count(&self.engine, "TCP listener", most);
                         };
                         let _ = s.set_nodelay(true);
@@ -469,8 +498,53 @@ impl Accepting {
             };
             match accepted {
                 None => return,
-                Some(Ok(())) => {}
+                Some(Ok(())) => {
+                    reserve.refill();
+                    freeing = None;
+                }
+                // Jobs kept idle give their descriptors back first, once
+                // their readers have stopped: the waiting connection gets
+                // a moment for that before it is refused.
+                Some(Err(e))
+                    if fd_limit::exhausted(&e)
+                        && (self.engine.forget_idle_jobs() > 0
+                            || freeing.is_some_and(|at| at.elapsed() < FREEING)) =>
+                {
+                    freeing.get_or_insert_with(Instant::now);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Some(Err(e)) if fd_limit::exhausted(&e) && reserve.release() => {
+                    let name = listener.name();
+                    self.turn_away(&mut listener).await;
+                    refused.out_of_descriptors(&self.engine, name);
+                    reserve.refill();
+                    freeing = None;
+                }
                 Some(Err(e)) => accept_failed(&e).await,
+            }
+        }
+    }
+
+    /// Takes the connection waiting on `listener` (with the descriptor the
+    /// reserve just gave back), tells its trainer that the stage is out of
+    /// file descriptors and closes it.
+    async fn turn_away(&self, listener: &mut Listener) {
+        let answer = unavailable(format!(
+            "the stage is out of file descriptors (it may open {}): it takes no connection until some close; try again later, or ask its operator to raise its `nofile` limit",
+            fd_limit::soft()
+        ));
+        let wait = Duration::from_millis(100);
+        // A full socket buffer drops the answer; the close still comes.
+        match listener {
+            Listener::Unix(l, _) => {
+                if let Ok(Ok((s, _))) = tokio::time::timeout(wait, l.accept()).await {
+                    let _ = s.try_write(&answer);
+                }
+            }
+            Listener::Tcp(l) => {
+                if let Ok(Ok((s, _))) = tokio::time::timeout(wait, l.accept()).await {
+                    let _ = s.try_write(&answer);
+                }
             }
         }
     }
@@ -546,20 +620,76 @@ impl Accepting {
     }
 }
 
-/// Connections refused because a listener held its most: counted, and
-/// logged at most once a minute.
+/// How long a connection waits, in a stage out of descriptors, for the
+/// idle jobs just forgotten to give theirs back.
+const FREEING: Duration = Duration::from_millis(500);
+
+/// The answer to a connection refused because its listener holds `most`.
+fn full(most: usize) -> Vec<u8> {
+    unavailable(format!(
+        "the stage holds its most trainer connections on this listener ({most}, its share of a quarter of its file descriptor limit): try again once some close, or ask its operator to raise its `nofile` limit"
+    ))
+}
+
+/// An `ERROR UNAVAILABLE` frame saying `why`, for a connection refused
+/// before it is served (sent if the socket takes it at once).
+fn unavailable(why: String) -> Vec<u8> {
+    Response::Error(ProtocolError::new(ErrorCode::Unavailable, why)).encode()
+}
+
+/// A descriptor held back (`/dev/null`), so that a listener of a stage out
+/// of descriptors can still take a waiting connection to refuse it.
+#[derive(Debug)]
+struct Reserve(Option<std::fs::File>);
+
+impl Reserve {
+    fn new() -> Self {
+        Self(std::fs::File::open("/dev/null").ok())
+    }
+
+    /// Gives the descriptor back for one accept; `false` when none is held.
+    fn release(&mut self) -> bool {
+        self.0.take().is_some()
+    }
+
+    /// Takes a descriptor back when none is held (and one is free).
+    fn refill(&mut self) {
+        if self.0.is_none() {
+            *self = Self::new();
+        }
+    }
+}
+
+/// Connections refused because the listeners held their most, or the
+/// stage was out of descriptors: counted, and each logged at most once a
+/// minute.
 #[derive(Default)]
-struct Refusals(pace::Sparse);
+struct Refusals {
+    full: pace::Sparse,
+    exhausted: pace::Sparse,
+}
 
 impl Refusals {
+    fn out_of_descriptors(&mut self, engine: &Engine, listener: &str) {
+        engine.metrics().connections_refused.inc();
+        if let Some(refused) = self.exhausted.note(Duration::from_secs(60)) {
+            warn!(
+                listener,
+                limit = fd_limit::soft(),
+                refused,
+                "trainer connections were refused: the stage is out of file descriptors (connections, shared-memory regions, open files); raise its `nofile` limit, or run fewer jobs or connections on it"
+            );
+        }
+    }
+
     fn count(&mut self, engine: &Engine, listener: &str, most: usize) {
         engine.metrics().connections_refused.inc();
-        if let Some(refused) = self.0.note(Duration::from_secs(60)) {
+        if let Some(refused) = self.full.note(Duration::from_secs(60)) {
             warn!(
                 listener,
                 most,
                 refused,
-                "trainer connections were closed as soon as they were accepted: the listener holds its most connections (a quarter of the stage's file descriptor limit); peers that connect and never say HELLO are closed after 10 s"
+                "trainer connections were closed as soon as they were accepted: the listener holds its most connections (its share of a quarter of the stage's file descriptor limit); peers that connect and never say HELLO are closed after 10 s"
             );
         }
     }
@@ -571,10 +701,14 @@ fn widen_send_buffer(socket: &socket2::SockRef<'_>) {
     let _ = socket.set_send_buffer_size(SEND_BUFFER);
 }
 
-/// Accept errors (out of file descriptors, mostly) are transient: back off
-/// briefly instead of spinning or giving up.
+/// Accept errors (out of file descriptors with no reserve, mostly) are
+/// transient: back off briefly instead of spinning or giving up, and warn
+/// at most once a minute.
 async fn accept_failed(e: &std::io::Error) {
-    warn!(error = %e, "accepting a trainer connection failed");
+    static FAILED: std::sync::Mutex<pace::Sparse> = std::sync::Mutex::new(pace::Sparse::new());
+    if let Some(times) = crate::sync::lock(&FAILED).note(Duration::from_secs(60)) {
+        warn!(error = %e, times, "accepting a trainer connection failed");
+    }
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 

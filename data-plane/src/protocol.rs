@@ -620,7 +620,6 @@ impl Response {
     }
 
     /// Encodes the frame into one buffer.
-    #[cfg(test)]
     pub fn encode(&self) -> Vec<u8> {
         self.encode_parts()
             .iter()

@@ -14,8 +14,15 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use sluice_proto::fd_limit;
+use tracing::warn;
 
 use crate::chunk::{Buffer, Chunk};
+use crate::pace::Sparse;
 use crate::protocol::{ErrorCode, MAX_RESPONSE_FRAME, ProtocolError, TO_END};
 
 /// The largest file one frame can carry, leaving room for headers.
@@ -73,12 +80,69 @@ fn not_regular() -> io::Error {
 }
 
 /// Opens `path` with `options`; a UNIX socket file, which cannot be
-/// opened at all (`ENXIO`), is not a regular file either.
+/// opened at all (`ENXIO`), is not a regular file either. A stage out of
+/// file descriptors waits for one (they come back as other reads finish
+/// and connections close) for up to [`DESCRIPTOR_WAIT`] instead of failing
+/// the sample at once, and then fails it saying what to raise. Blocking.
 fn open_with(options: &OpenOptions, path: &Path) -> io::Result<File> {
-    options.open(path).map_err(|e| match e.raw_os_error() {
+    with_descriptor(|| options.open(path)).map_err(|e| match e.raw_os_error() {
         Some(libc::ENXIO) => not_regular(),
         _ => e,
     })
+}
+
+/// Runs `open`, which takes a file descriptor: a stage out of them waits
+/// for one (they come back as other reads finish and connections close)
+/// for up to [`DESCRIPTOR_WAIT`], trying again, instead of failing at
+/// once, and then fails saying what to raise. Blocking.
+pub fn with_descriptor<T>(mut open: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match open() {
+            Err(e) if fd_limit::exhausted(&e) && started.elapsed() < DESCRIPTOR_WAIT => {
+                descriptors_short();
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            Err(e) if fd_limit::exhausted(&e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}: the stage found no free file descriptor for {} s (it may open {}); raise its `nofile` limit (ulimit -n, or the container runtime's), or run fewer jobs or connections on it",
+                        DESCRIPTOR_WAIT.as_secs(),
+                        fd_limit::soft()
+                    ),
+                ));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// How long a read waits for a free file descriptor.
+const DESCRIPTOR_WAIT: Duration = Duration::from_secs(10);
+
+/// Whether a read waited for a file descriptor since the last call (the
+/// engine then forgets the jobs kept idle, and their descriptors go back).
+pub fn descriptors_were_short() -> bool {
+    SHORT.swap(false, Ordering::Relaxed)
+}
+
+static SHORT: AtomicBool = AtomicBool::new(false);
+
+/// Notes that a read waits for a file descriptor, and warns about it at
+/// most once a minute.
+fn descriptors_short() {
+    static WARNED: Mutex<Sparse> = Mutex::new(Sparse::new());
+    SHORT.store(true, Ordering::Relaxed);
+    if let Some(times) = crate::sync::lock(&WARNED).note(Duration::from_secs(60)) {
+        warn!(
+            times,
+            limit = fd_limit::soft(),
+            "reads waited for a free file descriptor: the stage holds as many as it may open (connections, shared-memory regions, open files); raise its `nofile` limit, or run fewer jobs or connections on it"
+        );
+    }
 }
 
 fn grew(listed: u64) -> io::Error {

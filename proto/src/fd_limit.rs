@@ -31,10 +31,20 @@ pub fn raise() -> usize {
 /// (a stage's data files, node cache, mount and `/metrics`; a floor above
 /// that, under a low limit, let idle connections take every descriptor).
 pub fn connections_per_listener() -> usize {
-    let soft = current().map_or(FALLBACK, |l| {
+    per_listener(soft())
+}
+
+/// The descriptors the process may open now (the soft limit).
+pub fn soft() -> usize {
+    current().map_or(FALLBACK, |l| {
         usize::try_from(l.rlim_cur).unwrap_or(usize::MAX)
-    });
-    per_listener(soft)
+    })
+}
+
+/// Whether `e` says the process (`EMFILE`) or the system (`ENFILE`) is out
+/// of file descriptors: a shortage that passes as others close theirs.
+pub fn exhausted(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 fn per_listener(soft: usize) -> usize {

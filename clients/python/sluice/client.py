@@ -348,7 +348,13 @@ class Client:
             return
         # The region's descriptor comes with WELCOME's first byte: receive
         # that frame with recvmsg, then read the rest through the file.
-        self._sock.sendall(hello)
+        try:
+            self._sock.sendall(hello)
+        except OSError:
+            # A stage that refused the connection (it holds its most, or it
+            # is out of descriptors) answered before closing it: the answer
+            # is read below, or that the stage closed without one.
+            pass
         try:
             frame, fd = _shm.receive_with_fd(self._sock, p.MAX_RESPONSE_FRAME)
         except socket.timeout:

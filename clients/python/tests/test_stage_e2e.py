@@ -1179,16 +1179,16 @@ def test_a_client_naming_job_after_job_cannot_make_the_stage_keep_them_all(stage
 
 def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, dataset):
     """Peers that connect to the TCP listener and say nothing (a port
-    scanner, a client leaking sockets) are held to a quarter of the stage's
-    descriptor limit and closed after 10 s without HELLO: every job's reads
+    scanner, a client leaking sockets) are held to their listener's share of
+    a quarter of the stage's descriptor limit and closed after 10 s without HELLO: every job's reads
     go on beside them."""
     root, files = dataset
-    stage = stage_factory({"d": root}, tcp=True, nofile=256)  # 64 connections a listener
+    stage = stage_factory({"d": root}, tcp=True, nofile=256)  # 32 connections a listener
     host, port = stage.tcp.rsplit(":", 1)
     first = Raw((host, int(port)), timeout=20)
     held = [socket.create_connection((host, int(port))) for _ in range(200)]
     try:
-        wait_for(lambda: stage_metric(stage, "sluice_stage_connections_refused_total") >= 200 - 63,
+        wait_for(lambda: stage_metric(stage, "sluice_stage_connections_refused_total") >= 200 - 31,
                  what="connections past the listener's most refused")
         fds = os.listdir(f"/proc/{stage.proc.pid}/fd")
         assert len(fds) < 128, f"the stage holds {len(fds)} descriptors for 200 idle TCP peers"
@@ -1202,6 +1202,81 @@ def test_idle_tcp_peers_cannot_take_the_stages_descriptors(stage_factory, datase
             s.close()
     with sluice.Client(f"tcp://{stage.tcp}", job="after") as c:
         assert dict(c.dataset("d").epoch(0)) == files
+
+
+def test_jobs_reading_at_once_under_a_low_descriptor_limit_lose_no_sample(stage_factory, tmp_path):
+    """Each job reads with many threads at once, each holding a file open:
+    under a low descriptor limit, the readers of jobs reading at once find
+    none free now and then. Such a read waits for one (they come back as
+    other reads finish) instead of failing its sample with `EMFILE`."""
+    files = small_files(tmp_path / "d", 1000, sizes=(4 << 10, 8 << 10))
+    stage = stage_factory({"d": tmp_path / "d"}, nofile=128)
+    results = {}
+
+    def epoch(i):
+        try:
+            with sluice.Client(stage.socket, job=f"j{i}", timeout=60, reconnect=0) as c:
+                results[i] = dict(c.dataset("d").epoch(0, seed=i))
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=epoch, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = {i: r for i, r in results.items() if not isinstance(r, dict)}
+    assert not failed, f"{len(failed)} of 24 jobs failed, e.g. {next(iter(failed.values()))}"
+    assert all(r == files for r in results.values())
+    assert "reads waited for a free file descriptor" in stage.stderr_tail(20000)
+
+
+def test_a_stage_out_of_descriptors_refuses_a_new_trainer_at_once_and_says_why(stage_factory, dataset):
+    """A stage out of descriptors answers a trainer that connects with
+    `UNAVAILABLE` saying so (the connection waited in the backlog until its
+    `HELLO` timed out); once one closes, the next trainer is taken, the job
+    kept idle gives its region's descriptor back and reads that find no
+    descriptor free wait for one."""
+    import resource
+
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    fds = f"/proc/{stage.proc.pid}/fd"
+    first = sluice.Client(stage.socket, job="first", reconnect=0)
+    try:
+        first.dataset("d")
+        # The stage's limit lowered to just above the descriptors it holds.
+        held = [int(fd) for fd in os.listdir(fds)]
+        top = max(held) + 1
+        resource.prlimit(stage.proc.pid, resource.RLIMIT_NOFILE, (top, top))
+        refusal = None
+        for i in range(top - len(held) + 1):  # the free ones beneath it taken, then out
+            t0 = time.monotonic()
+            try:
+                sluice.Client(stage.socket, job="second", timeout=5, reconnect=0).close()
+            except sluice.UnavailableError as e:
+                refusal, took = e, time.monotonic() - t0
+                break
+        assert refusal is not None and "the stage is out of file descriptors" in str(refusal), refusal
+        assert took < 2, f"the refusal took {took:.1f} s"
+        full = len(os.listdir(fds))
+    finally:
+        first.close()
+    wait_for(lambda: len(os.listdir(fds)) < full, what="the stage to see `first` close")
+    assert stage_metric(stage, "sluice_stage_connections_refused_total") == 1
+    assert "trainer connections were refused: the stage is out of file descriptors" in stage.stderr_tail(20000)
+    # The next trainer is taken (the idle job's descriptors go back), and
+    # its reads wait for descriptors where none is free.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            after = sluice.Client(stage.socket, job="after", reconnect=0, timeout=30)
+            break
+        except sluice.UnavailableError:
+            assert time.monotonic() < deadline, "no trainer taken 10 s after `first` closed"
+            time.sleep(0.2)
+    with after:
+        assert dict(after.dataset("d").epoch(0)) == files
 
 
 def small_files(root, n: int, sizes=(16 << 10, 22 << 10)) -> dict:

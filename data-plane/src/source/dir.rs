@@ -7,12 +7,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use sluice_proto::fd_limit;
+
 use super::fence::{self, IntoMount, into_mount};
 use super::{Pinned, changed};
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Owner, Walked};
 use crate::protocol::{ErrorCode, ProtocolError};
-use crate::storage::{direct_unsupported, io_error, open_regular, read_range_of, read_whole};
+use crate::storage::{
+    direct_unsupported, io_error, open_regular, read_range_of, read_whole, with_descriptor,
+};
 
 /// A directory of sample files.
 #[derive(Debug)]
@@ -120,7 +124,7 @@ impl DirSource {
         let root = self.resolve_root()?;
         let root = root.as_path();
         let at_root = |e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", root.display()));
-        let entries = std::fs::read_dir(root).map_err(at_root)?;
+        let entries = with_descriptor(|| std::fs::read_dir(root)).map_err(at_root)?;
         let mut walk = Walk {
             source: self,
             root,
@@ -447,8 +451,11 @@ impl Walk<'_> {
                 format!("{prefix}/{file_name}")
             };
             // One entry that cannot be examined (or that went while the
-            // walk ran) is left out, not the data set failed.
+            // walk ran) is left out, not the data set failed; a stage out
+            // of descriptors fails the listing (the last one stands in):
+            // a subtree left out for it would be a silent gap.
             match self.entry(&entry, name) {
+                Err(error) if fd_limit::exhausted(&error) => return Err(error),
                 Err(error) if error.kind() != io::ErrorKind::NotFound => {
                     self.unreadable.note(entry.path(), || error.to_string());
                 }
@@ -525,7 +532,7 @@ impl Walk<'_> {
         if self.ancestors.contains(&dir) {
             return Ok(());
         }
-        let entries = std::fs::read_dir(&dir)?;
+        let entries = with_descriptor(|| std::fs::read_dir(&dir))?;
         if let Ok(meta) = std::fs::metadata(&dir) {
             let owner = Owner::of(&meta).behind(through);
             self.out.dir_owners.push((name.clone(), owner));
