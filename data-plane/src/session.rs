@@ -69,6 +69,10 @@ pub enum SessionError {
     Refused(#[from] tonic::Status),
     #[error("the controller closed the session")]
     Closed,
+    #[error(
+        "the server at {url} does not speak gRPC (it answered with content-type `{content_type}`): give the controller's gRPC address (its --grpc-addr, port 7070 by default), not its HTTP or metrics port"
+    )]
+    NotGrpc { url: String, content_type: String },
 }
 
 /// Keeps a session with the controller at `url` until `cancel` fires,
@@ -137,7 +141,7 @@ impl SessionError {
             Self::Refused(status) => {
                 std::error::Error::source(status).is_some_and(|e| e.is::<tonic::transport::Error>())
             }
-            Self::BadUrl { .. } | Self::Closed => false,
+            Self::BadUrl { .. } | Self::Closed | Self::NotGrpc { .. } => false,
         }
     }
 }
@@ -198,7 +202,21 @@ async fn session(
             tokio::time::sleep(LEAVE_GRACE).await;
         } => return Ok(()),
     };
-    let mut inbound = opened?.into_inner();
+    let opened = opened?;
+    // An HTTP server (the controller's REST port, say) answers the call
+    // with its own page: no session, whatever the stream seems to open.
+    let content_type = opened
+        .metadata()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !content_type.starts_with("application/grpc") {
+        return Err(SessionError::NotGrpc {
+            url: url.to_owned(),
+            content_type: content_type.to_owned(),
+        });
+    }
+    let mut inbound = opened.into_inner();
     info!(%url, version = engine.settings_version(), "controller session up");
     engine.metrics().controller_connected.set(1);
     engine.set_controller_live(true);

@@ -218,3 +218,19 @@ def test_a_socket_path_too_long_is_refused_with_the_limit(tmp_path, dataset):
     assert proc.returncode == 64, err  # an invalid configuration, refused before anything starts
     assert b"a UNIX socket path must be at most 107 bytes" in err, err
     assert not sock.exists()
+
+
+def test_a_controller_address_that_is_not_grpc_is_said_to_be_so(stage_factory, dataset):
+    """`--controller` given an HTTP port (the controller's REST port is an
+    easy slip for its gRPC one): the stage says the server there does not
+    speak gRPC and which address to give, and never that a session is up."""
+    root, files = dataset
+    http_only = stage_factory({"d": root})
+    stage = stage_factory({"d": root}, "--controller", f"http://{http_only.metrics}")
+    wait_for(lambda: "does not speak gRPC" in stage.stderr_tail(), timeout=15,
+             what="the stage to say the address is not a controller's")
+    log = stage.stderr_tail(20000)
+    assert "give the controller's gRPC address (its --grpc-addr" in log, log
+    assert "controller session up" not in log, log
+    with sluice.Client(stage.socket, job="alone") as c:  # it serves on its own meanwhile
+        assert dict(c.dataset("d").epoch(0)) == files
