@@ -793,10 +793,10 @@ class FileList(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"file index {i} out of range for {n} files")
         if i < 0:
             i += n
-        if not 0 <= i < n:
-            raise IndexError(f"file index {i} out of range for {n} files")
         page = self._pages.get(i // self.PAGE)
         if page is None:
             page = self._fetch(i // self.PAGE)

@@ -55,7 +55,9 @@ stacking the samples when they have one shape (fixed-size records, or a
 transform that gives one shape); for raw files of different sizes pass
 ``collate_fn=sluice.torch.collate``, which keeps such a batch a list.
 ``sample="bytes"`` gives ``bytes`` instead (as before the tensors), and
-``sample="memoryview"`` the client's own objects.
+``sample="memoryview"`` the client's own objects (with ``num_workers=0``
+only: a worker cannot send a ``memoryview`` to the main process, and says
+so).
 
 On a stage on the same node, samples arrive in shared memory: a tensor is a
 view of the job's region, with no copy through the socket (see
@@ -148,6 +150,16 @@ def _converter(sample: str):
     if sample not in _CONVERT:
         raise ValueError(f"sample must be one of {', '.join(SAMPLE_TYPES)}, got {sample!r}")
     return _CONVERT[sample]
+
+
+def _check_sample_in_worker(sample: str) -> None:
+    """A ``DataLoader`` worker hands its batches to the main process by
+    pickling them, which a ``memoryview`` cannot be: the worker's batch
+    would fail to be sent and the main process wait for it for ever."""
+    if sample == "memoryview" and _data.get_worker_info() is not None:
+        raise ValueError('sample="memoryview" works only with num_workers=0: a DataLoader worker '
+                         'cannot send a memoryview to the main process; use sample="tensor" (the '
+                         'default, no copy from shared memory) or "bytes"')
 
 
 def collate(batch):
@@ -595,6 +607,7 @@ class SluiceDataset(_data.Dataset):
         def names(ds: Dataset) -> List[str]:
             return [ds.files[i][0] for i in indices]
 
+        _check_sample_in_worker(self.sample)
         ds = self._conn.get()
         try:
             got = ds.fetch(names(ds))
@@ -967,6 +980,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         return _even_length(self.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[tuple]:
+        _check_sample_in_worker(self.sample)
         info = _data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if workers > 1:

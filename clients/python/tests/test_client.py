@@ -46,6 +46,9 @@ def test_hello_open_list_read(fake, data):
         assert ds.files[1:3] == [(n, len(files[n])) for n in names[1:3]]
         with pytest.raises(IndexError):
             ds.files[len(files)]
+        assert ds.files[-len(files)] == ds.files[0]
+        with pytest.raises(IndexError, match=rf"file index -{len(files) + 1} out of range"):
+            ds.files[-len(files) - 1]
         assert ds.read(names[5]) == files[names[5]]
         assert c.read(names[5], 3, 4) == files[names[5]][3:7]
         with pytest.raises(sluice.NotFoundError) as e:

@@ -230,6 +230,24 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
 
 
+def test_memoryview_samples_in_workers_are_refused_saying_why(stage_factory, dataset):
+    """A worker cannot send a memoryview to the main process (the batch
+    fails to pickle and the main process waited for it for ever): the
+    worker refuses `sample="memoryview"` with what to use instead."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="views", sample="memoryview")
+    loader = DataLoader(ds, batch_size=4, num_workers=1, collate_fn=collate, timeout=60)
+    with pytest.raises(ValueError, match=r'sample="memoryview" works only with num_workers=0'):
+        next(iter(loader))
+    it = SluiceIterableDataset(stage.socket, "d", job="views-it", sample="memoryview")
+    with pytest.raises(ValueError, match=r'sample="memoryview" works only with num_workers=0'):
+        next(iter(DataLoader(it, batch_size=4, num_workers=1, collate_fn=collate, timeout=60)))
+    # In the main process it is what it says.
+    assert all(isinstance(d, memoryview) for _, d in ds.__getitems__([0, 1]))
+    ds.close()
+
+
 def test_workers_reading_samples_larger_than_the_budget_do_not_wait_on_each_other(stage_factory, tmp_path):
     """Map-style workers (4) reading a sampler's epoch of 24 MiB samples
     on a 16 MiB budget: a worker's read of an entry the stage had already
