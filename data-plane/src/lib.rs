@@ -458,14 +458,14 @@ impl Accepting {
     /// `most` at once: a connection past that is closed as soon as it is
     /// accepted, so that peers which connect and stay (a port scanner, a
     /// client leaking sockets) cannot take the descriptors every job's
-    /// reads need. A stage out of descriptors takes a waiting connection
-    /// with its reserve one and tells it why, instead of leaving it to
-    /// time out.
+    /// reads need. A stage out of descriptors lets a connection wait for
+    /// one for a moment, then takes it with its reserve one and tells it
+    /// why, instead of leaving it to time out.
     async fn run(self, mut listener: Listener, most: usize, mut reserve: Reserve) {
         let open = Arc::new(tokio::sync::Semaphore::new(most));
         let mut refused = Refusals::default();
-        // When idle jobs were last forgotten to free descriptors.
-        let mut freeing: Option<Instant> = None;
+        // Since when the connection waiting has found no descriptor free.
+        let mut short_since: Option<Instant> = None;
         loop {
             let accepted = match &mut listener {
                 Listener::Unix(l, file) => self.accept_unix(l, file).await.map(|r| {
@@ -500,25 +500,25 @@ impl Accepting {
                 None => return,
                 Some(Ok(())) => {
                     reserve.refill();
-                    freeing = None;
+                    short_since = None;
                 }
-                // Jobs kept idle give their descriptors back first, once
-                // their readers have stopped: the waiting connection gets
-                // a moment for that before it is refused.
+                // Out of descriptors: the jobs kept idle give theirs back,
+                // and reads hold theirs for a moment, so the connection
+                // waits in the backlog for one for up to `ACCEPT_WAIT`
+                // before it is refused (with the reserve's).
                 Some(Err(e))
                     if fd_limit::exhausted(&e)
-                        && (self.engine.forget_idle_jobs() > 0
-                            || freeing.is_some_and(|at| at.elapsed() < FREEING)) =>
+                        && short_since.get_or_insert_with(Instant::now).elapsed() < ACCEPT_WAIT =>
                 {
-                    freeing.get_or_insert_with(Instant::now);
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    self.engine.forget_idle_jobs();
+                    tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Some(Err(e)) if fd_limit::exhausted(&e) && reserve.release() => {
                     let name = listener.name();
                     self.turn_away(&mut listener).await;
                     refused.out_of_descriptors(&self.engine, name);
                     reserve.refill();
-                    freeing = None;
+                    short_since = None;
                 }
                 Some(Err(e)) => accept_failed(&e).await,
             }
@@ -620,9 +620,10 @@ impl Accepting {
     }
 }
 
-/// How long a connection waits, in a stage out of descriptors, for the
-/// idle jobs just forgotten to give theirs back.
-const FREEING: Duration = Duration::from_millis(500);
+/// How long a connection waits, in a stage out of descriptors, for one to
+/// come free (reads give theirs back within milliseconds; connections and
+/// regions hold theirs).
+const ACCEPT_WAIT: Duration = Duration::from_secs(2);
 
 /// The answer to a connection refused because its listener holds `most`.
 fn full(most: usize) -> Vec<u8> {
