@@ -1282,6 +1282,34 @@ def test_a_stage_out_of_descriptors_refuses_a_new_trainer_at_once_and_says_why(s
         assert dict(after.dataset("d").epoch(0)) == files
 
 
+def test_jobs_without_a_plan_hold_no_reader_threads(stage_factory, dataset):
+    """A job kept idle (a minute after its trainers leave) or between
+    epochs holds no reader threads: a node with many such jobs kept 16
+    each, and reached its process's thread limit. Its next plan starts
+    them again."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+
+    def readers():
+        tasks = f"/proc/{stage.proc.pid}/task"
+        names = []
+        for t in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{t}/comm") as f:
+                    names.append(f.read().strip())
+            except FileNotFoundError:
+                pass  # the thread exited meanwhile
+        return sum(n.startswith("reader-") for n in names)
+
+    for i in range(10):
+        with sluice.Client(stage.socket, job=f"epoch-{i}") as c:
+            assert dict(c.dataset("d").epoch(0)) == files
+    wait_for(lambda: readers() == 0, what="the idle jobs' reader threads to stop")
+    assert stage_metric(stage, "sluice_stage_jobs") == 10
+    with sluice.Client(stage.socket, job="epoch-0") as c:
+        assert dict(c.dataset("d").epoch(1)) == files
+
+
 def small_files(root, n: int, sizes=(16 << 10, 22 << 10)) -> dict:
     root.mkdir()
     rng = random.Random(n)

@@ -705,6 +705,11 @@ impl Job {
                 self.work.notify_all();
             }
         }
+        // Readers past what the job needs (its last plan finished while
+        // they waited for work) are woken to stop.
+        if st.readers_running > st.threads_wanted() && st.readers_idle > 0 {
+            self.work.notify_all();
+        }
         self.publish_gauges(&st);
     }
 

@@ -440,13 +440,18 @@ fn internal_failure(job: &str, name: &str) -> Result<Chunk, ProtocolError> {
 
 impl JobState {
     /// Reader threads the job needs: one per read in flight while any plan
-    /// reads a local source, else a few that start asynchronous reads.
+    /// reads a local source, else a few that start asynchronous reads, and
+    /// none while it has no plan (a job kept idle, or one reading by name
+    /// only, holds no threads: a node with many such kept 16 each, and ran
+    /// into its process limit). A plan's start starts them again.
     pub(super) fn threads_wanted(&self) -> u32 {
-        let all_remote = !self.plans.is_empty()
-            && self
-                .plans
-                .values()
-                .all(|p| p.dataset.source().remote().is_some());
+        if self.plans.is_empty() {
+            return 0;
+        }
+        let all_remote = self
+            .plans
+            .values()
+            .all(|p| p.dataset.source().remote().is_some());
         if all_remote {
             self.readers_target.min(REMOTE_THREADS)
         } else {
