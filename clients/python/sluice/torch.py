@@ -415,6 +415,16 @@ class _PerProcess:
             self._client.close()
         self._client = self._dataset = None
 
+    def __del__(self) -> None:
+        # Dropped with the object it serves (a notebook cell run again, a
+        # `del`): the connection, and the plan and buffer it holds on the
+        # stage, go now. The client and its dataset refer to each other,
+        # so without this they lasted until Python's cycle collector ran.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, or a broken connection
+            pass
+
     @property
     def run(self) -> Optional[int]:
         """The run this process's plans belong to: one per trainer process

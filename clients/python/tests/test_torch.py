@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import files_of, http_get, in_ci, job_metric, sorted_names, wait_for
+from conftest import files_of, http_get, in_ci, job_metric, sorted_names, stage_metric, wait_for
 
 try:
     import torch  # noqa: F401
@@ -228,6 +228,36 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert all(files[n] == d for n, d in seen)
     # The samples came in shared memory.
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
+
+
+def test_loaders_dropped_mid_epoch_give_their_connections_back_without_the_cycle_collector(
+        stage_factory, dataset):
+    """A notebook cell that builds a dataset, a sampler and a loader, looks
+    at a few batches and is run again drops the old objects: their
+    connections, and the plans and buffers they hold on the stage, go at
+    once (they lasted until Python's cycle collector ran)."""
+    import gc
+
+    root, files = dataset
+    stage = stage_factory({"d": root})
+
+    def cell(i):
+        ds = SluiceDataset(stage.socket, "d", job="cell")
+        sampler = SluiceSampler(ds, seed=i)
+        it = SluiceIterableDataset(stage.socket, "d", job="cell-it", seed=i)
+        for loader in (DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate),
+                       DataLoader(it, batch_size=4, collate_fn=collate)):
+            for n, _ in zip(range(2), loader):
+                pass
+
+    gc.disable()
+    try:
+        for i in range(3):
+            cell(i)
+        wait_for(lambda: stage_metric(stage, "sluice_stage_connections") == 0, timeout=5,
+                 what="the dropped objects' connections to close")
+    finally:
+        gc.enable()
 
 
 def test_memoryview_samples_in_workers_are_refused_saying_why(stage_factory, dataset):
