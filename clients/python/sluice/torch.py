@@ -420,10 +420,14 @@ class _PerProcess:
         # `del`): the connection, and the plan and buffer it holds on the
         # stage, go now. The client and its dataset refer to each other,
         # so without this they lasted until Python's cycle collector ran.
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit, or a broken connection
-            pass
+        # Closed at once, not with BYE: that waits for the client's lock,
+        # which the thread this runs on may hold (its prefetch thread).
+        client = self.__dict__.get("_client")
+        if client is not None and self.__dict__.get("_pid") == os.getpid():
+            try:
+                client._abort()
+            except Exception:  # noqa: BLE001 - at interpreter exit
+                pass
 
     @property
     def run(self) -> Optional[int]:
