@@ -621,6 +621,12 @@ impl Engine {
         let budget = self.memory.budget() as usize;
         match Region::new(id, budget, &self.kept) {
             Ok(region) => Some(region),
+            // Out of descriptors for now: this job goes through the socket,
+            // and the next one tries again.
+            Err(e) if sluice_proto::fd_limit::exhausted(&e) => {
+                tracing::debug!(job = id, error = %e, "no shared-memory region for this job: out of file descriptors");
+                None
+            }
             Err(e) => {
                 if self.shared_memory.swap(false, Ordering::Relaxed) {
                     tracing::warn!(error = %e, "cannot create a shared-memory region: delivering through the socket only");

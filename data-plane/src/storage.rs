@@ -108,11 +108,11 @@ pub fn with_descriptor<T>(mut open: impl FnMut() -> io::Result<T>) -> io::Result
             Err(e) if fd_limit::exhausted(&e) => {
                 return Err(io::Error::new(
                     e.kind(),
-                    format!(
+                    fd_limit::Exhausted(format!(
                         "{e}: the stage found no free file descriptor for {} s (it may open {}); raise its `nofile` limit (ulimit -n, or the container runtime's), or run fewer jobs or connections on it",
                         DESCRIPTOR_WAIT.as_secs(),
                         fd_limit::soft()
-                    ),
+                    )),
                 ));
             }
             done => return done,

@@ -42,10 +42,25 @@ pub fn soft() -> usize {
 }
 
 /// Whether `e` says the process (`EMFILE`) or the system (`ENFILE`) is out
-/// of file descriptors: a shortage that passes as others close theirs.
+/// of file descriptors, itself or as an [`Exhausted`] that says so: a
+/// shortage that passes as others close theirs.
 pub fn exhausted(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+        || e.get_ref().is_some_and(|inner| inner.is::<Exhausted>())
 }
+
+/// An error that says, in its own words, that the process found no file
+/// descriptor free (it waited for one, say): still [`exhausted`].
+#[derive(Debug)]
+pub struct Exhausted(pub String);
+
+impl std::fmt::Display for Exhausted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Exhausted {}
 
 fn per_listener(soft: usize) -> usize {
     (soft / 4).max(1)
@@ -66,6 +81,17 @@ fn current() -> Option<libc::rlimit> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shortage_said_in_other_words_is_still_one() {
+        assert!(exhausted(&std::io::Error::from_raw_os_error(libc::EMFILE)));
+        assert!(exhausted(&std::io::Error::from_raw_os_error(libc::ENFILE)));
+        let said = std::io::Error::other(Exhausted("no descriptor for 10 s".into()));
+        assert!(exhausted(&said));
+        assert_eq!(said.to_string(), "no descriptor for 10 s");
+        assert!(!exhausted(&std::io::Error::from_raw_os_error(libc::EACCES)));
+        assert!(!exhausted(&std::io::Error::other("Too many open files")));
+    }
 
     #[test]
     fn connections_keep_three_quarters_of_the_limit_for_reads() {

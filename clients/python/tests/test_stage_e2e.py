@@ -1249,7 +1249,8 @@ def test_a_stage_out_of_descriptors_refuses_a_new_trainer_at_once_and_says_why(s
         # The stage's limit lowered to just above the descriptors it holds.
         held = [int(fd) for fd in os.listdir(fds)]
         top = max(held) + 1
-        resource.prlimit(stage.proc.pid, resource.RLIMIT_NOFILE, (top, top))
+        hard = resource.prlimit(stage.proc.pid, resource.RLIMIT_NOFILE)[1]
+        resource.prlimit(stage.proc.pid, resource.RLIMIT_NOFILE, (top, hard))
         refusal = None
         for i in range(top - len(held) + 1):  # the free ones beneath it taken, then out
             t0 = time.monotonic()
@@ -1280,6 +1281,12 @@ def test_a_stage_out_of_descriptors_refuses_a_new_trainer_at_once_and_says_why(s
             time.sleep(0.2)
     with after:
         assert dict(after.dataset("d").epoch(0)) == files
+    # Once descriptors are plenty again, jobs get shared memory again (a
+    # region refused for want of a descriptor turned it off for good).
+    resource.prlimit(stage.proc.pid, resource.RLIMIT_NOFILE, (min(hard, 1024), hard))
+    with sluice.Client(stage.socket, job="later", reconnect=0) as later:
+        assert later.shared_memory
+        assert dict(later.dataset("d").epoch(0)) == files
 
 
 def test_jobs_without_a_plan_hold_no_reader_threads(stage_factory, dataset):
