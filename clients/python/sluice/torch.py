@@ -55,9 +55,10 @@ stacking the samples when they have one shape (fixed-size records, or a
 transform that gives one shape); for raw files of different sizes pass
 ``collate_fn=sluice.torch.collate``, which keeps such a batch a list.
 ``sample="bytes"`` gives ``bytes`` instead (as before the tensors), and
-``sample="memoryview"`` the client's own objects (with ``num_workers=0``
-only: a worker cannot send a ``memoryview`` to the main process, and says
-so).
+``sample="memoryview"`` the client's own objects (in ``DataLoader`` workers
+only with a ``transform`` or ``collate_fn`` that turns them into objects
+that pickle: a worker cannot send a ``memoryview`` to the main process, and
+PyTorch's loader then waits for that batch for ever).
 
 On a stage on the same node, samples arrive in shared memory: a tensor is a
 view of the job's region, with no copy through the socket (see
@@ -87,6 +88,7 @@ import os
 import re
 import select
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -150,16 +152,6 @@ def _converter(sample: str):
     if sample not in _CONVERT:
         raise ValueError(f"sample must be one of {', '.join(SAMPLE_TYPES)}, got {sample!r}")
     return _CONVERT[sample]
-
-
-def _check_sample_in_worker(sample: str) -> None:
-    """A ``DataLoader`` worker hands its batches to the main process by
-    pickling them, which a ``memoryview`` cannot be: the worker's batch
-    would fail to be sent and the main process wait for it for ever."""
-    if sample == "memoryview" and _data.get_worker_info() is not None:
-        raise ValueError('sample="memoryview" works only with num_workers=0: a DataLoader worker '
-                         'cannot send a memoryview to the main process; use sample="tensor" (the '
-                         'default, no copy from shared memory) or "bytes"')
 
 
 def collate(batch):
@@ -423,6 +415,11 @@ class _PerProcess:
         # Closed at once, not with BYE: that waits for the client's lock,
         # which the thread this runs on may hold (its prefetch thread).
         client = self.__dict__.get("_client")
+        # At interpreter exit the prefetch threads are frozen, possibly
+        # inside a read of the socket's file, which closing it would wait
+        # for: the process's exit closes the connection.
+        if sys.is_finalizing():
+            return
         if client is not None and self.__dict__.get("_pid") == os.getpid():
             try:
                 client._abort()
@@ -621,7 +618,6 @@ class SluiceDataset(_data.Dataset):
         def names(ds: Dataset) -> List[str]:
             return [ds.files[i][0] for i in indices]
 
-        _check_sample_in_worker(self.sample)
         ds = self._conn.get()
         try:
             got = ds.fetch(names(ds))
@@ -910,7 +906,16 @@ class MountSampler(_PlanningSampler):
         # A padded file is another rank's entry: its open here delivers that
         # entry if the other rank has not opened the file yet.
         self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
-        return iter(order)
+        return _keeping(self, order)
+
+
+def _keeping(owner, order: List[int]) -> Iterator[int]:
+    """Iterates ``order`` holding ``owner``: a sampler whose connection
+    holds the epoch's plan lives as long as its iterator (``for i in
+    MountSampler(...)`` keeps no other reference to it)."""
+    for index in order:
+        yield index
+    del owner
 
 
 class SluiceIterableDataset(_data.IterableDataset):
@@ -994,7 +999,6 @@ class SluiceIterableDataset(_data.IterableDataset):
         return _even_length(self.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[tuple]:
-        _check_sample_in_worker(self.sample)
         info = _data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if workers > 1:

@@ -24,7 +24,7 @@ import sluice
 from sluice.bench.common import metric_value, parse_prometheus
 from sluice.bench.stage import StageProcess, StageStartError
 
-from conftest import http_get, replace_file, stage_binary, start_stage, wait_for
+from conftest import http_get, replace_file, stage_binary, stage_metric, start_stage, wait_for
 
 
 def walk(root) -> dict:
@@ -358,6 +358,28 @@ def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mo
                 assert f.read() == files[os.path.basename(paths[i])]
     sampler.close()
     assert job_metric(stage, "sluice_stage_storage_reads_total", "cached") == len(files)
+
+
+def test_a_mount_sampler_iterated_without_being_kept_keeps_its_plan(tmp_path, mount_stage):
+    """`for i in MountSampler(...)` keeps no other reference to the sampler:
+    its iterator keeps it, and with it the connection that holds the
+    epoch's plan, so every open is the plan's delivery (each file read
+    from storage once)."""
+    pytest.importorskip("torch")
+    from sluice.torch import MountSampler
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(8_000) for i in range(200)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage, mnt = mount_stage(root)
+    paths = [str(mnt / "@unkept" / "ds" / name) for name in sorted(files)]
+    for n, i in enumerate(MountSampler(paths, stage.socket, seed=1)):
+        if n == 0:
+            assert stage_metric(stage, "sluice_stage_connections") == 1, "the plan's connection went"
+        with open(paths[i], "rb") as f:
+            assert f.read() == files[os.path.basename(paths[i])]
+    assert job_metric(stage, "sluice_stage_storage_reads_total", "unkept") == len(files)
 
 
 def test_opens_of_a_planned_epoch_are_its_deliveries_exactly_once(mounted):
