@@ -350,11 +350,16 @@ class Client:
         # that frame with recvmsg, then read the rest through the file.
         try:
             self._sock.sendall(hello)
-        except OSError:
+        except (BrokenPipeError, ConnectionResetError):
             # A stage that refused the connection (it holds its most, or it
             # is out of descriptors) answered before closing it: the answer
             # is read below, or that the stage closed without one.
             pass
+        except socket.timeout:
+            raise StageTimeoutError("the stage did not take HELLO within the client's timeout",
+                                    fatal=True) from None
+        except OSError as e:
+            raise ConnectionClosedError(f"the connection to the stage failed: {e}", fatal=True) from None
         try:
             frame, fd = _shm.receive_with_fd(self._sock, p.MAX_RESPONSE_FRAME)
         except socket.timeout:
