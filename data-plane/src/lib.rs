@@ -466,13 +466,14 @@ impl Accepting {
         let mut refused = Refusals::default();
         // Since when the connection waiting has found no descriptor free.
         let mut short_since: Option<Instant> = None;
+        let name = listener.name();
         loop {
             let accepted = match &mut listener {
                 Listener::Unix(l, file) => self.accept_unix(l, file).await.map(|r| {
                     r.map(|s| {
                         let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
                             let _ = s.try_write(&full(most));
-                            return refused.count(&self.engine, "UNIX socket", most);
+                            return refused.count(&self.engine, name, most);
                         };
                         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
                         let peer = match s.peer_cred() {
@@ -489,7 +490,7 @@ impl Accepting {
                     r.map(|(s, peer)| {
                         let Ok(place) = Arc::clone(&open).try_acquire_owned() else {
                             let _ = s.try_write(&full(most));
-                            return refused.count(&self.engine, "TCP listener", most);
+                            return refused.count(&self.engine, name, most);
                         };
                         let _ = s.set_nodelay(true);
                         self.serve(s, Peer::Tcp(peer), None, place);
@@ -514,7 +515,6 @@ impl Accepting {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Some(Err(e)) if fd_limit::exhausted(&e) && reserve.release() => {
-                    let name = listener.name();
                     self.turn_away(&mut listener).await;
                     refused.out_of_descriptors(&self.engine, name);
                     reserve.refill();

@@ -68,6 +68,17 @@ def mounted(mount_stage, dataset):
     return stage, mnt, files
 
 
+def numbered_files(tmp_path, count: int, size: int) -> tuple:
+    """A data set directory of ``count`` random files of ``size`` bytes
+    (``000.bin``, ...): the directory and name -> bytes."""
+    root = tmp_path / "data"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(size) for i in range(count)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root, files
+
+
 def files_of_sizes(tmp_path, sizes: dict[str, int]):
     """A data set directory of random files of the given sizes."""
     root = tmp_path / "data"
@@ -337,11 +348,7 @@ def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mo
     with the node cache holding it, from there, not from storage."""
     pytest.importorskip("torch")
     from sluice.torch import MountSampler
-    root = tmp_path / "data"
-    root.mkdir()
-    files = {f"{i:03d}.bin": os.urandom(20_000) for i in range(120)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
+    root, files = numbered_files(tmp_path, 120, 20_000)
     stage, mnt = mount_stage(root, "--cache-memory", "64MiB", "--readers", "1",
                              "--min-buffer", "1MiB", "--max-buffer", "1MiB", "--initial-buffer", "1MiB")
     paths = [str(mnt / "@cached" / "ds" / name) for name in sorted(files)]
@@ -367,11 +374,7 @@ def test_a_mount_sampler_iterated_without_being_kept_keeps_its_plan(tmp_path, mo
     from storage once)."""
     pytest.importorskip("torch")
     from sluice.torch import MountSampler
-    root = tmp_path / "data"
-    root.mkdir()
-    files = {f"{i:03d}.bin": os.urandom(8_000) for i in range(200)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
+    root, files = numbered_files(tmp_path, 200, 8_000)
     stage, mnt = mount_stage(root)
     paths = [str(mnt / "@unkept" / "ds" / name) for name in sorted(files)]
     for n, i in enumerate(MountSampler(paths, stage.socket, seed=1)):
