@@ -291,7 +291,12 @@ class Client:
         self._closed = False
         self._file = None
         self._region: Optional[_shm.Region] = None
-        self._dataset: Optional[Dataset] = None
+        # The data set opened on the connection, held weakly (a handle holds
+        # its client: a strong reference both ways would keep a dropped
+        # client's connection until the garbage collector's next full pass),
+        # with what Client.read needs to make a handle again.
+        self._dataset_ref: Optional["weakref.ref[Dataset]"] = None
+        self._opened: Optional[tuple] = None
         self._plan_generation = 0
         self._timeout = timeout
         self._want_shm = shared_memory
@@ -485,9 +490,28 @@ class Client:
 
         See :meth:`Dataset.read`.
         """
-        if self._dataset is None:
-            raise NoDatasetError("no dataset is open on this connection; call client.dataset(name) first")
-        return self._dataset.read(name, offset, length)
+        ds = self._dataset
+        if ds is None:
+            if self._opened is None:
+                raise NoDatasetError("no dataset is open on this connection; call client.dataset(name) first")
+            # Its handle was dropped: the connection still has it open.
+            ds = Dataset(self, *self._opened)
+            self._dataset = ds
+        return ds.read(name, offset, length)
+
+    @property
+    def _dataset(self) -> Optional["Dataset"]:
+        """The handle of the data set opened on the connection, while one
+        is held (None after a reconnect, or a plan left, until a handle
+        opens its data set again)."""
+        ref = self._dataset_ref
+        return None if ref is None else ref()
+
+    @_dataset.setter
+    def _dataset(self, ds: Optional["Dataset"]) -> None:
+        self._dataset_ref = None if ds is None else weakref.ref(ds)
+        if ds is not None:
+            self._opened = (ds.name, ds._opened)
 
     @property
     def closed(self) -> bool:
@@ -777,6 +801,17 @@ def _connect(address: Address, timeout: Optional[float]) -> socket.socket:
     return sock
 
 
+class _Listing:
+    """The pages of a data set's listing fetched so far, and its index by
+    name once built."""
+
+    __slots__ = ("pages", "index")
+
+    def __init__(self) -> None:
+        self.pages: dict = {}
+        self.index: Optional[dict] = None
+
+
 class FileList(Sequence):
     """The dataset's files as ``(name, size)`` pairs, sorted by name bytes.
 
@@ -786,10 +821,10 @@ class FileList(Sequence):
 
     PAGE = p.MAX_LIST_LIMIT
 
-    def __init__(self, dataset: "Dataset") -> None:
+    def __init__(self, dataset: "Dataset", listing: "_Listing") -> None:
         self._ds = dataset
-        self._pages: dict = {}
-        self._index: Optional[dict] = None
+        self._pages = listing.pages
+        self._listing = listing
 
     def __len__(self) -> int:
         return self._ds.file_count
@@ -819,9 +854,9 @@ class FileList(Sequence):
     def indices_of(self, names: Sequence[str]) -> List[int]:
         """Returns the indices of ``names`` (the whole listing is fetched,
         and indexed once)."""
-        if self._index is None:
-            self._index = {name: i for i, (name, _) in enumerate(self)}
-        index = self._index
+        if self._listing.index is None:
+            self._listing.index = {name: i for i, (name, _) in enumerate(self)}
+        index = self._listing.index
         try:
             return [index[name] for name in names]
         except KeyError as e:
@@ -854,10 +889,17 @@ class Dataset:
     def __init__(self, client: Client, name: str, opened: p.Opened) -> None:
         self.client = client
         self.name = name
+        self._opened = opened
         self.file_count: int = opened.file_count
         self.total_bytes: int = opened.total_bytes
         self.digest: int = opened.digest
-        self.files = FileList(self)
+        self._listing = _Listing()
+
+    @property
+    def files(self) -> "FileList":
+        """The data set's files (a view on one cache of the listing: the
+        handle does not hold the view, which holds the handle)."""
+        return FileList(self, self._listing)
 
     def __len__(self) -> int:
         return self.file_count

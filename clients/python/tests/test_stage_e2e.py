@@ -970,6 +970,40 @@ def _megabyte_files(root, count: int) -> list:
     return names
 
 
+def test_a_client_dropped_without_close_gives_its_connection_back_at_once(stage_factory, dataset):
+    """A notebook cell that makes a client, opens a data set, lists it,
+    reads and starts an epoch, and is run again drops the old objects: the
+    connection goes with them, not at the cycle collector's next full pass
+    (a client and its data set handle held each other)."""
+    import gc
+
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    names = sorted_names(files)
+
+    def cell(i):
+        c = sluice.Client(stage.socket, job=f"cell{i}")
+        ds = c.dataset("d")
+        assert ds.files[0][0] == names[0] and ds.files.indices_of([names[1]]) == [1]
+        assert ds.read(names[2]) == files[names[2]]
+        next(iter(ds.epoch(0, batch=2)))
+
+    gc.disable()
+    try:
+        for i in range(3):
+            cell(i)
+        wait_for(lambda: stage_metric(stage, "sluice_stage_connections") == 0, timeout=5,
+                 what="the dropped clients' connections to close")
+        # A client whose data set handle was dropped reads from the data set
+        # its connection still has open.
+        with sluice.Client(stage.socket, job="handle") as c:
+            c.dataset("d")
+            gc.collect()
+            assert c.read(names[3]) == files[names[3]]
+    finally:
+        gc.enable()
+
+
 def test_a_read_waiting_on_a_dropped_plan_reads_the_file_itself(stage_factory, tmp_path):
     """A map-style worker's whole-file reads wait for the plan's readers;
     when the sampler's plan goes meanwhile (next epoch, sampler closed),
