@@ -27,11 +27,14 @@
 //!
 //! **One read per sample.** Two jobs that miss the same sample at once
 //! share one source read: the first gets a [`Fill`] and reads, the others
-//! get the [`Flight`] and wait for its bytes, or its error.
+//! get the [`Flight`] and wait for its bytes, or its error. A job under a
+//! QoS limit claims a read (takes the [`Fill`]) only once its limiter lets
+//! it read ([`Cache::lookup_unclaimed`] before): others never wait out a
+//! limit that is not theirs.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::SyncSender;
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -300,7 +303,8 @@ impl Queued {
     /// Queues `bytes` under `key` when they fit; whether they did.
     fn insert(&mut self, key: &SampleKey, bytes: &Arc<[u8]>) -> bool {
         let size = bytes.len() as u64;
-        if self.bytes + size > DISK_QUEUE_BYTES && !self.samples.is_empty() {
+        let full = self.bytes + size > DISK_QUEUE_BYTES || self.samples.len() >= DISK_QUEUE;
+        if full && !self.samples.is_empty() {
             return false;
         }
         if let Some(old) = self.samples.insert(key.clone(), Arc::clone(bytes)) {
@@ -338,7 +342,7 @@ pub struct Cache {
     policy: CachePolicy,
     state: Mutex<State>,
     /// Samples on their way to the disk tier's writer thread.
-    to_disk: Option<SyncSender<(SampleKey, Arc<[u8]>)>>,
+    to_disk: Option<Sender<(SampleKey, Arc<[u8]>)>>,
     metrics: CacheMetrics,
 }
 
@@ -389,8 +393,10 @@ pub struct CacheReport {
     pub datasets: Vec<ShareUse>,
 }
 
-/// Samples waiting for the disk writer; more are not kept for the disk.
-const DISK_QUEUE: usize = 256;
+/// Samples waiting for the disk writer, at most: [`DISK_QUEUE_BYTES`]
+/// bounds them first but for samples under 2 KiB (a bound of 256 held
+/// 1.3 MB of 5 KB samples, and the rest of an epoch was never written).
+const DISK_QUEUE: usize = 16_384;
 
 /// Bytes waiting for the disk writer, at most (one sample larger than
 /// this is queued alone).
@@ -433,7 +439,9 @@ impl Cache {
         let mut writer = None;
         if let Some((dir, capacity)) = &tiers.disk {
             state.disk = Some(open_disk(dir, *capacity, &mut state, &metrics)?);
-            let (tx, rx) = std::sync::mpsc::sync_channel(DISK_QUEUE);
+            // As long as `queued`, which bounds it (a bounded channel
+            // holds its slots from the start).
+            let (tx, rx) = std::sync::mpsc::channel();
             to_disk = Some(tx);
             writer = Some(rx);
         }
@@ -516,37 +524,58 @@ impl Cache {
     }
 
     /// Looks a sample up; `dataset` is the stage's name for its data set.
+    /// A miss claims the sample's read: others that look it up wait for it.
     pub fn lookup(self: &Arc<Self>, dataset: &str, key: &SampleKey) -> Lookup {
+        self.look(dataset, key, true)
+            .expect("a lookup that claims always answers")
+    }
+
+    /// [`Cache::lookup`] that claims nothing: `None` where it would answer
+    /// [`Lookup::Miss`]. A reader that waits for its job's QoS limit before
+    /// it reads looks with this first and claims only once the limit lets
+    /// it read: a claim makes every other job that wants the sample wait
+    /// for it, and they must not wait out a limit that is not theirs.
+    pub fn lookup_unclaimed(self: &Arc<Self>, dataset: &str, key: &SampleKey) -> Option<Lookup> {
+        self.look(dataset, key, false)
+    }
+
+    fn look(self: &Arc<Self>, dataset: &str, key: &SampleKey, claim: bool) -> Option<Lookup> {
         match self.locate(dataset, key) {
-            Found::Memory(bytes) => return Lookup::Hit(bytes),
+            Found::Memory(bytes) => return Some(Lookup::Hit(bytes)),
             Found::Disk(found) => {
-                return Lookup::Disk(DiskHit {
+                return Some(Lookup::Disk(DiskHit {
                     cache: Arc::clone(self),
                     key: key.clone(),
                     found,
-                });
+                }));
             }
             Found::Nowhere => {}
         }
         let mut st = lock(&self.state);
-        let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
+        let label = label_of(&st.shares, key);
         // Another reader's fill may have landed since `locate` let go of
         // the lock: it must not be read a second time.
-        if let Some(bytes) = st.memory.get(key).or_else(|| st.queued.get(key)) {
-            self.metrics.hit(label, MEMORY, bytes.len() as u64);
-            return Lookup::Hit(Arc::clone(bytes));
+        let landed = (st.memory.get(key).map(|b| (b, MEMORY)))
+            .or_else(|| st.queued.get(key).map(|b| (b, DISK)));
+        if let Some((bytes, tier)) = landed {
+            self.metrics.hit(label, tier, bytes.len() as u64);
+            return Some(Lookup::Hit(Arc::clone(bytes)));
+        }
+        if let Some(flight) = st.pending.get(key) {
+            self.metrics.miss(label);
+            return Some(Lookup::Wait(Arc::clone(flight)));
+        }
+        if !claim {
+            return None;
         }
         self.metrics.miss(label);
-        if let Some(flight) = st.pending.get(key) {
-            return Lookup::Wait(Arc::clone(flight));
-        }
         let flight = Arc::new(Flight::default());
         st.pending.insert(key.clone(), Arc::clone(&flight));
-        Lookup::Miss(Fill {
+        Some(Lookup::Miss(Fill {
             cache: Arc::clone(self),
             key: Some(key.clone()),
             flight,
-        })
+        }))
     }
 
     /// `len` bytes from `offset` of a cached sample (a range within it),
@@ -639,8 +668,10 @@ impl Cache {
             self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
             return Found::Memory(bytes);
         }
+        // On its way to the disk tier (the writer's queue): a hit of that
+        // tier, which the memory tier (perhaps of no bytes) does not hold.
         if let Some(bytes) = st.queued.get(key).cloned() {
-            self.metrics.hit(&share.label, MEMORY, bytes.len() as u64);
+            self.metrics.hit(&share.label, DISK, bytes.len() as u64);
             return Found::Memory(bytes);
         }
         // Not in memory: what memory holds of an older version of the
@@ -832,6 +863,8 @@ impl Cache {
             };
             if queued {
                 self.send_to_disk(key, &shared);
+            } else {
+                self.metrics.disk_skipped(&label);
             }
             return Some(shared);
         };
@@ -853,7 +886,7 @@ impl Cache {
         let demoted: Vec<_> = evicted
             .into_iter()
             .map(|(k, v, len)| {
-                let label = shares.get(&k.source).map_or("", |s| s.label.as_str());
+                let label = label_of(shares, &k);
                 self.metrics.evicted(label, MEMORY, len);
                 (k, v)
             })
@@ -871,18 +904,24 @@ impl Cache {
     fn offer_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
         if self.to_disk.is_some() {
             // Findable before the writer can take it off the queue.
-            if lock(&self.state).queued.insert(key, bytes) {
+            let mut st = lock(&self.state);
+            if st.queued.insert(key, bytes) {
+                drop(st);
                 self.send_to_disk(key, bytes);
+            } else {
+                self.metrics.disk_skipped(label_of(&st.shares, key));
             }
         }
     }
 
-    /// Puts a sample already in `queued` on the writer's queue, or takes
-    /// it out of `queued` when the queue is full.
+    /// Puts a sample already in `queued` (which bounds the queue) on the
+    /// writer's queue, or takes it out of `queued` when the writer is gone.
     fn send_to_disk(&self, key: &SampleKey, bytes: &Arc<[u8]>) {
         let Some(tx) = &self.to_disk else { return };
-        if tx.try_send((key.clone(), Arc::clone(bytes))).is_err() {
-            lock(&self.state).queued.remove(key);
+        if tx.send((key.clone(), Arc::clone(bytes))).is_err() {
+            let mut st = lock(&self.state);
+            st.queued.remove(key);
+            self.metrics.disk_skipped(label_of(&st.shares, key));
         }
     }
 
@@ -1032,7 +1071,7 @@ fn open_disk(
             let _ = std::fs::remove_file(&path);
             continue;
         }
-        let label = st.shares.get(&key.source).map_or("", |s| s.label.as_str());
+        let label = label_of(&st.shares, &key);
         // Found, not written: the write rate operators read from
         // `admitted_bytes_total` shows no burst at a restart.
         metrics.held(label, DISK, len);
@@ -1056,13 +1095,24 @@ fn open_disk(
     if let Some(free) = crate::fs_room::free_bytes(dir)
         && capacity > free + tier.used
     {
-        let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+        // In the largest unit that leaves a whole number in front (a 20 MiB
+        // file system read `0.0 GiB free`).
+        let human = |b: u64| {
+            let (unit, factor) = [("GiB", 30), ("MiB", 20), ("KiB", 10)]
+                .into_iter()
+                .find(|&(_, shift)| b >= 1 << shift)
+                .unwrap_or(("B", 0));
+            match factor {
+                0 => format!("{b} B"),
+                _ => format!("{:.1} {unit}", b as f64 / (1u64 << factor) as f64),
+            }
+        };
         tracing::warn!(
             "--cache-disk {} is more than the file system of --cache-dir {} has room for ({} free, {} of it the cache's already): the disk tier will fill it before its size, and writes that find no room are counted in sluice_stage_cache_disk_failures_total{{kind=\"write\"}}; give a smaller --cache-disk or free the space",
-            gib(capacity),
+            human(capacity),
             dir.display(),
-            gib(free + tier.used),
-            gib(tier.used),
+            human(free + tier.used),
+            human(tier.used),
         );
     }
     Ok(Disk {
@@ -1073,6 +1123,11 @@ fn open_disk(
         failed_writes: Sparse::default(),
         failed_checks: Sparse::default(),
     })
+}
+
+/// The metrics label of the data set (or data sets) `key`'s source serves.
+fn label_of<'a>(shares: &'a HashMap<Arc<str>, Share>, key: &SampleKey) -> &'a str {
+    shares.get(&key.source).map_or("", |s| s.label.as_str())
 }
 
 /// Each data set's share of a tier of `capacity` bytes: its pin first

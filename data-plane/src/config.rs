@@ -33,6 +33,9 @@ const LOCAL_MAX_READERS: u32 = 64;
 const MIB: u64 = 1 << 20;
 /// The least of the memory budget the cache must leave to prefetch buffers.
 const MIN_PREFETCH: u64 = 16 * MIB;
+/// The least a cache tier may hold (a smaller one holds next to no sample:
+/// a size given with no unit, which is bytes, was meant in GiB).
+const MIN_CACHE: u64 = 64 << 10;
 
 /// The trainer socket unless --socket says otherwise.
 const DEFAULT_SOCKET: &str = "/tmp/sluice-stage.sock";
@@ -416,6 +419,14 @@ impl StageConfig {
 #[error("{0}")]
 pub struct ConfigError(String);
 
+impl ConfigError {
+    /// A refusal found once the stage begins to start (a `--cache-dir` it
+    /// cannot take), which exits as the others do.
+    pub(crate) fn new(why: String) -> Self {
+        Self(why)
+    }
+}
+
 impl StageConfig {
     /// Reads the YAML file named by `--config` (if any), lays the flags
     /// over it and validates the result.
@@ -742,6 +753,17 @@ fn cache_options(
     datasets: &[(String, PathBuf)],
 ) -> Result<CacheOptions, ConfigError> {
     let memory = args.cache_memory.or(file.memory).map_or(0, ByteSize::bytes);
+    let disk_size = args.cache_disk.or(file.disk).map_or(0, ByteSize::bytes);
+    for (flag, size) in [("--cache-memory", memory), ("--cache-disk", disk_size)] {
+        if size > 0 && size < MIN_CACHE {
+            return Err(ConfigError(format!(
+                "{flag} of {} holds next to no sample: give at least {} (a size written with \
+                 no unit, as `{size}`, is in bytes: write `{size}GiB` for that many GiB)",
+                ByteSize(size),
+                ByteSize(MIN_CACHE)
+            )));
+        }
+    }
     if memory > 0 && memory.saturating_add(MIN_PREFETCH) > budget {
         return Err(ConfigError(format!(
             "a cache of {} leaves the prefetch buffers less than {} of the memory budget ({}): \

@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
-pub use config::{Args, StageConfig};
+pub use config::{Args, ConfigError, StageConfig};
 pub use mount::detach_at_exit;
 // The trainer protocol's request frames, for tests that speak it to a stage.
 pub use protocol::{PlanSpec, Request, TO_END};
@@ -81,12 +81,23 @@ fn open_cache(
         .iter()
         .map(|d| (Arc::clone(&d.identity), d.name.clone()))
         .collect();
-    let cache = Cache::new(&tiers, &sources, metrics.cache.clone()).with_context(|| {
+    // A directory it cannot take (someone else's, another stage's, one it
+    // may not write or that is not there to make) is the configuration's
+    // to change: it exits as an invalid configuration does. Other failures
+    // (a disk failing as it is read) are not.
+    let cache = Cache::new(&tiers, &sources, metrics.cache.clone()).map_err(|e| {
         let dir = options.disk.as_ref().map(|(d, _)| d.display().to_string());
-        format!(
-            "opening the cache's disk tier in {}",
+        let why = format!(
+            "opening the cache's disk tier in {}: {e}",
             dir.unwrap_or_default()
-        )
+        );
+        use std::io::ErrorKind::*;
+        match e.kind() {
+            InvalidInput | PermissionDenied | NotFound | ReadOnlyFilesystem | NotADirectory => {
+                anyhow::Error::new(config::ConfigError::new(why))
+            }
+            _ => anyhow::anyhow!(why),
+        }
     })?;
     for dataset in datasets {
         if let Some(&weight) = options.weights.get(&dataset.name) {

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
-use sluice_stage::{Args, Stage, StageConfig};
+use sluice_stage::{Args, ConfigError, Stage, StageConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
@@ -53,6 +53,13 @@ fn main() -> ExitCode {
         .expect("building the tokio runtime");
     let code = match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<ConfigError>().is_some() => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-stage: invalid configuration: {e:#}"
+            );
+            ExitCode::from(64)
+        }
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "sluice-stage: {e:#}");
             ExitCode::FAILURE

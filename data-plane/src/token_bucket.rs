@@ -188,6 +188,11 @@ impl TokenBucket {
         }
     }
 
+    /// Whether limits are in force (a read may have to wait).
+    pub fn limited(&self) -> bool {
+        !lock(&self.state).limits.unlimited()
+    }
+
     /// Takes a place in line for a read about to ask for its bytes.
     pub fn ticket(&self) -> Ticket<'_> {
         let mut s = lock(&self.state);

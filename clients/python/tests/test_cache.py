@@ -222,13 +222,16 @@ def test_hits_outside_a_plan_are_reported_as_hits_not_as_storage_demand(tmp_path
     (("--cache-dir", "/tmp/x"), "--cache-dir needs --cache-disk"),
     (("--cache-disk", "1GiB"), "--cache-disk needs --cache-dir"),
     (("--cache-dir", "/proc/no/such", "--cache-disk", "1GiB"), "opening the cache's disk tier in /proc/no/such"),
+    (("--cache-dir", "/tmp/x", "--cache-disk", "200"), "--cache-disk of 200B holds next to no sample: give at "
+     "least 64KiB (a size written with no unit, as `200`, is in bytes: write `200GiB` for that many GiB)"),
+    (("--cache-memory", "1000"), "--cache-memory of 1kB holds next to no sample"),
 ])
 def test_bad_cache_settings_are_refused(tmp_path, args, says):
     (tmp_path / "ds").mkdir()
     run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
                           "--dataset", f"ds={tmp_path / 'ds'}", "--socket",
                           str(tmp_path / "s.sock"), *args], capture_output=True, text=True, timeout=30)
-    assert run.returncode != 0 and says in run.stderr, run.stderr
+    assert run.returncode == 64 and says in run.stderr, (run.returncode, run.stderr)
 
 
 def test_the_cache_api_shows_capacity_and_use(tmp_path, stage_factory):

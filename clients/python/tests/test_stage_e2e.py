@@ -229,6 +229,17 @@ def test_per_sample_errors_do_not_stop_the_epoch(stage_factory, dataset, tmp_pat
             next(it)
         assert e.value.name == deleted
         assert next(it) == (names[1], files[names[1]])
+        # A read by name that fails is counted as a failed read of the job
+        # too, as one in a plan is.
+        def not_found():
+            samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+            return metric_value(samples, "sluice_stage_errors_total", job="errors", code="not_found") or 0
+
+        before = not_found()
+        for read in (lambda: ds.read(deleted), lambda: ds.read(deleted, 10, 10)):
+            with pytest.raises(sluice.NotFoundError):
+                read()
+        assert not_found() == before + 2
 
 
 def test_a_file_changed_while_read_in_ranges_comes_whole_of_one_version(stage_factory, tmp_path):

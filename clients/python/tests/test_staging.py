@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -166,6 +167,54 @@ def test_staging_is_held_to_its_rate_and_its_progress_moves_as_it_goes(tmp_path,
     assert took >= 2.3, f"3 MB staged in {took:.2f} s: faster than 1 MiB/s"
     assert s.cache("ds")["entries"] == 30
     assert len(seen - {0, 30}) >= 2, f"progress seen while staging: {sorted(seen)}"
+
+
+def test_a_staging_round_or_a_capped_job_holds_back_no_other_job_reading_the_same_samples(tmp_path, system):
+    """A read another job has under way is waited for, not read again; but
+    a job (or a staging round) waiting for its own rate limit must not make
+    others wait out that limit: it claims a read only once it may make it."""
+    files = write_files(tmp_path / "ds", 40, 100_000)  # 4 MB: 4 s at 1 MiB/s
+    capped_files = write_files(tmp_path / "capped", 40, 100_000, tag=b"c")
+    s = system({"ds": tmp_path / "ds", "capped": tmp_path / "capped"}, 16 * MIB)
+    s.apply(POOL + cache_policy("ds-cache", "ds", staging="{pool: nfs, rate: 1MiB/s}") + """---
+apiVersion: sluice.dev/v1
+kind: JobPolicy
+metadata: {name: slow}
+spec: {selector: {matchLabels: {tier: slow}}, pool: nfs, limit: {bandwidth: 1MiB/s}}
+""")
+
+    def read_alone(dataset: str, job: str) -> float:
+        started = time.monotonic()
+        assert read_epoch(s, dataset, job, 0) == (files if dataset == "ds" else capped_files)
+        return time.monotonic() - started
+
+    staging = subprocess.Popen([s.bin["sluicectl"], "--server", f"http://{s.grpc}", "stage", "ds",
+                                "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metrics(s, "sluice_stage_cache_staging_samples", dataset="ds", state="done") > 0,
+             what="staging to start")
+    took = read_alone("ds", "train")
+    assert staging.poll() is None, "the staging round ended before the trainer: it must outlast it"
+    assert took < 2.0, f"the trainer took {took:.1f} s for 4 MB: held to the staging round's 1 MiB/s"
+    out, err = staging.communicate(timeout=60)
+    assert staging.returncode == 0 and "done, 40/40 samples" in out, out + err
+
+    # The same with a job capped by its policy reading the same samples.
+    capped_done = []
+
+    def capped():
+        with sluice.Client(s.socket, job="slow", labels={"tier": "slow"}) as c:
+            with c.dataset("capped").epoch(0, seed=3, batch=8) as it:
+                capped_done.append(dict(it) == capped_files)
+
+    t = threading.Thread(target=capped)
+    t.start()
+    wait_for(lambda: metrics(s, "sluice_stage_storage_reads_total", dataset="capped") > 0,
+             what="the capped job to read")
+    took = read_alone("capped", "fast")
+    assert t.is_alive(), "the capped job ended before the other: it must outlast it"
+    assert took < 2.0, f"the uncapped job took {took:.1f} s for 4 MB: held to the capped job's 1 MiB/s"
+    t.join(60)
+    assert capped_done == [True]
 
 
 def test_deleting_the_data_sets_cache_policy_stops_its_staging(tmp_path, system):

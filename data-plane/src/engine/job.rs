@@ -588,11 +588,15 @@ impl Job {
                 self.stats.read_bytes.fetch_add(bytes, Ordering::Relaxed);
                 m.storage_read_bytes.inc_by(bytes);
             }
-            Err(e) => {
-                self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                m.error(e.code);
-            }
+            Err(e) => self.count_failed(m, e),
         }
+    }
+
+    /// Counts a failed sample or read (a storage read's error, or one
+    /// found before any: a name that is not there).
+    pub(super) fn count_failed(&self, m: &DatasetMetrics, e: &ProtocolError) {
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        m.error(e.code);
     }
 
     fn count_delivered(&self, m: &DatasetMetrics, samples: &[Sample]) {

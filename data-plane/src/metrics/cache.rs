@@ -17,6 +17,7 @@ pub struct CacheMetrics {
     misses: IntCounterVec,
     admitted_bytes: IntCounterVec,
     rejected: IntCounterVec,
+    disk_skipped: IntCounterVec,
     evictions: IntCounterVec,
     pub staging_bytes: IntCounterVec,
     pub staging_samples: IntGaugeVec,
@@ -88,6 +89,12 @@ impl CacheMetrics {
                  is full: the stable policy keeps what it holds); a disk tier may take them.",
                 ds,
             ),
+            disk_skipped: r.counter(
+                "sluice_stage_cache_disk_skipped_total",
+                "Samples meant for the disk tier and not written: its writer was that far \
+                 behind (32 MiB queued); they are read from the source when next wanted.",
+                ds,
+            ),
             evictions: r.counter(
                 "sluice_stage_cache_evictions_total",
                 "Samples a tier let go (to make room, or a disk file that failed its check).",
@@ -157,6 +164,10 @@ impl CacheMetrics {
 
     pub(crate) fn rejected(&self, dataset: &str) {
         self.rejected.with_label_values(&[dataset]).inc();
+    }
+
+    pub(crate) fn disk_skipped(&self, dataset: &str) {
+        self.disk_skipped.with_label_values(&[dataset]).inc();
     }
 
     pub(crate) fn evicted(&self, dataset: &str, tier: &str, bytes: u64) {

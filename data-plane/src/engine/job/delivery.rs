@@ -655,31 +655,48 @@ impl Job {
             self.count_cache_hit(bytes.len());
             Chunk::pooled(buf, 0, bytes.len())
         };
+        // The limiter's wait for the read (before the cache is asked to
+        // claim it: see `Cache::lookup_unclaimed`).
+        let throttled = || {
+            let size = charged_size(dataset, name).inspect_err(|e| self.count_failed(m, e))?;
+            self.throttle_for_consumer(size, m);
+            Ok::<_, ProtocolError>(size)
+        };
         // A listed sample the node cache holds, or that another reader is
         // reading now, is not read again.
-        let fill = match self
-            .cache_lookup(dataset, name, 0, TO_END, None)
-            .map(|(l, _)| l)
-        {
-            Some(Cached::Whole(Lookup::Hit(bytes))) => return (Ok(copied(&bytes)), reserved.get()),
-            Some(Cached::Range(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
-            Some(Cached::Whole(Lookup::Wait(flight))) => {
-                let data = flight.wait_blocking().map(|bytes| copied(&bytes));
-                return (data, reserved.get());
-            }
-            Some(Cached::Whole(Lookup::Disk(hit))) => {
-                let len = hit.len();
-                let mut buf = alloc(len);
-                if hit.read_into(&mut buf.as_mut_slice()[..len]) {
-                    self.count_cache_hit(len);
-                    return (Ok(Chunk::pooled(buf, 0, len)), reserved.get());
+        let mut size = None;
+        let fill = loop {
+            let claim = size.is_some() || self.reads_at_once();
+            match self
+                .cache_lookup(dataset, name, 0, TO_END, None, claim)
+                .map(|(l, _)| l)
+            {
+                Some(Cached::Whole(Lookup::Hit(bytes))) => {
+                    return (Ok(copied(&bytes)), reserved.get());
                 }
-                None // the file failed its check and is gone: read the source
+                Some(Cached::Range(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
+                Some(Cached::Whole(Lookup::Wait(flight))) => {
+                    let data = flight.wait_blocking().map(|bytes| copied(&bytes));
+                    return (data, reserved.get());
+                }
+                Some(Cached::Whole(Lookup::Disk(hit))) => {
+                    let len = hit.len();
+                    let mut buf = alloc(len);
+                    if hit.read_into(&mut buf.as_mut_slice()[..len]) {
+                        self.count_cache_hit(len);
+                        return (Ok(Chunk::pooled(buf, 0, len)), reserved.get());
+                    }
+                    break None; // the file failed its check and is gone: read the source
+                }
+                Some(Cached::Absent) => match throttled() {
+                    Ok(charged) => size = Some(charged),
+                    Err(e) => return (Err(e), 0),
+                },
+                Some(Cached::Whole(Lookup::Miss(fill))) => break Some(fill),
+                None => break None,
             }
-            Some(Cached::Whole(Lookup::Miss(fill))) => Some(fill),
-            None => None,
         };
-        let size = match charged_size(dataset, name) {
+        let size = match size.map_or_else(throttled, Ok) {
             Ok(size) => size,
             Err(e) => {
                 if let Some(fill) = fill {
@@ -688,7 +705,6 @@ impl Job {
                 return (Err(e), 0);
             }
         };
-        self.throttle_for_consumer(size, m);
         let start = Instant::now();
         let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
@@ -808,8 +824,28 @@ impl Job {
         pin: Option<&Pinned>,
         m: &DatasetMetrics,
     ) -> Result<(Chunk, Pinned), ProtocolError> {
+        let source = dataset.source();
+        // The limiter's wait for the read (before the cache is asked to
+        // claim it: see `Cache::lookup_unclaimed`).
+        let throttled = || {
+            let size = charged_size(dataset, name)
+                .map_err(|e| dataset.explained(e))
+                .inspect_err(|e| self.count_failed(m, e))?
+                .saturating_sub(offset)
+                .min(length);
+            self.throttle_for_consumer(size, m);
+            Ok::<_, ProtocolError>(size)
+        };
         let mut fill = None;
-        if let Some((lookup, cached)) = self.cache_lookup(dataset, name, offset, length, pin) {
+        let mut size = None;
+        while let Some((lookup, cached)) = self.cache_lookup(
+            dataset,
+            name,
+            offset,
+            length,
+            pin,
+            size.is_some() || self.reads_at_once(),
+        ) {
             let range = |bytes: &[u8]| {
                 let (start, len) = clamp_range(bytes.len() as u64, offset, length);
                 let chunk = Chunk::from_vec(bytes[start as usize..(start + len) as usize].to_vec());
@@ -834,16 +870,16 @@ impl Job {
                     if hit_on_disk.read_into(&mut bytes) {
                         return Ok(hit((Chunk::from_vec(bytes), cached)));
                     }
+                    break; // the file failed its check and is gone
                 }
-                Cached::Whole(Lookup::Miss(miss)) => fill = Some((miss, cached)),
+                Cached::Absent => size = Some(throttled()?),
+                Cached::Whole(Lookup::Miss(miss)) => {
+                    fill = Some((miss, cached));
+                    break;
+                }
             }
         }
-        let source = dataset.source();
-        let size = charged_size(dataset, name)
-            .map_err(|e| dataset.explained(e))?
-            .saturating_sub(offset)
-            .min(length);
-        self.throttle_for_consumer(size, m);
+        let size = size.map_or_else(throttled, Ok)?;
         let start = Instant::now();
         let data = source
             .read_range(name, offset, length, pin)
@@ -870,6 +906,7 @@ impl Job {
         offset: u64,
         length: u64,
         pin: Option<&Pinned>,
+        claim: bool,
     ) -> Option<(Cached, Pinned)> {
         let cache = self.cache.as_ref()?;
         // The sample as last listed, which may be newer than the listing
@@ -886,7 +923,14 @@ impl Job {
             return None;
         }
         if offset == 0 && length >= key.size && key.size <= MAX_FILE_BYTES {
-            return Some((Cached::Whole(cache.lookup(&dataset.name, &key)), cached));
+            let found = if claim {
+                Cached::Whole(cache.lookup(&dataset.name, &key))
+            } else {
+                cache
+                    .lookup_unclaimed(&dataset.name, &key)
+                    .map_or(Cached::Absent, Cached::Whole)
+            };
+            return Some((found, cached));
         }
         let (start, len) = clamp_range(key.size, offset, length);
         let bytes = cache.peek_range(&dataset.name, &key, start, len)?;
@@ -895,10 +939,12 @@ impl Job {
 }
 
 /// What the node cache answers a read: a lookup of the whole sample, or
-/// the bytes of a range within it.
+/// the bytes of a range within it; or, to a lookup that claims nothing,
+/// that the sample is neither cached nor being read.
 enum Cached {
     Whole(Lookup),
     Range(Vec<u8>),
+    Absent,
 }
 
 impl Job {

@@ -41,6 +41,12 @@ impl Gate {
         was_closed
     }
 
+    /// Whether a read would pass at once (the gate is open, or its
+    /// deadline has passed).
+    pub fn is_open(&self) -> bool {
+        lock(&self.closed_until).is_none_or(|deadline| Instant::now() >= deadline)
+    }
+
     /// Blocks while the gate is closed, at most until its deadline (then
     /// it stays open). Returns whether this call opened it at the
     /// deadline.

@@ -166,18 +166,28 @@ impl Job {
             };
             self.stats.active_readers.fetch_add(1, Ordering::Relaxed);
             let remote = work.dataset.source().remote().is_some();
+            // A limited job's read is claimed in the cache only once its
+            // limiter lets it go (a claim makes other jobs wait for it, and
+            // they must not wait out a limit that is not theirs).
+            let mut ticket = Some(ticket);
             let fill = loop {
-                match self.look_up(&work) {
+                let claim = ticket.is_none() || self.reads_at_once();
+                match self.look_up(&work, claim) {
                     None => break None,
-                    Some(Lookup::Miss(fill)) => break Some(fill),
-                    Some(Lookup::Hit(bytes)) => {
+                    Some(None) => {
+                        if let Some(ticket) = ticket.take() {
+                            self.throttle_while(ticket, work.file_bytes, || true);
+                        }
+                    }
+                    Some(Some(Lookup::Miss(fill))) => break Some(fill),
+                    Some(Some(Lookup::Hit(bytes))) => {
                         drop(ticket);
                         self.finish_cached(work, Ok(bytes));
                         continue 'next;
                     }
                     // Read straight into the job's buffer: a copy of its
                     // own would be memory outside the budget while read.
-                    Some(Lookup::Disk(hit)) => {
+                    Some(Some(Lookup::Disk(hit))) => {
                         let len = hit.len();
                         let mut buf = self.buffer(len);
                         if hit.read_into(&mut buf.as_mut_slice()[..len]) {
@@ -187,7 +197,7 @@ impl Job {
                         }
                         // The file failed its check and is gone: look again.
                     }
-                    Some(Lookup::Wait(flight)) => {
+                    Some(Some(Lookup::Wait(flight))) => {
                         drop(ticket);
                         if remote {
                             self.wait_remote(work, flight);
@@ -198,7 +208,9 @@ impl Job {
                     }
                 }
             };
-            self.throttle_while(ticket, work.file_bytes, || true);
+            if let Some(ticket) = ticket {
+                self.throttle_while(ticket, work.file_bytes, || true);
+            }
             if remote {
                 self.start_remote(work, fill);
             } else {
@@ -207,8 +219,16 @@ impl Job {
         }
     }
 
-    /// Looks a committed entry up in the node cache, if there is one.
-    fn look_up(&self, work: &Work) -> Option<Lookup> {
+    /// Whether the job's reads go at once: it has no limit, and is not
+    /// waiting for its first settings (which may bring one).
+    pub(super) fn reads_at_once(&self) -> bool {
+        !self.limiter.limited() && self.gate.is_open()
+    }
+
+    /// Looks a committed entry up in the node cache, if there is one
+    /// (`None` without): with `claim`, a miss claims its read; without,
+    /// it is `Some(None)`.
+    fn look_up(&self, work: &Work, claim: bool) -> Option<Option<Lookup>> {
         let cache = self.cache.as_ref()?;
         // A sample changed or deleted since the plan's listing (a new
         // listing says so) is read from its source, as without a cache,
@@ -217,7 +237,11 @@ impl Job {
         if (key.version, key.size) != (work.version, work.file_bytes) {
             return None;
         }
-        Some(cache.lookup(&work.dataset.name, &key))
+        Some(if claim {
+            Some(cache.lookup(&work.dataset.name, &key))
+        } else {
+            cache.lookup_unclaimed(&work.dataset.name, &key)
+        })
     }
 
     /// Reads one committed entry from a local source and hands the result
