@@ -519,11 +519,11 @@ def test_start_up_errors_say_what_to_fix(s3, tmp_path, monkeypatch):
 @contextlib.contextmanager
 def web_server(answer):
     """A plain HTTP server answering each GET (and HEAD) of a path, query
-    included, with ``answer(path)``: ``(status, content type, body)``;
-    yields its URL."""
+    included, with ``answer(path, headers)``: ``(status, content type,
+    body)``; yields its URL."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            status, kind, body = answer(self.path)
+            status, kind, body = answer(self.path, self.headers)
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
@@ -548,45 +548,82 @@ def web_server(answer):
 
 def web_server_answering_404():
     """A web server whose every answer is a 404 page (no object store)."""
-    return web_server(lambda _path: (404, "text/html", b"<html><body>404 Not Found</body></html>"))
+    return web_server(lambda _path, _headers: (404, "text/html", b"<html><body>404 Not Found</body></html>"))
 
 
-def object_store_of(objects: dict):
+def object_store_of(objects: dict, page: int = 1000, paging: str = "v2", seen: Optional[list] = None):
     """A minimal S3 store's listings (no checks of signatures, no ranged
     reads) of bucket ``BUCKET`` holding ``objects`` (key: bytes), keys
     ending in ``/`` (folder markers, which a console makes and ``s3s-fs``
-    cannot hold) included."""
+    cannot hold) included, ``page`` keys a page. ``paging`` is how it
+    pages: ``v2`` (continuation tokens), ``v1`` (the older ListObjects,
+    as stores that ignore ``list-type=2`` answer: truncated pages with no
+    token, the next asked for with ``marker``) or ``overlapping`` (each
+    page after the first begins with the last key of the one before).
+    Each request's headers are appended to ``seen``."""
     from urllib.parse import parse_qsl, quote, unquote, urlsplit
     from xml.sax.saxutils import escape
 
-    def answer(path: str):
+    def answer(path: str, headers):
+        if seen is not None:
+            seen.append(dict(headers))
         url = urlsplit(path)
         bucket, _, key = url.path.lstrip("/").partition("/")
         if bucket != BUCKET:
             return 404, "application/xml", b"<Error><Code>NoSuchBucket</Code></Error>"
         query = dict(parse_qsl(url.query))
-        if query.get("list-type") != "2":
+        if key:
             body = objects.get(unquote(key))
             if body is None:
                 return 404, "application/xml", b"<Error><Code>NoSuchKey</Code></Error>"
             return 200, "application/octet-stream", body
         prefix, delimiter = query.get("prefix", ""), query.get("delimiter")
-        contents, prefixes = [], set()
-        for name in sorted(k for k in objects if k.startswith(prefix)):
+        entries = set()
+        for name in (k for k in objects if k.startswith(prefix)):
             rest = name[len(prefix):]
             if delimiter and delimiter in rest:
-                prefixes.add(prefix + rest[:rest.index(delimiter) + 1])
+                entries.add((prefix + rest[:rest.index(delimiter) + 1], True))
             else:
-                etag = f"&quot;{len(objects[name])}-{quote(name, safe='')}&quot;"
-                contents.append(f"<Contents><Key>{escape(name)}</Key><Size>{len(objects[name])}</Size>"
-                                f"<ETag>{etag}</ETag></Contents>")
-        common = "".join(f"<CommonPrefixes><Prefix>{escape(p)}</Prefix></CommonPrefixes>"
-                         for p in sorted(prefixes))
+                entries.add((name, False))
+        entries = sorted(entries)
+        after = query.get("marker" if paging == "v1" else "start-after", "")
+        start = int(query.get("continuation-token", "0"))
+        if paging == "v1":
+            start = sum(1 for name, _ in entries if name <= after)
+        elif paging == "overlapping" and start:
+            start -= 1
+        else:
+            start = max(start, sum(1 for name, _ in entries if name <= after))
+        chunk, rest = entries[start:start + page], entries[start + page:]
+        contents = "".join(
+            f"<Contents><Key>{escape(name)}</Key><Size>{len(objects[name])}</Size>"
+            f"<ETag>&quot;{len(objects[name])}-{quote(name, safe='')}&quot;</ETag></Contents>"
+            for name, common in chunk if not common)
+        common = "".join(f"<CommonPrefixes><Prefix>{escape(name)}</Prefix></CommonPrefixes>"
+                         for name, common in chunk if common)
+        next_page = ""
+        if rest and paging != "v1":
+            next_page = f"<NextContinuationToken>{start + page + (paging == 'overlapping')}</NextContinuationToken>"
         xml = (f"<ListBucketResult><Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix>"
-               f"<IsTruncated>false</IsTruncated>{''.join(contents)}{common}</ListBucketResult>")
+               f"<IsTruncated>{'true' if rest else 'false'}</IsTruncated>{next_page}{contents}{common}"
+               "</ListBucketResult>")
         return 200, "application/xml", xml.encode()
 
     return web_server(answer)
+
+
+@pytest.mark.parametrize("paging", ["v2", "v1", "overlapping"])
+def test_every_key_is_listed_once_however_the_store_pages(stage_factory, credentials, paging):
+    """2,500 keys in pages of 100: a store that answers in the older
+    ListObjects style (truncated pages without a continuation token) is
+    asked on from its last key, not taken as done after its first page;
+    one whose pages overlap lists no key twice."""
+    objects = {f"{PREFIX}/{i % 7}/k{i:05d}.bin": b"x" * (i % 5) for i in range(2500)}
+    with object_store_of(objects, page=100, paging=paging) as endpoint:
+        stage = s3_stage(stage_factory, endpoint)
+        with sluice.Client(stage.socket, job="pages") as c:
+            names = c.dataset("ds").files.names()
+    assert names == sorted(k[len(PREFIX) + 1:] for k in objects), (len(names), len(set(names)))
 
 
 def test_an_endpoint_from_the_environment_is_addressed_path_style(s3, monkeypatch, stage_factory):
@@ -609,6 +646,34 @@ def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage
     stage = s3_stage(stage_factory, f"http://{server.address}")
     with sluice.Client(stage.socket, job="s3") as c:
         assert c.dataset("ds").files.names() == sorted_names(files)
+
+
+def test_a_profiles_keys_are_signed_alone_in_its_region(stage_factory, credentials, tmp_path, monkeypatch):
+    """Keys in the shared file, written as the AWS tools also take them (in
+    capitals), beside what a shell often has left over: a session token of
+    an earlier assume-role (it belongs to other keys: signed in with the
+    profile's, the store refuses them) and an empty AWS_REGION (as a
+    template leaves it: the profile's region counts)."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    creds, config = tmp_path / "credentials", tmp_path / "config"
+    creds.write_text(f"[default]\nAWS_ACCESS_KEY_ID = {ACCESS_KEY}\nAWS_SECRET_ACCESS_KEY = {SECRET_KEY}\n")
+    config.write_text("[default]\nregion = eu-west-3\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "stale-token-of-other-keys")
+    monkeypatch.setenv("AWS_REGION", "")
+    seen: list = []
+    with object_store_of({f"{PREFIX}/a.bin": b"a"}, seen=seen) as endpoint:
+        stage = s3_stage(stage_factory, endpoint)
+        with sluice.Client(stage.socket, job="profile") as c:
+            assert c.dataset("ds").files.names() == ["a.bin"]
+    assert seen
+    for headers in seen:
+        headers = {k.lower(): v for k, v in headers.items()}
+        assert "x-amz-security-token" not in headers, headers
+        assert f"Credential={ACCESS_KEY}/" in headers["authorization"], headers
+        assert "/eu-west-3/s3/aws4_request" in headers["authorization"], headers
 
 
 class FakeMetadata:

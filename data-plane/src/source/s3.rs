@@ -29,7 +29,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::client::{
     HttpClient, HttpError, HttpErrorKind, HttpRequest, HttpRequestBody, HttpResponse,
     HttpResponseBody, HttpService,
@@ -226,6 +226,14 @@ pub fn parse_url(url: &str) -> Result<(String, Key), String> {
     Ok((bucket.to_owned(), prefix))
 }
 
+/// The URL of the objects under `prefix` in `bucket`, in one form.
+fn canonical_url(bucket: &str, prefix: &Key) -> String {
+    match prefix.as_ref() {
+        "" => format!("s3://{bucket}"),
+        prefix => format!("s3://{bucket}/{prefix}"),
+    }
+}
+
 impl S3Source {
     /// Connects to the bucket of `url` and checks, with one listing
     /// request, that the credentials, the bucket and the endpoint work;
@@ -310,7 +318,9 @@ impl S3Source {
             .await
             .map_err(|e| without_userinfo(&format!("dataset `{dataset}` ({url}): {e}")))?;
         Ok(Self {
-            url: url.to_owned(),
+            // As parsed (`s3://b/p/` and `s3://b/p` are one data set, and
+            // the node cache keeps its samples under this name).
+            url: canonical_url(&bucket, &prefix),
             bucket,
             key_prefix: key_prefix(&prefix),
             store,
@@ -396,7 +406,7 @@ impl S3Source {
         loop {
             let page = self
                 .lister
-                .page(prefix, delimited, token.as_deref(), list::BUSY_PATIENCE)
+                .page(prefix, delimited, token.as_ref(), list::BUSY_PATIENCE)
                 .await?;
             for listed in &page.objects {
                 match self.folder_of(listed) {
@@ -406,8 +416,16 @@ impl S3Source {
             }
             found.prefixes.extend(page.prefixes);
             match page.next {
-                Some(next) if Some(&next) != token.as_ref() => token = Some(next),
-                _ => return Ok(found),
+                None => return Ok(found),
+                // A store that sends the same token again, or goes on from
+                // a key not past the last one, would list for ever; stopping
+                // there would leave the rest out unsaid.
+                Some(next) if !advances(token.as_ref(), &next) => {
+                    return Err(ListError::Paging(format!(
+                        "a page asked to go on from where the one before it did ({next:?}), so the listing would never end"
+                    )));
+                }
+                next => token = next,
             }
         }
     }
@@ -785,18 +803,36 @@ impl S3Source {
     }
 }
 
+/// Whether a listing's `next` page starts past the one before it, `last`.
+fn advances(last: Option<&list::Next>, next: &list::Next) -> bool {
+    match (last, next) {
+        (Some(list::Next::After(last)), list::Next::After(next)) => next > last,
+        (Some(last), next) => last != next,
+        (None, _) => true,
+    }
+}
+
 /// An object's version as its listing has it: a hash of its ETag (else
 /// of its modification time).
 fn version_of(tag: &str) -> u64 {
+    // Some stores list an ETag bare and send it quoted in a GET's header
+    // (or weak, `W/"..."`): the same tag either way. Hashed quoted, as most
+    // stores send it everywhere (their versions, and so the node cache's
+    // keys, are as before).
+    let bare = tag.strip_prefix("W/").unwrap_or(tag).trim_matches('"');
+    hash(&format!("\"{bare}\""))
+}
+
+fn hash(text: &str) -> u64 {
     let mut h = Fnv64::new();
-    h.write(tag.as_bytes());
+    h.write(text.as_bytes());
     h.0
 }
 
 /// The version of an object known by its modification time
 /// (`2026-01-02T03:04:05`, UTC), apart from any ETag's.
 fn version_of_time(time: &str) -> u64 {
-    version_of(&format!("modified {time}"))
+    hash(&format!("modified {time}"))
 }
 
 fn too_large(name: &str, bytes: u64) -> ProtocolError {
@@ -1070,7 +1106,9 @@ fn list_failure(e: &ListError, at: &Probed<'_>) -> String {
             "the server at {endpoint} does not answer like an S3 object store: {e}; {}",
             at.not_s3()
         ),
-        ListError::Status(..) => format!("listing bucket `{bucket}` at {endpoint} failed: {e}"),
+        ListError::Status(..) | ListError::Paging(_) => {
+            format!("listing bucket `{bucket}` at {endpoint} failed: {e}")
+        }
     }
 }
 
@@ -1083,7 +1121,11 @@ async fn builder(
     options: &S3Options,
     metrics: &SourceMetrics,
 ) -> Result<(AmazonS3Builder, Addressing, String), String> {
-    let mut b = AmazonS3Builder::from_env()
+    let keys_from_env = credentials_from_env();
+    // A session token from the environment belongs to keys from there: with
+    // none there (a profile's keys), a stale one left from an earlier
+    // assume-role must not be signed in beside the profile's.
+    let mut b = builder_from_env(!matches!(keys_from_env, Ok(None)))
         .with_bucket_name(bucket)
         .with_virtual_hosted_style_request(!options.path_style)
         .with_http_connector(Connector {
@@ -1105,8 +1147,9 @@ async fn builder(
     let region = options
         .region
         .clone()
-        .or_else(|| std::env::var("AWS_REGION").ok())
-        .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
+        .filter(|r| !r.is_empty())
+        .or_else(|| env_value("AWS_REGION"))
+        .or_else(|| env_value("AWS_DEFAULT_REGION"))
         .or_else(|| profile.config.get("region").cloned())
         .unwrap_or_else(|| "us-east-1".into());
     b = b.with_region(&region);
@@ -1121,7 +1164,7 @@ async fn builder(
     if options.anonymous {
         return Ok((b.with_skip_signature(true), addressing, String::new()));
     }
-    if let Some(check) = credentials_from_env()? {
+    if let Some(check) = keys_from_env? {
         return Ok((b, addressing, check.into()));
     }
     match (
@@ -1283,6 +1326,34 @@ struct Addressing {
     region: String,
 }
 
+/// The value of the environment variable `name`, unless it is unset or
+/// empty (an empty one, as templates leave them, counts as unset).
+fn env_value(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// A builder configured from the `AWS_*` variables, as object_store's
+/// `from_env` does, but with empty variables left out and the session
+/// token only when `session_token`.
+fn builder_from_env(session_token: bool) -> AmazonS3Builder {
+    let mut b = AmazonS3Builder::new();
+    for (name, value) in std::env::vars_os() {
+        let (Some(name), Some(value)) = (name.to_str(), value.to_str()) else {
+            continue;
+        };
+        if !name.starts_with("AWS_") || value.is_empty() {
+            continue;
+        }
+        let Ok(key) = name.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() else {
+            continue;
+        };
+        if session_token || !matches!(key, AmazonS3ConfigKey::Token) {
+            b = b.with_config(key, value);
+        }
+    }
+    b
+}
+
 /// The named profile of the shared AWS files (`~/.aws/credentials` and
 /// `~/.aws/config`, or the files AWS_SHARED_CREDENTIALS_FILE and
 /// AWS_CONFIG_FILE name).
@@ -1295,12 +1366,12 @@ struct Profile {
 
 impl Profile {
     fn load() -> Self {
-        let name = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".into());
+        let name = env_value("AWS_PROFILE").unwrap_or_else(|| "default".into());
         let home = std::env::var_os("HOME")
             .map(PathBuf::from)
             .unwrap_or_default();
         let file = |var: &str, default: &str| {
-            std::env::var_os(var).map_or_else(|| home.join(".aws").join(default), PathBuf::from)
+            env_value(var).map_or_else(|| home.join(".aws").join(default), PathBuf::from)
         };
         let credentials_file = file("AWS_SHARED_CREDENTIALS_FILE", "credentials");
         let config_file = file("AWS_CONFIG_FILE", "config");
@@ -1323,7 +1394,8 @@ impl Profile {
     }
 }
 
-/// The `key = value` lines of `[section]` in an INI text.
+/// The `key = value` lines of `[section]` in an INI text, the keys in
+/// lower case (the AWS tools take `AWS_ACCESS_KEY_ID = ...` there too).
 fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
     let mut values = HashMap::new();
     let mut inside = false;
@@ -1334,7 +1406,7 @@ fn ini_section(text: &str, section: &str) -> HashMap<String, String> {
         if let Some(header) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
             inside = header.trim() == section;
         } else if inside && let Some((key, value)) = line.split_once('=') {
-            values.insert(key.trim().to_owned(), value.trim().to_owned());
+            values.insert(key.trim().to_ascii_lowercase(), value.trim().to_owned());
         }
     }
     values
@@ -1753,6 +1825,15 @@ mod tests {
         );
         let (bucket, prefix) = parse_url("s3://data").unwrap();
         assert_eq!((bucket.as_str(), prefix.as_ref()), ("data", ""));
+        // One data set, one name, however its URL is written.
+        for url in ["s3://data/imagenet/train", "s3://data/imagenet/train/"] {
+            let (bucket, prefix) = parse_url(url).unwrap();
+            assert_eq!(canonical_url(&bucket, &prefix), "s3://data/imagenet/train");
+        }
+        for url in ["s3://data", "s3://data/"] {
+            let (bucket, prefix) = parse_url(url).unwrap();
+            assert_eq!(canonical_url(&bucket, &prefix), "s3://data");
+        }
         for bad in [
             "s3://",
             "s3:///x",
@@ -1771,6 +1852,30 @@ mod tests {
         assert_eq!(ini_section(text, "profile train")["region"], "eu-west-1");
         assert_eq!(ini_section(text, "train")["aws_access_key_id"], "B");
         assert!(ini_section(text, "none").is_empty());
+        // Key names in any case, as the AWS tools take them.
+        let upper = "[default]\nAWS_ACCESS_KEY_ID = C\nAws_Secret_Access_Key=D\n";
+        assert_eq!(ini_section(upper, "default")["aws_access_key_id"], "C");
+        assert_eq!(ini_section(upper, "default")["aws_secret_access_key"], "D");
+    }
+
+    #[test]
+    fn an_etag_is_one_version_quoted_bare_or_weak() {
+        let quoted = version_of("\"9b2cf535f27731c974343645a3985328\"");
+        assert_eq!(version_of("9b2cf535f27731c974343645a3985328"), quoted);
+        assert_eq!(version_of("W/\"9b2cf535f27731c974343645a3985328\""), quoted);
+        assert_ne!(version_of("\"9b2cf535f27731c974343645a3985329\""), quoted);
+    }
+
+    #[test]
+    fn a_listing_goes_on_only_past_where_it_was() {
+        use list::Next::{After, Token};
+        let (a, b) = (After("p/a".to_owned()), After("p/b".to_owned()));
+        assert!(advances(None, &a));
+        assert!(advances(Some(&a), &b));
+        assert!(!advances(Some(&b), &a) && !advances(Some(&a), &a));
+        let t = Token("t1".to_owned());
+        assert!(advances(Some(&t), &Token("t2".to_owned())));
+        assert!(!advances(Some(&t), &t));
     }
 
     #[test]

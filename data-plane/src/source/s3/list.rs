@@ -63,13 +63,24 @@ pub enum Version {
     Modified(String),
 }
 
-/// One page: the objects, the sub-prefixes (with a delimiter), and the
-/// token of the next page.
+/// One page: the objects, the sub-prefixes (with a delimiter), and where
+/// the next page starts, if there is one.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Page {
     pub objects: Vec<Listed>,
     pub prefixes: Vec<String>,
-    pub next: Option<String>,
+    pub next: Option<Next>,
+}
+
+/// Where the next page of a listing starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// ListObjectsV2's continuation token.
+    Token(String),
+    /// After this key: a store that answers in the older ListObjects style
+    /// (truncated, with no continuation token) is asked on from its
+    /// `NextMarker`, else from the page's last key or prefix.
+    After(String),
 }
 
 /// Why a listing request failed.
@@ -85,6 +96,8 @@ pub enum ListError {
     NotS3(String),
     /// No credentials to sign the request with: their provider failed.
     Credentials(String),
+    /// Pages that cannot be followed to the listing's end.
+    Paging(String),
 }
 
 impl std::fmt::Display for ListError {
@@ -98,6 +111,7 @@ impl std::fmt::Display for ListError {
             Self::Timeout(t) => write!(f, "no answer within {t:?}"),
             Self::NotS3(e) => write!(f, "the answer is not an S3 listing ({e})"),
             Self::Credentials(e) => write!(f, "could not get S3 credentials ({e})"),
+            Self::Paging(e) => write!(f, "the store's listing pages cannot be followed: {e}"),
         }
     }
 }
@@ -152,7 +166,7 @@ impl Lister {
         &self,
         prefix: &str,
         delimited: bool,
-        token: Option<&str>,
+        token: Option<&Next>,
         patience: Duration,
     ) -> Result<Page, ListError> {
         let started = tokio::time::Instant::now();
@@ -182,7 +196,7 @@ impl Lister {
         &self,
         prefix: &str,
         delimited: bool,
-        token: Option<&str>,
+        token: Option<&Next>,
     ) -> Result<Page, ListError> {
         let mut query = vec![
             ("list-type", "2".to_owned()),
@@ -192,8 +206,15 @@ impl Lister {
         if delimited {
             query.push(("delimiter", "/".to_owned()));
         }
-        if let Some(token) = token {
-            query.push(("continuation-token", token.to_owned()));
+        match token {
+            Some(Next::Token(token)) => query.push(("continuation-token", token.clone())),
+            // `start-after` for ListObjectsV2, `marker` for a store that
+            // only speaks the older ListObjects.
+            Some(Next::After(key)) => {
+                query.push(("start-after", key.clone()));
+                query.push(("marker", key.clone()));
+            }
+            None => {}
         }
         // SigV4 signs the query sorted by name, each part encoded as below.
         query.sort();
@@ -260,6 +281,8 @@ pub fn parse(text: &str) -> Result<Page, ListError> {
         #[serde(default)]
         is_truncated: Option<bool>,
         #[serde(default)]
+        next_marker: Option<String>,
+        #[serde(default)]
         encoding_type: Option<String>,
     }
     #[derive(Deserialize)]
@@ -285,9 +308,29 @@ pub fn parse(text: &str) -> Result<Page, ListError> {
         quick_xml::de::from_str(text).map_err(|e| ListError::NotS3(e.to_string()))?;
     let encoded = answer.encoding_type.as_deref() == Some("url");
     let decode = |s: String| if encoded { decode(&s) } else { s };
-    let next = match answer.is_truncated {
-        Some(false) => None,
-        _ => answer.next_continuation_token,
+    let next = match (answer.is_truncated, answer.next_continuation_token) {
+        (Some(false), _) => None,
+        (_, Some(token)) => Some(Next::Token(token)),
+        (None, None) => None,
+        // Truncated with no token: an older ListObjects answer (the store
+        // ignored `list-type=2`), which goes on after its last key.
+        (Some(true), None) => {
+            let last_key = answer.contents.last().map(|c| decode(c.key.clone()));
+            let last_prefix = answer
+                .common_prefixes
+                .last()
+                .map(|p| decode(p.prefix.clone()));
+            let after = answer.next_marker.map(decode).or(last_key.max(last_prefix));
+            match after {
+                Some(key) => Some(Next::After(key)),
+                None => {
+                    return Err(ListError::Paging(
+                        "a page says the listing goes on, but gives no continuation token, marker or key to go on from"
+                            .into(),
+                    ));
+                }
+            }
+        }
     };
     Ok(Page {
         objects: answer
@@ -405,7 +448,7 @@ mod tests {
             Version::Modified("2026-01-02T00:00:00.000Z".into())
         );
         assert_eq!(page.prefixes, ["train/dogs x/"]);
-        assert_eq!(page.next.as_deref(), Some("tok+en/="));
+        assert_eq!(page.next, Some(Next::Token("tok+en/=".into())));
 
         let raw = "<ListBucketResult><IsTruncated>false</IsTruncated>\
                    <NextContinuationToken>stale</NextContinuationToken>\
@@ -413,6 +456,39 @@ mod tests {
         let page = parse(raw).unwrap();
         assert_eq!(page.objects[0].key, "a+b%41");
         assert_eq!(page.next, None, "a last page has no next page");
+    }
+
+    #[test]
+    fn an_older_listobjects_answer_goes_on_after_its_last_key() {
+        let page = |inner: &str| parse(&format!("<ListBucketResult>{inner}</ListBucketResult>"));
+        let truncated = "<IsTruncated>true</IsTruncated><Marker></Marker>\
+                         <Contents><Key>p/a</Key><Size>1</Size></Contents>\
+                         <Contents><Key>p/b</Key><Size>1</Size></Contents>";
+        assert_eq!(
+            page(truncated).unwrap().next,
+            Some(Next::After("p/b".into()))
+        );
+        // Its NextMarker (sent with a delimiter) first; else the later of
+        // the last key and the last prefix.
+        let marked = format!("{truncated}<NextMarker>p/c/</NextMarker>");
+        assert_eq!(
+            page(&marked).unwrap().next,
+            Some(Next::After("p/c/".into()))
+        );
+        let prefixed = format!("{truncated}<CommonPrefixes><Prefix>p/c/</Prefix></CommonPrefixes>");
+        assert_eq!(
+            page(&prefixed).unwrap().next,
+            Some(Next::After("p/c/".into()))
+        );
+        let nothing = page("<IsTruncated>true</IsTruncated>").unwrap_err();
+        assert!(matches!(nothing, ListError::Paging(_)), "{nothing}");
+        // Not said truncated, no token: the end.
+        assert_eq!(
+            page("<Contents><Key>a</Key><Size>1</Size></Contents>")
+                .unwrap()
+                .next,
+            None
+        );
     }
 
     #[test]
