@@ -297,6 +297,7 @@ class Client:
         # with what Client.read needs to make a handle again.
         self._dataset_ref: Optional["weakref.ref[Dataset]"] = None
         self._opened: Optional[tuple] = None
+        self._opened_on = -1
         self._plan_generation = 0
         self._timeout = timeout
         self._want_shm = shared_memory
@@ -494,9 +495,11 @@ class Client:
         if ds is None:
             if self._opened is None:
                 raise NoDatasetError("no dataset is open on this connection; call client.dataset(name) first")
-            # Its handle was dropped: the connection still has it open.
+            # Its handle was dropped: the connection still has it open,
+            # unless it is a new one since (the handle's read opens it).
             ds = Dataset(self, *self._opened)
-            self._dataset = ds
+            if self._opened_on == self._connection:
+                self._dataset = ds
         return ds.read(name, offset, length)
 
     @property
@@ -512,6 +515,7 @@ class Client:
         self._dataset_ref = None if ds is None else weakref.ref(ds)
         if ds is not None:
             self._opened = (ds.name, ds._opened)
+            self._opened_on = self._connection
 
     @property
     def closed(self) -> bool:

@@ -697,11 +697,15 @@ class _PlanningSampler(_data.Sampler):
 class SluiceSampler(_PlanningSampler):
     """Yields this rank's indices of an epoch and tells the stage the plan.
 
-    ``__iter__`` submits the epoch's ``SHUFFLE`` plan for ``(job, rank,
+    Its iterator submits the epoch's ``SHUFFLE`` plan for ``(job, rank,
     epoch)`` and this process's run (see :class:`SluiceIterableDataset`)
-    over the sampler's own connection, so the stage starts
-    prefetching, and yields the same indices derived locally with
-    :func:`sluice.plan.shuffle_plan`. Call :meth:`set_epoch` before each
+    over the sampler's own connection when the first index is asked for
+    (a ``DataLoader`` asks at once; one with workers and
+    ``batch_size=None`` makes an iterator it never reads, which plans
+    nothing), so the stage starts prefetching, and yields the same indices
+    derived locally with :func:`sluice.plan.shuffle_plan` (a plan the
+    stage refuses raises there; ``plan_state`` is that plan's state from
+    then on). Call :meth:`set_epoch` before each
     epoch, as with ``DistributedSampler``: an epoch whose plan was already
     read in full is not prefetched again.
 
@@ -748,6 +752,11 @@ class SluiceSampler(_PlanningSampler):
         return _even_length(self.dataset.file_count, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the plan goes to the stage at the first index asked
+        # for. A DataLoader with workers and batch_size=None makes two
+        # iterators an epoch and throws the first away unread; planning in
+        # __iter__ had the stage prefetch for it, then replan.
+        #
         # Each epoch plans over the stage's listing as it is now, which the
         # workers started for it read too; so does a loader without
         # workers, which reads with the dataset's handle in this process.
@@ -777,7 +786,7 @@ class SluiceSampler(_PlanningSampler):
         # A padded index is read as any other (another rank's entry, so the
         # read delivers it if that rank has not yet); a dropped one is left
         # in the stage's plan, prefetched and never asked for.
-        return self._indices(_even_share(everything, self.rank, self.world_size, self.even))
+        yield from self._indices(_even_share(everything, self.rank, self.world_size, self.even))
 
     def _indices(self, order) -> Iterator[int]:
         """Yields ``order``; when the stage went away meanwhile (its
@@ -854,11 +863,12 @@ class MountSampler(_PlanningSampler):
 
     ``paths`` are the dataset's files in index order (for a torchvision
     ``ImageFolder``: ``[p for p, _ in folder.samples]``), all under
-    ``MOUNT/@<job>/<dataset>/``. ``__iter__`` shuffles them for the epoch
+    ``MOUNT/@<job>/<dataset>/``. Its iterator shuffles them for the epoch
     (a ``torch.Generator`` seeded with ``seed + epoch``), keeps this rank's
     share (every ``world_size``-th from ``rank``), submits those files'
     names as the epoch's plan of ``job`` over the sampler's own connection
-    to the stage at ``address``, and yields their indices. The
+    to the stage at ``address`` when the first index is asked for, and
+    yields their indices. The
     ``DataLoader``'s workers then open the files as usual: each open of a
     planned file is served from the stage's prefetch buffer and counts as
     that entry's delivery, so every file is read once, ahead, in plan order.
@@ -899,6 +909,11 @@ class MountSampler(_PlanningSampler):
         return _even_share(everything, self.rank, self.world_size, self.even)
 
     def __iter__(self) -> Iterator[int]:
+        # A generator (see SluiceSampler.__iter__): the plan goes to the
+        # stage at the first index asked for. As a generator's frame holds
+        # `self`, a sampler whose connection holds the epoch's plan lives as
+        # long as its iterator (`for i in MountSampler(...)` keeps no other
+        # reference to it).
         order = self.order()
         ds = self._conn.get()
         # prefetch=0: the plan is never read here; the workers' opens
@@ -906,16 +921,7 @@ class MountSampler(_PlanningSampler):
         # A padded file is another rank's entry: its open here delivers that
         # entry if the other rank has not opened the file yet.
         self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
-        return _keeping(self, order)
-
-
-def _keeping(owner, order: List[int]) -> Iterator[int]:
-    """Iterates ``order`` holding ``owner``: a sampler whose connection
-    holds the epoch's plan lives as long as its iterator (``for i in
-    MountSampler(...)`` keeps no other reference to it)."""
-    for index in order:
-        yield index
-    del owner
+        yield from order
 
 
 class SluiceIterableDataset(_data.IterableDataset):

@@ -367,6 +367,32 @@ def test_planned_files_opened_out_of_order_come_from_the_node_cache(tmp_path, mo
     assert job_metric(stage, "sluice_stage_storage_reads_total", "cached") == len(files)
 
 
+def test_a_mount_sampler_under_a_loader_without_batching_reads_each_file_once(tmp_path, mount_stage):
+    """DataLoader(num_workers=2, batch_size=None) makes two iterators of the
+    sampler an epoch and throws the first away unread: it plans nothing,
+    and the epoch reads each file from storage once."""
+    import torch
+    from sluice.torch import MountSampler
+    root, files = numbered_files(tmp_path, 150, 20_000)
+    stage, mnt = mount_stage(root)
+    paths = [str(mnt / "@unbatched" / "ds" / name) for name in sorted(files)]
+
+    class Files(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(paths)
+
+        def __getitem__(self, i):
+            with open(paths[i], "rb") as f:
+                return os.path.basename(paths[i]), f.read()
+
+    sampler = MountSampler(paths, stage.socket, seed=1)
+    loader = torch.utils.data.DataLoader(Files(), sampler=sampler, batch_size=None, num_workers=2)
+    got = dict(loader)
+    sampler.close()
+    assert got == files
+    assert job_metric(stage, "sluice_stage_storage_reads_total", "unbatched") == len(files)
+
+
 def test_a_mount_sampler_iterated_without_being_kept_keeps_its_plan(tmp_path, mount_stage):
     """`for i in MountSampler(...)` keeps no other reference to the sampler:
     its iterator keeps it, and with it the connection that holds the

@@ -30,6 +30,7 @@ except ImportError as e:  # pragma: no cover - depends on the machine
 import sluice
 from sluice import plan as splan
 from sluice import protocol as p
+from sluice.bench.common import metric_value, parse_prometheus
 from sluice.torch import SluiceDataset, SluiceIterableDataset, SluiceSampler, collate
 
 WORLD = 2
@@ -228,6 +229,32 @@ def test_map_style_with_sampler(stage_factory, dataset, workers):
     assert all(files[n] == d for n, d in seen)
     # The samples came in shared memory.
     assert job_metric(stage, "sluice_stage_shared_samples_total", f"map{workers}") > 0
+
+
+def _one(sample):
+    """A sample, unbatched, as bytes."""
+    name, data = sample
+    return name, _bytes(data)
+
+
+def test_a_loader_without_batching_reads_each_sample_from_storage_once(stage_factory, dataset):
+    """A DataLoader with workers and batch_size=None makes two iterators of
+    its sampler an epoch and throws the first away unread: that one plans
+    nothing (its plan had the stage prefetch the epoch, and then again for
+    the plan that replaced it)."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="unbatched")
+    sampler = SluiceSampler(ds, seed=2)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        loader = DataLoader(ds, sampler=sampler, batch_size=None, num_workers=2, collate_fn=_one)
+        got = list(loader)
+        assert sorted(n for n, _ in got) == sorted(files) and all(files[n] == d for n, d in got)
+    samples = parse_prometheus(http_get(stage.metrics, "/metrics"))
+    assert metric_value(samples, "sluice_stage_storage_reads_total", job="unbatched") == 2 * len(files)
+    sampler.close()
+    ds.close()
 
 
 def test_loaders_dropped_mid_epoch_give_their_connections_back_without_the_cycle_collector(
@@ -640,9 +667,11 @@ def test_two_loops_over_one_dataset_at_once_are_told_what_to_do(stage_factory, d
     ds.close()
     mapped = SluiceDataset(stage.socket, "d", job="train-and-eval")
     train, evaluation = SluiceSampler(mapped, seed=1), SluiceSampler(mapped, shuffle=False)
-    iter(train)
+    # A sampler plans at its first index (a DataLoader asks for it at once).
+    training = iter(train)
+    next(training)
     with pytest.raises(sluice.PlanConflictError, match="give the other loader a SluiceDataset of its own"):
-        iter(evaluation)
+        next(iter(evaluation))
     # Its own dataset object plans apart.
     apart = SluiceDataset(stage.socket, "d", job="train-and-eval")
     assert sorted(SluiceSampler(apart, shuffle=False)) == list(range(len(files)))
