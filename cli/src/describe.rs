@@ -85,10 +85,13 @@ pub fn job_text(job: &JobView) -> String {
         .add("Pool", job.pool.as_deref().unwrap_or("none"))
         .add(
             "Throughput",
+            // What the trainers got, and of it what storage gave (the node
+            // cache's hits are not: a pool and a limit count only that).
             format!(
-                "{}, {:.0} samples/s",
+                "{}, {:.0} samples/s ({} from storage)",
                 human::rate(job.throughput_bytes_per_second),
-                job.throughput_samples_per_second
+                job.throughput_samples_per_second,
+                human::rate(job.storage_bytes_per_second),
             ),
         )
         .add("Stall", human::percent(job.stall_fraction));
@@ -489,6 +492,10 @@ mod tests {
         });
         let text = job_text(&job);
         assert!(text.contains("Policy:     vision\n"), "{text}");
+        assert!(
+            text.contains("Throughput: 0 B/s, 0 samples/s (0 B/s from storage)\n"),
+            "{text}"
+        );
         assert!(text.contains("  Limit:         800 MiB/s\n"), "{text}");
         assert!(text.contains("  Reason:  cap\n"), "{text}");
         assert!(text.contains("  node-a-0  yes"), "{text}");

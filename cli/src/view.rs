@@ -90,6 +90,9 @@ pub struct JobView {
     pub throughput_bytes_per_second: f64,
     /// Samples per second delivered, all stages together.
     pub throughput_samples_per_second: f64,
+    /// Of the bytes delivered, bytes per second read from storage (the
+    /// node cache's hits are not), all stages together.
+    pub storage_bytes_per_second: f64,
     /// Fraction of time its trainers waited for data, 0 to 1.
     pub stall_fraction: f64,
     /// What its policy declares about its share.
@@ -435,6 +438,7 @@ impl From<v1::Job> for JobView {
             pool: non_empty(j.pool),
             throughput_bytes_per_second: j.throughput_bytes_per_second,
             throughput_samples_per_second: j.throughput_samples_per_second,
+            storage_bytes_per_second: j.storage_bytes_per_second,
             stall_fraction: j.stall_fraction,
             limits: j.limits.map(LimitsView::from).unwrap_or_default(),
             settings: j.settings.map(SettingsView::from),

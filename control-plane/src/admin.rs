@@ -302,6 +302,7 @@ fn job(j: JobView) -> pb::Job {
         settings: total,
         throughput_bytes_per_second: j.throughput_bytes_per_second,
         throughput_samples_per_second: j.throughput_samples_per_second,
+        storage_bytes_per_second: j.storage_bytes_per_second,
         stall_fraction: j.stall_fraction,
         limits: j.limits.map(|l| pb::JobLimits {
             guarantee_bytes_per_second: l.guarantee_bytes_per_second,

@@ -124,7 +124,9 @@ pub async fn lead(
 }
 
 /// Stops leading: not ready, its stages' sessions ended (they reconnect,
-/// through the Service, to the leader) and its view of them forgotten.
+/// through the Service, to the leader) and its view of them forgotten,
+/// and its gauges as a standby's (the leader's figures are the new
+/// leader's to give: kept, they stayed at their last values for good).
 fn step_down(shared: &Shared) {
     warn!("another controller took the leader lease while the store was unreachable: standing by");
     shared.ready.store(false, Ordering::Release);
@@ -132,6 +134,10 @@ fn step_down(shared: &Shared) {
     *lock(&shared.outage) = None;
     shared.metrics.store_up.set(1);
     shared.forget_stages();
+    shared.count_stages();
+    shared.metrics.jobs.set(0);
+    shared.metrics.policies.set(0);
+    shared.metrics.allocation.clear();
 }
 
 /// A gRPC interceptor that answers `UNAVAILABLE` until this controller

@@ -690,6 +690,43 @@ mod tests {
     }
 
     #[test]
+    fn a_job_that_came_within_the_shown_window_is_shown_over_the_time_since() {
+        // The same throttled job, come after the stage's first four reports:
+        // over the half-second window it read as 0 or twice its rate by
+        // turns for its first seconds.
+        let mut live = LiveStage::new(Instant::now());
+        let mut delivered = 0u64;
+        let mut shown = Vec::new();
+        for i in 0..24 {
+            if i % 4 == 0 {
+                delivered += 64 << 10;
+            }
+            let jobs = if i < 4 {
+                vec![]
+            } else {
+                vec![v1::JobTelemetry {
+                    delivered_bytes: delivered,
+                    ..job(0.0, 0.0)
+                }]
+            };
+            let t = v1::Telemetry {
+                unix_millis: 1_000_000 + i * 500,
+                jobs,
+                ..v1::Telemetry::default()
+            };
+            live.record(from_proto(t));
+            if i >= 9 {
+                shown.push(live.shown_window("j").unwrap().0.delivered_bytes_per_second);
+            }
+        }
+        let steady = 32.0 * 1024.0;
+        assert!(
+            shown.iter().all(|r| (r / steady - 1.0).abs() < 0.5),
+            "{shown:?}"
+        );
+    }
+
+    #[test]
     fn report_times_at_the_ends_of_the_clock_do_not_overflow() {
         let mut live = LiveStage::new(Instant::now());
         for unix_millis in [i64::MIN, i64::MAX, -1, i64::MIN, 0, i64::MAX] {

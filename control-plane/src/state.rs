@@ -221,8 +221,14 @@ impl LiveStage {
     /// stage (its counters start again).
     pub fn shown_window(&self, job: &str) -> Option<(Window, &JobSample)> {
         let (latest, short) = self.window_reports()?;
-        let oldest = self.reports.front()?;
-        Self::between(latest, oldest, job).or_else(|| Self::between(latest, short, job))
+        // The oldest report the latest compares with: a job that came (or a
+        // restart of its stage) within the window is shown over the time
+        // since, not over the short window, whose few samples of a slow job
+        // read as 0 or twice its rate by turns.
+        self.reports
+            .iter()
+            .take_while(|r| r.unix_millis <= short.unix_millis)
+            .find_map(|r| Self::between(latest, r, job))
     }
 
     fn between<'a>(

@@ -72,8 +72,13 @@ pub struct JobView {
     pub policy: String,
     pub pool: String,
     pub stages: Vec<JobStageView>,
+    /// Bytes per second delivered to its trainers (the node cache's hits
+    /// included).
     pub throughput_bytes_per_second: f64,
     pub throughput_samples_per_second: f64,
+    /// Of those, bytes per second read from storage: what its pool's
+    /// capacity and its limits are measured in.
+    pub storage_bytes_per_second: f64,
     pub stall_fraction: f64,
     pub limits: Option<LimitsView>,
     /// The job's current share of its pool; `None` when no policy selects
@@ -90,6 +95,8 @@ pub struct PoolView {
     pub sharing: String,
     pub allocated_bytes_per_second: u64,
     pub allocated_ops_per_second: u64,
+    /// Bytes per second its jobs read from storage (hits of the node cache
+    /// cost the pool nothing).
     pub throughput_bytes_per_second: f64,
     pub jobs: Vec<String>,
     /// What the last allocation could not do in it as its policies say.
@@ -207,17 +214,25 @@ async fn acked_versions(shared: &Shared) -> Result<BTreeMap<String, u64>, ApiErr
         .collect())
 }
 
-/// Bytes/s, samples/s and stall fraction of `job` on one stage, over the
-/// last few seconds of its reports.
-fn rates(live: Option<&LiveStage>, job: &str) -> (f64, f64, f64) {
+/// What `job` did on one stage over the last few seconds of its reports.
+#[derive(Default)]
+struct Rates {
+    delivered_bytes: f64,
+    delivered_samples: f64,
+    storage_bytes: f64,
+    stalled: f64,
+}
+
+fn rates(live: Option<&LiveStage>, job: &str) -> Rates {
     let Some((window, _)) = live.and_then(|l| l.shown_window(job)) else {
-        return (0.0, 0.0, 0.0);
+        return Rates::default();
     };
-    (
-        window.delivered_bytes_per_second,
-        window.delivered_samples_per_second,
-        window.stalled,
-    )
+    Rates {
+        delivered_bytes: window.delivered_bytes_per_second,
+        delivered_samples: window.delivered_samples_per_second,
+        storage_bytes: window.read_bytes_per_second,
+        stalled: window.stalled,
+    }
 }
 
 /// The limits a stage enforces for a job the controller pushed no settings
@@ -241,7 +256,7 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
     let desired = lock(&shared.desired);
     let allocation = lock(&shared.shares).jobs.get(&r.id).cloned();
     let mut stages = Vec::new();
-    let (mut bytes, mut samples, mut stall) = (0.0, 0.0, 0.0f64);
+    let mut total = Rates::default();
     // Only the stages that serve the job now: a lost stage's last rates
     // and settings would count toward the job's throughput and the limit
     // in force long after it died (its share goes to the stages that
@@ -251,19 +266,20 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
         .iter()
         .filter(|stage| live.get(*stage).is_some_and(|l| l.serves(&r.id)));
     for stage in serving {
-        let (b, s, st) = rates(live.get(stage), &r.id);
+        let here = rates(live.get(stage), &r.id);
         let d = desired.get(stage);
-        bytes += b;
-        samples += s;
-        stall = stall.max(st);
+        total.delivered_bytes += here.delivered_bytes;
+        total.delivered_samples += here.delivered_samples;
+        total.storage_bytes += here.storage_bytes;
+        total.stalled = total.stalled.max(here.stalled);
         stages.push(JobStageView {
             stage_id: stage.clone(),
             settings: d
                 .and_then(|d| d.settings.jobs.get(&r.id).cloned())
                 .or_else(|| stage_own(live.get(stage), &r.id)),
             acked: d.is_some_and(|d| acked.get(stage).copied().unwrap_or(0) >= d.version),
-            throughput_bytes_per_second: b,
-            stall_fraction: st,
+            throughput_bytes_per_second: here.delivered_bytes,
+            stall_fraction: here.stalled,
         });
     }
     let limits = policy.map(|p| {
@@ -283,9 +299,10 @@ fn job_view(shared: &Shared, r: JobRecord, acked: &BTreeMap<String, u64>) -> Job
         id: r.id,
         labels: r.labels,
         stages,
-        throughput_bytes_per_second: bytes,
-        throughput_samples_per_second: samples,
-        stall_fraction: stall,
+        throughput_bytes_per_second: total.delivered_bytes,
+        throughput_samples_per_second: total.delivered_samples,
+        storage_bytes_per_second: total.storage_bytes,
+        stall_fraction: total.stalled,
         limits,
         allocation,
     }
@@ -316,7 +333,10 @@ pub async fn pools(shared: &Shared) -> Result<Vec<PoolView>, ApiError> {
                 .map_or(0, |s| s.allocated_bytes_per_second.round() as u64),
             allocated_ops_per_second: share
                 .map_or(0, |s| s.allocated_ops_per_second.round() as u64),
-            throughput_bytes_per_second: mine.iter().map(|j| j.throughput_bytes_per_second).sum(),
+            // From +0 (an empty f64 sum is -0, shown as `-0`).
+            throughput_bytes_per_second: mine
+                .iter()
+                .fold(0.0, |sum, j| sum + j.storage_bytes_per_second),
             jobs: mine.iter().map(|j| j.id.clone()).collect(),
             problems: share.map(|s| s.problems.clone()).unwrap_or_default(),
         }

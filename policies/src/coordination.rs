@@ -282,9 +282,12 @@ fn pool_shares(snapshot: &Snapshot, allocation: &Allocation) -> BTreeMap<String,
             let members = || allocation.jobs.iter().filter(|j| j.pool == pool.name);
             let share = PoolShare {
                 capacity_bytes_per_second: pool.bandwidth,
-                allocated_bytes_per_second: members().map(|j| j.bandwidth.rate).sum(),
+                // From +0 (an empty f64 sum is -0, shown as `-0`).
+                allocated_bytes_per_second: members().fold(0.0, |sum, j| sum + j.bandwidth.rate),
                 capacity_ops_per_second: pool.ops,
-                allocated_ops_per_second: members().filter_map(|j| j.ops).map(|o| o.rate).sum(),
+                allocated_ops_per_second: members()
+                    .filter_map(|j| j.ops)
+                    .fold(0.0, |sum, o| sum + o.rate),
                 problems: allocation
                     .problems
                     .iter()

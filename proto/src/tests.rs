@@ -266,6 +266,7 @@ fn admin_view_messages_roundtrip() {
             settings: Some(job_settings()),
             throughput_bytes_per_second: 7.5e8,
             throughput_samples_per_second: 6800.0,
+            storage_bytes_per_second: 5.0e8,
             stall_fraction: 0.02,
             limits: Some(JobLimits {
                 guarantee_bytes_per_second: Some(200 << 20),

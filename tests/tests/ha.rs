@@ -47,6 +47,30 @@ async fn leader_and_standby(test: &str) -> Option<Pair> {
     })
 }
 
+/// A stage `stage-1` reaching its controller at `controller`, a trainer of
+/// job `resnet` on it, and the policies applied through the leader at
+/// `leader`; returns the stage and the trainer (to keep them) and the
+/// settings version the stage acknowledged.
+async fn serving_a_job(
+    dir: &std::path::Path,
+    controller: &str,
+    leader: &str,
+) -> (
+    (support::KillOnDrop, serde_json::Value),
+    std::os::unix::net::UnixStream,
+    u64,
+) {
+    let (command, socket) = stage_command(dir, "stage-1", &format!("http://{controller}"));
+    let stage = support::start(command, &dir.join("stage.log"));
+    let trainer = trainer(&socket, "resnet");
+    let mut leader = admin(leader).await;
+    apply(&mut leader, "policy.yaml", &policy("100MB/s"))
+        .await
+        .unwrap();
+    let acked = acked_above(&leader, "stage-1", 0).await;
+    (stage, trainer, acked)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
     let Some(Pair {
@@ -91,14 +115,7 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
         (a.grpc.clone(), a.http.clone()),
         (b.grpc.clone(), b.http.clone()),
     ]);
-    let (command, socket) = stage_command(dir.path(), "stage-1", &format!("http://{front}"));
-    let _stage = support::start(command, &dir.path().join("stage.log"));
-    let _trainer = trainer(&socket, "resnet");
-    let mut leader = admin(&a.grpc).await;
-    apply(&mut leader, "policy.yaml", &policy("100MB/s"))
-        .await
-        .unwrap();
-    let from_a = acked_above(&leader, "stage-1", 0).await;
+    let (_stage, _trainer, from_a) = serving_a_job(dir.path(), &front, &a.grpc).await;
 
     // A dies without releasing anything: B takes over within seconds.
     a.process.0.kill().unwrap();
@@ -133,13 +150,25 @@ async fn a_standby_takes_over_when_the_leader_dies_and_the_stage_follows() {
 async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
     let Some(Pair {
         _database,
-        dir: _dir,
+        dir,
         a,
         b,
     }) = leader_and_standby("frozen_leader").await
     else {
         return;
     };
+    // The leader serves a stage and a job, so its gauges have figures.
+    let (_stage, _trainer, _) = serving_a_job(dir.path(), &a.grpc, &a.grpc).await;
+    eventually(
+        "the leader to export the job's allocation",
+        Duration::from_secs(30),
+        || {
+            let shown = http(&a.http, "GET", "/metrics", "")
+                .contains("sluice_controller_job_allocated_bytes_per_second{");
+            async move { shown.then_some(()) }
+        },
+    )
+    .await;
     let signal = |name: &str| {
         let pid = a.process.0.id().to_string();
         let sent = std::process::Command::new("kill")
@@ -164,6 +193,26 @@ async fn a_frozen_leader_loses_the_lease_and_stands_by_when_it_wakes() {
     )
     .await;
     assert!(http(&b.http, "GET", "/metrics", "").contains("sluice_controller_leader 1"));
+    // Standing by, it exports no figures of the leader's any more: kept,
+    // they stayed at their last values, and dashboards and alerts taking
+    // the max across replicas showed them for good.
+    let metrics = http(&a.http, "GET", "/metrics", "");
+    for gone in [
+        "sluice_controller_job_allocated_bytes_per_second{",
+        "sluice_controller_job_throughput_bytes_per_second{",
+        "sluice_controller_pool_capacity_bytes_per_second{",
+    ] {
+        assert!(!metrics.contains(gone), "{gone} in\n{metrics}");
+    }
+    for zero in [
+        "sluice_controller_jobs 0",
+        "sluice_controller_policies 0",
+        "sluice_controller_stages{state=\"connected\"} 0",
+        "sluice_controller_settings_pending_stages 0",
+        "sluice_controller_allocation_problems 0",
+    ] {
+        assert!(metrics.contains(zero), "{zero} not in\n{metrics}");
+    }
 }
 
 /// A stage stopped (SIGTERM) just before its leader dies left: the

@@ -163,6 +163,7 @@ pub fn jobs() -> Vec<Job> {
             settings: Some(capped.clone()),
             throughput_bytes_per_second: 812.0 * 1024.0 * 1024.0,
             throughput_samples_per_second: 1200.0,
+            storage_bytes_per_second: 640.0 * 1024.0 * 1024.0,
             stall_fraction: 0.032,
             limits: Some(v1::JobLimits {
                 limit_bytes_per_second: Some(800 << 20),

@@ -179,4 +179,23 @@ impl AllocationMetrics {
             .replace(pools().map(|(l, _)| (l.clone(), used(&l))).collect());
         self.problems.set(shares.problems.len() as i64);
     }
+
+    /// Removes every series and zeroes the counts, as a controller that
+    /// does not lead (a standby's) has them.
+    pub fn clear(&self) {
+        for family in [
+            &self.pool_capacity,
+            &self.pool_allocated,
+            &self.pool_throughput,
+            &self.job_allocated,
+            &self.job_allocated_ops,
+            &self.job_demand,
+            &self.job_throughput,
+            &self.job_reason,
+        ] {
+            family.replace(Vec::new());
+        }
+        self.problems.set(0);
+        self.pending_stages.set(0);
+    }
 }
