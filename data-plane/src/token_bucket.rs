@@ -188,6 +188,27 @@ impl TokenBucket {
         }
     }
 
+    /// Gives back what a read took and did not make (by its turn, its
+    /// sample had come into the node cache): `bytes` and one operation, up
+    /// to what the buckets hold when full.
+    pub fn refund(&self, bytes: u64) {
+        let mut s = lock(&self.state);
+        let limits = s.limits;
+        if limits.unlimited() {
+            return;
+        }
+        s.refill(Instant::now());
+        if let Some(rate) = limits.bytes_per_s {
+            s.bytes.tokens = (s.bytes.tokens + bytes as f64).min(capacity(rate, limits.burst));
+        }
+        if let Some(rate) = limits.ops_per_s {
+            s.ops.tokens = (s.ops.tokens + 1.0).min(capacity(rate, limits.burst));
+        }
+        if s.line.waiting > 0 {
+            self.turn.notify_all();
+        }
+    }
+
     /// Whether limits are in force (a read may have to wait).
     pub fn limited(&self) -> bool {
         !lock(&self.state).limits.unlimited()
@@ -311,6 +332,25 @@ mod tests {
             ops_per_s: ops,
             burst: Duration::from_millis(100),
         })
+    }
+
+    #[test]
+    fn a_refund_gives_back_up_to_a_full_bucket() {
+        // 1,000 B/s with a 100 ms burst: the bucket holds 100 bytes.
+        let tb = limited(Some(1000), Some(10));
+        assert!(tb.try_acquire(100).is_ok());
+        assert!(tb.try_acquire(50).is_err());
+        tb.refund(100);
+        assert!(
+            tb.try_acquire(100).is_ok(),
+            "the bytes and the operation came back"
+        );
+        tb.refund(10_000);
+        assert!(tb.try_acquire(100).is_ok());
+        assert!(
+            tb.try_acquire(50).is_err(),
+            "no more than a full bucket came back"
+        );
     }
 
     #[test]

@@ -672,10 +672,15 @@ impl Job {
                 .map(|(l, _)| l)
             {
                 Some(Cached::Whole(Lookup::Hit(bytes))) => {
+                    self.refund(size);
                     return (Ok(copied(&bytes)), reserved.get());
                 }
-                Some(Cached::Range(bytes)) => return (Ok(copied(&bytes)), reserved.get()),
+                Some(Cached::Range(bytes)) => {
+                    self.refund(size);
+                    return (Ok(copied(&bytes)), reserved.get());
+                }
                 Some(Cached::Whole(Lookup::Wait(flight))) => {
+                    self.refund(size);
                     let data = flight.wait_blocking().map(|bytes| copied(&bytes));
                     return (data, reserved.get());
                 }
@@ -683,6 +688,7 @@ impl Job {
                     let len = hit.len();
                     let mut buf = alloc(len);
                     if hit.read_into(&mut buf.as_mut_slice()[..len]) {
+                        self.refund(size);
                         self.count_cache_hit(len);
                         return (Ok(Chunk::pooled(buf, 0, len)), reserved.get());
                     }
@@ -859,15 +865,23 @@ impl Job {
                 answer
             };
             match lookup {
-                Cached::Range(bytes) => return Ok(hit((Chunk::from_vec(bytes), cached))),
-                Cached::Whole(Lookup::Hit(bytes)) => return Ok(hit(range(&bytes))),
+                Cached::Range(bytes) => {
+                    self.refund(size);
+                    return Ok(hit((Chunk::from_vec(bytes), cached)));
+                }
+                Cached::Whole(Lookup::Hit(bytes)) => {
+                    self.refund(size);
+                    return Ok(hit(range(&bytes)));
+                }
                 Cached::Whole(Lookup::Wait(flight)) => {
+                    self.refund(size);
                     return flight.wait_blocking().map(|b| hit(range(&b)));
                 }
                 Cached::Whole(Lookup::Disk(hit_on_disk)) => {
                     // A whole lookup is of the whole sample: no range to cut.
                     let mut bytes = vec![0; hit_on_disk.len()];
                     if hit_on_disk.read_into(&mut bytes) {
+                        self.refund(size);
                         return Ok(hit((Chunk::from_vec(bytes), cached)));
                     }
                     break; // the file failed its check and is gone
@@ -935,6 +949,16 @@ impl Job {
         let (start, len) = clamp_range(key.size, offset, length);
         let bytes = cache.peek_range(&dataset.name, &key, start, len)?;
         Some((Cached::Range(bytes), cached))
+    }
+}
+
+impl Job {
+    /// Gives the limiter back the `paid` bytes of a read the cache answered
+    /// once its turn came (see [`crate::cache::Cache::lookup_unclaimed`]).
+    fn refund(&self, paid: Option<u64>) {
+        if let Some(bytes) = paid {
+            self.limiter.refund(bytes);
+        }
     }
 }
 

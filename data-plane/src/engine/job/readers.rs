@@ -181,7 +181,7 @@ impl Job {
                     }
                     Some(Some(Lookup::Miss(fill))) => break Some(fill),
                     Some(Some(Lookup::Hit(bytes))) => {
-                        drop(ticket);
+                        self.not_read(ticket, work.file_bytes);
                         self.finish_cached(work, Ok(bytes));
                         continue 'next;
                     }
@@ -191,14 +191,14 @@ impl Job {
                         let len = hit.len();
                         let mut buf = self.buffer(len);
                         if hit.read_into(&mut buf.as_mut_slice()[..len]) {
-                            drop(ticket);
+                            self.not_read(ticket, work.file_bytes);
                             self.finish_hit(work, Ok(Chunk::pooled(buf, 0, len)));
                             continue 'next;
                         }
                         // The file failed its check and is gone: look again.
                     }
                     Some(Some(Lookup::Wait(flight))) => {
-                        drop(ticket);
+                        self.not_read(ticket, work.file_bytes);
                         if remote {
                             self.wait_remote(work, flight);
                         } else {
@@ -216,6 +216,17 @@ impl Job {
             } else {
                 self.fetch(work, fill);
             }
+        }
+    }
+
+    /// A committed entry the cache (or another job's read) answers: its
+    /// place in the limiter's line is given up, or, when it waited its
+    /// turn already (`ticket` used), its bytes are given back: a hit costs
+    /// the limiter nothing.
+    fn not_read(&self, ticket: Option<Ticket<'_>>, bytes: u64) {
+        match ticket {
+            Some(ticket) => drop(ticket),
+            None => self.limiter.refund(bytes),
         }
     }
 
