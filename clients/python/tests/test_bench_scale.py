@@ -73,7 +73,9 @@ def test_a_short_run_reports_every_figure(tmp_path):
     assert (tmp_path / "logs" / "controller.log").exists()
 
 
-def test_refuses_zero_stages(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "sluice.bench", "scale", "--stages", "0", "--bin-dir", str(tmp_path)],
+@pytest.mark.parametrize("flag", ["--stages", "--jobs-per-stage"])
+def test_refuses_zero_stages(tmp_path, flag):
+    stages = ["--stages", "0"] if flag == "--stages" else ["--stages", "2", flag, "0"]
+    done = subprocess.run([sys.executable, "-m", "sluice.bench", "scale", *stages, "--bin-dir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
-    assert done.returncode != 0 and "--stages and --applies must be at least 1" in done.stderr
+    assert done.returncode != 0 and "--stages, --jobs-per-stage and --applies must be at least 1" in done.stderr

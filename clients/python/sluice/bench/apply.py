@@ -24,7 +24,7 @@ import time
 from typing import List, Optional
 
 from .. import Client
-from .common import Daemon, find_binaries, get_json, log, wait_for
+from .common import BIN_DIR_HELP, Daemon, default_bin_dir, find_binaries, get_json, log, quantile, wait_for
 
 POLICY = """apiVersion: sluice.dev/v1
 kind: StoragePool
@@ -47,8 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", type=int, default=2, help="stages to start (default 2)")
     ap.add_argument("--applies", type=int, default=20, help="applies to time (default 20)")
     ap.add_argument("--tick", default="1s", help="the controller's --tick (default 1s)")
-    ap.add_argument("--bin-dir", default="target/release",
-                    help="directory holding sluice-controller, sluice-stage and sluicectl (default target/release)")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
     return ap
 
@@ -112,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {
         "stages": args.stages, "applies": len(times), "tick": args.tick,
         "median_ms": statistics.median(times) * 1000, "worst_ms": max(times) * 1000,
-        "p90_ms": sorted(times)[int(len(times) * 0.9) - 1] * 1000, "samples_ms": [round(t * 1000, 2) for t in times],
+        "p90_ms": quantile(times, 0.9) * 1000, "samples_ms": [round(t * 1000, 2) for t in times],
     }
     print(f"sluicectl apply -> every stage acknowledged ({args.stages} stages, {len(times)} applies): "
           f"median {result['median_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms, worst {result['worst_ms']:.1f} ms")

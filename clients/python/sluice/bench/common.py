@@ -42,23 +42,40 @@ def log(*args) -> None:
 # -- options ----------------------------------------------------------------
 
 
-def add_dataset_args(ap, files: int = 5000) -> None:
-    """The data set's shape and the loop's batch and seed."""
+def add_dataset_args(ap, files: int = 5000, beside: str = "") -> None:
+    """The data set's shape and the loop's batch and seed; ``beside`` says
+    what other data sets the benchmark makes next to ``--dir``."""
     ap.add_argument("--files", type=int, default=files, help=f"number of files (default {files})")
     ap.add_argument("--size", default="100KiB", help="mean file size, e.g. 100KiB, 2.7MB (default 100KiB)")
     ap.add_argument("--size-stdev", default="0", help="standard deviation of file sizes (default 0)")
     ap.add_argument("--dir", default=None,
-                    help="where the data set lives (default bench-out/<files>x<size>[-sd<stdev>]); "
+                    help="where the data set lives (default bench-out/<files>x<size>[-sd<stdev>]" +
+                         (f"; {beside} beside it, in its parent directory" if beside else "") + "); "
                          "an existing data set of the same shape is reused")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed of every epoch's order (default 0)")
     ap.add_argument("--batch", type=int, default=32, help="samples per batch (default 32)")
 
 
+#: The repository this package sits in (its binaries are built under target/).
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+
+
+def default_bin_dir() -> str:
+    """``$SLUICE_BIN_DIR``, else the repository's ``target/release``: found
+    from this package, not from the current directory (run elsewhere, a
+    relative default found no binary, and the loaders that need one were
+    skipped)."""
+    return os.environ.get("SLUICE_BIN_DIR") or os.path.join(REPO, "target", "release")
+
+
+BIN_DIR_HELP = ("directory holding the sluice binaries (default $SLUICE_BIN_DIR, else the repository's "
+                "target/release)")
+
+
 def add_stage_args(ap, memory: bool = True, prefetch: bool = True) -> None:
     """Where the stage binary is and how it runs: ``--stage-memory`` and
     the client's ``--prefetch`` only for benchmarks that use them."""
-    ap.add_argument("--bin-dir", default="target/release",
-                    help="directory holding sluice-stage (default target/release)")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     if memory:
         ap.add_argument("--stage-memory", default="1GiB", help="the stage's --memory-budget (default 1GiB)")
     ap.add_argument("--stage-arg", action="append", default=[],
@@ -109,7 +126,7 @@ def add_loader_args(ap, loaders: Sequence[str], workers: str) -> None:
     ap.add_argument("--latency", default="0ms",
                     help="added to every storage operation by sluice-slowfs, e.g. 5ms (default 0ms: the "
                          "directory itself)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage and sluice-slowfs")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
     ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
@@ -361,6 +378,35 @@ def fetch_metrics(addr: str, timeout: float = 2.0):
 
 
 # -- the control plane's daemons ----------------------------------------------------
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by nearest rank (the value at the
+    ceiling of ``q`` times their count)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(len(ordered) * q) - 1)]
+
+
+def output_dir(path: str, flag: str) -> str:
+    """Makes the directory ``path`` a benchmark writes its output in, before
+    anything runs: one it cannot make is an error naming ``flag``, not a
+    traceback at the end of the run (with its figures lost)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK):
+        raise SystemExit(f"error: {flag} {path}: not writable")
+    return path
+
+
+def output_file(path: str, flag: str) -> str:
+    """Checks, before anything runs, that the file ``path`` can be written
+    (its directory made if missing); see :func:`output_dir`."""
+    if os.path.isdir(path):
+        raise SystemExit(f"error: {flag} {path}: is a directory, give a file name")
+    output_dir(os.path.dirname(os.path.abspath(path)), flag)
+    return path
 
 
 def find_binaries(bin_dir: str, names: Sequence[str]) -> Dict[str, str]:

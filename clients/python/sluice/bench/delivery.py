@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional
 
 from .. import plan as splan
 from ..client import Client
-from .common import add_dataset_args, dataset_options, load_dataset, log, stage_binary_or_exit, stage_session
+from .common import BIN_DIR_HELP, add_dataset_args, dataset_options, default_bin_dir, load_dataset, log, stage_binary_or_exit, stage_session
 from .dataset import BenchDataset, evict, prepare
 from .stage import StageProcess
 from .units import format_bytes, parse_bytes
@@ -55,7 +55,7 @@ GiB = 2**30
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sluice.bench delivery", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataset_args(ap, files=20000)
+    add_dataset_args(ap, files=20000, beside="the hot-* and jpeg-* data sets are made")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--workers", default="0,1,2,4,8", help="DataLoader num_workers values (default 0,1,2,4,8)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every variant; medians reported (default 1)")
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hot-epochs", type=int, default=2, help="timed epochs per hot run (default 2)")
     ap.add_argument("--jpeg-files", type=int, default=5000, help="JPEG files of the decode part (default 5000)")
     ap.add_argument("--jpeg-side", type=int, default=256, help="width and height of each JPEG (default 256)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
     ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")

@@ -38,7 +38,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
-from .common import log, stage_binary_or_exit
+from .common import BIN_DIR_HELP, default_bin_dir, log, stage_binary_or_exit
 from .dataset import evict
 from .stage import StageProcess
 
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--read-threads", type=int, default=2, help="DLIO reader.read_threads (default 2)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of both loaders; medians reported (default 1)")
     ap.add_argument("--dlio", default=None, help="the dlio_benchmark program (default: next to this python)")
-    ap.add_argument("--bin-dir", default="target/release", help="directory holding sluice-stage")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--stage-memory", default="2GiB", help="the stage's --memory-budget (default 2GiB)")
     ap.add_argument("--stage-arg", action="append", default=[], help="extra argument for sluice-stage (repeatable)")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")

@@ -12,8 +12,9 @@ beside it).
 
 Enough epochs are read for the run to outlast the window by a second at
 the target rate (``--epochs auto``): 20000 x 100 KiB lasts 9.8 s at
-200 MiB/s, so that takes two epochs. The stage reads with O_DIRECT by
-default, so the second epoch is not served from the page cache.
+200 MiB/s, so that takes two epochs. The stage reads with O_DIRECT
+(``--direct-io true``, unless ``--stage-arg`` sets it), so the second epoch
+is not served from the page cache.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def summarize(kind: str, target: float, timeline: Timeline, window_start: float,
 
 def run_limit(ds: BenchDataset, binary: str, args, plan: dict) -> dict:
     evict(ds.paths())
-    with stage_session(binary, ds, args.stage_memory, [*plan["flags"], *args.stage_arg], job=JOB) as s:
+    direct = [] if any(a.startswith("--direct-io") for a in args.stage_arg) else ["--direct-io", "true"]
+    with stage_session(binary, ds, args.stage_memory, [*plan["flags"], *direct, *args.stage_arg], job=JOB) as s:
         before = fetch_metrics(s.stage.metrics) if s.stage.metrics else []
         timeline = Timeline()
         read_epochs(s.dataset, range(plan["epochs"]), args.seed, args.batch, 0.0, args.prefetch, timeline)

@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--entries", type=int, default=1_000_000, help="files in the data set (default 1000000)")
     ap.add_argument("--dir", default=None, help="where the data set lives (default bench-out/<entries>x1B)")
     ap.add_argument("--store", choices=("dir", "s3"), default="dir", help="dir or s3 (default dir)")
-    ap.add_argument("--latency", default="0ms", help="added to every storage operation (default 0ms)")
+    ap.add_argument("--latency", default="0ms",
+                    help="added to every request to the object store, with --store s3 (default 0ms; the "
+                         "slow file system of --store dir delays opens and reads, which a listing makes none of)")
     add_stage_args(ap, prefetch=False)
     return ap
 
@@ -52,6 +54,10 @@ def main(argv: Optional[list] = None) -> int:
         binary = find_stage_binary(args.bin_dir)
     except (ValueError, StageStartError) as e:
         raise SystemExit(f"error: {e}") from None
+    if latency_ms and args.store == "dir":
+        raise SystemExit("error: --latency applies to --store s3 here: the slow file system delays opens and "
+                         "reads, and listing a directory makes none (its figure would be labelled with a "
+                         "latency it never paid)")
     ds = prepare(args.dir or os.path.join("bench-out", f"{args.entries}x1B"), args.entries, 1, log=log)
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
     try:

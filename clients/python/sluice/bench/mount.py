@@ -66,7 +66,7 @@ LOADERS = {
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sluice.bench mount", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataset_args(ap, files=20000)
+    add_dataset_args(ap, files=20000, beside="the hot part's data set is made")
     add_loader_args(ap, list(LOADERS), "1,2,4,8")
     ap.add_argument("--hot-files", type=int, default=10000,
                     help="files of the hot part (100 KiB each unless --size; 0 skips it; default 10000)")

@@ -78,12 +78,10 @@ _log = log
 class Bench:
     """Runs the selected loaders over one data set with one compute time."""
 
-    def __init__(self, args, ds, binary: Optional[str], binary_error: Optional[str] = None,
-                 storage: Optional[Storage] = None) -> None:
+    def __init__(self, args, ds, binary: Optional[str], storage: Optional[Storage] = None) -> None:
         self.args = args
         self.ds = ds
         self.binary = binary
-        self.binary_error = binary_error
         self.paths = ds.paths()
         self.storage = storage or Storage("dir", 0.0, ds)
         # Where loaders read: the data set itself or the harness's view of it.
@@ -121,8 +119,6 @@ class Bench:
         return _mark_best(out)
 
     def sluice(self, compute_s: float) -> List[dict]:
-        if self.binary is None:
-            return [{"loader": "sluice", "skipped": self.binary_error}]
         self._cold()
         run = loaders.run_sluice(self.view, self.args.batch, self.args.epochs, compute_s, self.args.seed,
                                  self.binary, self.args.stage_memory,
@@ -247,14 +243,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ValueError:
             raise SystemExit(f"error: --compute-ms must be a number of milliseconds from 0 to an hour, or 'auto', got {args.compute_ms!r}") from None
 
-    binary, binary_error = None, None
+    binary = None
     if "sluice" in selected or auto:
         try:
             binary = find_stage_binary(args.bin_dir)
         except StageStartError as e:
-            binary_error = str(e)
             if auto:
                 raise SystemExit(f"error: --compute-ms auto measures sluice first: {e}") from None
+            # A loader asked for that cannot run is an error, not a row
+            # marked skipped under an exit status of 0.
+            raise SystemExit(f"error: the sluice loader: {e}") from None
 
     try:
         latency_ms = parse_duration_ms(args.latency)
@@ -264,15 +262,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
     try:
         with open_storage(args.store, args.latency, latency_ms, ds, args.bin_dir, repo) as storage:
-            return _run(args, selected, auto, compute_ms if not auto else 0.0, ds, binary, binary_error,
-                        storage)
+            return _run(args, selected, auto, compute_ms if not auto else 0.0, ds, binary, storage)
     except HarnessError as e:
         raise SystemExit(f"error: the {args.store} harness: {e}") from None
 
 
-def _run(args, selected, auto, compute_ms, ds, binary, binary_error, storage) -> int:
+def _run(args, selected, auto, compute_ms, ds, binary, storage) -> int:
     size, stdev = ds.size, ds.size_stdev
-    bench = Bench(args, ds, binary, binary_error, storage)
+    bench = Bench(args, ds, binary, storage)
     calibration = None
     if auto:
         _log("calibrating: sluice without compute ...")

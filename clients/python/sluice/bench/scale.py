@@ -13,7 +13,8 @@ acknowledged a new settings version (every apply changes every job's
 limit, so every stage gets one). The apply figures are over applies: p50
 and p99 of the time until the *last* stage acknowledged.
 
-Builds nothing: ``--bin-dir`` (default ``target/release``) must hold
+Builds nothing: ``--bin-dir`` (default ``$SLUICE_BIN_DIR``, else the
+repository's ``target/release``) must hold
 ``sluice-controller``, ``sluicectl`` and ``sluice-loadgen``. With ``--json``
 stdout ends with one object ``{"stages", "controller_cpu_cores",
 "controller_rss_bytes", "tick_ms_p99", "apply_ms_p50", "apply_ms_p99",
@@ -33,7 +34,10 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .common import Daemon, fetch_metrics, find_binaries, log, metric_value, wait_for
+from .common import (
+    BIN_DIR_HELP, Daemon, default_bin_dir, fetch_metrics, find_binaries, log, metric_value, output_dir, quantile,
+    wait_for,
+)
 from .stage import pid_cpu_seconds, rss_bytes
 
 POLICY = """apiVersion: sluice.dev/v1
@@ -67,8 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds of steady state the CPU and tick figures cover (default 40)")
     ap.add_argument("--tick", default="1s", help="the controller's --tick (default 1s)")
     ap.add_argument("--store", help="the controller's --database-url (default: SQLite in a temp dir)")
-    ap.add_argument("--bin-dir", default="target/release",
-                    help="directory holding sluice-controller, sluicectl and sluice-loadgen (default target/release)")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--log-dir", help="keep the controller's and the load generator's logs here")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
     return ap
@@ -137,11 +140,6 @@ def histogram_quantile(before: List[Tuple[float, float]], after: List[Tuple[floa
     return next((le for le, c in delta if c >= rank), math.inf)
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(len(ordered) * q) - 1)]
-
-
 def _settled(http: str, stages: int):
     """A check that is true once every stage is connected and the
     controller published nothing new for 3 s."""
@@ -163,7 +161,6 @@ def _settled(http: str, stages: int):
 def run(args, binary: Dict[str, str], tmp: str) -> dict:
     store = args.store or f"sqlite://{tmp}/sluice.db"
     logs = args.log_dir or tmp
-    os.makedirs(logs, exist_ok=True)
     controller = Daemon.start([binary["sluice-controller"], "--grpc-addr", "127.0.0.1:0",
                                "--http-addr", "127.0.0.1:0", "--tick", args.tick, "--database-url", store],
                               os.path.join(logs, "controller.log"))
@@ -250,9 +247,11 @@ def run(args, binary: Dict[str, str], tmp: str) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.stages < 1 or args.applies < 1:
-        raise SystemExit("error: --stages and --applies must be at least 1")
+    if args.stages < 1 or args.applies < 1 or args.jobs_per_stage < 1:
+        raise SystemExit("error: --stages, --jobs-per-stage and --applies must be at least 1")
     binary = find_binaries(args.bin_dir, ("sluice-controller", "sluicectl", "sluice-loadgen"))
+    if args.log_dir:
+        output_dir(args.log_dir, "--log-dir")
     with tempfile.TemporaryDirectory(prefix="sluice-scale-") as tmp:
         result = run(args, binary, tmp)
     mib = result["controller_rss_bytes"] / 2**20

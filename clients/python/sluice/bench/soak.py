@@ -26,7 +26,8 @@ controller, stage-2) is reported, with the range of its incarnations'
 peaks, but not judged: its quarters are different processes, each sized
 by the load it met since it started. Exits non-zero when a sample was lost or duplicated, an error
 is not explained by a fault, or a process's memory is not flat. Builds
-nothing: ``--bin-dir`` (default ``target/release``).
+nothing: ``--bin-dir`` (default ``$SLUICE_BIN_DIR``, else the repository's
+``target/release``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Dict, List, Optional, Tuple
 
 import sluice
 
-from .common import Daemon, find_binaries, get_json, log, wait_for
+from .common import BIN_DIR_HELP, Daemon, default_bin_dir, find_binaries, get_json, log, output_dir, wait_for
 from .stage import StageProcess, private_rss_bytes, rss_bytes
 
 POLICY = """apiVersion: sluice.dev/v1
@@ -80,8 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--files", type=int, default=2000, help="samples in the data set (default 2000)")
     ap.add_argument("--size", type=int, default=32 * 1024, help="bytes per sample at most (default 32768)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the faults and the data (default 1)")
-    ap.add_argument("--bin-dir", default="target/release",
-                    help="directory holding sluice-controller, sluice-stage and sluicectl (default target/release)")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--dir", help="run directory (data set, store, logs); default: a temp dir, removed")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
     return ap
@@ -294,6 +294,7 @@ def run(args, binary: Dict[str, str], run_dir: str) -> dict:
     next_fault = t0 + rng.uniform(0.5, 1.5) * args.fault_every
     next_sample = t0
     fault_errors: List[str] = []
+    patience = 60.0  # how long each trainer is waited for at the end
     try:
         while time.monotonic() - t0 < duration:
             now = time.monotonic()
@@ -328,10 +329,16 @@ def run(args, binary: Dict[str, str], run_dir: str) -> dict:
             settled = True
         except TimeoutError:
             settled = False
+    except KeyboardInterrupt:
+        # Ctrl-C reached the stages and the controller too (one process
+        # group): the trainers would try to reach them for two minutes. They
+        # are daemon threads, and the run is over: not waited for.
+        patience = 1.0
+        raise
     finally:
         stop.set()
         for t in trainers:
-            t.join(timeout=60)
+            t.join(timeout=patience)
         cluster.stop()
     errors = []
     for t in trainers:
@@ -362,7 +369,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("error: --minutes, --fault-every and --files must be above 0")
     binary = find_binaries(args.bin_dir, ("sluice-controller", "sluice-stage", "sluicectl"))
     if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
+        output_dir(args.dir, "--dir")
         result = run(args, binary, os.path.abspath(args.dir))
     else:
         with tempfile.TemporaryDirectory(prefix="sluice-soak-") as tmp:

@@ -34,7 +34,7 @@ def find_stage_binary(bin_dir: str) -> str:
         profile = "--release " if os.path.basename(os.path.normpath(bin_dir)) == "release" else ""
         raise StageStartError(
             f"no sluice-stage binary at {path}: build it with `cargo build {profile}-p sluice-stage` "
-            "in the repository, or pass the directory that holds it")
+            "in the repository, or give the directory that holds it with --bin-dir (or SLUICE_BIN_DIR)")
     return path
 
 

@@ -45,7 +45,7 @@ import time
 from typing import Dict, List, Optional
 
 from .. import plan as splan
-from .common import add_loader_args, loader_options, log, stage_binary_or_exit, stage_session
+from .common import add_loader_args, loader_options, log, output_dir, stage_binary_or_exit, stage_session
 from .dataset import BenchDataset, evict
 from .harness import HarnessError
 from .prefetch import median_of_rounds
@@ -353,8 +353,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"error: --device {args.device}: torch cannot use it here ({str(e).splitlines()[0]})") \
             from None
     binary = stage_binary_or_exit(args.bin_dir)
-    ds = prepare_images(args.dir or os.path.join("bench-out", f"train-{args.files}x{args.side}"),
-                        args.files, args.side, args.classes)
+    images = output_dir(args.dir or os.path.join("bench-out", f"train-{args.files}x{args.side}"), "--dir")
+    ds = prepare_images(images, args.files, args.side, args.classes)
     trainer = Trainer(args.model, args.classes, device)
     name = torch.cuda.get_device_name(trainer.device) if trainer.cuda else "cpu"
     ceiling = trainer.ceiling(args.batch, ds.files % args.batch, args.crop, args.classes)

@@ -34,7 +34,7 @@ from typing import List, Optional
 
 from .common import (
     add_dataset_args, add_stage_args, fetch_metrics, first_reach, load_dataset, log, metric_value,
-    read_epochs, rolling_rate, stage_binary_or_exit, stage_session, Timeline,
+    output_file, read_epochs, rolling_rate, stage_binary_or_exit, stage_session, Timeline,
 )
 from .dataset import BenchDataset, evict
 from .units import format_bytes
@@ -391,6 +391,9 @@ def format_report(fixed: List[dict], best: dict, tuned: dict) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     binary = stage_binary_or_exit(args.bin_dir)
+    for path, flag in ((args.trace, "--trace"), (args.plot, "--plot")):
+        if path:
+            output_file(path, flag)
     ds = load_dataset(args)
     fixed: List[dict] = []
     if args.best_rate is None:

@@ -42,7 +42,9 @@ import subprocess
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..common import add_dataset_args, find_binaries, load_dataset, log
+from ..common import (
+    BIN_DIR_HELP, add_dataset_args, default_bin_dir, find_binaries, load_dataset, log, output_dir, output_file,
+)
 from ..units import parse_bytes
 from .analysis import (PhaseResult, analyse_phase, max_abs_error, max_converge, per_job, utilisation,
                        window_rates)
@@ -65,11 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--phase-s", type=int, default=15, help="seconds per phase (default 15)")
     ap.add_argument("--capacity", default="200MiB/s", help="the pool's bandwidth (default 200MiB/s)")
     ap.add_argument("--tick", default="1s", help="the controller's --tick (default 1s)")
-    ap.add_argument("--bin-dir", default="target/release",
-                    help="directory holding sluice-controller, sluice-stage and sluicectl (default target/release)")
+    ap.add_argument("--bin-dir", default=default_bin_dir(), help=BIN_DIR_HELP)
     ap.add_argument("--stage-memory", default="1GiB", help="each stage's --memory-budget (default 1GiB)")
     ap.add_argument("--out-dir", default="bench-out/coordination",
-                    help="where the policies, the scenario and the logs go (default bench-out/coordination)")
+                    help="where the policies, the scenario, the per-window rates, the controller's job views "
+                         "and the plot go (default bench-out/coordination)")
     ap.add_argument("--plot", default=None, help="the PNG to draw (default <out-dir>/coordination.png)")
     ap.add_argument("--no-uncoordinated", action="store_true", help="skip the pass without the controller")
     ap.add_argument("--json", action="store_true", help="end stdout with one JSON object of the results")
@@ -156,9 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.phase_s < 2:
         raise SystemExit("error: --phase-s must be at least 2 seconds")
     bins = find_binaries(args.bin_dir, ("sluice-controller", "sluice-stage", "sluicectl"))
+    output_dir(args.out_dir, "--out-dir")
+    if args.plot:
+        output_file(args.plot, "--plot")
     ds = load_dataset(args)
     jobs, phases = scenario(args.phase_s, capacity)
-    os.makedirs(args.out_dir, exist_ok=True)
     policies, scenario_file = os.path.join(args.out_dir, "policies.yaml"), os.path.join(args.out_dir, "scenario.yaml")
     with open(policies, "w") as f:
         f.write(policies_yaml(jobs, capacity))

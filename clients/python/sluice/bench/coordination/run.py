@@ -76,7 +76,10 @@ def _start_controller(bins: Dict[str, str], tmp: str, tick: str, policies: str) 
 def _start_stages(bins: Dict[str, str], tmp: str, ds: BenchDataset, args, grpc: Optional[str]) -> List[StageProcess]:
     stages = []
     for sid in STAGES:
-        extra = ["--memory-budget", args.stage_memory, "--stage-id", sid, "--node", sid.replace("stage", "node")]
+        # O_DIRECT: every epoch reads the device (buffered, the second was
+        # the page cache's, and the pool's capacity went unmeasured).
+        extra = ["--memory-budget", args.stage_memory, "--stage-id", sid, "--node", sid.replace("stage", "node"),
+                 "--direct-io", "true"]
         if grpc:
             extra += ["--controller", f"http://{grpc}"]
         stages.append(StageProcess.start(bins["sluice-stage"], os.path.join(tmp, f"{sid}.sock"), {"bench": ds.root},
