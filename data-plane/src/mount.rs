@@ -23,9 +23,11 @@
 //!
 //! The kernel keeps names, attributes and file pages (`FOPEN_KEEP_CACHE`)
 //! for [`TTL`]; the data sets are listed again at most once a [`TTL`],
-//! off the request path (see `tree.rs`). Requests are answered on the
-//! stage's runtime, so a slow read does not hold the others. Writes of
-//! any kind are refused with `EROFS`.
+//! off the request path (see `tree.rs`). Reads are answered on the
+//! stage's runtime, so a slow read does not hold the others, and requests
+//! that may wait for a slow source (an open that opens its file, a look
+//! whose listing is due) on its blocking threads (see [`MountFs::answer`]).
+//! Writes of any kind are refused with `EROFS`.
 
 mod io_mode;
 mod orders;
@@ -178,7 +180,7 @@ pub fn mount(
             }
         })
     };
-    let fs = MountFs {
+    let fs = MountFs(Arc::new(Shared {
         readers,
         runtime: runtime.clone(),
         default_job: Arc::from(default_job),
@@ -186,7 +188,7 @@ pub fn mount(
         trees: Arc::default(),
         open: Arc::new(Mutex::new(HashMap::new())),
         most_open: sluice_proto::fd_limit::connections_per_listener(),
-        dirs: HashMap::new(),
+        dirs: Mutex::default(),
         next_fh: AtomicU64::new(1),
         started: SystemTime::now(),
         passthrough: Arc::new(AtomicBool::new(options.passthrough)),
@@ -195,8 +197,9 @@ pub fn mount(
         ways: Ways::default(),
         access,
         counters: Counters::new(engine.metrics()),
+        open_costs: OpenCosts::default(),
         engine,
-    };
+    }));
     let mount_options = [
         MountOption::RO,
         MountOption::FSName("sluice".to_owned()),
@@ -1203,7 +1206,57 @@ impl Readers {
     }
 }
 
-struct MountFs {
+/// The mount's file system, as the FUSE session holds it: its one thread
+/// answers what needs no wait for the source itself, and hands the rest
+/// to the runtime's blocking threads ([`MountFs::answer`]).
+struct MountFs(Arc<Shared>);
+
+impl std::ops::Deref for MountFs {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+impl MountFs {
+    /// Answers a request with `answer`: here, or, when it `waits` for the
+    /// source (a listing due, the open of a file of a data set whose files
+    /// open slowly), on one of the runtime's blocking threads, so that a
+    /// slow source holds its own readers and not every request of the
+    /// mount (one job's opens on a filer at 300 ms held another job's
+    /// reads of a local data set for 2.4-3.9 s each).
+    fn answer(&self, waits: bool, answer: impl FnOnce(&Arc<Shared>) + Send + 'static) {
+        if !waits {
+            return answer(&self.0);
+        }
+        let shared = Arc::clone(&self.0);
+        drop(self.runtime.spawn_blocking(move || answer(&shared)));
+    }
+
+    /// Whether a request about `node` (a lookup of `name` in it, an open
+    /// of it when `opening`) may wait for its data set's source.
+    fn may_wait(&self, node: &Node, name: Option<&OsStr>, opening: bool) -> bool {
+        let dataset = match node {
+            Node::Root | Node::JobRoot(_) => {
+                match name
+                    .and_then(OsStr::to_str)
+                    .and_then(|n| self.engine.dataset(n))
+                {
+                    Some(dataset) => dataset,
+                    None => return false,
+                }
+            }
+            Node::Dir { dataset, .. } | Node::File { dataset, .. } => Arc::clone(dataset),
+        };
+        self.trees.may_wait(&dataset)
+            || (opening
+                && dataset.source().remote().is_none()
+                && self.open_costs.slow(&dataset.name))
+    }
+}
+
+struct Shared {
     engine: Arc<Engine>,
     readers: Arc<Readers>,
     runtime: Handle,
@@ -1217,7 +1270,7 @@ struct MountFs {
     /// The tree each open data set directory is read from: the listing it
     /// began with, so that a listing taken again meanwhile does not shift
     /// the offsets of one read in pages (names twice, or none).
-    dirs: HashMap<u64, Arc<Tree>>,
+    dirs: Mutex<HashMap<u64, Arc<Tree>>>,
     next_fh: AtomicU64,
     started: SystemTime,
     /// Whether large files are passed through (see [`PASSTHROUGH_MIN`]):
@@ -1235,6 +1288,52 @@ struct MountFs {
     /// Which jobs each reader (by uid and gid) may read as.
     access: Arc<TrainerAccess>,
     counters: Counters,
+    /// How long each local data set's files take to open.
+    open_costs: OpenCosts,
+}
+
+/// How long opening each local data set's files takes (a moving mean of
+/// the source's `open` and `fstat` for the open of a file no plan holds),
+/// so that the mount opens a slow source's files (a filer's, a round trip
+/// or more each) off its FUSE thread, and a fast one's on it, with no
+/// hand-over to another thread.
+#[derive(Default)]
+struct OpenCosts(Mutex<HashMap<String, Duration>>);
+
+/// Opens slower than this on average are made off the FUSE thread.
+const SLOW_OPEN: Duration = Duration::from_micros(250);
+
+impl OpenCosts {
+    /// Whether `dataset`'s files open slowly; so do those of a data set
+    /// none of whose files has been opened yet.
+    fn slow(&self, dataset: &str) -> bool {
+        lock(&self.0)
+            .get(dataset)
+            .is_none_or(|mean| *mean >= SLOW_OPEN)
+    }
+
+    /// Notes that an open of `dataset`'s file took `took`.
+    fn note(&self, dataset: &str, took: Duration) {
+        let mut costs = lock(&self.0);
+        match costs.get_mut(dataset) {
+            Some(mean) => *mean = (*mean * 7 + took) / 8,
+            None => drop(costs.insert(dataset.to_owned(), took)),
+        }
+    }
+}
+
+/// Runs blocking `work` (a source file's open or `stat`) on the runtime's
+/// blocking threads: an answer that went on on the runtime's workers
+/// would hold one of them for as long as the source takes.
+async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(done) => done,
+        // Cancelled: the runtime is shutting down, and the answer with it.
+        Err(e) => std::panic::resume_unwind(
+            e.try_into_panic()
+                .unwrap_or_else(|_| Box::new("the runtime is shutting down")),
+        ),
+    }
 }
 
 /// The mount's metrics, resolved once.
@@ -1265,7 +1364,31 @@ impl Counters {
     }
 }
 
-impl MountFs {
+impl Shared {
+    /// [`may_keep_pages`] for an open `fh` of `job`'s file, the pages held
+    /// by another open when one of the same file is alive (or always, with
+    /// `held`). Blocking (it opens a local file), and timed for
+    /// [`OpenCosts`].
+    #[allow(clippy::too_many_arguments)]
+    fn may_keep_pages(
+        &self,
+        ino: u64,
+        fh: u64,
+        job: &Job,
+        dataset: &Dataset,
+        name: &str,
+        listed: (u64, u64),
+        held: bool,
+    ) -> Result<(Pages, Option<Pinned>), ProtocolError> {
+        let held = || held || held_elsewhere(&self.open, fh, job.id(), &dataset.name, name);
+        let began = Instant::now();
+        let kept = may_keep_pages(&self.nodes, ino, dataset, name, listed, held);
+        if dataset.source().remote().is_none() {
+            self.open_costs.note(&dataset.name, began.elapsed());
+        }
+        kept
+    }
+
     /// Runs `answer` (which replies to a request) on the FUSE thread as far
     /// as it goes without waiting, and on the runtime from there: a planned
     /// sample already in the buffer is answered at once, with no hand-over
@@ -1494,7 +1617,7 @@ impl MountFs {
     /// `limit`: (name, is a directory); a data set directory's from the
     /// tree its handle `fh` began reading (taken at its first page).
     fn entries(
-        &mut self,
+        &self,
         node: &Node,
         fh: u64,
         skip: usize,
@@ -1510,15 +1633,16 @@ impl MountFs {
                 .map(|n| (n, true))
                 .collect()),
             Node::Dir { dataset, path, .. } => {
-                let tree = match self.dirs.get(&fh) {
-                    Some(tree) => Arc::clone(tree),
+                let known = lock(&self.dirs).get(&fh).cloned();
+                let tree = match known {
+                    Some(tree) => tree,
                     None => {
                         let tree = self
                             .trees
                             .of(dataset, &self.runtime)
                             .map_err(|e| errno(&e))?;
                         if fh != 0 {
-                            self.dirs.insert(fh, Arc::clone(&tree));
+                            lock(&self.dirs).insert(fh, Arc::clone(&tree));
                         }
                         tree
                     }
@@ -1629,27 +1753,10 @@ fn errno(e: &ProtocolError) -> i32 {
     }
 }
 
-impl Filesystem for MountFs {
-    fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
-        // Many reads in flight at once, and large ones (1 MiB requests);
-        // lookups in one directory in parallel.
-        let _ = config.set_max_background(512);
-        let _ = config.set_max_readahead(1 << 20);
-        let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
-        // A file whose size or time changed has its cached pages dropped.
-        let _ = config.add_capabilities(fuser::consts::FUSE_AUTO_INVAL_DATA);
-        // Backing files may sit on a stacked file system (overlayfs).
-        let passthrough = self.passthrough.load(Ordering::Relaxed)
-            && config
-                .add_capabilities(fuser::consts::FUSE_PASSTHROUGH)
-                .is_ok()
-            && config.set_max_stack_depth(2).is_ok();
-        self.passthrough.store(passthrough, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
-        self.counters.lookup.inc();
+/// The requests that may wait for the source (a listing due, a slow
+/// file's open), answered on a blocking thread when they would.
+impl Shared {
+    fn lookup(self: &Arc<Self>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         let Some(parent_node) = self.node(parent) else {
             return reply.error(libc::ENOENT);
         };
@@ -1695,45 +1802,7 @@ impl Filesystem for MountFs {
         }
     }
 
-    fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
-        let mut nodes = lock(&self.nodes);
-        nodes.forget(ino, nlookup);
-        self.counters.inodes.set(nodes.len() as i64);
-    }
-
-    fn batch_forget(&mut self, _req: &Request<'_>, nodes: &[fuser::fuse_forget_one]) {
-        let mut known = lock(&self.nodes);
-        for node in nodes {
-            known.forget(node.nodeid, node.nlookup);
-        }
-        self.counters.inodes.set(known.len() as i64);
-    }
-
-    /// What `df` shows: the listed data sets' bytes and files, none free
-    /// (a read-only file system; a data set not listed yet counts nothing).
-    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: fuser::ReplyStatfs) {
-        let (mut bytes, mut files) = (0u64, 0u64);
-        for name in self.engine.dataset_names() {
-            if let Some(listing) = self.engine.dataset(&name).and_then(|d| d.listed()) {
-                bytes += listing.total_bytes;
-                files += u64::from(listing.len());
-            }
-        }
-        let block = u64::from(BLOCK_SIZE);
-        reply.statfs(
-            bytes.div_ceil(block),
-            0,
-            0,
-            files,
-            0,
-            BLOCK_SIZE,
-            255,
-            BLOCK_SIZE,
-        );
-    }
-
-    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
-        self.counters.getattr.inc();
+    fn getattr(&self, ino: u64, reply: ReplyAttr) {
         let Some(node) = self.node(ino).and_then(|n| self.refreshed(&n)) else {
             return reply.error(libc::ENOENT);
         };
@@ -1745,15 +1814,7 @@ impl Filesystem for MountFs {
         reply.attr(&TTL, &attr);
     }
 
-    fn readdir(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        fh: u64,
-        offset: i64,
-        mut reply: ReplyDirectory,
-    ) {
-        self.counters.readdir.inc();
+    fn readdir(&self, ino: u64, fh: u64, offset: i64, mut reply: ReplyDirectory) {
         let Some(node) = self.node(ino) else {
             return reply.error(libc::ENOENT);
         };
@@ -1788,8 +1849,7 @@ impl Filesystem for MountFs {
         reply.ok();
     }
 
-    fn open(&mut self, req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
-        self.counters.open.inc();
+    fn open(self: &Arc<Self>, reader: Peer, pid: u32, ino: u64, flags: i32, reply: ReplyOpen) {
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return reply.error(libc::EROFS);
         }
@@ -1827,7 +1887,7 @@ impl Filesystem for MountFs {
         } else {
             let most = (self.most_open / 2).max(1);
             self.readers
-                .open(&self.engine, &self.access, &reader_of(req), &job, most)
+                .open(&self.engine, &self.access, &reader, &job, most)
         };
         let job = match opened {
             Ok(job) => job,
@@ -1884,15 +1944,14 @@ impl Filesystem for MountFs {
             None => Some(self.ways.open_unplanned(ino)),
         };
         let Some(claim) = claim else {
-            let held = || held_elsewhere(&self.open, fh, job.id(), &dataset.name, &name);
-            let (pages, pin) = match may_keep_pages(&self.nodes, ino, &dataset, &name, listed, held)
-            {
-                Ok(kept) => kept,
-                Err(e) => {
-                    self.readers.close(job.id());
-                    return reply.error(errno(&e));
-                }
-            };
+            let (pages, pin) =
+                match self.may_keep_pages(ino, fh, &job, &dataset, &name, listed, false) {
+                    Ok(kept) => kept,
+                    Err(e) => {
+                        self.readers.close(job.id());
+                        return reply.error(errno(&e));
+                    }
+                };
             let keep = pages.flags();
             // A local file found another size than the kernel has (replaced
             // since it took the attributes), or an object listed at another
@@ -1907,7 +1966,7 @@ impl Filesystem for MountFs {
                 Some(way) if way.way() == Way::Passthrough => {
                     let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| listed.0);
                     let file = (file, keep, way);
-                    self.open_passthrough(req.pid(), ino, fh, file, delivered_first, resized, reply)
+                    self.open_passthrough(pid, ino, fh, file, delivered_first, resized, reply)
                 }
                 // Not while another open reads the old file's pages (its
                 // size is the one it reads to; this open reads past them).
@@ -1925,6 +1984,7 @@ impl Filesystem for MountFs {
                 }
             };
         };
+        let fs = Arc::clone(self);
         let readers = Arc::clone(&self.readers);
         let notifier = Arc::clone(&self.notifier);
         let nodes = Arc::clone(&self.nodes);
@@ -1957,15 +2017,20 @@ impl Filesystem for MountFs {
             // file's now when it was too large for the buffer.
             let now = match &whole {
                 Some(held) => Some(held.chunk.len() as u64),
-                None if too_large => dataset.source().local_version(&name).map(|(_, n)| n),
+                None if too_large => {
+                    let (dataset, name) = (Arc::clone(&dataset), name.clone());
+                    off_workers(move || dataset.source().local_version(&name))
+                        .await
+                        .map(|(_, n)| n)
+                }
                 None => None,
             };
             let resized = now.filter(|&now| now != size || now != listed.1);
             // Another open of the file reads the pages the kernel has: they
             // are left to it, and read by this open too while they are of
             // the file as it is (this open reads past them otherwise).
-            let held = || held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
-            let whole_held = whole.is_some() && held();
+            let whole_held =
+                whole.is_some() && held_elsewhere(&open, fh, job.id(), &dataset.name, &name);
             let mut stored = false;
             if let (Some(chunk), Some(notifier)) = (&whole, notifier.get())
                 && resized.is_none()
@@ -1995,21 +2060,25 @@ impl Filesystem for MountFs {
                     known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
                 (Pages::Keep, None)
-            } else if whole_held {
-                // Reads past the page cache cannot be mapped (`mmap` fails
-                // with ENODEV): they are only for pages of another file.
-                // (Its bytes are the buffer's: a file gone since is read.)
-                may_keep_pages(&nodes, ino, &dataset, &name, listed, || true)
-                    .unwrap_or((Pages::Bypass, None))
-            } else if whole.is_some() {
+            } else if whole.is_some() && !whole_held {
                 // Its pages are refilled from the buffer's bytes.
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
                 (Pages::Drop, None)
             } else {
-                match may_keep_pages(&nodes, ino, &dataset, &name, listed, held) {
+                // Reads past the page cache cannot be mapped (`mmap` fails
+                // with ENODEV): they are only for pages of another file.
+                // (A held file's bytes are the buffer's: one gone since is
+                // read.)
+                let file = (Arc::clone(&job), Arc::clone(&dataset), name.clone());
+                let kept = off_workers(move || {
+                    let (job, dataset, name) = file;
+                    fs.may_keep_pages(ino, fh, &job, &dataset, &name, listed, whole_held)
+                });
+                match kept.await {
                     Ok(kept) => kept,
+                    Err(_) if whole_held => (Pages::Bypass, None),
                     Err(e) => {
                         readers.close(job.id());
                         return reply.error(errno(&e));
@@ -2024,6 +2093,104 @@ impl Filesystem for MountFs {
             lock(&open).insert(fh, Open { _way: way, ..file });
             reply.opened(fh, pages.flags());
         });
+    }
+}
+
+impl Filesystem for MountFs {
+    fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
+        // Many reads in flight at once, and large ones (1 MiB requests);
+        // lookups in one directory in parallel.
+        let _ = config.set_max_background(512);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.add_capabilities(fuser::consts::FUSE_PARALLEL_DIROPS);
+        // A file whose size or time changed has its cached pages dropped.
+        let _ = config.add_capabilities(fuser::consts::FUSE_AUTO_INVAL_DATA);
+        // Backing files may sit on a stacked file system (overlayfs).
+        let passthrough = self.passthrough.load(Ordering::Relaxed)
+            && config
+                .add_capabilities(fuser::consts::FUSE_PASSTHROUGH)
+                .is_ok()
+            && config.set_max_stack_depth(2).is_ok();
+        self.passthrough.store(passthrough, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        self.counters.lookup.inc();
+        let waits = self
+            .node(parent)
+            .is_some_and(|node| self.may_wait(&node, Some(name), false));
+        let name = name.to_owned();
+        self.answer(waits, move |fs| fs.lookup(parent, &name, reply));
+    }
+
+    fn forget(&mut self, _req: &Request<'_>, ino: u64, nlookup: u64) {
+        let mut nodes = lock(&self.nodes);
+        nodes.forget(ino, nlookup);
+        self.counters.inodes.set(nodes.len() as i64);
+    }
+
+    fn batch_forget(&mut self, _req: &Request<'_>, nodes: &[fuser::fuse_forget_one]) {
+        let mut known = lock(&self.nodes);
+        for node in nodes {
+            known.forget(node.nodeid, node.nlookup);
+        }
+        self.counters.inodes.set(known.len() as i64);
+    }
+
+    /// What `df` shows: the listed data sets' bytes and files, none free
+    /// (a read-only file system; a data set not listed yet counts nothing).
+    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: fuser::ReplyStatfs) {
+        let (mut bytes, mut files) = (0u64, 0u64);
+        for name in self.engine.dataset_names() {
+            if let Some(listing) = self.engine.dataset(&name).and_then(|d| d.listed()) {
+                bytes += listing.total_bytes;
+                files += u64::from(listing.len());
+            }
+        }
+        let block = u64::from(BLOCK_SIZE);
+        reply.statfs(
+            bytes.div_ceil(block),
+            0,
+            0,
+            files,
+            0,
+            BLOCK_SIZE,
+            255,
+            BLOCK_SIZE,
+        );
+    }
+
+    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+        self.counters.getattr.inc();
+        let waits = self
+            .node(ino)
+            .is_some_and(|node| self.may_wait(&node, None, false));
+        self.answer(waits, move |fs| fs.getattr(ino, reply));
+    }
+
+    fn readdir(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        fh: u64,
+        offset: i64,
+        reply: ReplyDirectory,
+    ) {
+        self.counters.readdir.inc();
+        let waits = self
+            .node(ino)
+            .is_some_and(|node| self.may_wait(&node, None, false));
+        self.answer(waits, move |fs| fs.readdir(ino, fh, offset, reply));
+    }
+
+    fn open(&mut self, req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+        self.counters.open.inc();
+        let waits = self
+            .node(ino)
+            .is_some_and(|node| self.may_wait(&node, None, true));
+        let (reader, pid) = (reader_of(req), req.pid());
+        self.answer(waits, move |fs| fs.open(reader, pid, ino, flags, reply));
     }
 
     fn read(
@@ -2195,7 +2362,7 @@ impl Filesystem for MountFs {
         _flags: i32,
         reply: ReplyEmpty,
     ) {
-        self.dirs.remove(&fh);
+        lock(&self.dirs).remove(&fh);
         reply.ok();
     }
 

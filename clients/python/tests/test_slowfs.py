@@ -58,24 +58,37 @@ def test_a_stage_reads_a_slow_mount_exactly(slow_mount, stage_factory):
     assert got == files
 
 
-def test_a_data_set_whose_filer_stops_answering_holds_only_its_own_readers_in_the_mount(
-        slow_mount, stage_factory, tmp_path):
-    """The first look into a data set lists it; a filer that stopped
-    answering holds that look, not the mount's other data sets."""
-    fs, _files = slow_mount
+def mount_beside_a_local_data_set(stage_factory, tmp_path, name: str, fs):
+    """A stage mounting the slow file system as data set ``name`` and a
+    local one, ``good`` (``a.txt``: ``b"ok"``); returns the mount."""
     good = tmp_path / "good"
     good.mkdir()
     (good / "a.txt").write_bytes(b"ok")
     mnt = tmp_path / "stage-mnt"
     mnt.mkdir()
-    stage_factory({"good": str(good), "hung": fs.mountpoint}, "--mount", str(mnt))
-    results = {}
+    stage_factory({"good": str(good), name: fs.mountpoint}, "--mount", str(mnt))
+    return mnt
 
+
+def looker(results: dict):
+    """``look(key, fn)``: puts what ``fn()`` gives, or the ``OSError`` it
+    raised, into ``results[key]`` (a thread's target)."""
     def look(key, fn):
         try:
             results[key] = fn()
         except OSError as e:
             results[key] = e
+    return look
+
+
+def test_a_data_set_whose_filer_stops_answering_holds_only_its_own_readers_in_the_mount(
+        slow_mount, stage_factory, tmp_path):
+    """The first look into a data set lists it; a filer that stopped
+    answering holds that look, not the mount's other data sets."""
+    fs, _files = slow_mount
+    mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "hung", fs)
+    results = {}
+    look = looker(results)
 
     os.kill(fs.proc.pid, signal.SIGSTOP)  # the filer stops answering
     try:
@@ -92,3 +105,55 @@ def test_a_data_set_whose_filer_stops_answering_holds_only_its_own_readers_in_th
         os.kill(fs.proc.pid, signal.SIGCONT)
     hung.join(timeout=30)
     assert sorted(results["hung"]) == sorted(os.listdir(fs.mountpoint)), results
+
+
+def test_a_filer_that_stops_answering_holds_only_its_own_opens_and_listings_in_the_mount(
+        slow_mount, stage_factory, tmp_path):
+    """A file no plan holds is opened at its source when the mount opens
+    it, and a data set is listed again when a look finds its listing due:
+    on a filer that does not answer, both wait, and must hold only the
+    readers of that data set, not another job's reads of a local one."""
+    fs, files = slow_mount
+    mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "slow", fs)
+    listed_at = time.monotonic()
+    assert sorted(os.listdir(mnt / "@lister" / "slow")) == sorted(os.listdir(fs.mountpoint))
+    name = min(files, key=lambda n: (n.count("/"), n))
+    results = {}
+    look = looker(results)
+
+    def good_read_takes() -> float:
+        t0 = time.monotonic()
+        reader = threading.Thread(target=look, args=("good", lambda: (mnt / "@other" / "good" / "a.txt").read_bytes()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        assert results.pop("good", None) == b"ok", "a local data set's read waited for the stopped filer"
+        return time.monotonic() - t0
+
+    good_read_takes()
+    waiting = []
+    os.kill(fs.proc.pid, signal.SIGSTOP)
+    try:
+        # An open of a file of the stopped filer: the stage's open of it waits.
+        opener = threading.Thread(target=look, args=("open", lambda: (mnt / "@slow" / "slow" / name).read_bytes()),
+                                  daemon=True)
+        opener.start()
+        waiting.append(opener)
+        time.sleep(0.3)
+        assert good_read_takes() < 0.5
+        assert "open" not in results, "the stopped filer's file cannot have been read"
+        # Its listing is due again (every 5 s): the look that finds it so
+        # waits up to a second for a new one, which the stopped filer holds.
+        time.sleep(max(0.0, listed_at + 5.5 - time.monotonic()))
+        lister = threading.Thread(target=look, args=("list", lambda: os.listdir(mnt / "@lister" / "slow")),
+                                  daemon=True)
+        lister.start()
+        waiting.append(lister)
+        time.sleep(0.2)
+        assert good_read_takes() < 0.5
+    finally:
+        os.kill(fs.proc.pid, signal.SIGCONT)
+    for thread in waiting:
+        thread.join(timeout=30)
+    assert results["open"] == files[name], results
+    assert sorted(results["list"]) == sorted(os.listdir(fs.mountpoint)), results

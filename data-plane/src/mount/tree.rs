@@ -231,6 +231,15 @@ impl Trees {
         Ok(Arc::clone(&built.tree))
     }
 
+    /// Whether [`Trees::of`] may wait for the source now: the data set's
+    /// listing is due again, or has never been taken.
+    pub fn may_wait(&self, dataset: &Dataset) -> bool {
+        match lock(&self.by_dataset).get(&dataset.name) {
+            Some(built) => built.checked.elapsed() >= dataset.refresh_interval(),
+            None => dataset.listed().is_none(),
+        }
+    }
+
     /// Lists the data set again on `runtime`'s blocking threads when its
     /// tree was last checked a refresh interval ago, and waits for that
     /// listing up to [`FRESH_WAIT`]: files added at the source show at the
