@@ -271,37 +271,50 @@ class _Resume:
     plan's entries (indices or names) in order, ``encode(rest, run)`` the
     ``PLAN`` frame of a tail of them for a run."""
 
-    __slots__ = ("_make", "encode", "_made", "_maker")
+    __slots__ = ("_make", "encode", "_made", "_done")
 
     def __init__(self, make, encode) -> None:
         self._make = make
         self.encode = encode
         self._made: Optional[tuple] = None
-        self._maker: Optional[threading.Thread] = None
+        # Held until the order is made (see order()).
+        self._done: Optional[_thread.LockType] = None
 
     def order(self) -> list:
         """The plan's entries, made once, on a thread of their own: an
         interrupt of the caller (a signal handler that raises) while a long
         order is made does not throw the work away. Made again at each
         resume, a shuffled order of a few thousand entries took longer than
-        the interval of a storm of interrupts, and the plan never got on."""
-        if self._made is None:
-            maker = self._maker
-            if maker is None:
-                maker = threading.Thread(target=self._run, name="sluice-resume-order", daemon=True)
-                maker.start()
-                self._maker = maker
-            maker.join()
+        the interval of a storm of interrupts, and the plan never got on.
+
+        The thread is a bare one waited on with a bare lock: an interrupt
+        can land anywhere in here, and one that landed inside
+        ``threading.Thread.start`` (between a condition's release and the
+        ``try`` that takes it back) broke the condition, which then failed
+        with "release unlocked lock". An interrupt before the thread is
+        noted costs a second thread making the same order; one after the
+        wait ends leaves the lock held, but the order is made by then."""
+        while self._made is None:
+            done = self._done
+            if done is None:
+                done = _thread.allocate_lock()
+                done.acquire()
+                _thread.start_new_thread(self._run, (done,))
+                self._done = done
+            if done.acquire(timeout=1.0):
+                done.release()
         order, error = self._made
         if error is not None:
             raise error
         return order
 
-    def _run(self) -> None:
+    def _run(self, done) -> None:
         try:
             self._made = (self._make(), None)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             self._made = (None, e)
+        finally:
+            done.release()
 
 
 class _Exchanger:
