@@ -1026,7 +1026,7 @@ fn check_endpoint(endpoint: &str, given: bool) -> Result<(), ConfigError> {
 /// read rate needs many more in flight than on a local disk. `mountinfo`
 /// is the text of `/proc/self/mountinfo`; a path that cannot be examined
 /// counts as local.
-fn on_network_file_system(mountinfo: &str, dir: &Path) -> bool {
+pub(crate) fn on_network_file_system(mountinfo: &str, dir: &Path) -> bool {
     let Ok(dir) = dir.canonicalize() else {
         return false;
     };

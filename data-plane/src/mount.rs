@@ -52,7 +52,7 @@ use tokio::runtime::Handle;
 use tracing::{info, warn};
 
 use crate::chunk::Chunk;
-use crate::config::MountOptions;
+use crate::config::{MountOptions, on_network_file_system};
 use crate::dataset::Dataset;
 use crate::engine::{Engine, Job, JobHandle, PlannedClaim, Reservation};
 use crate::entry::Owner;
@@ -197,7 +197,8 @@ pub fn mount(
         ways: Ways::default(),
         access,
         counters: Counters::new(engine.metrics()),
-        open_costs: OpenCosts::default(),
+        open_costs: OpenCosts::new(&engine),
+        openings: Arc::default(),
         engine,
     }));
     let mount_options = [
@@ -655,6 +656,8 @@ struct Open {
     pin: Arc<Mutex<Option<Pinned>>>,
     /// Whether its reads fill the kernel's pages (not past them).
     fills_pages: bool,
+    /// Counted as an open of its inode that decided the kernel's pages.
+    _opening: Option<Opening>,
 }
 
 impl Open {
@@ -680,16 +683,18 @@ impl Open {
             _way: None,
             pin: Arc::default(),
             fills_pages: true,
+            _opening: None,
         }
     }
 
     /// This open, its reads of version `pin` when given (what the source
     /// said the file is as it was opened), doing `pages` with the kernel's
-    /// pages of the file.
-    fn pinned(self, pin: Option<Pinned>, pages: Pages) -> Self {
+    /// pages of the file; counted as `opening` where it decided them.
+    fn pinned(self, pin: Option<Pinned>, pages: Pages, opening: Option<Opening>) -> Self {
         Self {
             pin: Arc::new(Mutex::new(pin)),
             fills_pages: pages != Pages::Bypass,
+            _opening: opening,
             ..self
         }
     }
@@ -1221,11 +1226,10 @@ impl std::ops::Deref for MountFs {
 
 impl MountFs {
     /// Answers a request with `answer`: here, or, when it `waits` for the
-    /// source (a listing due, the open of a file of a data set whose files
-    /// open slowly), on one of the runtime's blocking threads, so that a
-    /// slow source holds its own readers and not every request of the
-    /// mount (one job's opens on a filer at 300 ms held another job's
-    /// reads of a local data set for 2.4-3.9 s each).
+    /// source (its data set's listing is due), on one of the runtime's
+    /// blocking threads, so that a slow source holds its own readers and
+    /// not every request of the mount. (The opens that open a source file
+    /// are handed over by [`Shared::open`].)
     fn answer(&self, waits: bool, answer: impl FnOnce(&Arc<Shared>) + Send + 'static) {
         if !waits {
             return answer(&self.0);
@@ -1234,9 +1238,9 @@ impl MountFs {
         drop(self.runtime.spawn_blocking(move || answer(&shared)));
     }
 
-    /// Whether a request about `node` (a lookup of `name` in it, an open
-    /// of it when `opening`) may wait for its data set's source.
-    fn may_wait(&self, node: &Node, name: Option<&OsStr>, opening: bool) -> bool {
+    /// Whether a request about `node` (a lookup of `name` in it) may wait
+    /// for its data set's listing.
+    fn may_wait(&self, node: &Node, name: Option<&OsStr>) -> bool {
         let dataset = match node {
             Node::Root | Node::JobRoot(_) => {
                 match name
@@ -1250,9 +1254,6 @@ impl MountFs {
             Node::Dir { dataset, .. } | Node::File { dataset, .. } => Arc::clone(dataset),
         };
         self.trees.may_wait(&dataset)
-            || (opening
-                && dataset.source().remote().is_none()
-                && self.open_costs.slow(&dataset.name))
     }
 }
 
@@ -1290,49 +1291,123 @@ struct Shared {
     counters: Counters,
     /// How long each local data set's files take to open.
     open_costs: OpenCosts,
+    /// Opens of each inode being decided or alive (see [`Opening`]).
+    openings: Arc<Mutex<HashMap<u64, usize>>>,
 }
 
 /// How long opening each local data set's files takes (a moving mean of
 /// the source's `open` and `fstat` for the open of a file no plan holds),
-/// so that the mount opens a slow source's files (a filer's, a round trip
-/// or more each) off its FUSE thread, and a fast one's on it, with no
-/// hand-over to another thread.
-#[derive(Default)]
-struct OpenCosts(Mutex<HashMap<String, Duration>>);
+/// so that the mount opens a slow source's files off its FUSE thread, and
+/// a fast one's on it, with no hand-over to another thread. A data set on
+/// a network or FUSE file system (a filer: NFS, Lustre, ...) counts as
+/// slow whatever it measured: its round trips vary, and a filer that
+/// stops answering would hold the thread for good.
+struct OpenCosts {
+    means: Mutex<HashMap<String, Duration>>,
+    /// The data sets on a network or FUSE file system.
+    networked: std::collections::HashSet<String>,
+}
 
 /// Opens slower than this on average are made off the FUSE thread.
 const SLOW_OPEN: Duration = Duration::from_micros(250);
 
 impl OpenCosts {
-    /// Whether `dataset`'s files open slowly; so do those of a data set
-    /// none of whose files has been opened yet.
-    fn slow(&self, dataset: &str) -> bool {
-        lock(&self.0)
-            .get(dataset)
-            .is_none_or(|mean| *mean >= SLOW_OPEN)
+    /// For the engine's data sets (their file systems are looked up now).
+    fn new(engine: &Engine) -> Self {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let networked = engine
+            .dataset_names()
+            .into_iter()
+            .filter(|name| {
+                engine.dataset(name).is_some_and(|d| match d.source() {
+                    crate::source::Source::Dir(dir) => {
+                        on_network_file_system(&mountinfo, &dir.root())
+                    }
+                    crate::source::Source::S3(_) => false,
+                })
+            })
+            .collect();
+        Self {
+            means: Mutex::default(),
+            networked,
+        }
+    }
+
+    /// Whether `dataset`'s files open slowly (an object store's open no
+    /// file).
+    fn slow(&self, dataset: &Dataset) -> bool {
+        if dataset.source().remote().is_some() {
+            return false;
+        }
+        self.networked.contains(&dataset.name)
+            || lock(&self.means)
+                .get(&dataset.name)
+                .is_some_and(|mean| *mean >= SLOW_OPEN)
     }
 
     /// Notes that an open of `dataset`'s file took `took`.
     fn note(&self, dataset: &str, took: Duration) {
-        let mut costs = lock(&self.0);
-        match costs.get_mut(dataset) {
+        let mut means = lock(&self.means);
+        match means.get_mut(dataset) {
             Some(mean) => *mean = (*mean * 7 + took) / 8,
-            None => drop(costs.insert(dataset.to_owned(), took)),
+            None => drop(means.insert(dataset.to_owned(), took)),
+        }
+    }
+}
+
+/// How an open no plan delivers is answered: the size the kernel has,
+/// the version and size listed, the inode's way, and a plan entry of the
+/// file to deliver first.
+type OpenedAs = (u64, (u64, u64), Option<WayHeld>, Option<PlannedClaim>);
+
+/// An open of a file no plan delivers (or one that reads the file past
+/// the buffer), from when its pages are decided until it is released,
+/// counted per inode: while another of the inode is counted, the kernel's
+/// pages of the file are held by it (see [`may_keep_pages`]). Opens of one
+/// file decided at once on several threads, the file replaced between
+/// them, would otherwise each take the pages as theirs to drop.
+struct Opening {
+    ino: u64,
+    counts: Arc<Mutex<HashMap<u64, usize>>>,
+}
+
+impl Opening {
+    /// An open of `ino`, counted in `counts` from now.
+    fn new(ino: u64, counts: &Arc<Mutex<HashMap<u64, usize>>>) -> Self {
+        *lock(counts).entry(ino).or_default() += 1;
+        Self {
+            ino,
+            counts: Arc::clone(counts),
+        }
+    }
+
+    /// Whether another open of the inode is counted.
+    fn others(&self) -> bool {
+        lock(&self.counts).get(&self.ino).is_some_and(|n| *n > 1)
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        let mut counts = lock(&self.counts);
+        if let Slot::Occupied(mut n) = counts.entry(self.ino) {
+            *n.get_mut() -= 1;
+            if *n.get() == 0 {
+                n.remove();
+            }
         }
     }
 }
 
 /// Runs blocking `work` (a source file's open or `stat`) on the runtime's
 /// blocking threads: an answer that went on on the runtime's workers
-/// would hold one of them for as long as the source takes.
-async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+/// would hold one of them for as long as the source takes. `None` when
+/// the runtime is shutting down.
+async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     match tokio::task::spawn_blocking(work).await {
-        Ok(done) => done,
-        // Cancelled: the runtime is shutting down, and the answer with it.
-        Err(e) => std::panic::resume_unwind(
-            e.try_into_panic()
-                .unwrap_or_else(|_| Box::new("the runtime is shutting down")),
-        ),
+        Ok(done) => Some(done),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
     }
 }
 
@@ -1365,14 +1440,19 @@ impl Counters {
 }
 
 impl Shared {
-    /// [`may_keep_pages`] for an open `fh` of `job`'s file, the pages held
-    /// by another open when one of the same file is alive (or always, with
-    /// `held`). Blocking (it opens a local file), and timed for
-    /// [`OpenCosts`].
+    /// The [`Opening`] of an open of `ino`, counted from now.
+    fn opening(&self, ino: u64) -> Opening {
+        Opening::new(ino, &self.openings)
+    }
+
+    /// [`may_keep_pages`] for `opening`, open `fh` of `job`'s file: the
+    /// pages are held by another open when one of the same file is alive
+    /// or being decided (or always, with `held`). Blocking (it opens a
+    /// local file), and timed for [`OpenCosts`].
     #[allow(clippy::too_many_arguments)]
     fn may_keep_pages(
         &self,
-        ino: u64,
+        opening: &Opening,
         fh: u64,
         job: &Job,
         dataset: &Dataset,
@@ -1380,7 +1460,11 @@ impl Shared {
         listed: (u64, u64),
         held: bool,
     ) -> Result<(Pages, Option<Pinned>), ProtocolError> {
-        let held = || held || held_elsewhere(&self.open, fh, job.id(), &dataset.name, name);
+        let ino = opening.ino;
+        let held = || {
+            held || opening.others()
+                || held_elsewhere(&self.open, fh, job.id(), &dataset.name, name)
+        };
         let began = Instant::now();
         let kept = may_keep_pages(&self.nodes, ino, dataset, name, listed, held);
         if dataset.source().remote().is_none() {
@@ -1849,6 +1933,60 @@ impl Shared {
         reply.ok();
     }
 
+    /// Answers the open `fh` of a file no plan delivers (`opened`: its
+    /// size shown, the version and size listed, the inode's way, a plan
+    /// entry of it delivered first), which opens the source file. Blocking.
+    fn open_unplanned(
+        self: &Arc<Self>,
+        pid: u32,
+        fh: u64,
+        opening: Opening,
+        (job, dataset, name): (Arc<Job>, Arc<Dataset>, String),
+        (size, listed, way, delivered_first): OpenedAs,
+        reply: ReplyOpen,
+    ) {
+        let (ino, open) = (opening.ino, Arc::clone(&self.open));
+        let (pages, pin) =
+            match self.may_keep_pages(&opening, fh, &job, &dataset, &name, listed, false) {
+                Ok(kept) => kept,
+                Err(e) => {
+                    self.readers.close(job.id());
+                    return reply.error(errno(&e));
+                }
+            };
+        let keep = pages.flags();
+        // A local file found another size than the kernel has (replaced
+        // since it took the attributes), or an object listed at another
+        // since, reads as it is now; so does one found another size than
+        // its latest listing (replaced since): it is shown at the size
+        // found until a listing has another version of it.
+        let now = pin.as_ref().map_or(listed.1, |p| p.size);
+        let resized = (now != size || now != listed.1).then_some(now);
+        let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
+        let file = file.pinned(pin, pages, Some(opening));
+        match way {
+            Some(way) if way.way() == Way::Passthrough => {
+                let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| listed.0);
+                let file = (file, keep, way);
+                self.open_passthrough(pid, ino, fh, file, delivered_first, resized, reply)
+            }
+            // Not while another open reads the old file's pages (its
+            // size is the one it reads to; this open reads past them).
+            way if resized.is_some() && pages != Pages::Bypass => {
+                let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
+                self.answer_soon(async move {
+                    ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
+                    lock(&open).insert(fh, Open { _way: way, ..file });
+                    reply.opened(fh, keep);
+                });
+            }
+            way => {
+                lock(&open).insert(fh, Open { _way: way, ..file });
+                reply.opened(fh, keep)
+            }
+        }
+    }
+
     fn open(self: &Arc<Self>, reader: Peer, pid: u32, ino: u64, flags: i32, reply: ReplyOpen) {
         if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
             return reply.error(libc::EROFS);
@@ -1909,9 +2047,8 @@ impl Shared {
             }
         };
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let open = Arc::clone(&self.open);
         // A plan entry of the job is delivered whole, exactly once; a file
-        // no plan holds is answered here, without a task, and so is a large
+        // no plan holds is answered without a task, and so is a large
         // entry no reader has started: it is read as an unplanned file is,
         // not whole into memory for as long as it is open (four readers of
         // 95 MiB files held 380 MiB on a 64 MiB budget).
@@ -1944,45 +2081,19 @@ impl Shared {
             None => Some(self.ways.open_unplanned(ino)),
         };
         let Some(claim) = claim else {
-            let (pages, pin) =
-                match self.may_keep_pages(ino, fh, &job, &dataset, &name, listed, false) {
-                    Ok(kept) => kept,
-                    Err(e) => {
-                        self.readers.close(job.id());
-                        return reply.error(errno(&e));
-                    }
-                };
-            let keep = pages.flags();
-            // A local file found another size than the kernel has (replaced
-            // since it took the attributes), or an object listed at another
-            // since, reads as it is now; so does one found another size than
-            // its latest listing (replaced since): it is shown at the size
-            // found until a listing has another version of it.
-            let now = pin.as_ref().map_or(listed.1, |p| p.size);
-            let resized = (now != size || now != listed.1).then_some(now);
-            let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
-            let file = file.pinned(pin, pages);
-            return match way {
-                Some(way) if way.way() == Way::Passthrough => {
-                    let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| listed.0);
-                    let file = (file, keep, way);
-                    self.open_passthrough(pid, ino, fh, file, delivered_first, resized, reply)
-                }
-                // Not while another open reads the old file's pages (its
-                // size is the one it reads to; this open reads past them).
-                way if resized.is_some() && pages != Pages::Bypass => {
-                    let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
-                    self.answer_soon(async move {
-                        ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
-                        lock(&open).insert(fh, Open { _way: way, ..file });
-                        reply.opened(fh, keep);
-                    });
-                }
-                way => {
-                    lock(&open).insert(fh, Open { _way: way, ..file });
-                    reply.opened(fh, keep)
-                }
-            };
+            // The source file is opened now: off this thread when that
+            // may take a while.
+            let slow = self.open_costs.slow(&dataset);
+            let (fs, opening) = (Arc::clone(self), self.opening(ino));
+            let file = (job, dataset, name);
+            let opened = (size, listed, way, delivered_first);
+            let answer = move || fs.open_unplanned(pid, fh, opening, file, opened, reply);
+            if slow {
+                drop(self.runtime.spawn_blocking(answer));
+            } else {
+                answer();
+            }
+            return;
         };
         let fs = Arc::clone(self);
         let readers = Arc::clone(&self.readers);
@@ -2021,6 +2132,7 @@ impl Shared {
                     let (dataset, name) = (Arc::clone(&dataset), name.clone());
                     off_workers(move || dataset.source().local_version(&name))
                         .await
+                        .flatten()
                         .map(|(_, n)| n)
                 }
                 None => None,
@@ -2054,39 +2166,44 @@ impl Shared {
             // keeps none of a file read from the buffer (a sample read
             // since the kernel's pages were), and those of a file read as
             // an unplanned one only while it is as they were.
-            let (pages, pin) = if stored {
+            let (pages, pin, opening) = if stored {
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.kept = Some(listed);
                     known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
-                (Pages::Keep, None)
+                (Pages::Keep, None, None)
             } else if whole.is_some() && !whole_held {
                 // Its pages are refilled from the buffer's bytes.
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
-                (Pages::Drop, None)
+                (Pages::Drop, None, None)
             } else {
                 // Reads past the page cache cannot be mapped (`mmap` fails
                 // with ENODEV): they are only for pages of another file.
                 // (A held file's bytes are the buffer's: one gone since is
                 // read.)
-                let file = (Arc::clone(&job), Arc::clone(&dataset), name.clone());
+                let (file, opening) = ((Arc::clone(&job), Arc::clone(&dataset), name.clone()), fs.opening(ino));
                 let kept = off_workers(move || {
                     let (job, dataset, name) = file;
-                    fs.may_keep_pages(ino, fh, &job, &dataset, &name, listed, whole_held)
+                    let kept = fs.may_keep_pages(&opening, fh, &job, &dataset, &name, listed, whole_held);
+                    (kept, opening)
                 });
                 match kept.await {
-                    Ok(kept) => kept,
-                    Err(_) if whole_held => (Pages::Bypass, None),
-                    Err(e) => {
+                    Some((Ok((pages, pin)), opening)) => (pages, pin, Some(opening)),
+                    Some((Err(_), opening)) if whole_held => (Pages::Bypass, None, Some(opening)),
+                    Some((Err(e), _)) => {
                         readers.close(job.id());
                         return reply.error(errno(&e));
+                    }
+                    None => {
+                        readers.close(job.id());
+                        return reply.error(libc::EIO);
                     }
                 }
             };
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), whole);
-            let file = file.pinned(pin, pages);
+            let file = file.pinned(pin, pages, opening);
             if resized.is_some() && pages != Pages::Bypass {
                 ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
             }
@@ -2098,6 +2215,8 @@ impl Shared {
 
 impl Filesystem for MountFs {
     fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
+        // The session's one thread, which answers every request from here.
+        tree::answers_the_kernel();
         // Many reads in flight at once, and large ones (1 MiB requests);
         // lookups in one directory in parallel.
         let _ = config.set_max_background(512);
@@ -2119,7 +2238,7 @@ impl Filesystem for MountFs {
         self.counters.lookup.inc();
         let waits = self
             .node(parent)
-            .is_some_and(|node| self.may_wait(&node, Some(name), false));
+            .is_some_and(|node| self.may_wait(&node, Some(name)));
         let name = name.to_owned();
         self.answer(waits, move |fs| fs.lookup(parent, &name, reply));
     }
@@ -2165,7 +2284,7 @@ impl Filesystem for MountFs {
         self.counters.getattr.inc();
         let waits = self
             .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None, false));
+            .is_some_and(|node| self.may_wait(&node, None));
         self.answer(waits, move |fs| fs.getattr(ino, reply));
     }
 
@@ -2180,7 +2299,7 @@ impl Filesystem for MountFs {
         self.counters.readdir.inc();
         let waits = self
             .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None, false));
+            .is_some_and(|node| self.may_wait(&node, None));
         self.answer(waits, move |fs| fs.readdir(ino, fh, offset, reply));
     }
 
@@ -2188,7 +2307,7 @@ impl Filesystem for MountFs {
         self.counters.open.inc();
         let waits = self
             .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None, true));
+            .is_some_and(|node| self.may_wait(&node, None));
         let (reader, pid) = (reader_of(req), req.pid());
         self.answer(waits, move |fs| fs.open(reader, pid, ino, flags, reply));
     }
@@ -2478,6 +2597,48 @@ mod tests {
         assert_eq!(readers.sweep(), [Arc::<str>::from("gone")]);
         assert!(readers.sweep().is_empty(), "told once");
         assert!(lock(&readers.detached).contains_key("recent"));
+    }
+
+    #[test]
+    fn a_data_set_opens_off_the_fuse_thread_while_its_opens_are_slow_or_it_is_on_a_filer() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = |name: &str| {
+            let source = crate::source::DirSource::open(name, dir.path(), false).unwrap();
+            Dataset::new(name, crate::source::Source::Dir(source))
+        };
+        let (disk, filer) = (local("disk"), local("filer"));
+        let costs = OpenCosts {
+            means: Mutex::default(),
+            networked: ["filer".to_owned()].into_iter().collect(),
+        };
+        assert!(!costs.slow(&disk), "a local disk is fast until measured");
+        assert!(costs.slow(&filer), "a filer is slow before any open");
+        costs.note("disk", Duration::from_micros(20));
+        costs.note("filer", Duration::from_micros(20));
+        assert!(!costs.slow(&disk));
+        assert!(costs.slow(&filer), "a filer measured fast stays slow");
+        // One open of 300 ms (a disk busy elsewhere) is slow for a while,
+        // and forgotten as fast opens follow.
+        costs.note("disk", Duration::from_millis(300));
+        assert!(costs.slow(&disk));
+        let fast_again = (1..200).find(|_| {
+            costs.note("disk", Duration::from_micros(20));
+            !costs.slow(&disk)
+        });
+        assert!(fast_again.is_some_and(|n| n < 60), "{fast_again:?}");
+    }
+
+    #[test]
+    fn an_open_counts_for_its_inode_until_dropped() {
+        let counts: Arc<Mutex<HashMap<u64, usize>>> = Arc::default();
+        let opening = |ino| Opening::new(ino, &counts);
+        let (a, b, other) = (opening(7), opening(7), opening(8));
+        assert!(a.others() && b.others());
+        assert!(!other.others());
+        drop(b);
+        assert!(!a.others());
+        drop((a, other));
+        assert!(lock(&counts).is_empty());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! holds, built once per listing (a listing changes when the stage lists
 //! the data set again).
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -166,6 +167,21 @@ pub struct Trees {
     by_dataset: Mutex<HashMap<String, Built>>,
 }
 
+thread_local! {
+    /// Whether this thread reads the kernel's requests (see
+    /// [`answers_the_kernel`]).
+    static ANSWERS_KERNEL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread as the one that reads the kernel's requests:
+/// a look there never waits for a listing due again, which it starts in
+/// the background instead (the requests that would wait are handed to
+/// other threads before they start; one whose listing came due
+/// meanwhile goes on with the listing it has).
+pub fn answers_the_kernel() {
+    ANSWERS_KERNEL.set(true);
+}
+
 /// How long a look through the mount waits for the data set's listing
 /// again when it is due (see [`Trees::list_again_if_due`]).
 const FRESH_WAIT: Duration = Duration::from_secs(1);
@@ -182,8 +198,9 @@ impl Trees {
     /// a socket reader's would (5 s, or ten times as long as listing takes:
     /// [`Dataset::refresh_interval`]) the data set is listed again on
     /// `runtime`'s blocking threads, and this call waits for that up to
-    /// [`FRESH_WAIT`] (a later call sees a longer one), so that the mount
-    /// and a plan over the socket name the same files.
+    /// [`FRESH_WAIT`] (a later call sees a longer one; one on the thread
+    /// that [`answers_the_kernel`] does not wait), so that the mount and a
+    /// plan over the socket name the same files.
     pub fn of(&self, dataset: &Arc<Dataset>, runtime: &Handle) -> Result<Arc<Tree>, ProtocolError> {
         self.list_again_if_due(dataset, runtime);
         let listing = match dataset.listed() {
@@ -195,22 +212,30 @@ impl Trees {
                 )
             })?,
         };
+        if let Some(built) = lock(&self.by_dataset).get(&dataset.name)
+            && built.digest == listing.shown_digest
+        {
+            return Ok(Arc::clone(&built.tree));
+        }
+        // Built outside the lock: a large listing's tree takes a while,
+        // and the other data sets' looks go on meanwhile.
+        let files = listing.files.iter().map(|f| {
+            let shown = Shown {
+                size: f.size,
+                version: f.version,
+                mtime_ns: f.mtime_ns,
+                owner: f.owner,
+            };
+            (f.name.as_str(), shown)
+        });
+        let empty = listing.empty_dirs.iter().map(String::as_str);
+        let owners = listing.dir_owners.iter().map(|(p, o)| (p.as_str(), *o));
+        let tree = Arc::new(Tree::new(files, empty, owners));
         let mut trees = lock(&self.by_dataset);
-        let built = match trees.get_mut(&dataset.name) {
-            Some(built) if built.digest == listing.shown_digest => built,
+        match trees.get(&dataset.name) {
+            // Another look built it meanwhile.
+            Some(built) if built.digest == listing.shown_digest => Ok(Arc::clone(&built.tree)),
             _ => {
-                let files = listing.files.iter().map(|f| {
-                    let shown = Shown {
-                        size: f.size,
-                        version: f.version,
-                        mtime_ns: f.mtime_ns,
-                        owner: f.owner,
-                    };
-                    (f.name.as_str(), shown)
-                });
-                let empty = listing.empty_dirs.iter().map(String::as_str);
-                let owners = listing.dir_owners.iter().map(|(p, o)| (p.as_str(), *o));
-                let tree = Tree::new(files, empty, owners);
                 if let Some(first) = tree.shadowed.first() {
                     tracing::warn!(
                         dataset = %dataset.name,
@@ -221,14 +246,13 @@ impl Trees {
                 }
                 let built = Built {
                     digest: listing.shown_digest,
-                    tree: Arc::new(tree),
+                    tree: Arc::clone(&tree),
                     checked: Instant::now(),
                 };
                 trees.insert(dataset.name.clone(), built);
-                trees.get_mut(&dataset.name).expect("just inserted")
+                Ok(tree)
             }
-        };
-        Ok(Arc::clone(&built.tree))
+        }
     }
 
     /// Whether [`Trees::of`] may wait for the source now: the data set's
@@ -265,7 +289,9 @@ impl Trees {
             }
             let _ = done.send(());
         });
-        let _ = listed.recv_timeout(FRESH_WAIT);
+        if !ANSWERS_KERNEL.get() {
+            let _ = listed.recv_timeout(FRESH_WAIT);
+        }
     }
 }
 
