@@ -125,6 +125,34 @@ MUST_FAIL = {
     "reader bounds the wrong way round": (
         {"stage": {"readers": {"min": 16, "max": 8}}}, "stage.readers.min (16) is above stage.readers.max (8)"),
     "too many readers (values.schema.json)": ({"stage": {"readers": {"max": 2000}}}, "at '/stage/readers/max'"),
+    "no data set (values.schema.json)": ({"stage": {"datasets": []}}, "at '/stage/datasets'"),
+    "a data set given twice": (
+        {"stage": {"datasets": [{"name": "a", "hostPath": "/a"}, {"name": "a", "hostPath": "/b"}]}},
+        '"a" is given twice'),
+    "a data set name too long for its volume's (values.schema.json)": (
+        {"stage": {"datasets": [{"name": "d" * 56, "hostPath": "/d"}]}}, "at '/stage/datasets/0/name'"),
+    "negative memory budget (values.schema.json)": (
+        {"stage": {"memoryBudget": "-1GiB"}}, "at '/stage/memoryBudget': '-1GiB' does not match pattern"),
+    "memory budget of zero (values.schema.json)": (
+        {"stage": {"memoryBudget": "0"}}, "at '/stage/memoryBudget': '0' does not match pattern"),
+    "memory budget in words (values.schema.json)": (
+        {"stage": {"memoryBudget": "lots"}}, "at '/stage/memoryBudget': 'lots' does not match pattern"),
+    "cache memory that is no size (values.schema.json)": (
+        {"stage": {"cache": {"memory": "abc"}}}, "at '/stage/cache/memory': 'abc' does not match pattern"),
+    "negative disk tier (values.schema.json)": (
+        {"stage": {"cache": {"disk": {"hostPath": "/var/cache/x", "size": "-5GiB"}}}},
+        "at '/stage/cache/disk/size': '-5GiB' does not match pattern"),
+    "buffer bounds the wrong way round": (
+        {"stage": {"buffer": {"min": "512MiB", "max": "64MiB", "initial": "64MiB"}}},
+        "must keep min <= max <= stage.memoryBudget"),
+    "buffer larger than the budget": (
+        {"stage": {"memoryBudget": "1GiB", "buffer": {"max": "2GiB"}}}, "must keep min <= max <= stage.memoryBudget"),
+    "buffer smaller than its default initial size": (
+        {"stage": {"buffer": {"max": "128MiB"}}}, "stage.buffer.initial (unset) is outside"),
+    "S3 deadline in words (values.schema.json)": (
+        {"stage": {"s3": {"deadline": "soon"}}}, "at '/stage/s3/deadline': 'soon' does not match pattern"),
+    "TCP listener on the metrics port": (
+        {"stage": {"tcp": {"enabled": True, "port": 7190}}}, "stage.tcp.port and stage.metricsPort are both 7190"),
     # What sluice-controller refuses at start (exit 64): only `ms` and `s`.
     "tick in minutes (values.schema.json)": (
         {"controller": {"tick": "1m"}}, "at '/controller/tick': '1m' does not match pattern"),

@@ -280,6 +280,20 @@ kill it once its buffers fill; the stage only warns, at start). */}}
 {{- fail (printf "stage.resources.limits.memory (%s) leaves the stage less than 64MiB above stage.memoryBudget (%s): the kernel would kill it once its buffers fill. Raise the limit (budget + 64MiB, plus an eighth of the budget, 256MiB at most, for the pages shared memory keeps) or lower memoryBudget" (toString .) (toString $st.memoryBudget)) }}
 {{- end }}
 {{- end }}
+{{- /* The buffer bounds within what the cache leaves of the budget,
+with the stage's defaults (min 4MiB, max all of it, initial 256MiB), as it
+checks them at start. */}}
+{{- $left := subf (include "sluice.bytes" $st.memoryBudget | float64) (include "sluice.bytes" ($st.cache.memory | default "0") | float64) }}
+{{- $b := $st.buffer | default dict }}
+{{- $bmin := minf (ternary (include "sluice.bytes" $b.min | float64) 4194304.0 (not (empty $b.min))) $left }}
+{{- $bmax := ternary (include "sluice.bytes" $b.max | float64) $left (not (empty $b.max)) }}
+{{- $binit := ternary (include "sluice.bytes" $b.initial | float64) (minf 268435456.0 $left) (not (empty $b.initial)) }}
+{{- if or (gt $bmin $bmax) (gt $bmax $left) }}
+{{- fail (printf "stage.buffer: min (%s) and max (%s) must keep min <= max <= stage.memoryBudget (%s) less stage.cache.memory (%s), or the stage refuses to start" ($b.min | default "4MiB") ($b.max | default "the budget") (toString $st.memoryBudget) ($st.cache.memory | default "0")) }}
+{{- end }}
+{{- if or (lt $binit $bmin) (gt $binit $bmax) }}
+{{- fail (printf "stage.buffer.initial (%s) is outside stage.buffer.min..max (%s..%s), or the stage refuses to start: set initial between them (unset, it is 256MiB or the budget, whichever is less)" ($b.initial | default "unset") ($b.min | default "4MiB") ($b.max | default "the budget")) }}
+{{- end }}
 {{- with $st.cache.memory }}
 {{- $cache := include "sluice.bytes" . | float64 }}
 {{- $budget := include "sluice.bytes" $st.memoryBudget | float64 }}
@@ -466,6 +480,9 @@ cache-disk, mount, mount-orders, fuse.
     {{- end }}
     {{- end }}
     {{- if $v.tcp.enabled }}
+    {{- if eq (int $v.tcp.port) (int $v.metricsPort) }}
+    {{- fail (printf "stage.tcp.port and stage.metricsPort are both %d: the stage cannot listen twice on one port (it would exit at start); give them two ports" (int $v.tcp.port)) }}
+    {{- end }}
     - --listen=0.0.0.0:{{ $v.tcp.port }}
     {{- end }}
     {{- with $v.rateLimit }}
@@ -624,7 +641,12 @@ cache-disk, mount, mount-orders, fuse.
 
 {{/* The datasets' volumes. */}}
 {{- define "sluice.stage.datasetVolumes" -}}
+{{- $seen := dict }}
 {{- range .Values.stage.datasets }}
+{{- if hasKey $seen .name }}
+{{- fail (printf "stage.datasets: %q is given twice (the stage would refuse to start): give each data set one entry" .name) }}
+{{- end }}
+{{- $_ := set $seen .name true }}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .name) }}
 {{- fail (printf "stage.datasets: name %q must be lowercase letters, digits and '-' (it names a volume)" .name) }}
 {{- end }}
