@@ -1038,7 +1038,7 @@ pub(crate) fn on_network_file_system(mountinfo: &str, dir: &Path) -> bool {
 /// it (the last one mounted, where several are on one point).
 fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
     let mut best: Option<(usize, &str)> = None;
-    for (point, kind, _) in mounts(mountinfo) {
+    for (point, kind, _, _) in mounts(mountinfo) {
         if path.starts_with(&point) && best.is_none_or(|(len, _)| point.len() >= len) {
             best = Some((point.len(), kind));
         }
@@ -1047,14 +1047,15 @@ fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
 }
 
 /// The mounts of a `/proc/self/mountinfo` text: mount point (unescaped),
-/// file system type and source.
-pub(crate) fn mounts(mountinfo: &str) -> impl Iterator<Item = (String, &str, &str)> {
+/// file system type, source and device (`MAJ:MIN`).
+pub(crate) fn mounts(mountinfo: &str) -> impl Iterator<Item = (String, &str, &str, &str)> {
     mountinfo.lines().filter_map(|line| {
         // ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPER-OPTIONS
         let mut fields = line.split(' ');
-        let point = unescape_octal(fields.nth(4)?);
+        let device = fields.nth(2)?;
+        let point = unescape_octal(fields.nth(1)?);
         let mut tail = fields.skip_while(|f| *f != "-").skip(1);
-        Some((point, tail.next()?, tail.next().unwrap_or("")))
+        Some((point, tail.next()?, tail.next().unwrap_or(""), device))
     })
 }
 

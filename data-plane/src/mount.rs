@@ -78,6 +78,8 @@ const ROOT: u64 = fuser::FUSE_ROOT_ID;
 pub struct Mount {
     session: Option<fuser::BackgroundSession>,
     dir: PathBuf,
+    /// Its FUSE connection (see [`abort_connection`]), when known.
+    connection: Option<u32>,
     /// Its background tasks (detaching idle jobs, taking order files).
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -107,6 +109,16 @@ impl Drop for Mount {
         drop(self.session.take());
         if sluice_mount_at(&self.dir) && !detach(&self.dir) {
             warn!(dir = %self.dir.display(), "the mount is left behind: run `fusermount3 -u -z` or `umount -l` on it as root");
+        }
+        // Requests still waiting (readers of files whose source open or
+        // read hangs) fail now, not when the source answers.
+        if let Some(id) = self.connection
+            && !abort_connection(id)
+        {
+            tracing::debug!(
+                connection = id,
+                "the mount's FUSE connection was not aborted (no fusectl?)"
+            );
         }
     }
 }
@@ -215,6 +227,7 @@ pub fn mount(
         )
     })?;
     let _ = notifier.set(session.notifier());
+    let connection = sluice_connection_at(&canonical);
     info!(dir = %dir.display(), default_job, "data sets mounted read-only");
     let mut tasks = vec![sweeper];
     if let Some(orders) = orders {
@@ -224,6 +237,7 @@ pub fn mount(
     Ok(Mount {
         session: Some(session),
         dir: canonical,
+        connection,
         tasks,
     })
 }
@@ -285,9 +299,13 @@ fn metadata_within(
 /// dropping it (a second signal): lazily, so that readers inside it get
 /// errors instead of a dead mount left behind.
 pub fn detach_at_exit(dir: &Path) {
-    if sluice_mount_at(dir) && detach(dir) {
+    let Some(connection) = sluice_connection_at(dir) else {
+        return;
+    };
+    if detach(dir) {
         info!(dir = %dir.display(), "unmounted");
     }
+    abort_connection(connection);
 }
 
 /// Unmounts `dir` lazily (it goes once nothing uses it); whether that
@@ -308,12 +326,40 @@ fn detach(dir: &Path) -> bool {
 /// whose source is `sluice` (its type is `fuse` when the stage mounted it
 /// itself, `fuse.sluice` through `fusermount3`).
 fn sluice_mount_at(dir: &Path) -> bool {
+    sluice_connection_at(dir).is_some()
+}
+
+/// The FUSE connection (its number under `/sys/fs/fuse/connections`: the
+/// mount's device number as the kernel keeps it, major in the bits above
+/// the 20 of the minor) of the sluice mount at `dir` (canonical), if one is
+/// there.
+fn sluice_connection_at(dir: &Path) -> Option<u32> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    crate::config::mounts(&mountinfo).any(|(point, kind, source)| {
-        (kind == "fuse" || kind.starts_with("fuse."))
-            && source == "sluice"
-            && Path::new(&point) == dir
-    })
+    crate::config::mounts(&mountinfo)
+        .filter(|(point, kind, source, _)| {
+            (*kind == "fuse" || kind.starts_with("fuse."))
+                && *source == "sluice"
+                && Path::new(point) == dir
+        })
+        .last()
+        .and_then(|(_, _, _, device)| {
+            let (major, minor) = device.split_once(':')?;
+            let (major, minor): (u32, u32) = (major.parse().ok()?, minor.parse().ok()?);
+            Some((major << 20) | minor)
+        })
+}
+
+/// Ends the FUSE connection `id` (`/sys/fs/fuse/connections/<id>/abort`):
+/// every request of it still waiting fails at once. A stage stopping while
+/// some of its threads are stuck in a source that does not answer (a
+/// stopped filer) cannot close its `/dev/fuse` until they come back, and
+/// the readers of its mount would wait as long; returns whether it was
+/// ended.
+fn abort_connection(id: u32) -> bool {
+    let abort = Path::new("/sys/fs/fuse/connections")
+        .join(id.to_string())
+        .join("abort");
+    std::fs::write(&abort, "1").is_ok()
 }
 
 /// What an inode is.

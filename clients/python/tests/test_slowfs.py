@@ -60,14 +60,15 @@ def test_a_stage_reads_a_slow_mount_exactly(slow_mount, stage_factory):
 
 def mount_beside_a_local_data_set(stage_factory, tmp_path, name: str, fs):
     """A stage mounting the slow file system as data set ``name`` and a
-    local one, ``good`` (``a.txt``: ``b"ok"``); returns the mount."""
+    local one, ``good`` (``a.txt``: ``b"ok"``); returns the stage and the
+    mount."""
     good = tmp_path / "good"
     good.mkdir()
     (good / "a.txt").write_bytes(b"ok")
     mnt = tmp_path / "stage-mnt"
     mnt.mkdir()
-    stage_factory({"good": str(good), name: fs.mountpoint}, "--mount", str(mnt))
-    return mnt
+    stage = stage_factory({"good": str(good), name: fs.mountpoint}, "--mount", str(mnt))
+    return stage, mnt
 
 
 def looker(results: dict):
@@ -86,7 +87,7 @@ def test_a_data_set_whose_filer_stops_answering_holds_only_its_own_readers_in_th
     """The first look into a data set lists it; a filer that stopped
     answering holds that look, not the mount's other data sets."""
     fs, _files = slow_mount
-    mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "hung", fs)
+    _stage, mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "hung", fs)
     results = {}
     look = looker(results)
 
@@ -114,7 +115,7 @@ def test_a_filer_that_stops_answering_holds_only_its_own_opens_and_listings_in_t
     on a filer that does not answer, both wait, and must hold only the
     readers of that data set, not another job's reads of a local one."""
     fs, files = slow_mount
-    mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "slow", fs)
+    _stage, mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "slow", fs)
     listed_at = time.monotonic()
     assert sorted(os.listdir(mnt / "@lister" / "slow")) == sorted(os.listdir(fs.mountpoint))
     name = min(files, key=lambda n: (n.count("/"), n))
@@ -157,3 +158,71 @@ def test_a_filer_that_stops_answering_holds_only_its_own_opens_and_listings_in_t
         thread.join(timeout=30)
     assert results["open"] == files[name], results
     assert sorted(results["list"]) == sorted(os.listdir(fs.mountpoint)), results
+
+
+def test_a_stage_stopped_while_its_filer_hangs_fails_its_mount_readers_at_once(
+        slow_mount, stage_factory, tmp_path):
+    """Readers opening files of a filer through the mount, the filer stops
+    answering, and the stage stops: the stage's threads stuck in requests
+    the filer had taken hold the mount's /dev/fuse open, and its readers
+    waited as long as the filer did. The stage ends its FUSE connection
+    as it goes: every reader gets an error at once."""
+    fs, files = slow_mount
+    stage, mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "slow", fs)
+    # Not a file the kernel reads from the filer itself (passthrough, 1 MiB
+    # and up): its reader waits for the filer as a direct reader does.
+    names = sorted(name for name, data in files.items() if len(data) < 1 << 20)
+    assert sorted(os.listdir(mnt / "slow")) == sorted(os.listdir(fs.mountpoint))
+    ended = {}
+
+    def keep_opening(k):
+        i = k
+        try:
+            while True:
+                (mnt / f"@r{k}" / "slow" / names[i % len(names)]).read_bytes()
+                i += 1
+        except OSError as e:
+            ended[k] = e
+
+    readers = [threading.Thread(target=keep_opening, args=(k,), daemon=True) for k in range(8)]
+    for reader in readers:
+        reader.start()
+    time.sleep(1)
+    os.kill(fs.proc.pid, signal.SIGSTOP)  # with requests of the stage's inside it
+    try:
+        time.sleep(0.5)
+        stage.stopped = True  # as stop() marks it, without waiting for the exit
+        stage.proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(timeout=10)
+        assert len(ended) == len(readers), f"{len(readers) - len(ended)} readers still wait after 10 s"
+    finally:
+        os.kill(fs.proc.pid, signal.SIGCONT)
+    # Its stuck threads back, the stage ends (0, as the fixture checks).
+    stage.proc.wait(timeout=30)
+    assert not os.path.ismount(mnt)
+
+
+def test_files_written_before_several_readers_open_them_at_once_are_found_by_all(
+        slow_mount, stage_factory, tmp_path):
+    """Several readers open files a job just wrote, when the data set's
+    listing is due: every look waits for the listing taken again, not
+    only the one that started it (5 of 6 opens failed with ENOENT)."""
+    fs, _files = slow_mount
+    _stage, mnt = mount_beside_a_local_data_set(stage_factory, tmp_path, "slow", fs)
+    os.listdir(mnt / "slow")
+    source = tmp_path / "data"  # the ``dataset`` fixture's, behind the filer
+    for attempt in range(2):
+        names = [f"new-{attempt}-{k}.bin" for k in range(6)]
+        for name in names:
+            (source / name).write_bytes(name.encode() * 100)
+        time.sleep(6.2)  # the listing is due (every 5 s)
+        results = {}
+        look = looker(results)
+        readers = [threading.Thread(target=look, args=(name, lambda n=name: (mnt / "@many" / "slow" / n).read_bytes()))
+                   for name in names]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=30)
+        assert results == {name: name.encode() * 100 for name in names}, results

@@ -4,7 +4,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
@@ -191,6 +191,54 @@ struct Built {
     digest: u64,
     tree: Arc<Tree>,
     checked: Instant,
+    /// The listing taken again since `checked`, if one was.
+    relisting: Option<Arc<Relisting>>,
+}
+
+/// A data set being listed again for the mount: every look that finds it
+/// in progress waits for it, up to [`FRESH_WAIT`] from its start, not
+/// only the look that started it (looks answered at once, as the mount
+/// answers them on several threads, found no file added meanwhile).
+#[derive(Debug)]
+struct Relisting {
+    done: Mutex<bool>,
+    ended: Condvar,
+    until: Instant,
+}
+
+impl Relisting {
+    fn new() -> Self {
+        Self {
+            done: Mutex::new(false),
+            ended: Condvar::new(),
+            until: Instant::now() + FRESH_WAIT,
+        }
+    }
+
+    /// Whether a look now would wait for it.
+    fn holds_looks(&self) -> bool {
+        !*lock(&self.done) && Instant::now() < self.until
+    }
+
+    fn finish(&self) {
+        *lock(&self.done) = true;
+        self.ended.notify_all();
+    }
+
+    /// Waits until it is done, or its time is up.
+    fn wait(&self) {
+        let mut done = lock(&self.done);
+        while !*done {
+            let Some(left) = self.until.checked_duration_since(Instant::now()) else {
+                return;
+            };
+            done = self
+                .ended
+                .wait_timeout(done, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
 }
 
 impl Trees {
@@ -244,10 +292,12 @@ impl Trees {
                         "the mount does not show files whose names are also directories (an object `a` beside `a/...`); read them through the socket"
                     );
                 }
+                let relisting = trees.get(&dataset.name).and_then(|b| b.relisting.clone());
                 let built = Built {
                     digest: listing.shown_digest,
                     tree: Arc::clone(&tree),
                     checked: Instant::now(),
+                    relisting,
                 };
                 trees.insert(dataset.name.clone(), built);
                 Ok(tree)
@@ -256,41 +306,52 @@ impl Trees {
     }
 
     /// Whether [`Trees::of`] may wait for the source now: the data set's
-    /// listing is due again, or has never been taken.
+    /// listing is due again, is being taken again, or has never been taken.
     pub fn may_wait(&self, dataset: &Dataset) -> bool {
         match lock(&self.by_dataset).get(&dataset.name) {
-            Some(built) => built.checked.elapsed() >= dataset.refresh_interval(),
+            Some(built) => {
+                built.relisting.as_ref().is_some_and(|r| r.holds_looks())
+                    || built.checked.elapsed() >= dataset.refresh_interval()
+            }
             None => dataset.listed().is_none(),
         }
     }
 
     /// Lists the data set again on `runtime`'s blocking threads when its
     /// tree was last checked a refresh interval ago, and waits for that
-    /// listing up to [`FRESH_WAIT`]: files added at the source show at the
-    /// look that follows their writing (a `glob` right after a job wrote its
-    /// shards found none, an `open` of one `ENOENT`), while a source that
-    /// hangs holds a look for that long at most, not the mount.
+    /// listing up to [`FRESH_WAIT`] from its start, as does every look
+    /// meanwhile: files added at the source show at the look that follows
+    /// their writing (a `glob` right after a job wrote its shards found
+    /// none, an `open` of one `ENOENT`), while a source that hangs holds a
+    /// look for that long at most, not the mount.
     fn list_again_if_due(&self, dataset: &Arc<Dataset>, runtime: &Handle) {
-        {
+        let (relisting, started) = {
             let mut trees = lock(&self.by_dataset);
             let Some(built) = trees.get_mut(&dataset.name) else {
                 return;
             };
-            if built.checked.elapsed() < dataset.refresh_interval() {
-                return;
+            match &built.relisting {
+                Some(relisting) if relisting.holds_looks() => (Arc::clone(relisting), false),
+                _ if built.checked.elapsed() < dataset.refresh_interval() => return,
+                _ => {
+                    built.checked = Instant::now();
+                    let relisting = Arc::new(Relisting::new());
+                    built.relisting = Some(Arc::clone(&relisting));
+                    (relisting, true)
+                }
             }
-            built.checked = Instant::now();
+        };
+        if started {
+            let (dataset, relisting) = (Arc::clone(dataset), Arc::clone(&relisting));
+            runtime.spawn_blocking(move || {
+                if let Err(e) = dataset.listing() {
+                    tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
+                }
+                relisting.finish();
+            });
         }
-        let (done, listed) = std::sync::mpsc::channel();
-        let dataset = Arc::clone(dataset);
-        runtime.spawn_blocking(move || {
-            if let Err(e) = dataset.listing() {
-                tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
-            }
-            let _ = done.send(());
-        });
         if !ANSWERS_KERNEL.get() {
-            let _ = listed.recv_timeout(FRESH_WAIT);
+            relisting.wait();
         }
     }
 }
@@ -298,6 +359,42 @@ impl Trees {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_look_waits_for_a_listing_in_progress_until_it_ends_or_its_time_is_up() {
+        let relisting = Arc::new(Relisting::new());
+        assert!(relisting.holds_looks());
+        let looks: Vec<_> = (0..3)
+            .map(|_| {
+                let relisting = Arc::clone(&relisting);
+                std::thread::spawn(move || {
+                    let began = Instant::now();
+                    relisting.wait();
+                    began.elapsed()
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        relisting.finish();
+        for look in looks {
+            let waited = look.join().unwrap();
+            assert!(waited >= Duration::from_millis(90), "{waited:?}");
+            assert!(
+                waited < FRESH_WAIT,
+                "woken by the end, not the time: {waited:?}"
+            );
+        }
+        assert!(!relisting.holds_looks());
+        // A listing that never ends holds looks until its time is up.
+        let hung = Relisting {
+            until: Instant::now() + Duration::from_millis(50),
+            ..Relisting::new()
+        };
+        let began = Instant::now();
+        hung.wait();
+        assert!(began.elapsed() >= Duration::from_millis(45));
+        assert!(!hung.holds_looks());
+    }
 
     #[test]
     fn a_file_named_as_a_directory_is_shadowed_whichever_comes_first() {
