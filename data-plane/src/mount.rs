@@ -1284,22 +1284,22 @@ impl MountFs {
         drop(self.runtime.spawn_blocking(move || answer(&shared)));
     }
 
-    /// Whether a request about `node` (a lookup of `name` in it) may wait
-    /// for its data set's listing.
-    fn may_wait(&self, node: &Node, name: Option<&OsStr>) -> bool {
-        let dataset = match node {
-            Node::Root | Node::JobRoot(_) => {
-                match name
-                    .and_then(OsStr::to_str)
-                    .and_then(|n| self.engine.dataset(n))
-                {
-                    Some(dataset) => dataset,
-                    None => return false,
-                }
+    /// Whether a request about inode `ino` (a lookup of `name` in it) may
+    /// wait for its data set's listing.
+    fn may_wait(&self, ino: u64, name: Option<&OsStr>) -> bool {
+        // The node's data set, read in place (no copy of the node per request).
+        let of_node = match lock(&self.nodes).get(ino) {
+            None => return false,
+            Some(Node::Dir { dataset, .. } | Node::File { dataset, .. }) => {
+                Some(Arc::clone(dataset))
             }
-            Node::Dir { dataset, .. } | Node::File { dataset, .. } => Arc::clone(dataset),
+            Some(Node::Root | Node::JobRoot(_)) => None,
         };
-        self.trees.may_wait(&dataset)
+        let dataset = of_node.or_else(|| {
+            name.and_then(OsStr::to_str)
+                .and_then(|n| self.engine.dataset(n))
+        });
+        dataset.is_some_and(|dataset| self.trees.may_wait(&dataset))
     }
 }
 
@@ -2282,9 +2282,7 @@ impl Filesystem for MountFs {
 
     fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
         self.counters.lookup.inc();
-        let waits = self
-            .node(parent)
-            .is_some_and(|node| self.may_wait(&node, Some(name)));
+        let waits = self.may_wait(parent, Some(name));
         let name = name.to_owned();
         self.answer(waits, move |fs| fs.lookup(parent, &name, reply));
     }
@@ -2328,9 +2326,7 @@ impl Filesystem for MountFs {
 
     fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
         self.counters.getattr.inc();
-        let waits = self
-            .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None));
+        let waits = self.may_wait(ino, None);
         self.answer(waits, move |fs| fs.getattr(ino, reply));
     }
 
@@ -2343,17 +2339,13 @@ impl Filesystem for MountFs {
         reply: ReplyDirectory,
     ) {
         self.counters.readdir.inc();
-        let waits = self
-            .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None));
+        let waits = self.may_wait(ino, None);
         self.answer(waits, move |fs| fs.readdir(ino, fh, offset, reply));
     }
 
     fn open(&mut self, req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
         self.counters.open.inc();
-        let waits = self
-            .node(ino)
-            .is_some_and(|node| self.may_wait(&node, None));
+        let waits = self.may_wait(ino, None);
         let (reader, pid) = (reader_of(req), req.pid());
         self.answer(waits, move |fs| fs.open(reader, pid, ino, flags, reply));
     }
