@@ -138,7 +138,8 @@ pub struct Args {
     #[arg(long, env = "SLUICE_TLS_CA")]
     pub tls_ca: Option<PathBuf>,
     /// An S3-compatible object store's URL for `s3://` datasets, e.g.
-    /// `http://minio:9000` [default: AWS_ENDPOINT_URL, else AWS S3].
+    /// `http://minio:9000` [default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the
+    /// AWS profile's endpoint_url, else AWS S3].
     #[arg(long, env = "SLUICE_S3_ENDPOINT")]
     pub s3_endpoint: Option<String>,
     /// The object store's region [default: AWS_REGION, AWS_DEFAULT_REGION,
@@ -456,10 +457,9 @@ impl StageConfig {
             .iter()
             .any(|(_, location)| in_store(location) || on_network_file_system(&mounts, location));
         let job = job_config(&args, &file, memory_budget - cache.memory, remote)?;
-        let s3 = s3_options(&args, &file.s3)?;
-        if !datasets.iter().any(|(_, l)| in_store(l))
-            && let Some(flag) = s3_given(&args, &file.s3)
-        {
+        let any_in_store = datasets.iter().any(|(_, l)| in_store(l));
+        let s3 = s3_options(&args, &file.s3, any_in_store)?;
+        if !any_in_store && let Some(flag) = s3_given(&args, &file.s3) {
             // Not refused: a chart's values may set the object store for
             // every stage while this one reads local data sets only.
             tracing::warn!(
@@ -927,26 +927,21 @@ pub(crate) fn resolved(path: &Path) -> PathBuf {
 }
 
 /// Returns how `s3://` datasets are reached: the `--s3-*` flags laid over
-/// the file's `s3:`.
-fn s3_options(args: &Args, file: &S3File) -> Result<S3Options, ConfigError> {
-    // Resolved here, once, AWS_ENDPOINT_URL included: an endpoint from the
-    // environment is a server of one's own too, and takes path-style
-    // addressing unless told otherwise.
-    let endpoint = args
-        .s3_endpoint
-        .clone()
-        .or_else(|| file.endpoint.clone())
-        .or_else(|| {
-            std::env::var("AWS_ENDPOINT_URL")
-                .ok()
-                .filter(|e| !e.is_empty())
-        });
-    if let Some(endpoint) = &endpoint {
-        check_endpoint(
-            endpoint,
-            args.s3_endpoint.is_some() || file.endpoint.is_some(),
-        )?;
+/// the file's `s3:`. The environment's endpoint is looked for only when
+/// `in_store` (some data set is in an object store): a stage reading local
+/// data sets leaves the AWS settings it finds to other tools.
+fn s3_options(args: &Args, file: &S3File, in_store: bool) -> Result<S3Options, ConfigError> {
+    // Resolved here, once: an endpoint from the environment is a server of
+    // one's own too, and takes path-style addressing unless told otherwise.
+    let endpoint = match args.s3_endpoint.clone().or_else(|| file.endpoint.clone()) {
+        Some(endpoint) => Some((endpoint, "--s3-endpoint".to_owned())),
+        None if in_store => crate::source::configured_endpoint(),
+        None => None,
+    };
+    if let Some((endpoint, from)) = &endpoint {
+        check_endpoint(endpoint, from)?;
     }
+    let endpoint = endpoint.map(|(endpoint, _)| endpoint);
     let deadline = args
         .s3_deadline
         .or(file.deadline)
@@ -997,9 +992,9 @@ fn s3_given(args: &Args, file: &S3File) -> Option<&'static str> {
 }
 
 /// Refuses an object store's endpoint that is not an `http(s)://HOST[:PORT]`
-/// URL (`given`: from --s3-endpoint or `s3.endpoint`, else from
-/// AWS_ENDPOINT_URL), before any request is tried with it.
-fn check_endpoint(endpoint: &str, given: bool) -> Result<(), ConfigError> {
+/// URL (`from`: where it was given, a flag, a variable or a file), before
+/// any request is tried with it.
+fn check_endpoint(endpoint: &str, from: &str) -> Result<(), ConfigError> {
     let why = match url::Url::parse(endpoint) {
         Ok(url) if !matches!(url.scheme(), "http" | "https") => {
             format!("the scheme is `{}://`", url.scheme())
@@ -1008,11 +1003,6 @@ fn check_endpoint(endpoint: &str, given: bool) -> Result<(), ConfigError> {
         Ok(_) => return Ok(()),
         Err(url::ParseError::RelativeUrlWithoutBase) => "it has no scheme".to_owned(),
         Err(e) => e.to_string(),
-    };
-    let from = if given {
-        "--s3-endpoint"
-    } else {
-        "AWS_ENDPOINT_URL"
     };
     Err(ConfigError(format!(
         "{from} `{}` is not an object store's URL ({why}): write http(s)://HOST[:PORT], e.g. `http://minio:9000`",

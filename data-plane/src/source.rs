@@ -24,6 +24,7 @@ mod fence;
 mod s3;
 
 pub use dir::DirSource;
+pub(crate) use s3::configured_endpoint;
 pub use s3::{S3Options, S3Source, parse_url as parse_s3_url};
 
 /// A dataset's storage.

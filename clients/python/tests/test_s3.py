@@ -634,6 +634,53 @@ def test_an_endpoint_from_the_environment_is_addressed_path_style(s3, monkeypatc
         assert c.dataset("ds").files.names() == sorted_names(files)
 
 
+def test_the_s3_endpoint_variable_wins_over_the_general_one(s3, monkeypatch, stage_factory):
+    """AWS_ENDPOINT_URL_S3 names the object store for S3 alone; the general
+    AWS_ENDPOINT_URL (here a port nothing answers on) is for other services."""
+    server, files = s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{server.address}")
+    stage = stage_factory({"ds": f"s3://{BUCKET}/{PREFIX}"})
+    with sluice.Client(stage.socket, job="s3") as c:
+        assert c.dataset("ds").files.names() == sorted_names(files)
+
+
+def test_a_profile_in_the_config_file_alone_names_the_store_and_its_keys(s3, tmp_path, monkeypatch,
+                                                                         stage_factory):
+    """Everything in ``~/.aws/config`` (as `aws configure set` writes a
+    profile's endpoint_url, and as many write keys there too): no
+    credentials file, no variables."""
+    server, files = s3
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    config = tmp_path / "home" / ".aws" / "config"
+    config.parent.mkdir(parents=True)
+    config.write_text(f"[default]\nendpoint_url = http://127.0.0.1:{free_port()}\n\n"
+                      f"[profile train]\nendpoint_url = http://{server.address}\n"
+                      f"aws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    stage = stage_factory({"ds": f"s3://{BUCKET}/{PREFIX}"})
+    with sluice.Client(stage.socket, job="s3") as c:
+        assert c.dataset("ds").files.names() == sorted_names(files)
+    # A bad endpoint there is named with the file it is in.
+    config.write_text("[profile train]\nendpoint_url = minio:9000\n")
+    err = start_fails(tmp_path, "--dataset", f"ds=s3://{BUCKET}/{PREFIX}")
+    assert f"endpoint_url of profile `train` in {config} `minio:9000` is not an object store's URL" in err, err
+
+
+def test_a_stage_of_local_data_sets_leaves_the_aws_settings_alone(credentials, tmp_path, monkeypatch,
+                                                                   stage_factory):
+    """A node's AWS_ENDPOINT_URL meant for other tools, even one the stage
+    could not use, does not stop a stage that reads no object store."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not-a-url")
+    data = tmp_path / "local"
+    data.mkdir()
+    files = make_dataset(data)
+    stage = stage_factory({"ds": str(data)})
+    with sluice.Client(stage.socket, job="local") as c:
+        assert c.dataset("ds").files.names() == sorted_names(files)
+
+
 def test_credentials_come_from_the_shared_files(s3, tmp_path, monkeypatch, stage_factory):
     server, files = s3
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")

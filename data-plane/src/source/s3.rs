@@ -67,8 +67,9 @@ const LIST_CONCURRENCY: usize = 16;
 /// How to reach the object store (flags and the stage file).
 #[derive(Debug, Clone, PartialEq)]
 pub struct S3Options {
-    /// `--s3-endpoint`: an S3-compatible server's URL (else AWS_ENDPOINT_URL,
-    /// both resolved by the configuration; `None`: AWS itself).
+    /// `--s3-endpoint`: an S3-compatible server's URL (else the one the AWS
+    /// variables and files name, see [`configured_endpoint`], both resolved
+    /// by the configuration; `None`: AWS itself).
     pub endpoint: Option<String>,
     /// `--s3-region` (else AWS_REGION, AWS_DEFAULT_REGION, the profile's
     /// region, `us-east-1`).
@@ -1347,6 +1348,10 @@ fn builder_from_env(session_token: bool) -> AmazonS3Builder {
         let Ok(key) = name.to_ascii_lowercase().parse::<AmazonS3ConfigKey>() else {
             continue;
         };
+        // The endpoint is the options' (resolved by the configuration).
+        if matches!(key, AmazonS3ConfigKey::Endpoint) {
+            continue;
+        }
         if session_token || !matches!(key, AmazonS3ConfigKey::Token) {
             b = b.with_config(key, value);
         }
@@ -1354,14 +1359,53 @@ fn builder_from_env(session_token: bool) -> AmazonS3Builder {
     b
 }
 
+/// Where the object store is when no flag names it, as the AWS tools find
+/// it: `AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL`, else the profile's
+/// `endpoint_url` in `~/.aws/config`, none of them when
+/// `AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`. Returns the URL and where it
+/// came from (for an error about it).
+pub(crate) fn configured_endpoint() -> Option<(String, String)> {
+    endpoint_of(env_value, &Profile::load())
+}
+
+/// [`configured_endpoint`] with the environment read through `env`.
+fn endpoint_of(
+    env: impl Fn(&str) -> Option<String>,
+    profile: &Profile,
+) -> Option<(String, String)> {
+    if env("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return None;
+    }
+    ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"]
+        .into_iter()
+        .find_map(|var| env(var).map(|url| (url, var.to_owned())))
+        .or_else(|| {
+            let url = profile
+                .config
+                .get("endpoint_url")
+                .filter(|u| !u.is_empty())?;
+            let from = format!(
+                "endpoint_url of profile `{}` in {}",
+                profile.name,
+                profile.config_file.display()
+            );
+            Some((url.clone(), from))
+        })
+}
+
 /// The named profile of the shared AWS files (`~/.aws/credentials` and
 /// `~/.aws/config`, or the files AWS_SHARED_CREDENTIALS_FILE and
 /// AWS_CONFIG_FILE name).
 struct Profile {
     name: String,
-    credentials_file: PathBuf,
+    /// The profile's keys (`aws_access_key_id`, ...): its section of the
+    /// credentials file, or of the config file when that holds none there
+    /// (the AWS tools take keys from either, the credentials file first).
     credentials: HashMap<String, String>,
+    /// The file `credentials` came from.
+    credentials_file: PathBuf,
     config: HashMap<String, String>,
+    config_file: PathBuf,
 }
 
 impl Profile {
@@ -1385,10 +1429,21 @@ impl Profile {
         } else {
             format!("profile {name}")
         };
+        let config = read(&config_file, &config_section);
+        let mut credentials = read(&credentials_file, &name);
+        let mut keys_file = credentials_file;
+        let keys = ["aws_access_key_id", "aws_secret_access_key"];
+        if !keys.iter().any(|k| credentials.contains_key(*k))
+            && keys.iter().any(|k| config.contains_key(*k))
+        {
+            credentials = config.clone();
+            keys_file = config_file.clone();
+        }
         Self {
-            credentials: read(&credentials_file, &name),
-            config: read(&config_file, &config_section),
-            credentials_file,
+            credentials,
+            credentials_file: keys_file,
+            config,
+            config_file,
             name,
         }
     }
@@ -1856,6 +1911,55 @@ mod tests {
         let upper = "[default]\nAWS_ACCESS_KEY_ID = C\nAws_Secret_Access_Key=D\n";
         assert_eq!(ini_section(upper, "default")["aws_access_key_id"], "C");
         assert_eq!(ini_section(upper, "default")["aws_secret_access_key"], "D");
+    }
+
+    #[test]
+    fn the_endpoint_is_the_s3_variable_the_general_one_or_the_profiles() {
+        let profile = |endpoint: Option<&str>| Profile {
+            name: "train".into(),
+            credentials: HashMap::new(),
+            credentials_file: PathBuf::from("/c"),
+            config: endpoint
+                .map(|e| HashMap::from([("endpoint_url".to_owned(), e.to_owned())]))
+                .unwrap_or_default(),
+            config_file: PathBuf::from("/home/u/.aws/config"),
+        };
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        };
+        let both = &[
+            ("AWS_ENDPOINT_URL", "http://all:1"),
+            ("AWS_ENDPOINT_URL_S3", "http://s3:2"),
+        ];
+        let said = |url: &str, from: &str| Some((url.to_owned(), from.to_owned()));
+        assert_eq!(
+            endpoint_of(env(both), &profile(Some("http://p:3"))),
+            said("http://s3:2", "AWS_ENDPOINT_URL_S3")
+        );
+        assert_eq!(
+            endpoint_of(env(&both[..1]), &profile(Some("http://p:3"))),
+            said("http://all:1", "AWS_ENDPOINT_URL")
+        );
+        assert_eq!(
+            endpoint_of(env(&[]), &profile(Some("http://p:3"))),
+            said(
+                "http://p:3",
+                "endpoint_url of profile `train` in /home/u/.aws/config"
+            )
+        );
+        assert_eq!(endpoint_of(env(&[]), &profile(None)), None);
+        let ignored = &[
+            ("AWS_ENDPOINT_URL_S3", "http://s3:2"),
+            ("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "TRUE"),
+        ];
+        assert_eq!(
+            endpoint_of(env(ignored), &profile(Some("http://p:3"))),
+            None
+        );
     }
 
     #[test]
