@@ -152,8 +152,13 @@ pub struct Dataset {
 struct Cached {
     listed: Option<(Instant, Arc<Listing>)>,
     failed: Option<Failed>,
-    /// How long the last listing took.
+    /// How long listing takes: the shorter of the last two listings, so
+    /// that one slowed by a stall (a filer that stopped for a while) does
+    /// not stretch the refresh interval, while a data set that lists slowly
+    /// twice running is listed less often.
     took: Duration,
+    /// How long the last listing took.
+    last_took: Option<Duration>,
 }
 
 /// A listing this quick is made again by the lookup that finds it stale,
@@ -179,6 +184,12 @@ struct Failed {
 }
 
 impl Cached {
+    /// Notes that a listing took `took`.
+    fn listed_in(&mut self, took: Duration) {
+        self.took = self.last_took.map_or(took, |last| took.min(last));
+        self.last_took = Some(took);
+    }
+
     /// The last listing while it may stand in for one that failed.
     fn stale(&self) -> Option<&Arc<Listing>> {
         self.listed
@@ -333,7 +344,7 @@ impl Dataset {
             Ok(walked) => {
                 let listing = Arc::new(Listing::of(walked));
                 crate::heap::give_back_freed_memory();
-                cached.took = began.elapsed();
+                cached.listed_in(began.elapsed());
                 cached.listed = Some((Instant::now(), Arc::clone(&listing)));
                 cached.failed = None;
                 Ok(listing)
@@ -540,6 +551,26 @@ mod tests {
             "{}",
             e.message
         );
+    }
+
+    #[test]
+    fn one_stalled_listing_does_not_stretch_the_refresh_interval() {
+        let mut cached = Cached::default();
+        cached.listed_in(Duration::from_millis(30));
+        assert_eq!(refresh_after(cached.took), LISTING_TTL);
+        // A filer stopped for 8 s while it was listed.
+        cached.listed_in(Duration::from_secs(8));
+        assert_eq!(refresh_after(cached.took), LISTING_TTL);
+        cached.listed_in(Duration::from_millis(30));
+        assert_eq!(refresh_after(cached.took), LISTING_TTL);
+        // A data set that takes 8 s to list, twice running.
+        cached.listed_in(Duration::from_secs(8));
+        cached.listed_in(Duration::from_secs(8));
+        assert_eq!(refresh_after(cached.took), Duration::from_secs(80));
+        // The first listing of all is all there is to go by.
+        let mut first = Cached::default();
+        first.listed_in(Duration::from_secs(8));
+        assert_eq!(refresh_after(first.took), Duration::from_secs(80));
     }
 
     #[test]
