@@ -530,7 +530,8 @@ impl Engine {
     }
 
     /// [`Engine::attach_with`] on the locked job table; says whether the
-    /// job started (the caller tells `jobs_changed` once the lock is
+    /// controller is to hear of the job at once: it started, or came back
+    /// under new labels (the caller tells `jobs_changed` once the lock is
     /// released).
     fn attach_locked(
         &self,
@@ -569,8 +570,20 @@ impl Engine {
                 job
             })
             .clone();
-        if let Some(labels) = labels {
-            job.set_labels(labels);
+        // A job kept idle that comes back under other labels (a new job
+        // given the name of one that ended a moment ago) is held as a new
+        // one until the settings for its labels come: it read a first
+        // burst under the old job's limits.
+        let idle = job.idle_since(Instant::now()).is_some();
+        if let Some(labels) = labels
+            && job.set_labels(labels)
+            && !started
+            && idle
+        {
+            if self.controller_live.load(Ordering::Acquire) {
+                job.hold_reads(Instant::now() + SETTINGS_WAIT);
+            }
+            started = true;
         }
         (job::JobHandle::new(job), started)
     }
@@ -750,13 +763,18 @@ impl Engine {
         };
         for dataset in self.datasets.values() {
             if dataset.refresh_wanted() {
-                let dataset = Arc::clone(dataset);
-                runtime.spawn_blocking(move || {
+                let (ours, dataset) = (dataset, Arc::clone(dataset));
+                let relist = move || {
                     if let Err(e) = dataset.listing() {
                         tracing::debug!(dataset = %dataset.name, error = %e, "listing again in the background failed");
                     }
                     dataset.refreshed();
-                });
+                };
+                if let Err((_, why)) = crate::blocking::spawn(&runtime, relist) {
+                    // A later read asks again.
+                    tracing::debug!(dataset = %ours.name, error = %why, "no thread to list the data set again");
+                    ours.refreshed();
+                }
             }
         }
     }

@@ -7,6 +7,7 @@
 //! job's QoS limits. [`Stage::bind`] binds every listener; [`Stage::run`]
 //! serves until the cancellation token fires.
 
+mod blocking;
 mod cache;
 mod chunk;
 mod config;

@@ -179,8 +179,9 @@ pub fn mount(
                     continue;
                 };
                 let notifier = notifier.clone();
-                // A write to /dev/fuse that the kernel handles then and there.
-                let _ = tokio::task::spawn_blocking(move || {
+                // A write to /dev/fuse that the kernel handles then and there
+                // (with no thread for it, the kernel's entries time out).
+                let _ = crate::blocking::run(move || {
                     for job in gone {
                         let name = format!("@{job}");
                         if let Err(e) = notifier.inval_entry(fuser::FUSE_ROOT_ID, OsStr::new(&name)) {
@@ -1048,7 +1049,7 @@ async fn ask_size_again(
     listed_version: u64,
 ) {
     let (dataset, name) = (Arc::clone(&file.dataset), &file.name);
-    let _ = tokio::task::spawn_blocking(move || dataset.listing()).await;
+    let _ = crate::blocking::run(move || dataset.listing()).await;
     // Shown at the size it has until a listing has its new version (one
     // taken before the file was replaced may still be the latest).
     if let Some(known) = lock(nodes).known.get_mut(&ino) {
@@ -1281,7 +1282,7 @@ impl MountFs {
             return answer(&self.0);
         }
         let shared = Arc::clone(&self.0);
-        drop(self.runtime.spawn_blocking(move || answer(&shared)));
+        crate::blocking::spawn_or_here(&self.runtime, move || answer(&shared));
     }
 
     /// Whether a request about inode `ino` (a lookup of `name` in it) may
@@ -1448,13 +1449,9 @@ impl Drop for Opening {
 /// Runs blocking `work` (a source file's open or `stat`) on the runtime's
 /// blocking threads: an answer that went on on the runtime's workers
 /// would hold one of them for as long as the source takes. `None` when
-/// the runtime is shutting down.
+/// the runtime is shutting down or the OS refuses a thread.
 async fn off_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    match tokio::task::spawn_blocking(work).await {
-        Ok(done) => Some(done),
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => None,
-    }
+    crate::blocking::run(work).await.ok()
 }
 
 /// The mount's metrics, resolved once.
@@ -1627,7 +1624,7 @@ impl Shared {
             }
         };
         if planned.is_none() && resized.is_none() {
-            return drop(self.runtime.spawn_blocking(move || answer(file)));
+            return crate::blocking::spawn_or_here(&self.runtime, move || answer(file));
         }
         let runtime = self.runtime.clone();
         let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
@@ -1639,7 +1636,7 @@ impl Shared {
                 // Its bytes are the file's, which the kernel reads.
                 drop(job.deliver_claimed(claim, &name).await);
             }
-            drop(runtime.spawn_blocking(move || answer(file)));
+            crate::blocking::spawn_or_here(&runtime, move || answer(file));
         });
     }
 
@@ -1900,7 +1897,7 @@ impl Shared {
             );
             let (name, inodes, started) =
                 (name.to_owned(), self.counters.inodes.clone(), self.started);
-            self.runtime.spawn_blocking(move || {
+            crate::blocking::spawn_or_here(&self.runtime, move || {
                 let listed = dataset.listing().map_err(|e| {
                     warn!(dataset = %dataset.name, error = %e, "cannot list the data set for the mount");
                     libc::EIO
@@ -2135,7 +2132,7 @@ impl Shared {
             let opened = (size, listed, way, delivered_first);
             let answer = move || fs.open_unplanned(pid, fh, opening, file, opened, reply);
             if slow {
-                drop(self.runtime.spawn_blocking(answer));
+                crate::blocking::spawn_or_here(&self.runtime, answer);
             } else {
                 answer();
             }

@@ -16,6 +16,7 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWrite
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::blocking;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey, ShardOrder};
 use crate::engine::{JobHandle, PlannedClaim, Reservation};
@@ -590,11 +591,9 @@ impl Connection {
             ));
         };
         let ds = Arc::clone(&dataset);
-        let listing = tokio::task::spawn_blocking(move || ds.listing())
+        let listing = blocking::run(move || ds.listing())
             .await
-            .map_err(|e| {
-                ProtocolError::new(ErrorCode::IoError, format!("listing task failed: {e}"))
-            })?
+            .map_err(|e| e.to_protocol(&format!("listing dataset `{name}`")))?
             .map_err(|e| {
                 ProtocolError::new(
                     ErrorCode::IoError,
@@ -980,17 +979,12 @@ pub(crate) async fn read_range_now(
     let task_job = Arc::clone(job);
     let task_name = name.clone();
     let task_metrics = metrics.clone();
-    let read = tokio::task::spawn_blocking(move || {
+    let read = blocking::run(move || {
         let pin = pin.as_ref();
         task_job.read_now(&dataset, &task_name, offset, length, pin, &task_metrics)
     })
     .await
-    .unwrap_or_else(|e| {
-        Err(ProtocolError::new(
-            ErrorCode::IoError,
-            format!("read task failed: {e}"),
-        ))
-    });
+    .unwrap_or_else(|e| Err(e.to_protocol(&format!("reading `{name}`"))));
     let (data, pinned) = match read {
         Ok((chunk, pinned)) => (Ok(Payload::Bytes(chunk)), Some(pinned)),
         Err(e) => (Err(e), None),

@@ -4,11 +4,13 @@ by path, exactly once with a job's plan, and refused writes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import random
 import os
+import pathlib
 import shutil
 import signal
 import stat
@@ -24,7 +26,7 @@ import sluice
 from sluice.bench.common import metric_value, parse_prometheus
 from sluice.bench.stage import StageProcess, StageStartError
 
-from conftest import http_get, replace_file, stage_binary, stage_metric, start_stage, wait_for
+from conftest import http_get, in_ci, replace_file, stage_binary, stage_metric, start_stage, wait_for
 
 
 def walk(root) -> dict:
@@ -639,6 +641,37 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     write_order(orders / "tf" / "other", names[:1])
     wait_for((orders / "tf" / "other.error").exists, what="an unknown data set refused")
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
+
+
+def test_an_order_read_to_its_end_lets_its_job_go_and_one_left_from_before_waits_for_a_change(
+        tmp_path, mount_stage, dataset):
+    """An order file's plan holds its job only while it is read: left in
+    place after its epoch (as a framework that never removes it does), it
+    held the job for good, and 256 such files made the stage refuse every
+    new job. One older than the stage (left from before a restart) is not
+    taken up, to prefetch for nobody, until it is written again."""
+    root, files = dataset
+    names = sorted(files)
+    orders = tmp_path / "orders"
+    write_order(orders / "old" / "ds", names)
+    long_ago = time.time() - 600
+    os.utime(orders / "old" / "ds", (long_ago, long_ago))
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    connections = lambda job: job_metric(stage, "sluice_stage_job_connections", job)  # noqa: E731
+    reads = lambda job: job_metric(stage, "sluice_stage_storage_reads_total", job)  # noqa: E731
+    write_order(orders / "tf" / "ds", names)
+    wait_for(lambda: reads("tf") == len(names), what="the order prefetched")
+    assert connections("tf") == 1
+    for name in names:
+        assert (mnt / "@tf" / "ds" / name).read_bytes() == files[name]
+    # The mount's readers hold the job 10 s after their last close.
+    wait_for(lambda: connections("tf") == 0, timeout=20, what="the job let go once its order was read")
+    assert (orders / "tf" / "ds").exists() and not (orders / "tf" / "ds.error").exists()
+    time.sleep(1)
+    assert reads("tf") == len(names), "the order file, unchanged, was not taken up again"
+    assert reads("old") == 0 and connections("old") == 0, "a file left from before the stage was taken up"
+    write_order(orders / "old" / "ds", names)
+    wait_for(lambda: reads("old") == len(names), what="the old job's order taken up once written again")
 
 
 def test_a_planned_file_that_grew_since_the_kernel_took_its_size_reads_whole(tmp_path, mount_stage):
@@ -1747,3 +1780,82 @@ def test_an_order_file_beside_a_samplers_plan_for_the_same_job_is_refused(tmp_pa
     sampler.close()
     reads = job_metric(stage, "sluice_stage_storage_reads_total", "both")
     assert reads <= len(files), f"{reads} storage reads for {len(files)} files"
+
+
+@contextlib.contextmanager
+def pids_cgroup(pid: int):
+    """Moves process ``pid`` (every thread of it) into a `pids` cgroup of
+    its own, as a pod's limit puts a stage, and yields ``limit(n)``, which
+    sets the group's limit (``None``: none) and returns how many threads
+    it holds. The process goes back to its cgroup after."""
+    v1, v2 = pathlib.Path("/sys/fs/cgroup/pids"), pathlib.Path("/sys/fs/cgroup")
+    if (v1 / "cgroup.procs").exists():
+        base, wanted = v1, lambda line: line.split(":")[1] == "pids"
+    elif "pids" in (v2 / "cgroup.controllers").read_text(errors="replace").split() if (
+            v2 / "cgroup.controllers").exists() else False:
+        base, wanted = v2, lambda line: line.startswith("0::")
+    else:
+        message = "no pids cgroup controller to limit the stage's threads with"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    was = next(line.split(":", 2)[2] for line in pathlib.Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+               if wanted(line))
+    home = base / was.lstrip("/")
+    group = base / f"sluice-test-{os.getpid()}-{random.randrange(1 << 30)}"
+    if base == v2:
+        (home / "cgroup.subtree_control").write_text("+pids")
+    group.mkdir()
+
+    def limit(n):
+        (group / "pids.max").write_text("max" if n is None else str(n))
+        return int((group / "pids.current").read_text())
+
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        yield limit
+    finally:
+        limit(None)
+        with contextlib.suppress(OSError):
+            (home / "cgroup.procs").write_text(str(pid))
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), what="the cgroup to empty")
+        group.rmdir()
+
+
+def test_a_stage_at_its_thread_limit_answers_on_the_threads_it_has(mounted):
+    """A stage whose pod's `pids` limit is met (every job's reader threads
+    count against it) and whose blocking threads have ended answers on the
+    threads it has, slower but correctly: the mount's looks and reads
+    (tokio's hand-over panicked on the mount's thread and ended the mount
+    for every reader) and a trainer opening a data set and reading by name
+    (its connection was dropped with no answer). A plan started then gets
+    its readers once the limit lifts, the limit is named in the log, and
+    nothing panics."""
+    stage, mnt, files = mounted
+    name, data = sorted(files.items())[0]
+    before = sluice.Client(stage.socket, job="before", reconnect=0, timeout=60)
+    with pids_cgroup(stage.proc.pid) as limit, before:
+        ds = before.dataset("ds")
+        # tokio keeps an idle blocking thread 10 s: the limit is set at the
+        # count left after, when the listings are due again too (5 s).
+        time.sleep(11)
+        limit(limit(None))
+        assert sorted(os.listdir(mnt / "ds")) == sorted({n.split("/")[0] for n in files})
+        assert (mnt / "ds" / name).read_bytes() == data
+        with sluice.Client(stage.socket, job="late", reconnect=0, timeout=30) as late:
+            assert late.dataset("ds").read(name) == data
+        got = {}
+        epoch = threading.Thread(target=lambda: got.update(ds.epoch(0)), daemon=True)
+        epoch.start()
+        time.sleep(2)
+        assert epoch.is_alive() and not got, "the plan was read with no reader thread"
+        limit(None)
+        epoch.join(20)
+        assert not epoch.is_alive(), "the plan got no readers after the limit lifted"
+        assert got == files
+    assert stage.alive()
+    log = stage.stderr_tail(200000)
+    assert "panicked" not in log, log[-3000:]
+    assert "the OS refused the stage a thread" in log
+    with sluice.Client(stage.socket, job="after", reconnect=0) as after:
+        assert dict(after.dataset("ds").epoch(0)) == files

@@ -302,3 +302,31 @@ def test_a_pinned_data_set_stays_while_another_is_read(tmp_path, system):
     before = s.source_reads("pinned")
     assert read_epoch(s, "pinned", "train", 0) == pinned
     assert s.source_reads("pinned") == before
+
+
+def test_a_job_name_taken_again_under_other_labels_reads_under_their_policy_from_its_first_byte(tmp_path, system):
+    """A job ended, and a new one took its name a moment later (the stage
+    keeps an idle job a minute) under other labels: it read its first
+    burst under the old job's settings (a 3 MiB epoch capped at 1 MiB/s
+    took 0.01 s) until the next telemetry round. It is held as a new job
+    is, until the settings for its labels come."""
+    write_files(tmp_path / "a", 48, 64 * 1024)
+    write_files(tmp_path / "b", 48, 64 * 1024)
+    s = system({"a": tmp_path / "a", "b": tmp_path / "b"}, 8 * MIB)
+    policy = ("---\napiVersion: sluice.dev/v1\nkind: JobPolicy\nmetadata: {{name: {tier}}}\n"
+              "spec: {{selector: {{matchLabels: {{tier: {tier}}}}}, pool: nfs, limit: {{bandwidth: {limit}}}}}\n")
+    s.apply(POOL + policy.format(tier="capped", limit="1MiB/s") + policy.format(tier="fast", limit="500MiB/s"))
+
+    def epoch(dataset: str, tier: str, run: int) -> float:
+        began = time.monotonic()
+        with sluice.Client(s.socket, job="reused", labels={"tier": tier}, run=run) as c:
+            assert sum(len(data) for _, data in c.dataset(dataset).epoch(0, seed=1)) == 48 * 64 * 1024
+        return time.monotonic() - began
+
+    assert epoch("a", "fast", 1) < 2
+    time.sleep(1)
+    took = epoch("b", "capped", 2)
+    # 3 MiB at 1 MiB/s, less the limiter's burst.
+    assert took > 1.5, f"the capped job read 3 MiB in {took:.2f} s"
+    jobs = {j["id"]: j for j in get_json(s.http, "/api/v1/jobs")}
+    assert jobs["reused"]["labels"] == {"tier": "capped"}, jobs["reused"]

@@ -352,8 +352,18 @@ impl Job {
         &self.id
     }
 
-    pub(super) fn set_labels(&self, labels: BTreeMap<String, String>) {
-        *lock(&self.labels) = labels;
+    /// Sets the job's labels; returns whether they changed.
+    pub(super) fn set_labels(&self, labels: BTreeMap<String, String>) -> bool {
+        let mut current = lock(&self.labels);
+        let changed = *current != labels;
+        *current = labels;
+        changed
+    }
+
+    /// Holds the job's storage reads again until the controller's settings
+    /// name it or `deadline` passes (see [`Job::start_reading`]).
+    pub(super) fn hold_reads(&self, deadline: Instant) {
+        self.gate.close(deadline);
     }
 
     /// The labels the job runs under.
@@ -710,9 +720,12 @@ impl Job {
             }
         }
         // Readers past what the job needs (its last plan finished while
-        // they waited for work) are woken to stop.
+        // they waited for work) are woken to stop; readers the OS refused
+        // (the stage at its thread limit) are asked for again.
         if st.readers_running > st.threads_wanted() && st.readers_idle > 0 {
             self.work.notify_all();
+        } else if st.readers_running < st.threads_wanted() {
+            self.ensure_readers(&mut st);
         }
         self.publish_gauges(&st);
     }

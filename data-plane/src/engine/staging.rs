@@ -219,7 +219,7 @@ async fn run(
     let name = dataset.name.clone();
     let listing = {
         let dataset = Arc::clone(&dataset);
-        tokio::task::spawn_blocking(move || dataset.listing())
+        crate::blocking::run(move || dataset.listing())
             .await
             .map_err(|e| format!("listing data set `{name}` failed: {e}"))?
             .map_err(|e| format!("cannot list data set `{name}`: {e}"))?
@@ -261,7 +261,7 @@ async fn run(
             Arc::clone(&listing),
             Arc::clone(&dataset),
         );
-        tokio::task::spawn_blocking(move || {
+        crate::blocking::run(move || {
             let keys =
                 (listing.files.iter().enumerate()).map(|(i, f)| (i as u32, dataset.key_of(f)));
             cache.to_stage(&dataset.identity, &dataset.name, keys)
@@ -317,7 +317,7 @@ async fn run(
                 Arc::clone(&listing),
                 Arc::clone(&dataset),
             );
-            tokio::task::spawn_blocking(move || keep_all(&cache, &dataset, &listing, samples))
+            crate::blocking::run(move || keep_all(&cache, &dataset, &listing, samples))
                 .await
                 .map_err(|e| format!("staging data set `{name}` failed: {e}"))?
                 .map_err(|e| format!("the disk cache cannot write: {e}"))?

@@ -11,13 +11,20 @@
 //! mount; empty lines and lines starting with `#` are skipped. A file that
 //! cannot be used changes nothing and gets its reason written beside it,
 //! in `<dataset>.error`; removing the order file drops its plan.
+//!
+//! A plan holds its job on the stage only while it is read: once every
+//! file in it was opened, or when none was for [`ORDER_IDLE`] (its reader
+//! crashed, or the file was left behind), the plan goes and the job may go
+//! idle and be forgotten; the file is taken up again only when it changes.
+//! Order files older than [`ORDER_IDLE`] when the stage starts are left
+//! from an earlier stage's time and are not taken up until they change.
 
 use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{info, warn};
 
@@ -27,6 +34,9 @@ use crate::trust::{Peer, TrainerAccess};
 
 /// How often the directory is looked at.
 pub const POLL: Duration = Duration::from_millis(200);
+
+/// An order plan none of whose files was opened for this long is dropped.
+pub const ORDER_IDLE: Duration = Duration::from_secs(120);
 
 /// The plan rank of order-file plans, apart from trainers' ranks.
 const ORDER_RANK: u32 = u32::MAX;
@@ -66,6 +76,36 @@ struct Current {
     stamp: Stamp,
     plan: Option<PlanHandle>,
     _job: Option<JobHandle>,
+    /// The plan's entries not yet delivered when last looked at, and when
+    /// that count last moved.
+    left: usize,
+    moved: Instant,
+}
+
+impl Current {
+    /// A file looked at and not taken up (refused, or left from before the
+    /// stage): read again only when it changes.
+    fn passed_over(stamp: Stamp) -> Self {
+        Self {
+            stamp,
+            plan: None,
+            _job: None,
+            left: 0,
+            moved: Instant::now(),
+        }
+    }
+
+    /// Whether the plan is still read, given its entries not yet delivered
+    /// now (`None`: all were) at `now`; notes the count.
+    fn still_read(&mut self, left: Option<usize>, now: Instant) -> bool {
+        let Some(left) = left else {
+            return false;
+        };
+        if left != self.left {
+            (self.left, self.moved) = (left, now);
+        }
+        now.duration_since(self.moved) < ORDER_IDLE
+    }
 }
 
 /// Order files found so far, by (job, dataset).
@@ -86,6 +126,9 @@ pub struct Orders {
     /// order-file plan has its own key, so none is taken for one that
     /// completed before or for another data set's.
     epoch: u64,
+    /// Files modified before this were written before the stage started
+    /// (by more than [`ORDER_IDLE`]): left over, not taken up unchanged.
+    left_over_before: SystemTime,
 }
 
 impl Orders {
@@ -112,6 +155,7 @@ impl Orders {
             current: HashMap::new(),
             ignored: HashSet::new(),
             epoch: 0,
+            left_over_before: SystemTime::now() - ORDER_IDLE,
         }
     }
 
@@ -176,6 +220,11 @@ impl Orders {
             if self.current.get(&key).is_some_and(|c| c.stamp == stamp) {
                 continue;
             }
+            if !self.current.contains_key(&key) && stamp.0 < self.left_over_before {
+                info!(file = %shown.display(), "order file older than the stage left as it is: write it again to read in its order");
+                self.current.insert(key, Current::passed_over(stamp));
+                continue;
+            }
             let error_path = path.with_file_name(format!("{}{ERROR_SUFFIX}", key.1));
             match self.take(&key.0, &key.1, &path, stamp) {
                 Ok(length) => {
@@ -189,15 +238,25 @@ impl Orders {
                     self.current
                         .entry(key)
                         .and_modify(|c| c.stamp = stamp)
-                        .or_insert(Current {
-                            stamp,
-                            plan: None,
-                            _job: None,
-                        });
+                        .or_insert_with(|| Current::passed_over(stamp));
                 }
             }
         }
         self.current.retain(|key, _| seen.contains(key));
+        // Plans read to their end, or left unread, let their jobs go.
+        let now = Instant::now();
+        for ((job, dataset), c) in &mut self.current {
+            let Some(plan) = &c.plan else {
+                continue;
+            };
+            let left = plan.remaining();
+            if !c.still_read(left, now) {
+                if left.is_some() {
+                    info!(job = %job, dataset = %dataset, left = c.left, "no file of the order file's plan was opened for {}s: the plan is dropped (write the file again to read in its order)", ORDER_IDLE.as_secs());
+                }
+                (c.plan, c._job) = (None, None);
+            }
+        }
     }
 
     /// The order files present, each with the job directory it is read
@@ -385,8 +444,10 @@ impl Orders {
             key,
             Current {
                 stamp,
+                left: plan.length as usize,
                 plan: Some(plan),
                 _job: Some(handle),
+                moved: Instant::now(),
             },
         );
         Ok(length)
@@ -516,6 +577,26 @@ fn shown(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::lexical;
+
+    #[test]
+    fn an_order_plan_is_read_until_delivered_or_left_unread() {
+        use super::{Current, ORDER_IDLE};
+        use std::time::{Duration, Instant, SystemTime};
+        let start = Instant::now();
+        let mut c = Current::passed_over((SystemTime::UNIX_EPOCH, 0, 0));
+        (c.left, c.moved) = (100, start);
+        assert!(c.still_read(Some(100), start + ORDER_IDLE / 2));
+        // Read slowly: each file opened counts.
+        assert!(c.still_read(Some(99), start + ORDER_IDLE * 3 / 2));
+        assert!(c.still_read(Some(99), start + ORDER_IDLE * 2));
+        assert!(!c.still_read(
+            Some(99),
+            start + ORDER_IDLE * 5 / 2 + Duration::from_secs(1)
+        ));
+        // Every file delivered.
+        let mut done = Current::passed_over((SystemTime::UNIX_EPOCH, 0, 0));
+        assert!(!done.still_read(None, Instant::now()));
+    }
 
     #[test]
     fn paths_are_read_as_the_kernel_reads_them() {

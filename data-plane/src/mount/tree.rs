@@ -342,13 +342,18 @@ impl Trees {
             }
         };
         if started {
-            let (dataset, relisting) = (Arc::clone(dataset), Arc::clone(&relisting));
-            runtime.spawn_blocking(move || {
+            let (dataset, ours) = (Arc::clone(dataset), Arc::clone(&relisting));
+            let relist = move || {
                 if let Err(e) = dataset.listing() {
                     tracing::warn!(dataset = %dataset.name, error = %e, "cannot list the data set again for the mount");
                 }
+                ours.finish();
+            };
+            if let Err((_, why)) = crate::blocking::spawn(runtime, relist) {
+                // The tree stands; a later look tries again.
+                tracing::warn!(error = %why, "no thread to list a data set again for the mount");
                 relisting.finish();
-            });
+            }
         }
         if !ANSWERS_KERNEL.get() {
             relisting.wait();

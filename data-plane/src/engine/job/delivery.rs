@@ -613,14 +613,10 @@ impl Job {
         let job = Arc::clone(self);
         let owned = name.to_owned();
         let metrics = m.clone();
-        let (data, reserved) = tokio::task::spawn_blocking(move || {
-            job.read_whole_blocking(&dataset, &owned, &metrics)
-        })
-        .await
-        .unwrap_or_else(|e| {
-            let failed = ProtocolError::new(ErrorCode::IoError, format!("read task failed: {e}"));
-            (Err(failed), 0)
-        });
+        let (data, reserved) =
+            crate::blocking::run(move || job.read_whole_blocking(&dataset, &owned, &metrics))
+                .await
+                .unwrap_or_else(|e| (Err(e.to_protocol(&format!("reading `{name}`"))), 0));
         let sample = Sample {
             position,
             name: name.to_owned(),
@@ -1012,6 +1008,14 @@ impl Job {
             self.count_delivered_bytes(m, size, 1);
             file
         }))
+    }
+}
+
+impl PlanHandle {
+    /// The plan's entries not yet delivered; `None` once all were.
+    pub fn remaining(&self) -> Option<usize> {
+        let id = self.id?;
+        self.job.lock().plans.get(&id).map(|p| p.remaining)
     }
 }
 

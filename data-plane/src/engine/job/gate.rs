@@ -41,6 +41,12 @@ impl Gate {
         was_closed
     }
 
+    /// Closes the gate again until `deadline` (a job that comes back under
+    /// new labels waits for the settings of those, as a new job does).
+    pub fn close(&self, deadline: Instant) {
+        *lock(&self.closed_until) = Some(deadline);
+    }
+
     /// Whether a read would pass at once (the gate is open, or its
     /// deadline has passed).
     pub fn is_open(&self) -> bool {

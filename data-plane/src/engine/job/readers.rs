@@ -81,7 +81,9 @@ impl Job {
             match spawned {
                 Ok(_) => st.readers_running += 1,
                 Err(e) => {
-                    tracing::error!(job = %self.id, error = %e, "cannot start a reader thread");
+                    // The job reads with the readers it has; the next tick
+                    // asks again.
+                    crate::blocking::refused(&format!("a reader thread of job {}: {e}", self.id));
                     break;
                 }
             }

@@ -1,0 +1,162 @@
+//! Work handed to the runtime's blocking threads, when the OS may refuse a
+//! thread.
+//!
+//! A stage in a pod with a `pids` limit (or under `RLIMIT_NPROC`) can reach
+//! it: every job's reader threads count against it. tokio's
+//! `spawn_blocking` then panics ("OS can't spawn worker thread") when its
+//! pool has no thread left alive to take the work later; on the mount's
+//! FUSE thread that panic would end the mount for every reader. Here the
+//! refusal is an answer instead: [`spawn`] gives the work back to the
+//! caller, who runs it in place or cleans up, and [`run`] and
+//! [`spawn_or_here`] run it in place (slower, but answered), with a warning
+//! that names the limit.
+
+use std::cell::Cell;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, PanicHookInfo};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::sync::lock;
+
+/// The message tokio's panic starts with when the OS refuses a thread.
+const REFUSED: &str = "OS can't spawn worker thread";
+
+thread_local! {
+    /// Set while this thread hands work over in [`spawn`], whose refusal
+    /// is caught there and must not be reported as a panic.
+    static HANDING_OVER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Blocking work that did not run to its end: it was cancelled (the stage
+/// is stopping) or it panicked.
+#[derive(Debug)]
+pub struct Ended;
+
+impl fmt::Display for Ended {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "its task ended before its work did (the stage is stopping, or the work failed)"
+        )
+    }
+}
+
+impl std::error::Error for Ended {}
+
+impl Ended {
+    /// The trainer's error for `what` (say, "reading `a.bin`").
+    pub fn to_protocol(&self, what: &str) -> ProtocolError {
+        ProtocolError::new(ErrorCode::IoError, format!("{what} failed: {self}"))
+    }
+}
+
+/// Runs `work` on the current runtime's blocking threads and returns what
+/// it returned; when the OS refuses the thread, on this one (a runtime
+/// worker, held for as long as `work` takes: slower, but answered).
+pub async fn run<T, F>(work: F) -> Result<T, Ended>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    spawn_or_here(&Handle::current(), move || {
+        let _ = tx.send(work());
+    });
+    rx.await.map_err(|_| Ended)
+}
+
+/// Runs `work` on `runtime`'s blocking threads, or, when the OS refuses
+/// the thread, here on this one: a slow answer beats none. (For work that
+/// blocks briefly, or a thread of its own such as the mount's.)
+pub fn spawn_or_here(runtime: &Handle, work: impl FnOnce() + Send + 'static) {
+    if let Err((work, why)) = spawn(runtime, work) {
+        refused(&why);
+        work();
+    }
+}
+
+/// Logs a thread the OS refused, at most once every ten seconds (under a
+/// thread limit, every request could meet one).
+pub fn refused(why: &str) {
+    static LAST: Mutex<Option<Instant>> = Mutex::new(None);
+    let mut last = lock(&LAST);
+    if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+        *last = Some(Instant::now());
+        tracing::warn!(error = %why, "the OS refused the stage a thread: it is at its process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit); work meant for other threads is done on the ones it has, more slowly, until threads end");
+    }
+}
+
+/// Runs `work` on `runtime`'s blocking threads, or gives it back with the
+/// OS's reason when it refuses the thread needed (nothing of `work` has run
+/// then). tokio queues the task before it asks for the thread, so a
+/// refused task may still run later, when a thread does start: `work` sits
+/// in a slot that whoever comes first takes.
+pub fn spawn<F>(runtime: &Handle, work: F) -> Result<(), (F, String)>
+where
+    F: FnOnce() + Send + 'static,
+{
+    quiet_refusals();
+    let slot = Arc::new(Mutex::new(Some(work)));
+    let theirs = Arc::clone(&slot);
+    HANDING_OVER.with(|h| h.set(true));
+    let handed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        drop(runtime.spawn_blocking(move || {
+            let work = lock(&theirs).take();
+            if let Some(work) = work {
+                work();
+            }
+        }))
+    }));
+    HANDING_OVER.with(|h| h.set(false));
+    let Err(panic) = handed else {
+        return Ok(());
+    };
+    let why = panic
+        .downcast_ref::<String>()
+        .and_then(|m| m.strip_prefix(REFUSED))
+        .map(|m| m.trim_start_matches(':').trim().to_owned());
+    let Some(why) = why else {
+        std::panic::resume_unwind(panic)
+    };
+    // A thread another hand-over started may have taken it meanwhile.
+    let work = lock(&slot).take();
+    work.map_or(Ok(()), |work| Err((work, why)))
+}
+
+/// Installs, once, a panic hook that leaves out the refusals [`spawn`]
+/// catches (its callers log them) and reports every other panic as before.
+fn quiet_refusals() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info: &PanicHookInfo<'_>| {
+            let refused = info
+                .payload()
+                .downcast_ref::<String>()
+                .is_some_and(|m| m.starts_with(REFUSED));
+            if !(refused && HANDING_OVER.with(Cell::get)) {
+                before(info);
+            }
+        }));
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn work_handed_over_runs_once_and_returns_its_value() {
+        assert_eq!(run(|| 6 * 7).await.unwrap(), 42);
+        let (tx, rx) = std::sync::mpsc::channel();
+        assert!(spawn(&Handle::current(), move || tx.send(1).unwrap()).is_ok());
+        assert_eq!(rx.recv().unwrap(), 1);
+        assert!(rx.recv().is_err(), "run once");
+        let failed = run(|| -> u8 { panic!("the work failed") }).await;
+        assert!(failed.is_err(), "{failed:?}");
+    }
+}
