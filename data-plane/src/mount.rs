@@ -38,7 +38,7 @@ use std::collections::hash_map::Entry as Slot;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -483,6 +483,52 @@ struct Known {
     /// since it was listed): the listing's version, and the size shown
     /// for it until a listing has another version (see [`ask_size_again`]).
     sized: Option<(u64, u64)>,
+    /// Opens that had the kernel drop the file's pages, until it has (see
+    /// [`Dropping`]), and when the last was answered so.
+    dropping: Arc<AtomicUsize>,
+    dropped_at: Option<Instant>,
+}
+
+impl Known {
+    /// Notes that an open has the kernel drop the file's pages (called
+    /// under the lock its decision was made under); the guard counts it
+    /// until the kernel has.
+    fn drops_pages(&mut self) -> Dropping {
+        self.dropping.fetch_add(1, Ordering::AcqRel);
+        self.dropped_at = Some(Instant::now());
+        Dropping(Arc::clone(&self.dropping))
+    }
+
+    /// Whether the kernel's pages may still be of an earlier file: an open
+    /// that has them dropped may not have been finished by the kernel yet
+    /// (it finishes one within microseconds of its answer; an open not
+    /// read for a second after is taken as finished, so that a reader that
+    /// opens and waits does not have every other open of the file read
+    /// past the pages, where `mmap` fails).
+    fn pages_settling(&self) -> bool {
+        self.dropping.load(Ordering::Acquire) > 0
+            && self
+                .dropped_at
+                .is_some_and(|at| at.elapsed() < PAGES_SETTLE)
+    }
+}
+
+/// The longest an open that had the kernel drop its file's pages keeps
+/// other opens of the file from keeping them (see [`Known::pages_settling`]).
+const PAGES_SETTLE: Duration = Duration::from_secs(1);
+
+/// An open answered without `FOPEN_KEEP_CACHE`, counted until its first
+/// read or its release: the kernel drops the inode's pages as it finishes
+/// that open, before either, and not at the answer. Meanwhile an open of
+/// the file as it is now does not keep the pages (they may be the earlier
+/// file's yet: two readers' opens of a file replaced at the same size read
+/// pages of two versions as one) but reads past them.
+struct Dropping(Arc<AtomicUsize>);
+
+impl Drop for Dropping {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What the kernel's pages of an object are of. Its store is not asked on
@@ -547,6 +593,8 @@ impl Nodes {
                 kept: None,
                 object: ObjectKept::Nothing,
                 sized: None,
+                dropping: Arc::default(),
+                dropped_at: None,
             },
         );
         self.by_name.insert(key, ino);
@@ -705,6 +753,9 @@ struct Open {
     fills_pages: bool,
     /// Counted as an open of its inode that decided the kernel's pages.
     _opening: Option<Opening>,
+    /// Counted as an open that has the kernel drop them, until its first
+    /// read or release.
+    dropping: Option<Dropping>,
 }
 
 impl Open {
@@ -731,17 +782,19 @@ impl Open {
             pin: Arc::default(),
             fills_pages: true,
             _opening: None,
+            dropping: None,
         }
     }
 
     /// This open, its reads of version `pin` when given (what the source
     /// said the file is as it was opened), doing `pages` with the kernel's
     /// pages of the file; counted as `opening` where it decided them.
-    fn pinned(self, pin: Option<Pinned>, pages: Pages, opening: Option<Opening>) -> Self {
+    fn pinned(self, pin: Option<Pinned>, decided: Decided, opening: Option<Opening>) -> Self {
         Self {
             pin: Arc::new(Mutex::new(pin)),
-            fills_pages: pages != Pages::Bypass,
+            fills_pages: decided.pages != Pages::Bypass,
             _opening: opening,
+            dropping: decided.dropping,
             ..self
         }
     }
@@ -932,7 +985,7 @@ fn may_keep_pages(
     name: &str,
     listed: (u64, u64),
     held: impl FnOnce() -> bool,
-) -> Result<(Pages, Option<Pinned>), ProtocolError> {
+) -> Result<(Decided, Option<Pinned>), ProtocolError> {
     let pin = match dataset.source().open_local(name) {
         Some(opened) => opened?,
         None => return Ok(object_pages(nodes, ino, listed, held)),
@@ -944,21 +997,27 @@ fn may_keep_pages(
             kept: kept @ None, ..
         }) => {
             *kept = Some(now);
-            return Ok((Pages::Keep, Some(pin)));
+            return Ok((Decided::KEEP, Some(pin)));
+        }
+        Some(known) if known.kept == Some(now) => {
+            return Ok((Decided::keep_unless_settling(known), Some(pin)));
         }
         Some(known) => known.kept,
-        None => return Ok((Pages::Keep, Some(pin))),
+        None => return Ok((Decided::KEEP, Some(pin))),
     };
-    if Some(now) == kept {
-        return Ok((Pages::Keep, Some(pin)));
-    }
     if held() {
-        return Ok((Pages::Bypass, Some(pin)));
+        return Ok((Decided::BYPASS, Some(pin)));
     }
-    if let Some(known) = lock(nodes).known.get_mut(&ino) {
-        known.kept = Some(now);
-    }
-    Ok((Pages::Drop, Some(pin)))
+    let decided = match lock(nodes).known.get_mut(&ino) {
+        // Another open decided meanwhile: its pages are left to it.
+        Some(known) if known.kept != kept => Decided::BYPASS,
+        Some(known) => {
+            known.kept = Some(now);
+            Decided::drop(known)
+        }
+        None => Decided::KEEP,
+    };
+    Ok((decided, Some(pin)))
 }
 
 /// [`may_keep_pages`] for an object. The pages the kernel keeps of it are
@@ -973,25 +1032,71 @@ fn object_pages(
     ino: u64,
     listed: (u64, u64),
     held: impl FnOnce() -> bool,
-) -> (Pages, Option<Pinned>) {
+) -> (Decided, Option<Pinned>) {
     {
         let nodes = lock(nodes);
-        match nodes.known.get(&ino).map(|k| &k.object) {
-            None | Some(ObjectKept::Nothing) => return (Pages::Keep, None),
+        let known = nodes.known.get(&ino);
+        match known.map(|k| &k.object) {
+            None => return (Decided::KEEP, None),
+            Some(ObjectKept::Nothing) => {
+                return (Decided::keep_unless_settling(known.expect("known")), None);
+            }
             Some(ObjectKept::Of(pin)) if (pin.version, pin.size) == listed => {
-                return (Pages::Keep, Some(pin.clone()));
+                let decided = Decided::keep_unless_settling(known.expect("known"));
+                return (decided, Some(pin.clone()));
             }
             Some(_) => {}
         }
     }
     // Another open reads the old pages: left to it, read past here.
     if held() {
-        return (Pages::Bypass, None);
+        return (Decided::BYPASS, None);
     }
-    if let Some(known) = lock(nodes).known.get_mut(&ino) {
-        known.object = ObjectKept::Nothing;
+    let decided = match lock(nodes).known.get_mut(&ino) {
+        Some(known) => {
+            known.object = ObjectKept::Nothing;
+            Decided::drop(known)
+        }
+        None => Decided::KEEP,
+    };
+    (decided, None)
+}
+
+/// What an open does with the kernel's pages of its file, and the count
+/// of it while the kernel has yet to drop them.
+struct Decided {
+    pages: Pages,
+    dropping: Option<Dropping>,
+}
+
+impl Decided {
+    const KEEP: Self = Self {
+        pages: Pages::Keep,
+        dropping: None,
+    };
+    const BYPASS: Self = Self {
+        pages: Pages::Bypass,
+        dropping: None,
+    };
+
+    /// Dropped at the open (under the lock the decision was made under).
+    fn drop(known: &mut Known) -> Self {
+        Self {
+            pages: Pages::Drop,
+            dropping: Some(known.drops_pages()),
+        }
     }
-    (Pages::Drop, None)
+
+    /// Kept, as they are of the file as it is now, unless an open that has
+    /// them dropped may not have been finished by the kernel yet: they may
+    /// still be the earlier file's then, and this open reads past them.
+    fn keep_unless_settling(known: &Known) -> Self {
+        if known.pages_settling() {
+            Self::BYPASS
+        } else {
+            Self::KEEP
+        }
+    }
 }
 
 /// Where an open of an object whose reads fill the kernel's pages records
@@ -1502,7 +1607,7 @@ impl Shared {
         name: &str,
         listed: (u64, u64),
         held: bool,
-    ) -> Result<(Pages, Option<Pinned>), ProtocolError> {
+    ) -> Result<(Decided, Option<Pinned>), ProtocolError> {
         let ino = opening.ino;
         let held = || {
             held || opening.others()
@@ -1989,7 +2094,7 @@ impl Shared {
         reply: ReplyOpen,
     ) {
         let (ino, open) = (opening.ino, Arc::clone(&self.open));
-        let (pages, pin) =
+        let (decided, pin) =
             match self.may_keep_pages(&opening, fh, &job, &dataset, &name, listed, false) {
                 Ok(kept) => kept,
                 Err(e) => {
@@ -1997,7 +2102,7 @@ impl Shared {
                     return reply.error(errno(&e));
                 }
             };
-        let keep = pages.flags();
+        let (pages, keep) = (decided.pages, decided.pages.flags());
         // A local file found another size than the kernel has (replaced
         // since it took the attributes), or an object listed at another
         // since, reads as it is now; so does one found another size than
@@ -2006,7 +2111,7 @@ impl Shared {
         let now = pin.as_ref().map_or(listed.1, |p| p.size);
         let resized = (now != size || now != listed.1).then_some(now);
         let file = Open::new(job, dataset, name, resized.unwrap_or(size), None);
-        let file = file.pinned(pin, pages, Some(opening));
+        let file = file.pinned(pin, decided, Some(opening));
         match way {
             Some(way) if way.way() == Way::Passthrough => {
                 let resized = resized.filter(|_| pages != Pages::Bypass).map(|_| listed.0);
@@ -2209,18 +2314,25 @@ impl Shared {
             // keeps none of a file read from the buffer (a sample read
             // since the kernel's pages were), and those of a file read as
             // an unplanned one only while it is as they were.
-            let (pages, pin, opening) = if stored {
+            let (decided, pin, opening) = if stored {
                 if let Some(known) = lock(&nodes).known.get_mut(&ino) {
                     known.kept = Some(listed);
                     known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
                 }
-                (Pages::Keep, None, None)
+                (Decided::KEEP, None, None)
             } else if whole.is_some() && !whole_held {
                 // Its pages are refilled from the buffer's bytes.
-                if let Some(known) = lock(&nodes).known.get_mut(&ino) {
-                    known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
-                }
-                (Pages::Drop, None, None)
+                let decided = match lock(&nodes).known.get_mut(&ino) {
+                    Some(known) => {
+                        known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
+                        Decided::drop(known)
+                    }
+                    None => Decided {
+                        pages: Pages::Drop,
+                        dropping: None,
+                    },
+                };
+                (decided, None, None)
             } else {
                 // Reads past the page cache cannot be mapped (`mmap` fails
                 // with ENODEV): they are only for pages of another file.
@@ -2233,8 +2345,8 @@ impl Shared {
                     (kept, opening)
                 });
                 match kept.await {
-                    Some((Ok((pages, pin)), opening)) => (pages, pin, Some(opening)),
-                    Some((Err(_), opening)) if whole_held => (Pages::Bypass, None, Some(opening)),
+                    Some((Ok((decided, pin)), opening)) => (decided, pin, Some(opening)),
+                    Some((Err(_), opening)) if whole_held => (Decided::BYPASS, None, Some(opening)),
                     Some((Err(e), _)) => {
                         readers.close(job.id());
                         return reply.error(errno(&e));
@@ -2245,8 +2357,9 @@ impl Shared {
                     }
                 }
             };
+            let pages = decided.pages;
             let file = Open::new(job, dataset, name, resized.unwrap_or(size), whole);
-            let file = file.pinned(pin, pages, opening);
+            let file = file.pinned(pin, decided, opening);
             if resized.is_some() && pages != Pages::Bypass {
                 ask_size_again(&file, &nodes, &notifier, ino, listed.0).await;
             }
@@ -2367,6 +2480,8 @@ impl Filesystem for MountFs {
             let Some(file) = open.get_mut(&fh) else {
                 return reply.error(libc::EBADF);
             };
+            // The kernel finished the open before its first read.
+            file.dropping = None;
             if let Some(chunk) = &file.whole {
                 let bytes: &[u8] = chunk;
                 let start = usize::try_from(offset)
@@ -2757,6 +2872,8 @@ mod tests {
                 kept: None,
                 object: ObjectKept::Nothing,
                 sized: None,
+                dropping: Arc::default(),
+                dropped_at: None,
             },
         );
         nodes.forget(a, 1);
@@ -2773,6 +2890,8 @@ mod tests {
                     kept: None,
                     object: ObjectKept::Nothing,
                     sized: None,
+                    dropping: Arc::default(),
+                    dropped_at: None,
                 },
             );
             nodes.looked_up(ROOT, b"@a", job_root("a"))

@@ -1859,3 +1859,65 @@ def test_a_stage_at_its_thread_limit_answers_on_the_threads_it_has(mounted):
     assert "the OS refused the stage a thread" in log
     with sluice.Client(stage.socket, job="after", reconnect=0) as after:
         assert dict(after.dataset("ds").epoch(0)) == files
+
+
+def test_readers_of_a_file_replaced_at_its_size_over_and_over_read_one_version_each_open(mount_stage, tmp_path):
+    """A fixed-size shard replaced by rename every 2 ms while two readers
+    open, read and close it through the mount: an open that had the kernel
+    drop the file's pages was answered before the kernel dropped them, and
+    an open of the new file meanwhile kept them: its bytes were pages of
+    two versions (found within 2 s before)."""
+    import hashlib
+    import struct
+
+    root = tmp_path / "data"
+    root.mkdir()
+    size = 300_000
+
+    def version(v: int) -> bytes:
+        block = struct.pack("<Q", v) * 512
+        return (block * (size // len(block) + 1))[:size]
+
+    known = set()
+
+    def put(v: int) -> None:
+        data = version(v)
+        known.add(hashlib.sha1(data).digest())
+        (root / f".t{v}").write_bytes(data)
+        os.rename(root / f".t{v}", root / "shard.bin")
+
+    put(0)
+    _stage, mnt = mount_stage(root)
+    stop, mixed, reads = threading.Event(), [], [0]
+
+    def writer() -> None:
+        v = 1
+        while not stop.is_set():
+            put(v)
+            v += 1
+            time.sleep(0.002)
+
+    def reader(seed: int) -> None:
+        r = random.Random(seed)
+        while not stop.is_set():
+            with open(mnt / "ds" / "shard.bin", "rb") as f:
+                data = b""
+                while chunk := f.read(r.choice([4096, 65536, 1 << 20])):
+                    data += chunk
+                    if r.random() < 0.05:
+                        time.sleep(0.01)
+            reads[0] += 1
+            if hashlib.sha1(data).digest() not in known:
+                found = sorted({struct.unpack_from("<Q", data, o)[0] for o in range(0, len(data) - 8, 4096)})
+                mixed.append((len(data), found[:6]))
+                stop.set()
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    stop.wait(15)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not mixed, f"after {reads[0]} opens, one read {mixed[0][0]} bytes of versions {mixed[0][1]}"
+    assert reads[0] > 100
