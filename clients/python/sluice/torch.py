@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import multiprocessing
 import os
 import re
 import select
@@ -480,8 +481,14 @@ def _end_with_trainer(trainer: int, every: float = 1.0) -> None:
     if _watching_in == me:
         return
     _watching_in = me
+    if trainer == me:
+        return
     started = _stat_fields(trainer)[1]
-    if not started or trainer == me:
+    if not started:
+        # Gone already (killed while its workers started), where the
+        # process table can be read at all.
+        if _stat_fields(me)[1]:
+            os._exit(0)
         return
 
     # A worker whose parent is its trainer is handed to another parent the
@@ -521,11 +528,17 @@ def _stat_fields(pid: int) -> Tuple[Optional[int], bytes]:
 
 
 def _trainer_of_worker(pickled_by: Optional[Tuple[int, bytes]]) -> int:
-    """The trainer process of this ``DataLoader`` worker: its parent
-    (``fork``, ``spawn``), or, under ``forkserver``, whose server forks the
-    workers, its grandparent, recognised as the process that pickled the
-    worker's copy of the dataset for it (``pickled_by``; None for a copy
-    inherited by fork)."""
+    """The trainer process of this ``DataLoader`` worker: the process that
+    started it, as ``multiprocessing`` noted before the worker ran (its
+    parent now may be another: a worker whose trainer was killed while it
+    started is handed to init, which never ends, and was left running for
+    good). Without that note, its parent (``fork``, ``spawn``), or, under
+    ``forkserver``, whose server forks the workers, its grandparent,
+    recognised as the process that pickled the worker's copy of the
+    dataset for it (``pickled_by``; None for a copy inherited by fork)."""
+    started_by = multiprocessing.parent_process()
+    if started_by is not None and started_by.pid:
+        return started_by.pid
     parent = os.getppid()
     if pickled_by is not None and pickled_by[0] != parent:
         grandparent = _stat_fields(parent)[0]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -647,6 +649,51 @@ def test_workers_end_with_their_killed_trainer_even_with_their_result_pipe_full(
              what="the workers of a killed trainer to end")
     wait_for(lambda: job_metric(stage, "sluice_stage_trainer_connections", "stalled") == 0, timeout=15,
              what="their connections to close")
+
+
+STARTING_TRAINER = textwrap.dedent("""
+    import os, sys, time
+    from torch.utils.data import DataLoader
+    from sluice.torch import SluiceDataset, SluiceSampler, collate
+    ds = SluiceDataset(sys.argv[1], "d", job="starting", sample="bytes")
+    loader = DataLoader(ds, batch_size=8, sampler=SluiceSampler(ds, seed=1), num_workers=2,
+                        collate_fn=collate, worker_init_fn=lambda _: time.sleep(3))
+    it = iter(loader)
+    print(" ".join(str(w.pid) for w in it._workers), flush=True)
+    next(it)
+""")
+
+
+def test_workers_of_a_trainer_killed_while_they_start_end(stage_factory, tmp_path):
+    """A trainer killed while its workers are still in `worker_init_fn`:
+    by the time they looked, their parent was init, which they took for
+    their trainer and watched for good, holding its connection (the stage
+    kept the job live for 27 minutes in a churn)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(100):
+        (root / f"s{i:04d}").write_bytes(os.urandom(4096))
+    stage = stage_factory({"d": root})
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING_TRAINER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    trainer = subprocess.Popen([sys.executable, str(script), stage.socket], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [int(w) for w in trainer.stdout.readline().split()]
+        assert len(workers) == 2, trainer.stderr.read()
+        time.sleep(1)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    try:
+        wait_for(lambda: not any(map(_running, workers)), timeout=15,
+                 what="the workers of a trainer killed while they started to end")
+        wait_for(lambda: job_metric(stage, "sluice_stage_job_connections", "starting") == 0, timeout=15,
+                 what="the trainer's connection to close")
+    finally:
+        for pid in filter(_running, workers):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_two_loops_over_one_dataset_at_once_are_told_what_to_do(stage_factory, dataset):
