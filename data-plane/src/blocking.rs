@@ -7,14 +7,14 @@
 //! pool has no thread left alive to take the work later; on the mount's
 //! FUSE thread that panic would end the mount for every reader. Here the
 //! refusal is an answer instead: [`spawn`] gives the work back to the
-//! caller, who runs it in place or cleans up, and [`run`] and
-//! [`spawn_or_here`] run it in place (slower, but answered), with a warning
-//! that names the limit.
+//! caller, who cleans up, and [`run`] and [`spawn_or_reserve`] hand it to
+//! threads the stage started for this at its start (slower, but
+//! answered), with a warning that names the limit.
 
 use std::cell::Cell;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, PanicHookInfo};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Mutex, Once, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
@@ -55,27 +55,71 @@ impl Ended {
 }
 
 /// Runs `work` on the current runtime's blocking threads and returns what
-/// it returned; when the OS refuses the thread, on this one (a runtime
-/// worker, held for as long as `work` takes: slower, but answered).
+/// it returned; when the OS refuses the thread, on a reserve thread (see
+/// [`spawn_or_reserve`]).
 pub async fn run<T, F>(work: F) -> Result<T, Ended>
 where
     T: Send + 'static,
     F: FnOnce() -> T + Send + 'static,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    spawn_or_here(&Handle::current(), move || {
+    spawn_or_reserve(&Handle::current(), move || {
         let _ = tx.send(work());
     });
     rx.await.map_err(|_| Ended)
 }
 
+/// What a reserve thread runs.
+type Work = Box<dyn FnOnce() + Send>;
+
+/// Where work the OS refused a blocking thread for goes: the reserve
+/// threads' queue, once started.
+static RESERVE: OnceLock<mpsc::Sender<Work>> = OnceLock::new();
+
+/// Starts `threads` threads, in `runtime`'s context, that take the work
+/// the OS refuses a blocking thread for. Started with the stage, they are
+/// among its threads from the start, so that such work is never done on a
+/// runtime worker (where an object store's read, which waits on the
+/// runtime, cannot run at all, and two such waits would stop the stage) or
+/// on the mount's thread (where every reader of the mount would wait).
+pub fn start_reserve(runtime: &Handle, threads: usize) -> std::io::Result<()> {
+    let (tx, rx) = mpsc::channel::<Work>();
+    let rx = Arc::new(Mutex::new(rx));
+    for i in 0..threads {
+        let (rx, runtime) = (Arc::clone(&rx), runtime.clone());
+        std::thread::Builder::new()
+            .name(format!("stage-reserve-{i}"))
+            .spawn(move || {
+                let _entered = runtime.enter();
+                loop {
+                    let work = lock(&rx).recv();
+                    let Ok(work) = work else {
+                        return;
+                    };
+                    // A failure is the work's own; the thread stays.
+                    let _ = std::panic::catch_unwind(AssertUnwindSafe(work));
+                }
+            })?;
+    }
+    let _ = RESERVE.set(tx);
+    Ok(())
+}
+
 /// Runs `work` on `runtime`'s blocking threads, or, when the OS refuses
-/// the thread, here on this one: a slow answer beats none. (For work that
-/// blocks briefly, or a thread of its own such as the mount's.)
-pub fn spawn_or_here(runtime: &Handle, work: impl FnOnce() + Send + 'static) {
-    if let Err((work, why)) = spawn(runtime, work) {
-        refused(&why);
-        work();
+/// the thread, on a reserve thread (one at a time there: slower, but
+/// answered); here, on this thread, only where no reserve was started.
+pub fn spawn_or_reserve(runtime: &Handle, work: impl FnOnce() + Send + 'static) {
+    let Err((work, why)) = spawn(runtime, work) else {
+        return;
+    };
+    refused(&why);
+    match RESERVE.get() {
+        Some(reserve) => {
+            if let Err(mpsc::SendError(work)) = reserve.send(Box::new(work)) {
+                work();
+            }
+        }
+        None => work(),
     }
 }
 
@@ -86,7 +130,7 @@ pub fn refused(why: &str) {
     let mut last = lock(&LAST);
     if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
         *last = Some(Instant::now());
-        tracing::warn!(error = %why, "the OS refused the stage a thread: it is at its process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit); work meant for other threads is done on the ones it has, more slowly, until threads end");
+        tracing::warn!(error = %why, "the OS refused the stage a thread: it is at its process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit); work meant for other threads is done on the two it keeps for this, more slowly, until threads end");
     }
 }
 

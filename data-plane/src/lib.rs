@@ -150,6 +150,9 @@ impl Stage {
         heap::map_large_blocks();
         let descriptors = fd_limit::raise();
         tracing::debug!(descriptors, "open file limit");
+        if let Err(e) = blocking::start_reserve(&tokio::runtime::Handle::current(), 2) {
+            warn!(error = %e, "cannot start the threads kept for a thread limit: at one, work meant for other threads is done on the threads that ask");
+        }
         if let Some(limit) = memory_limit::container()
             && config.memory_budget + memory_limit::OVERHEAD > limit
         {

@@ -1387,7 +1387,7 @@ impl MountFs {
             return answer(&self.0);
         }
         let shared = Arc::clone(&self.0);
-        crate::blocking::spawn_or_here(&self.runtime, move || answer(&shared));
+        crate::blocking::spawn_or_reserve(&self.runtime, move || answer(&shared));
     }
 
     /// Whether a request about inode `ino` (a lookup of `name` in it) may
@@ -1729,7 +1729,7 @@ impl Shared {
             }
         };
         if planned.is_none() && resized.is_none() {
-            return crate::blocking::spawn_or_here(&self.runtime, move || answer(file));
+            return crate::blocking::spawn_or_reserve(&self.runtime, move || answer(file));
         }
         let runtime = self.runtime.clone();
         let (notifier, nodes) = (Arc::clone(&self.notifier), Arc::clone(&self.nodes));
@@ -1741,7 +1741,7 @@ impl Shared {
                 // Its bytes are the file's, which the kernel reads.
                 drop(job.deliver_claimed(claim, &name).await);
             }
-            crate::blocking::spawn_or_here(&runtime, move || answer(file));
+            crate::blocking::spawn_or_reserve(&runtime, move || answer(file));
         });
     }
 
@@ -2002,7 +2002,7 @@ impl Shared {
             );
             let (name, inodes, started) =
                 (name.to_owned(), self.counters.inodes.clone(), self.started);
-            crate::blocking::spawn_or_here(&self.runtime, move || {
+            crate::blocking::spawn_or_reserve(&self.runtime, move || {
                 let listed = dataset.listing().map_err(|e| {
                     warn!(dataset = %dataset.name, error = %e, "cannot list the data set for the mount");
                     libc::EIO
@@ -2237,7 +2237,7 @@ impl Shared {
             let opened = (size, listed, way, delivered_first);
             let answer = move || fs.open_unplanned(pid, fh, opening, file, opened, reply);
             if slow {
-                crate::blocking::spawn_or_here(&self.runtime, answer);
+                crate::blocking::spawn_or_reserve(&self.runtime, answer);
             } else {
                 answer();
             }
@@ -2321,16 +2321,15 @@ impl Shared {
                 }
                 (Decided::KEEP, None, None)
             } else if whole.is_some() && !whole_held {
-                // Its pages are refilled from the buffer's bytes.
-                let decided = match lock(&nodes).known.get_mut(&ino) {
-                    Some(known) => {
-                        known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
-                        Decided::drop(known)
-                    }
-                    None => Decided {
-                        pages: Pages::Drop,
-                        dropping: None,
-                    },
+                // Its pages are refilled from the buffer's bytes, of the
+                // version they are of (not counted as a drop of another
+                // file's: other opens keep them, and map).
+                if let Some(known) = lock(&nodes).known.get_mut(&ino) {
+                    known.object = ObjectKept::Of(Pinned::cached(listed.0, listed.1));
+                }
+                let decided = Decided {
+                    pages: Pages::Drop,
+                    dropping: None,
                 };
                 (decided, None, None)
             } else {

@@ -672,6 +672,13 @@ def test_an_order_read_to_its_end_lets_its_job_go_and_one_left_from_before_waits
     assert reads("old") == 0 and connections("old") == 0, "a file left from before the stage was taken up"
     write_order(orders / "old" / "ds", names)
     wait_for(lambda: reads("old") == len(names), what="the old job's order taken up once written again")
+    # One made long ago and moved in now (a move keeps its time) is new.
+    made = tmp_path / "made-earlier"
+    write_order(made, names[:3])
+    os.utime(made, (long_ago, long_ago))
+    (orders / "moved").mkdir()
+    os.rename(made, orders / "moved" / "ds")
+    wait_for(lambda: reads("moved") == 3, what="an order moved in after the start taken up")
 
 
 def test_a_planned_file_that_grew_since_the_kernel_took_its_size_reads_whole(tmp_path, mount_stage):

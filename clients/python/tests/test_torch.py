@@ -655,9 +655,11 @@ STARTING_TRAINER = textwrap.dedent("""
     import os, sys, time
     from torch.utils.data import DataLoader
     from sluice.torch import SluiceDataset, SluiceSampler, collate
+    def slow_start(_):
+        time.sleep(3)   # a worker_init_fn that takes a while (a tokenizer loads)
     ds = SluiceDataset(sys.argv[1], "d", job="starting", sample="bytes")
     loader = DataLoader(ds, batch_size=8, sampler=SluiceSampler(ds, seed=1), num_workers=2,
-                        collate_fn=collate, worker_init_fn=lambda _: time.sleep(3))
+                        collate_fn=collate, worker_init_fn=slow_start)
     it = iter(loader)
     print(" ".join(str(w.pid) for w in it._workers), flush=True)
     next(it)

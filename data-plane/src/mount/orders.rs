@@ -14,10 +14,12 @@
 //!
 //! A plan holds its job on the stage only while it is read: once every
 //! file in it was opened, or when none was for [`ORDER_IDLE`] (its reader
-//! crashed, or the file was left behind), the plan goes and the job may go
-//! idle and be forgotten; the file is taken up again only when it changes.
-//! Order files older than [`ORDER_IDLE`] when the stage starts are left
-//! from an earlier stage's time and are not taken up until they change.
+//! crashed; [`ORDER_UNSTARTED`] before its first, for a trainer that loads
+//! a model or validates first), the plan goes and the job may go idle and
+//! be forgotten; the file is taken up again only when it changes. Order
+//! files found at the stage's start that were written more than
+//! [`ORDER_IDLE`] before it are left from an earlier stage's time and are
+//! not taken up until they change.
 
 use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
@@ -35,8 +37,10 @@ use crate::trust::{Peer, TrainerAccess};
 /// How often the directory is looked at.
 pub const POLL: Duration = Duration::from_millis(200);
 
-/// An order plan none of whose files was opened for this long is dropped.
+/// An order plan none of whose files was opened for this long is dropped...
 pub const ORDER_IDLE: Duration = Duration::from_secs(120);
+/// ...or this long after it was made, when none was opened yet.
+pub const ORDER_UNSTARTED: Duration = Duration::from_secs(15 * 60);
 
 /// The plan rank of order-file plans, apart from trainers' ranks.
 const ORDER_RANK: u32 = u32::MAX;
@@ -76,10 +80,11 @@ struct Current {
     stamp: Stamp,
     plan: Option<PlanHandle>,
     _job: Option<JobHandle>,
-    /// The plan's entries not yet delivered when last looked at, and when
-    /// that count last moved.
+    /// The plan's entries not yet delivered when last looked at, when
+    /// that count last moved, and whether it has (a file was opened).
     left: usize,
     moved: Instant,
+    started: bool,
 }
 
 impl Current {
@@ -92,6 +97,7 @@ impl Current {
             _job: None,
             left: 0,
             moved: Instant::now(),
+            started: false,
         }
     }
 
@@ -101,10 +107,17 @@ impl Current {
         let Some(left) = left else {
             return false;
         };
-        if left != self.left {
-            (self.left, self.moved) = (left, now);
+        let idle = if left != self.left {
+            (self.left, self.moved, self.started) = (left, now, true);
+            Duration::ZERO
+        } else {
+            now.duration_since(self.moved)
+        };
+        idle < if self.started {
+            ORDER_IDLE
+        } else {
+            ORDER_UNSTARTED
         }
-        now.duration_since(self.moved) < ORDER_IDLE
     }
 }
 
@@ -126,9 +139,11 @@ pub struct Orders {
     /// order-file plan has its own key, so none is taken for one that
     /// completed before or for another data set's.
     epoch: u64,
-    /// Files modified before this were written before the stage started
-    /// (by more than [`ORDER_IDLE`]): left over, not taken up unchanged.
-    left_over_before: SystemTime,
+    /// Files found at the first look (`None` after it) modified before
+    /// this were written before the stage started (by more than
+    /// [`ORDER_IDLE`]): left over, not taken up unchanged. One put in place
+    /// later is taken whatever its time (a move keeps it).
+    left_over_before: Option<SystemTime>,
 }
 
 impl Orders {
@@ -155,7 +170,7 @@ impl Orders {
             current: HashMap::new(),
             ignored: HashSet::new(),
             epoch: 0,
-            left_over_before: SystemTime::now() - ORDER_IDLE,
+            left_over_before: Some(SystemTime::now() - ORDER_IDLE),
         }
     }
 
@@ -220,7 +235,7 @@ impl Orders {
             if self.current.get(&key).is_some_and(|c| c.stamp == stamp) {
                 continue;
             }
-            if !self.current.contains_key(&key) && stamp.0 < self.left_over_before {
+            if self.left_over_before.is_some_and(|before| stamp.0 < before) {
                 info!(file = %shown.display(), "order file older than the stage left as it is: write it again to read in its order");
                 self.current.insert(key, Current::passed_over(stamp));
                 continue;
@@ -242,6 +257,7 @@ impl Orders {
                 }
             }
         }
+        self.left_over_before = None;
         self.current.retain(|key, _| seen.contains(key));
         // Plans read to their end, or left unread, let their jobs go.
         let now = Instant::now();
@@ -448,6 +464,7 @@ impl Orders {
                 plan: Some(plan),
                 _job: Some(handle),
                 moved: Instant::now(),
+                started: false,
             },
         );
         Ok(length)
@@ -585,7 +602,11 @@ mod tests {
         let start = Instant::now();
         let mut c = Current::passed_over((SystemTime::UNIX_EPOCH, 0, 0));
         (c.left, c.moved) = (100, start);
-        assert!(c.still_read(Some(100), start + ORDER_IDLE / 2));
+        // Before its first file is opened (a model loads), it waits long.
+        assert!(c.still_read(Some(100), start + ORDER_IDLE * 2));
+        assert!(!c.still_read(Some(100), start + super::ORDER_UNSTARTED));
+        let mut c = Current::passed_over((SystemTime::UNIX_EPOCH, 0, 0));
+        (c.left, c.moved) = (100, start);
         // Read slowly: each file opened counts.
         assert!(c.still_read(Some(99), start + ORDER_IDLE * 3 / 2));
         assert!(c.still_read(Some(99), start + ORDER_IDLE * 2));
