@@ -45,12 +45,21 @@ fn main() -> ExitCode {
             return ExitCode::from(64);
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("stage-io")
         .build()
-        .expect("building the tokio runtime");
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-stage: cannot start its threads ({e}): raise the process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit)"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
     let code = match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.downcast_ref::<ConfigError>().is_some() => {

@@ -12,7 +12,8 @@ import warnings
 from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple, Union
 
 from . import protocol as p
-from .errors import ConnectionClosedError, PlanConflictError, ProtocolError, SluiceError, UnavailableError
+from .errors import (ConnectionClosedError, PlanConflictError, ProtocolError, SluiceError, StageTimeoutError,
+                     UnavailableError)
 
 if TYPE_CHECKING:
     from .client import Client, Dataset
@@ -214,6 +215,15 @@ class PlanIterator:
         # the two loses nothing (the next look passes over it).
         got = self._prefetcher.peek(self._taken)
         if type(got) is _Failed:
+            if isinstance(got.error, StageTimeoutError) and self._exchanger.resume is not None:
+                # The timeout closed the connection, as without prefetch:
+                # the next call connects again and takes the plan up from
+                # the first sample not received, on a new prefetch thread
+                # (this one ended at the failure; it was raised forever).
+                self._prefetcher.drop(got)
+                self._prefetcher = None
+                self._taken = None
+                raise got.error
             self._failure = got.error
             raise got.error
         if got is None:  # stopped

@@ -8,6 +8,7 @@ them: a silent skip in CI would hide that nothing was tested.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import random
@@ -224,3 +225,43 @@ class Raw:
     def close(self):
         self.f.close()
         self.sock.close()
+
+
+@contextlib.contextmanager
+def pids_cgroup(pid: int):
+    """Moves process ``pid`` (every thread of it) into a `pids` cgroup of
+    its own, as a pod's limit puts a stage, and yields ``limit(n)``, which
+    sets the group's limit (``None``: none) and returns how many threads
+    it holds. The process goes back to its cgroup after."""
+    v1, v2 = pathlib.Path("/sys/fs/cgroup/pids"), pathlib.Path("/sys/fs/cgroup")
+    if (v1 / "cgroup.procs").exists():
+        base, wanted = v1, lambda line: line.split(":")[1] == "pids"
+    elif "pids" in (v2 / "cgroup.controllers").read_text(errors="replace").split() if (
+            v2 / "cgroup.controllers").exists() else False:
+        base, wanted = v2, lambda line: line.startswith("0::")
+    else:
+        message = "no pids cgroup controller to limit the stage's threads with"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    was = next(line.split(":", 2)[2] for line in pathlib.Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+               if wanted(line))
+    home = base / was.lstrip("/")
+    group = base / f"sluice-test-{os.getpid()}-{random.randrange(1 << 30)}"
+    if base == v2:
+        (home / "cgroup.subtree_control").write_text("+pids")
+    group.mkdir()
+
+    def limit(n):
+        (group / "pids.max").write_text("max" if n is None else str(n))
+        return int((group / "pids.current").read_text())
+
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        yield limit
+    finally:
+        limit(None)
+        with contextlib.suppress(OSError):
+            (home / "cgroup.procs").write_text(str(pid))
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), what="the cgroup to empty")
+        group.rmdir()

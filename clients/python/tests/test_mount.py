@@ -4,13 +4,11 @@ by path, exactly once with a job's plan, and refused writes."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import mmap
 import random
 import os
-import pathlib
 import shutil
 import signal
 import stat
@@ -26,7 +24,7 @@ import sluice
 from sluice.bench.common import metric_value, parse_prometheus
 from sluice.bench.stage import StageProcess, StageStartError
 
-from conftest import http_get, in_ci, replace_file, stage_binary, stage_metric, start_stage, wait_for
+from conftest import http_get, pids_cgroup, replace_file, stage_binary, stage_metric, start_stage, wait_for
 
 
 def walk(root) -> dict:
@@ -1787,46 +1785,6 @@ def test_an_order_file_beside_a_samplers_plan_for_the_same_job_is_refused(tmp_pa
     sampler.close()
     reads = job_metric(stage, "sluice_stage_storage_reads_total", "both")
     assert reads <= len(files), f"{reads} storage reads for {len(files)} files"
-
-
-@contextlib.contextmanager
-def pids_cgroup(pid: int):
-    """Moves process ``pid`` (every thread of it) into a `pids` cgroup of
-    its own, as a pod's limit puts a stage, and yields ``limit(n)``, which
-    sets the group's limit (``None``: none) and returns how many threads
-    it holds. The process goes back to its cgroup after."""
-    v1, v2 = pathlib.Path("/sys/fs/cgroup/pids"), pathlib.Path("/sys/fs/cgroup")
-    if (v1 / "cgroup.procs").exists():
-        base, wanted = v1, lambda line: line.split(":")[1] == "pids"
-    elif "pids" in (v2 / "cgroup.controllers").read_text(errors="replace").split() if (
-            v2 / "cgroup.controllers").exists() else False:
-        base, wanted = v2, lambda line: line.startswith("0::")
-    else:
-        message = "no pids cgroup controller to limit the stage's threads with"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
-    was = next(line.split(":", 2)[2] for line in pathlib.Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-               if wanted(line))
-    home = base / was.lstrip("/")
-    group = base / f"sluice-test-{os.getpid()}-{random.randrange(1 << 30)}"
-    if base == v2:
-        (home / "cgroup.subtree_control").write_text("+pids")
-    group.mkdir()
-
-    def limit(n):
-        (group / "pids.max").write_text("max" if n is None else str(n))
-        return int((group / "pids.current").read_text())
-
-    try:
-        (group / "cgroup.procs").write_text(str(pid))
-        yield limit
-    finally:
-        limit(None)
-        with contextlib.suppress(OSError):
-            (home / "cgroup.procs").write_text(str(pid))
-        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(), what="the cgroup to empty")
-        group.rmdir()
 
 
 def test_a_stage_at_its_thread_limit_answers_on_the_threads_it_has(mounted):

@@ -132,6 +132,40 @@ def test_a_dropped_connection_to_a_live_stage_resumes_its_plan(stage_factory, ma
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_epoch_whose_next_timed_out_goes_on_exactly_once(stage_factory, tmp_path, prefetch):
+    """A trainer whose client times out (a throttled or CPU-starved stage)
+    catches `StageTimeoutError` and calls `next()` again, as the README
+    says it may: the epoch goes on from the first sample not received. A
+    prefetching iterator kept the timeout as its failure and raised it from
+    every later `next()` (0 of 40 samples in 45 s)."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(3_000_000) for i in range(10)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    # 8 MiB/s: a sample takes about 0.36 s, and the waits for a batch's
+    # first sample, behind the limiter's line, pass the 1 s timeout now and then.
+    stage = stage_factory({"ds": root}, "--rate-limit", "8MiB/s")
+    with sluice.Client(stage.socket, job="timeouts", timeout=1.0, reconnect=10) as c:
+        ds = c.dataset("ds")
+        order = [ds.files[i][0] for i in ds.local_order(0, seed=5)]
+        it = ds.epoch(0, seed=5, prefetch=prefetch)
+        got, timeouts, deadline = [], 0, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                name, data = next(it)
+            except StopIteration:
+                break
+            except sluice.StageTimeoutError:
+                timeouts += 1
+                continue
+            assert data == files[name], name
+            got.append(name)
+    assert timeouts > 0, "no next() timed out: the test did not test it"
+    assert got == order, f"{len(got)} of {len(files)} samples, {len(got) - len(set(got))} twice"
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
 def test_an_epoch_interrupted_mid_batch_goes_on_exactly_once(stage_factory, tmp_path, prefetch):
     """Ctrl-C while ``next()`` waits for a batch, caught, and the loop goes
     on (a notebook cell run again, a handler that checkpoints): every

@@ -936,3 +936,27 @@ def test_an_object_replaced_between_opens_is_never_read_as_old_pages_joined_to_n
         assert got == old, "old pages joined to the new object's bytes"
         assert time.monotonic() < deadline, "the new object never read"
         time.sleep(0.5)
+
+
+def test_an_object_store_stage_at_its_thread_limit_reads_on_the_threads_it_keeps(s3, stage_factory, tmp_path):
+    """At its pod's thread limit, with its blocking threads ended, a stage
+    reading an object store lists and reads by name, and through the
+    mount, on the two threads it keeps for this: done on a runtime worker,
+    an object's read (which waits on the runtime) cannot run at all."""
+    from conftest import pids_cgroup
+
+    server, files = s3
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    stage = s3_stage(stage_factory, f"http://{server.address}", "--mount", str(mnt))
+    name = sorted_names(files)[0]
+    with pids_cgroup(stage.proc.pid) as limit:
+        # tokio keeps an idle blocking thread 10 s; the listing is due again after 5 s.
+        time.sleep(11)
+        limit(limit(None))
+        with sluice.Client(stage.socket, job="late", reconnect=0, timeout=30) as c:
+            assert c.dataset("ds").read(name) == files[name]
+        assert (mnt / "ds" / name).read_bytes() == files[name]
+    log = stage.stderr_tail(200000)
+    assert "panicked" not in log, log[-3000:]
+    assert "the OS refused the stage a thread" in log

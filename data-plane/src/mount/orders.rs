@@ -248,7 +248,8 @@ impl Orders {
                 }
                 Err(e) => {
                     warn!(file = %shown.display(), "order file refused: {e}");
-                    write_error(&error_path, &e);
+                    let shown_error = shown.with_file_name(format!("{}{ERROR_SUFFIX}", key.1));
+                    write_error(&error_path, &shown_error, &e);
                     // Not read again until it changes; the plan before it stays.
                     self.current
                         .entry(key)
@@ -495,9 +496,10 @@ impl Orders {
     }
 }
 
-/// Writes why an order file was refused beside it; never through a link
+/// Writes why an order file was refused beside it, at `path` (`shown`:
+/// that path as the operator sees it, for the log); never through a link
 /// put in the error file's place (that would write wherever it points).
-fn write_error(path: &Path, why: &str) {
+fn write_error(path: &Path, shown: &Path, why: &str) {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
@@ -513,7 +515,7 @@ fn write_error(path: &Path, why: &str) {
         }
         Ok(_) => {}
         Err(e) => {
-            warn!(file = %path.display(), error = %e, "cannot write the order file's error file")
+            warn!(file = %shown.display(), error = %e, "cannot write the order file's error file")
         }
     }
 }
