@@ -659,11 +659,12 @@ def test_an_order_read_to_its_end_lets_its_job_go_and_one_left_from_before_waits
     reads = lambda job: job_metric(stage, "sluice_stage_storage_reads_total", job)  # noqa: E731
     write_order(orders / "tf" / "ds", names)
     wait_for(lambda: reads("tf") == len(names), what="the order prefetched")
-    assert connections("tf") == 1
+    # The gauge is published at the job's next tick.
+    wait_for(lambda: connections("tf") == 1, what="the job held by its order")
     for name in names:
         assert (mnt / "@tf" / "ds" / name).read_bytes() == files[name]
-    # The mount's readers hold the job 10 s after their last close.
-    wait_for(lambda: connections("tf") == 0, timeout=20, what="the job let go once its order was read")
+    # The mount's readers hold the job 10 s after their last close (swept every 5 s).
+    wait_for(lambda: connections("tf") == 0, timeout=40, what="the job let go once its order was read")
     assert (orders / "tf" / "ds").exists() and not (orders / "tf" / "ds.error").exists()
     time.sleep(1)
     assert reads("tf") == len(names), "the order file, unchanged, was not taken up again"
