@@ -616,21 +616,29 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _start_trainer(stage_factory, tmp_path, source: str, files: int):
+    """A stage serving ``files`` files of 4 KiB as data set ``d``, and a
+    trainer process running ``source`` against it (its first argument is
+    the stage's socket); returns both."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(files):
+        (root / f"s{i:04d}").write_bytes(os.urandom(4096))
+    stage = stage_factory({"d": root})
+    script = tmp_path / "trainer.py"
+    script.write_text(source)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    trainer = subprocess.Popen([sys.executable, str(script), stage.socket], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return stage, trainer
+
+
 def test_workers_end_with_their_killed_trainer_even_with_their_result_pipe_full(stage_factory, tmp_path):
     """Batches of 80 KB fill the pipe to a trainer that stopped taking
     them; killed then, its workers used to block on exit for as long as a
     sibling held the pipe open (minutes), holding their stage connections,
     plans and samples."""
-    root = tmp_path / "data"
-    root.mkdir()
-    for i in range(400):
-        (root / f"s{i:04d}").write_bytes(os.urandom(4096))
-    stage = stage_factory({"d": root})
-    script = tmp_path / "stalled.py"
-    script.write_text(STALLED_TRAINER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    trainer = subprocess.Popen([sys.executable, str(script), stage.socket], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage, trainer = _start_trainer(stage_factory, tmp_path, STALLED_TRAINER, files=400)
     try:
         workers = [int(w) for w in trainer.stdout.readline().split()]
         assert len(workers) == 2, trainer.stderr.read()
@@ -671,16 +679,7 @@ def test_workers_of_a_trainer_killed_while_they_start_end(stage_factory, tmp_pat
     by the time they looked, their parent was init, which they took for
     their trainer and watched for good, holding its connection (the stage
     kept the job live for 27 minutes in a churn)."""
-    root = tmp_path / "data"
-    root.mkdir()
-    for i in range(100):
-        (root / f"s{i:04d}").write_bytes(os.urandom(4096))
-    stage = stage_factory({"d": root})
-    script = tmp_path / "starting.py"
-    script.write_text(STARTING_TRAINER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    trainer = subprocess.Popen([sys.executable, str(script), stage.socket], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage, trainer = _start_trainer(stage_factory, tmp_path, STARTING_TRAINER, files=100)
     try:
         workers = [int(w) for w in trainer.stdout.readline().split()]
         assert len(workers) == 2, trainer.stderr.read()
