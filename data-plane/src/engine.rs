@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use job::{
-    Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, PlannedClaim, Reservation,
+    Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, PlannedClaim, Presence, Reservation,
     SETTINGS_WAIT,
 };
 pub use plan_run::{PlanKey, ShardOrder};

@@ -10,7 +10,6 @@ use std::io::{self, IoSlice};
 use std::ops::ControlFlow;
 use std::os::fd::{OwnedFd, RawFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -19,7 +18,7 @@ use tracing::{debug, warn};
 use crate::blocking;
 use crate::dataset::{Dataset, Listing};
 use crate::engine::{Engine, PlanHandle, PlanKey, ShardOrder};
-use crate::engine::{JobHandle, PlannedClaim, Reservation};
+use crate::engine::{JobHandle, PlannedClaim, Presence, Reservation};
 use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
@@ -93,10 +92,10 @@ pub async fn serve<S>(
                     ending = &mut respond => ending,
                     left = trainer_left(&mut rd) => {
                         if left {
-                            // Answered all the same (the request holds
-                            // claimed entries), but no longer the
-                            // trainer's stall.
-                            present.store(false, Ordering::Relaxed);
+                            // No longer the trainer's stall; a NEXT is
+                            // given up (see `Connection::next`), any other
+                            // request answered all the same.
+                            present.leave();
                         }
                         respond.await
                     }
@@ -266,7 +265,10 @@ struct Connection {
     /// (0: plans that name none), once it said `RUN`; before, any plan's.
     reads_for: Option<u64>,
     /// Cleared once the trainer has gone while a request is answered.
-    trainer_present: Arc<AtomicBool>,
+    trainer_present: Arc<Presence>,
+    /// Set when a `NEXT` was given up because the trainer left before it
+    /// took its samples: the connection ends without an answer.
+    given_up: bool,
     /// The file this connection is reading in ranges, while it has more.
     ranged: Option<RangedRead>,
 }
@@ -314,7 +316,8 @@ impl Connection {
             runs: false,
             run_reads: false,
             reads_for: None,
-            trainer_present: Arc::new(AtomicBool::new(true)),
+            trainer_present: Arc::default(),
+            given_up: false,
             ranged: None,
         }
     }
@@ -348,10 +351,14 @@ impl Connection {
             },
             other => other,
         };
+        let claims = matches!(request, Ok(Request::Next { .. }));
         let answer = match request {
             Ok(request) => self.handle(request).await,
             Err(e) => Err(e),
         };
+        if std::mem::take(&mut self.given_up) {
+            return ControlFlow::Break(Ending::ByTrainer);
+        }
         let (response, reservation) = match answer {
             Ok(ok) => ok,
             Err(err) => {
@@ -374,19 +381,34 @@ impl Connection {
         // The answer holds the memory of the samples it carries until it is
         // written: a trainer that stopped reading (hung, stopped) must not
         // hold it, and with it the node's other jobs, for good.
-        let Ok(written) = tokio::time::timeout(ANSWER_PATIENCE, writing).await else {
-            warn!(
-                "a trainer did not take its answer within {} s: its connection is closed",
-                ANSWER_PATIENCE.as_secs()
-            );
-            return ControlFlow::Break(Ending::ByStage);
+        let written = tokio::time::timeout(ANSWER_PATIENCE, writing).await;
+        let failed = match written {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => {
+                debug!(error = %e, "writing to the trainer failed");
+                Some(Ending::ByTrainer)
+            }
+            Err(_) => {
+                warn!(
+                    "a trainer did not take its answer within {} s: its connection is closed",
+                    ANSWER_PATIENCE.as_secs()
+                );
+                Some(Ending::ByStage)
+            }
         };
         drop(reservation);
-        if let Err(e) = written {
-            debug!(error = %e, "writing to the trainer failed");
-            return ControlFlow::Break(Ending::ByTrainer);
+        let Some(ending) = failed else {
+            return ControlFlow::Continue(());
+        };
+        // The entries of a NEXT's answer that never got through are the
+        // job's next trainer's.
+        if let (true, Response::Samples { samples, .. }, Some(plan)) =
+            (claims, &response, &self.plan)
+        {
+            let positions: Vec<u32> = samples.iter().map(|s| s.position).collect();
+            self.job().reopen(plan, &positions);
         }
-        ControlFlow::Continue(())
+        ControlFlow::Break(ending)
     }
 
     /// Ends the connection: what its trainer holds in shared memory goes
@@ -748,9 +770,17 @@ impl Connection {
             )
         })?;
         let job = Arc::clone(self.job());
-        let mut batch = job
+        let Some(mut batch) = job
             .next(handle, max_samples as usize, Some(&self.trainer_present))
-            .await;
+            .await
+        else {
+            // The trainer left: nobody reads an answer (see `respond`).
+            self.given_up = true;
+            return Err(ProtocolError::new(
+                ErrorCode::Unavailable,
+                "the trainer left before its samples were taken",
+            ));
+        };
         let mut held = vec![batch.reservation];
         if let Some(shared) = &self.shared {
             shared.lend(&mut batch.samples, &mut held, |_| Some(0));

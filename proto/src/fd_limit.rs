@@ -27,11 +27,20 @@ pub fn raise() -> usize {
 }
 
 /// The most connections one listener holds at once: a quarter of the
-/// descriptors the process may open, so that the rest keeps the others
-/// (a stage's data files, node cache, mount and `/metrics`; a floor above
-/// that, under a low limit, let idle connections take every descriptor).
+/// descriptors the process may still open (its limit less those it holds
+/// when asked, at start once its own are open), so that the rest keeps
+/// the others (a stage's data files, node cache, mount and `/metrics`; a
+/// floor above that, or a quarter of the whole limit, under a low limit
+/// let accepted connections take every descriptor their reads needed).
 pub fn connections_per_listener() -> usize {
-    per_listener(soft())
+    per_listener(soft().saturating_sub(held().unwrap_or(0)))
+}
+
+/// Descriptors the process holds now (`None` where `/proc` does not say).
+fn held() -> Option<usize> {
+    let listed = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    // The listing's own descriptor is among those it lists.
+    Some(listed.saturating_sub(1))
 }
 
 /// The descriptors the process may open now (the soft limit).
@@ -98,7 +107,12 @@ mod tests {
         let limit = raise();
         assert!(limit >= 64);
         let most = connections_per_listener();
-        assert!(most >= 16 && most <= limit / 4, "{most} of {limit}");
+        let held = held().expect("/proc says");
+        assert!(held >= 3, "stdin, stdout and stderr at least: {held}");
+        assert!(
+            most >= 16 && most <= (limit - held) / 4,
+            "{most} of {limit}"
+        );
         // Under a low limit too: the other three quarters stay free.
         assert_eq!(per_listener(64), 16);
         assert_eq!(per_listener(3), 1);

@@ -4,6 +4,7 @@ claims, against the real sluice-stage."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import signal
@@ -131,6 +132,16 @@ def test_a_dropped_connection_to_a_live_stage_resumes_its_plan(stage_factory, ma
         assert c.reconnects == 1
 
 
+def throttled_stage(stage_factory, tmp_path):
+    """A stage limited to 8 MiB/s serving `ds`, ten files of 3 MB."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    files = {f"{i:03d}.bin": os.urandom(3_000_000) for i in range(10)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return stage_factory({"ds": root}, "--rate-limit", "8MiB/s"), files
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_an_epoch_whose_next_timed_out_goes_on_exactly_once(stage_factory, tmp_path, prefetch):
     """A trainer whose client times out (a throttled or CPU-starved stage)
@@ -138,14 +149,9 @@ def test_an_epoch_whose_next_timed_out_goes_on_exactly_once(stage_factory, tmp_p
     says it may: the epoch goes on from the first sample not received. A
     prefetching iterator kept the timeout as its failure and raised it from
     every later `next()` (0 of 40 samples in 45 s)."""
-    root = tmp_path / "ds"
-    root.mkdir()
-    files = {f"{i:03d}.bin": os.urandom(3_000_000) for i in range(10)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    # 8 MiB/s: a sample takes about 0.36 s, and the waits for a batch's
-    # first sample, behind the limiter's line, pass the 1 s timeout now and then.
-    stage = stage_factory({"ds": root}, "--rate-limit", "8MiB/s")
+    # A sample takes about 0.36 s, and the waits for a batch's first
+    # sample, behind the limiter's line, pass the 1 s timeout now and then.
+    stage, files = throttled_stage(stage_factory, tmp_path)
     with sluice.Client(stage.socket, job="timeouts", timeout=1.0, reconnect=10) as c:
         ds = c.dataset("ds")
         order = [ds.files[i][0] for i in ds.local_order(0, seed=5)]
@@ -163,6 +169,32 @@ def test_an_epoch_whose_next_timed_out_goes_on_exactly_once(stage_factory, tmp_p
             got.append(name)
     assert timeouts > 0, "no next() timed out: the test did not test it"
     assert got == order, f"{len(got)} of {len(files)} samples, {len(got) - len(set(got))} twice"
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_new_client_after_a_timeout_reads_what_the_timed_out_one_had_asked_for(stage_factory, tmp_path,
+                                                                                 joined):
+    """A trainer whose `Client(timeout=...)` fires before its first batch
+    (a throttled stage) does what one does after a dead connection: opens a
+    new client for the job and reads the epoch. The entries the timed-out
+    request had claimed go back to the plan: the stage kept them claimed
+    for the dead connection, and the epoch came out 5 samples short, with
+    no warning. `joined`: another trainer of the job keeps the plan
+    attached throughout (as a DataLoader's other workers do)."""
+    stage, files = throttled_stage(stage_factory, tmp_path)
+    got = []
+    with contextlib.ExitStack() as keep:
+        if joined:
+            keeper = keep.enter_context(sluice.Client(stage.socket, job="again", timeout=60))
+            got.append(next(keeper.dataset("ds").epoch(0, seed=1, batch=1, prefetch=0))[0])
+        first = sluice.Client(stage.socket, job="again", timeout=0.5)
+        with pytest.raises(sluice.StageTimeoutError):
+            next(first.dataset("ds").epoch(0, seed=1, prefetch=0))
+        with sluice.Client(stage.socket, job="again", timeout=60) as second:
+            for name, data in second.dataset("ds").epoch(0, seed=1):
+                assert data == files[name], name
+                got.append(name)
+    assert sorted(got) == sorted(files), f"{len(set(files) - set(got))} samples never delivered"
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -1276,6 +1276,50 @@ def test_jobs_reading_at_once_under_a_low_descriptor_limit_lose_no_sample(stage_
     assert "reads waited for a free file descriptor" in stage.stderr_tail(20000)
 
 
+def test_trainers_a_stage_under_a_low_descriptor_limit_takes_read_their_epochs(stage_factory, tmp_path):
+    """Under a low descriptor limit, the connections a listener takes are
+    a quarter of the descriptors the stage has left once started, not of
+    its whole limit: of twelve trainers connecting at once to a stage
+    with six descriptors left (20 of its limit), the five taken (with a
+    region each) held them all, and every one failed to list its data set
+    after 10 s
+    ("no free file descriptor"). Those taken now read their epochs; the
+    others are told the stage holds its most connections."""
+    files = small_files(tmp_path / "d", 100, sizes=(20_000,))
+    # Six descriptors beyond those a stage holds once started.
+    idle = stage_factory({"d": tmp_path / "d"})
+    held = len(os.listdir(f"/proc/{idle.proc.pid}/fd"))
+    idle.stop()
+    stage = stage_factory({"d": tmp_path / "d"}, nofile=held + 6)
+    results = {}
+    everyone = threading.Barrier(12, timeout=30)
+
+    def trainer(i):
+        try:
+            try:
+                c = sluice.Client(stage.socket, job=f"low-{i}", timeout=60, reconnect=0)
+            finally:
+                everyone.wait()  # all connected (or refused) before any lists
+            with c:
+                results[i] = dict(c.dataset("d").epoch(0, seed=i))
+        except sluice.UnavailableError as e:
+            results[i] = e
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = ("failed", e)
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    failed = [r for r in results.values() if isinstance(r, tuple)]
+    assert not failed, f"{len(failed)} trainers taken failed, e.g. {failed[0][1]}"
+    read = [r for r in results.values() if isinstance(r, dict)]
+    assert read and all(r == files for r in read), f"{len(read)} of 12 read their epochs"
+    refused = [r for r in results.values() if isinstance(r, sluice.UnavailableError)]
+    assert all("holds its most trainer connections" in str(e) for e in refused), refused[:1]
+
+
 def test_a_stage_out_of_descriptors_refuses_a_new_trainer_at_once_and_says_why(stage_factory, dataset):
     """A stage out of descriptors answers a trainer that connects with
     `UNAVAILABLE` saying so (the connection waited in the backlog until its

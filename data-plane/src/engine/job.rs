@@ -34,7 +34,7 @@ mod lending;
 mod readers;
 
 use crate::sync::lock;
-pub use delivery::{PlanHandle, PlannedClaim, Reservation};
+pub use delivery::{PlanHandle, PlannedClaim, Presence, Reservation};
 use gate::Gate;
 pub use gate::SETTINGS_WAIT;
 pub use lending::{Lending, NotLent};

@@ -2,7 +2,7 @@
 //! are buffered, and which consumers have claimed. All of it lives under the
 //! job's lock; this module is bookkeeping only, no I/O and no waiting.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -116,6 +116,9 @@ pub(crate) struct PlanRun {
     pub waiters: HashMap<u32, Arc<Notify>>,
     /// The order its entries were cut from, when the stage cut them.
     pub order: Option<ShardOrder>,
+    /// Claimed positions whose consumer left before it took them
+    /// ([`PlanRun::orphan`]).
+    pub orphaned: BTreeSet<u32>,
 }
 
 impl PlanRun {
@@ -149,6 +152,7 @@ impl PlanRun {
             attached: 0,
             waiters: HashMap::new(),
             order: None,
+            orphaned: BTreeSet::new(),
         }
     }
 
@@ -183,6 +187,17 @@ impl PlanRun {
     pub fn claim_next(&mut self, max: usize, budget: u64) -> Vec<u32> {
         let mut claimed = Vec::new();
         let mut bytes = 0;
+        while claimed.len() < max
+            && let Some(&pos) = self.orphaned.first()
+        {
+            let size = self.size_of(pos);
+            if !claimed.is_empty() && bytes + size > budget {
+                return claimed;
+            }
+            bytes += size;
+            self.orphaned.pop_first();
+            claimed.push(pos);
+        }
         while claimed.len() < max && self.claim < self.entries.len() {
             let pos = self.claim;
             self.claim += 1;
@@ -201,6 +216,34 @@ impl PlanRun {
         claimed
     }
 
+    /// Gives claimed positions whose `NEXT` was given up before it took
+    /// them back to the plan: they stay claimed (readers fetch them first,
+    /// and a plan with them is not exhausted), and the next claim takes
+    /// them.
+    pub fn orphan(&mut self, positions: &[u32]) {
+        for &pos in positions {
+            if self.entries[pos as usize].claimed {
+                self.orphaned.insert(pos);
+            }
+        }
+    }
+
+    /// Opens taken positions whose answer never reached its trainer (the
+    /// write failed) again: a reader fetches them anew and the next claim
+    /// takes them.
+    pub fn reopen(&mut self, positions: &[u32]) {
+        for &pos in positions {
+            let entry = &mut self.entries[pos as usize];
+            if !entry.claimed || self.fetched.contains_key(&pos) {
+                continue;
+            }
+            *entry = Entry::default();
+            self.remaining += 1;
+            self.claim = self.claim.min(pos as usize);
+            self.fetch = self.fetch.min(pos as usize);
+        }
+    }
+
     /// The first undelivered position that reads file `file`, if any.
     pub fn unclaimed_of(&mut self, file: u32) -> Option<u32> {
         let files = &self.files;
@@ -214,7 +257,7 @@ impl PlanRun {
             .iter()
             .take_while(|&&pos| files[pos as usize] == file)
             .copied()
-            .find(|&pos| !self.entries[pos as usize].claimed)
+            .find(|pos| !self.entries[*pos as usize].claimed || self.orphaned.contains(pos))
     }
 
     /// Whether every entry has been claimed (nothing left for `NEXT`).
@@ -222,7 +265,7 @@ impl PlanRun {
         while self.claim < self.entries.len() && self.entries[self.claim].claimed {
             self.claim += 1;
         }
-        self.claim >= self.entries.len()
+        self.claim >= self.entries.len() && self.orphaned.is_empty()
     }
 
     /// Bytes held by fetched, undelivered entries.
@@ -293,7 +336,38 @@ mod tests {
     fn claim_file(p: &mut PlanRun, file: u32) -> Option<u32> {
         let pos = p.unclaimed_of(file)?;
         p.entries[pos as usize].claimed = true;
+        p.orphaned.remove(&pos);
         Some(pos)
+    }
+
+    #[test]
+    fn claims_given_up_are_taken_next_and_answers_lost_are_read_again() {
+        let mut p = plan(vec![0, 1, 2, 3]);
+        assert_eq!(p.claim_next(3, u64::MAX), [0, 1, 2]);
+        assert_eq!(p.claim_next(10, u64::MAX), [3]);
+        assert!(p.exhausted());
+        // The NEXT of 0..3 was given up: its entries are the next claims,
+        // first come first, and still within the byte budget.
+        p.orphan(&[0, 1, 2]);
+        assert!(!p.exhausted(), "given-up claims are still to deliver");
+        assert!(p.entries[1].claimed, "readers fetch them first");
+        assert_eq!(
+            claim_file(&mut p, 1),
+            Some(1),
+            "a read by name takes one too"
+        );
+        assert_eq!(p.claim_next(10, 15), [0], "within the byte budget");
+        assert_eq!(p.claim_next(10, 15), [2]);
+        assert!(p.exhausted());
+        // The answer with 0 and 2 was taken but never written: both are
+        // read again and claimed again; 3, still claimed, is not.
+        p.entries[0].started = true;
+        p.entries[2].started = true;
+        p.remaining -= 2;
+        p.reopen(&[0, 2]);
+        assert_eq!(p.remaining, 4);
+        assert_eq!(p.next_unstarted(), Some(0));
+        assert_eq!(p.claim_next(10, u64::MAX), [0, 2]);
     }
 
     #[test]

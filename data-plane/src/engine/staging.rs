@@ -296,7 +296,9 @@ async fn run(
     };
     loop {
         let mut batch = tokio::select! {
-            batch = job.next(&plan, BATCH, None) => batch,
+            batch = job.next(&plan, BATCH, None) => {
+                batch.expect("a NEXT with no trainer to leave is never given up")
+            }
             // Stopped, or a newer round began: its plan goes with it, and
             // what it read of the source is counted.
             () = stop.cancelled() => {

@@ -36,6 +36,36 @@ pub struct PlanHandle {
     pub length: u32,
 }
 
+/// Whether the trainer that asked is still there, for a wait on its
+/// behalf ([`Job::next`]): the wait is its stall while it is, and gives up
+/// as soon as it left.
+#[derive(Debug)]
+pub struct Presence {
+    here: AtomicBool,
+    gone: tokio::sync::Notify,
+}
+
+impl Default for Presence {
+    fn default() -> Self {
+        Self {
+            here: AtomicBool::new(true),
+            gone: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl Presence {
+    /// The trainer left: a wait on its behalf wakes and gives up.
+    pub fn leave(&self) {
+        self.here.store(false, Ordering::Relaxed);
+        self.gone.notify_one();
+    }
+
+    pub fn here(&self) -> bool {
+        self.here.load(Ordering::Relaxed)
+    }
+}
+
 /// What `NEXT` returns: the samples, whether the plan is exhausted, and the
 /// buffer bytes they hold until written out.
 #[derive(Debug)]
@@ -43,6 +73,25 @@ pub struct NextBatch {
     pub samples: Vec<Sample>,
     pub end: bool,
     pub reservation: Reservation,
+}
+
+/// The positions a waiting `NEXT` claimed, given back to its plan when
+/// the wait is dropped before it took (or gave back) them.
+struct GivenUp<'a> {
+    job: &'a Job,
+    id: u64,
+    positions: &'a [u32],
+}
+
+impl Drop for GivenUp<'_> {
+    fn drop(&mut self) {
+        if self.positions.is_empty() {
+            return;
+        }
+        if let Some(plan) = self.job.lock().plans.get_mut(&self.id) {
+            plan.orphan(self.positions);
+        }
+    }
 }
 
 /// An entry a whole-file `READ` claimed in a plan: one a reader has already
@@ -324,25 +373,29 @@ impl Job {
 
     /// Claims the next entries of the plan and waits until they are
     /// fetched; the wait is the trainer's stall while `present` (when
-    /// given) says the trainer that asked is still there.
+    /// given) says the trainer that asked is still there. `None` when
+    /// `present` said it left before the entries were taken: they go back
+    /// to the plan, fetched (the reads it started go on, as a trainer that
+    /// gives up on a slow answer and asks again, on a new connection,
+    /// wants them), for the job's next trainer.
     pub async fn next(
         self: &Arc<Self>,
         handle: &PlanHandle,
         max: usize,
-        present: Option<&AtomicBool>,
-    ) -> NextBatch {
+        present: Option<&Presence>,
+    ) -> Option<NextBatch> {
         let empty = |end| NextBatch {
             samples: Vec::new(),
             end,
             reservation: self.reservation(0, 0),
         };
         let Some(id) = handle.id else {
-            return empty(true);
+            return Some(empty(true));
         };
         let (positions, metrics, waiting, claim) = {
             let mut st = self.lock();
             let Some(plan) = st.plans.get_mut(&id) else {
-                return empty(true);
+                return Some(empty(true));
             };
             // At most a quarter of the node's budget at once, half the
             // job's share of it, and what every job's unanswered claims
@@ -374,7 +427,7 @@ impl Job {
             )
         };
         if positions.is_empty() {
-            return empty(true);
+            return Some(empty(true));
         }
         if waiting {
             // A claimed entry nobody fetches yet may go past the buffer cap:
@@ -384,32 +437,59 @@ impl Job {
         // The connection holds the plan, so it cannot be dropped under us.
         let Some((samples, end, bytes)) = self.wait_for(id, &positions, &metrics, present).await
         else {
-            return empty(true);
+            return present.is_none_or(Presence::here).then(|| empty(true));
         };
         self.count_delivered(&metrics, &samples);
         let mut reservation = self.reservation(id, bytes);
         reservation._untaken = Some(claim);
-        NextBatch {
+        Some(NextBatch {
             samples,
             end,
             reservation,
-        }
+        })
+    }
+
+    /// Opens the entries of a `NEXT`'s answer that never reached its
+    /// trainer (writing it failed) again, so that the job's next trainer
+    /// gets them. Those of a plan delivered to its end meanwhile are lost
+    /// to it (a new plan of that epoch reads them all again).
+    pub fn reopen(&self, handle: &PlanHandle, positions: &[u32]) {
+        let Some(id) = handle.id else { return };
+        let mut st = self.lock();
+        let Some(plan) = st.plans.get_mut(&id) else {
+            debug!(job = %self.id, lost = positions.len(), "an unwritten answer's plan ended meanwhile");
+            return;
+        };
+        plan.reopen(positions);
+        drop(st);
+        self.work.notify_all();
     }
 
     /// Waits until every claimed position is fetched, then takes them.
     /// Returns the samples, whether the plan is exhausted, and their bytes;
     /// `None` if the plan was dropped meanwhile (every attached connection
-    /// left, which a map-style `READ` does not hold off). The wait counts
-    /// as the trainer's stall while `present` (when given) says its
-    /// trainer is still there.
+    /// left, which a map-style `READ` does not hold off) or `present`
+    /// says the trainer left. The wait counts as the trainer's stall while
+    /// `present` (when given) says its trainer is still there.
+    ///
+    /// A trainer that left takes nothing: its claims go back to the plan
+    /// at once, for the job's next trainer, and the wait (which holds the
+    /// plan) goes on until those nobody took since are fetched: a trainer
+    /// that gave up on a slow answer and asks again wants them. A wait
+    /// dropped before it took its entries gives them back too.
     async fn wait_for(
         &self,
         id: u64,
         positions: &[u32],
         metrics: &DatasetMetrics,
-        present: Option<&AtomicBool>,
+        present: Option<&Presence>,
     ) -> Option<(Vec<Sample>, bool, u64)> {
-        let stalled = || present.is_none_or(|p| p.load(Ordering::Relaxed));
+        let stalled = || present.is_none_or(Presence::here);
+        let mut claims = GivenUp {
+            job: self,
+            id,
+            positions,
+        };
         // Since when the stall is not counted yet.
         let mut uncounted = Instant::now();
         let mut waited = false;
@@ -417,11 +497,21 @@ impl Job {
             let wake = {
                 let mut st = self.lock();
                 let plan = st.plans.get_mut(&id)?;
-                match positions.iter().find(|p| !plan.fetched.contains_key(p)) {
+                let left = !stalled();
+                if left && !claims.positions.is_empty() {
+                    plan.orphan(positions);
+                    claims.positions = &[];
+                }
+                let pending = |p: &&u32| {
+                    !plan.fetched.contains_key(p) && (!left || plan.orphaned.contains(p))
+                };
+                match positions.iter().find(pending) {
                     // Wait for the first missing entry only: one wake-up per
                     // gap instead of one per fetched entry.
                     Some(&missing) => Arc::clone(plan.waiters.entry(missing).or_default()),
+                    None if left => return None,
                     None => {
+                        claims.positions = &[];
                         let mut bytes = 0;
                         let mut samples = Vec::with_capacity(positions.len());
                         for &p in positions {
@@ -455,7 +545,19 @@ impl Job {
             // at least every STALL_SLICE, whether it passed in silence or
             // in wake-ups for entries that came one by one (a throttled job
             // fills a batch of 32 over seconds, a wake-up each).
-            let _ = tokio::time::timeout(STALL_SLICE, wake.notified()).await;
+            let gone = async {
+                match present {
+                    Some(p) if p.here() => p.gone.notified().await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let _ = tokio::time::timeout(STALL_SLICE, async {
+                tokio::select! {
+                    () = wake.notified() => {}
+                    () = gone => {}
+                }
+            })
+            .await;
             let now = Instant::now();
             if now - uncounted >= STALL_SLICE {
                 if stalled() {
@@ -585,6 +687,7 @@ impl Job {
                 return None;
             }
             entry.claimed = true;
+            plan.orphaned.remove(&pos);
             let started = std::mem::replace(&mut entry.started, true);
             Some((plan.id, pos, started, Arc::clone(&plan.dataset)))
         });
