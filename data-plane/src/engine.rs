@@ -21,7 +21,7 @@ pub use job::{
     Job, JobHandle, JobSnapshot, Lending, NotLent, PlanHandle, PlannedClaim, Presence, Reservation,
     SETTINGS_WAIT,
 };
-pub use plan_run::{PlanKey, ShardOrder};
+pub use plan_run::{ORDER_RANK, PlanKey, ShardOrder};
 use staging::Round;
 pub use staging::Staging;
 

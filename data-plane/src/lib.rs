@@ -643,14 +643,14 @@ const ACCEPT_WAIT: Duration = Duration::from_secs(2);
 /// The answer to a connection refused because its listener holds `most`.
 fn full(most: usize) -> Vec<u8> {
     unavailable(format!(
-        "the stage holds its most trainer connections on this listener ({most}, its share of a quarter of its file descriptor limit): try again once some close, or ask its operator to raise its `nofile` limit"
+        "the stage holds its most trainer connections on this listener ({most}, its share of a quarter of the file descriptors it had left once started): try again once some close, or ask its operator to raise its `nofile` limit"
     ))
 }
 
 /// An `ERROR UNAVAILABLE` frame saying `why`, for a connection refused
 /// before it is served (sent if the socket takes it at once).
 fn unavailable(why: String) -> Vec<u8> {
-    Response::Error(ProtocolError::new(ErrorCode::Unavailable, why)).encode()
+    Response::Error(ProtocolError::closing(ErrorCode::Unavailable, why)).encode()
 }
 
 /// A descriptor held back (`/dev/null`), so that a listener of a stage out

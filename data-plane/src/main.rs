@@ -45,18 +45,30 @@ fn main() -> ExitCode {
             return ExitCode::from(64);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    let no_threads = |why: &dyn std::fmt::Display| {
+        let _ = writeln!(
+            std::io::stderr(),
+            "sluice-stage: cannot start its threads ({why}): raise the process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit)"
+        );
+    };
+    // The runtime panics when the OS refuses it a worker thread after it
+    // started another; unwinding then waits on that thread for good. Any
+    // panic while it is built ends the stage at once instead.
+    let reported = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        no_threads(&info.payload_as_str().unwrap_or("a panic"));
+        std::process::exit(1);
+    }));
+    let built = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("stage-io")
-        .build()
-    {
+        .build();
+    std::panic::set_hook(reported);
+    let runtime = match built {
         Ok(runtime) => runtime,
         Err(e) => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "sluice-stage: cannot start its threads ({e}): raise the process's or pod's thread limit (RLIMIT_NPROC, the pod's pids limit)"
-            );
+            no_threads(&e);
             return ExitCode::FAILURE;
         }
     };

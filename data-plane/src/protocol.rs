@@ -129,6 +129,9 @@ impl ErrorCode {
 pub struct ProtocolError {
     pub code: ErrorCode,
     pub message: String,
+    /// Sent as fatal whatever its code: the stage closes the connection
+    /// after it (a refused connection, a stage shutting down).
+    pub closing: bool,
 }
 
 impl ProtocolError {
@@ -136,7 +139,22 @@ impl ProtocolError {
         Self {
             code,
             message: message.into(),
+            closing: false,
         }
+    }
+
+    /// An error after which the stage closes the connection, whatever its
+    /// code says of others.
+    pub fn closing(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            closing: true,
+            ..Self::new(code, message)
+        }
+    }
+
+    /// Whether the stage closes the connection after this error.
+    pub fn is_fatal(&self) -> bool {
+        self.closing || self.code.is_fatal()
     }
 
     fn bad_frame(message: impl Into<String>) -> Self {
@@ -606,7 +624,7 @@ impl Response {
             Self::Error(err) => {
                 e.u8(kind::ERROR)
                     .u16(err.code as u16)
-                    .u8(u8::from(err.code.is_fatal()))
+                    .u8(u8::from(err.is_fatal()))
                     .str(&err.message);
             }
         }

@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use crate::blocking;
 use crate::dataset::{Dataset, Listing};
-use crate::engine::{Engine, PlanHandle, PlanKey, ShardOrder};
+use crate::engine::{Engine, ORDER_RANK, PlanHandle, PlanKey, ShardOrder};
 use crate::engine::{JobHandle, PlannedClaim, Presence, Reservation};
 use crate::entry::check_name;
 use crate::metrics::Metrics;
@@ -158,7 +158,7 @@ where
 {
     let frame = tokio::select! {
         () = cancel.cancelled() => {
-            let _ = send(wr, &Response::Error(ProtocolError::new(ErrorCode::Unavailable, "the stage is shutting down"))).await;
+            let _ = send(wr, &Response::Error(ProtocolError::closing(ErrorCode::Unavailable, "the stage is shutting down"))).await;
             return Err(Ending::ByStage);
         }
         frame = protocol::read_frame(rd, MAX_REQUEST_FRAME) => frame,
@@ -362,7 +362,7 @@ impl Connection {
         let (response, reservation) = match answer {
             Ok(ok) => ok,
             Err(err) => {
-                let fatal = err.code.is_fatal();
+                let fatal = err.is_fatal();
                 send_error(wr, metrics, err).await;
                 return if fatal {
                     ControlFlow::Break(Ending::ByStage)
@@ -680,6 +680,18 @@ impl Connection {
         };
         self.plan = None;
         let name = dataset.name.clone();
+        // An order file gives this job's order over the data set: a second
+        // order would read every file again, and the mount's opens would
+        // deliver entries of either plan.
+        if self.job().plans_of(&name, ORDER_RANK) {
+            return Err(ProtocolError::new(
+                ErrorCode::PlanConflict,
+                format!(
+                    "job `{}` reads data set `{name}` in the order of an order file (see docs/mount.md): one order per job and data set; remove the order file, or read under another job name",
+                    self.job().id()
+                ),
+            ));
+        }
         let (handle, state) = self
             .job()
             .attach_plan(key, fingerprint, dataset, listing, files)?;

@@ -641,6 +641,30 @@ def test_an_order_file_is_prefetched_in_its_order_and_each_open_is_served_once(t
     assert "not a data set of this stage" in (orders / "tf" / "other.error").read_text()
 
 
+def test_a_trainers_plan_beside_an_order_file_of_its_job_and_data_set_is_refused(tmp_path, mount_stage, dataset):
+    """The reverse of an order file refused beside a sampler's plan: a
+    socket trainer's epoch of a job and data set an order file orders was
+    taken beside it, every file was read twice, and the mount's opens took
+    entries of either plan, so the trainer's epoch ended short (96 of 240
+    samples in 4 of 8 jobs), silently."""
+    root, files = dataset
+    orders = tmp_path / "orders"
+    stage, mnt = mount_stage(root, "--mount-orders", str(orders))
+    names = sorted(files)
+    write_order(orders / "both" / "ds", names)
+    wait_for(lambda: job_metric(stage, "sluice_stage_storage_reads_total", "both") == len(names),
+             what="the order prefetched")
+    with sluice.Client(stage.socket, job="both") as c:
+        with pytest.raises(sluice.PlanConflictError, match="order of an order file"):
+            next(iter(c.dataset("ds").epoch(0, seed=1)))
+        # Another job of the same trainer reads on; the order's opens too.
+        with sluice.Client(stage.socket, job="apart") as other:
+            assert dict(other.dataset("ds").epoch(0, seed=1)) == files
+    for name in names:
+        assert (mnt / "@both" / "ds" / name).read_bytes() == files[name]
+    assert job_metric(stage, "sluice_stage_storage_reads_total", "both") == len(names)
+
+
 def test_an_order_read_to_its_end_lets_its_job_go_and_one_left_from_before_waits_for_a_change(
         tmp_path, mount_stage, dataset):
     """An order file's plan holds its job only while it is read: left in

@@ -14,9 +14,11 @@ import subprocess
 import tempfile
 import time
 
+import pytest
+
 import sluice
 
-from conftest import STOP_TIMEOUT, stage_binary, wait_for
+from conftest import STOP_TIMEOUT, pids_cgroup, stage_binary, wait_for
 
 
 def _popen(sock, data, *extra, stderr=subprocess.PIPE, preexec_fn=None):
@@ -82,6 +84,32 @@ def test_a_stage_refused_at_start_leaves_no_socket(tmp_path, dataset):
         _read_all(tmp_path / "a.sock", files)
     finally:
         assert _stop(first) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_stage_the_os_refuses_its_threads_at_start_exits_and_says_why(tmp_path, dataset, threads):
+    """Started under a pod's `pids` limit of one or two threads (its
+    runtime needs three): the runtime's panic over a refused worker
+    thread, once another was started, waited on that thread for good (no
+    ready line, no exit); with one it exited 101 with a panic's
+    backtrace."""
+    root, _ = dataset
+    # A shell moved into the limited cgroup first, which then becomes the stage.
+    holder = subprocess.Popen(["sh", "-c", 'read go && exec "$@"', "sh", stage_binary(),
+                               "--socket", str(tmp_path / "s.sock"), "--dataset", f"ds={root}"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with pids_cgroup(holder.pid) as limit:
+            limit(threads)
+            out, err = holder.communicate(b"go\n", timeout=20)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert holder.returncode == 1, (holder.returncode, err[-2000:])
+    assert b"cannot start its threads" in err and b"pids limit" in err, err[-2000:]
+    assert b"panicked" not in err, err[-2000:]
+    assert b"ready" not in out
 
 
 def test_a_stopping_stage_leaves_the_socket_of_the_stage_that_replaced_it(tmp_path, dataset):

@@ -442,6 +442,14 @@ impl Job {
         result
     }
 
+    /// Whether the job holds a plan of rank `rank` over `dataset`.
+    pub fn plans_of(&self, dataset: &str, rank: u32) -> bool {
+        self.lock()
+            .plans
+            .values()
+            .any(|p| p.dataset.name == dataset && p.key.rank == rank)
+    }
+
     /// Whether one of the job's plans over `dataset` has a rank other
     /// than `rank` (a trainer's plan, beside an order file's).
     pub fn plans_other_than(&self, dataset: &str, rank: u32) -> bool {

@@ -65,6 +65,10 @@ impl std::fmt::Display for ShardOrder {
     }
 }
 
+/// The plan rank of order-file plans (see the mount's `orders`), apart
+/// from trainers' ranks (below their world size, at most `u32::MAX`).
+pub const ORDER_RANK: u32 = u32::MAX;
+
 /// Identifies a plan within a job across data sets: a job's training and
 /// validation loaders plan the same ranks and epochs over two of them.
 pub type PlanIdentity = (String, PlanKey);
@@ -119,6 +123,10 @@ pub(crate) struct PlanRun {
     /// Claimed positions whose consumer left before it took them
     /// ([`PlanRun::orphan`]).
     pub orphaned: BTreeSet<u32>,
+    /// Entries claimed by `NEXT`s that wait for them (not yet taken nor
+    /// given back), and the wake-up of those waiting for them to settle.
+    pub answering: usize,
+    pub settled: Arc<tokio::sync::Notify>,
 }
 
 impl PlanRun {
@@ -153,6 +161,8 @@ impl PlanRun {
             waiters: HashMap::new(),
             order: None,
             orphaned: BTreeSet::new(),
+            answering: 0,
+            settled: Arc::default(),
         }
     }
 
@@ -192,6 +202,7 @@ impl PlanRun {
         {
             let size = self.size_of(pos);
             if !claimed.is_empty() && bytes + size > budget {
+                self.answering += claimed.len();
                 return claimed;
             }
             bytes += size;
@@ -213,6 +224,7 @@ impl PlanRun {
             self.entries[pos].claimed = true;
             claimed.push(pos as u32);
         }
+        self.answering += claimed.len();
         claimed
     }
 
@@ -226,6 +238,13 @@ impl PlanRun {
                 self.orphaned.insert(pos);
             }
         }
+        self.settle(positions.len());
+    }
+
+    /// `n` entries a `NEXT` claimed were taken or given back.
+    pub fn settle(&mut self, n: usize) {
+        self.answering = self.answering.saturating_sub(n);
+        self.settled.notify_waiters();
     }
 
     /// Opens taken positions whose answer never reached its trainer (the
@@ -348,7 +367,12 @@ mod tests {
         assert!(p.exhausted());
         // The NEXT of 0..3 was given up: its entries are the next claims,
         // first come first, and still within the byte budget.
+        assert_eq!(
+            p.answering, 4,
+            "four claimed entries wait for their answers"
+        );
         p.orphan(&[0, 1, 2]);
+        assert_eq!(p.answering, 1);
         assert!(!p.exhausted(), "given-up claims are still to deliver");
         assert!(p.entries[1].claimed, "readers fetch them first");
         assert_eq!(

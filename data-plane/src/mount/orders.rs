@@ -30,7 +30,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{info, warn};
 
-use crate::engine::{Engine, JobHandle, PlanHandle, PlanKey};
+use crate::engine::{Engine, JobHandle, ORDER_RANK, PlanHandle, PlanKey};
 use crate::protocol::{ErrorCode, valid_job_id};
 use crate::trust::{Peer, TrainerAccess};
 
@@ -41,9 +41,6 @@ pub const POLL: Duration = Duration::from_millis(200);
 pub const ORDER_IDLE: Duration = Duration::from_secs(120);
 /// ...or this long after it was made, when none was opened yet.
 pub const ORDER_UNSTARTED: Duration = Duration::from_secs(15 * 60);
-
-/// The plan rank of order-file plans, apart from trainers' ranks.
-const ORDER_RANK: u32 = u32::MAX;
 
 /// The longest line read: a name or mount path (the kernel's `PATH_MAX`).
 const MAX_LINE: usize = 4096;

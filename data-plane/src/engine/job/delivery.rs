@@ -392,39 +392,65 @@ impl Job {
         let Some(id) = handle.id else {
             return Some(empty(true));
         };
-        let (positions, metrics, waiting, claim) = {
-            let mut st = self.lock();
-            let Some(plan) = st.plans.get_mut(&id) else {
-                return Some(empty(true));
+        let (positions, metrics, waiting, claim) = loop {
+            let settled = {
+                let mut st = self.lock();
+                let Some(plan) = st.plans.get_mut(&id) else {
+                    return Some(empty(true));
+                };
+                // At most a quarter of the node's budget at once, half the
+                // job's share of it, and what every job's unanswered claims
+                // leave of half the budget (at least one entry): the answer
+                // waits for every claimed entry, and what the budget cannot
+                // hold at once would never all be fetched, nor would every
+                // job's claims together (read-ahead nobody claimed makes
+                // way for them). The shares alone did not bound the claims:
+                // each is cut from the jobs of its moment, and trainers that
+                // claim and never read their answers keep them.
+                let cap = (self.memory.budget() / 4)
+                    .min(self.memory.job_share() / 2)
+                    .min(self.memory.claim_room());
+                let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(cap));
+                if positions.is_empty() && plan.answering > 0 {
+                    Arc::clone(&plan.settled)
+                } else {
+                    let bytes = positions.iter().map(|&p| plan.size_of(p)).sum();
+                    let waiting = plan.consumer_waiting();
+                    let dataset = plan.dataset.name.clone();
+                    self.memory.hold_claim(bytes);
+                    let claim = Untaken {
+                        memory: Arc::clone(&self.memory),
+                        bytes,
+                        of: Answers::Claims,
+                    };
+                    break (
+                        positions,
+                        self.dataset_metrics(&mut st, &dataset),
+                        waiting,
+                        claim,
+                    );
+                }
             };
-            // At most a quarter of the node's budget at once, half the
-            // job's share of it, and what every job's unanswered claims
-            // leave of half the budget (at least one entry): the answer
-            // waits for every claimed entry, and what the budget cannot
-            // hold at once would never all be fetched, nor would every
-            // job's claims together (read-ahead nobody claimed makes way
-            // for them). The shares alone did not bound the claims: each
-            // is cut from the jobs of its moment, and trainers that claim
-            // and never read their answers keep them.
-            let cap = (self.memory.budget() / 4)
-                .min(self.memory.job_share() / 2)
-                .min(self.memory.claim_room());
-            let positions = plan.claim_next(max, SAMPLES_FRAME_BUDGET.min(cap));
-            let bytes = positions.iter().map(|&p| plan.size_of(p)).sum();
-            let waiting = plan.consumer_waiting();
-            let dataset = plan.dataset.name.clone();
-            self.memory.hold_claim(bytes);
-            let claim = Untaken {
-                memory: Arc::clone(&self.memory),
-                bytes,
-                of: Answers::Claims,
+            // Another connection's NEXT waits for the plan's last entries:
+            // they come back if its trainer leaves, so the end is not told
+            // before they are taken.
+            let gone = async {
+                match present {
+                    Some(p) if p.here() => p.gone.notified().await,
+                    Some(_) => {}
+                    None => std::future::pending().await,
+                }
             };
-            (
-                positions,
-                self.dataset_metrics(&mut st, &dataset),
-                waiting,
-                claim,
-            )
+            let left = tokio::time::timeout(STALL_SLICE, async {
+                tokio::select! {
+                    () = settled.notified() => false,
+                    () = gone => true,
+                }
+            })
+            .await;
+            if left == Ok(true) {
+                return None;
+            }
         };
         if positions.is_empty() {
             return Some(empty(true));
@@ -512,6 +538,7 @@ impl Job {
                     None if left => return None,
                     None => {
                         claims.positions = &[];
+                        plan.settle(positions.len());
                         let mut bytes = 0;
                         let mut samples = Vec::with_capacity(positions.len());
                         for &p in positions {
