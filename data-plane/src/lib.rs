@@ -297,6 +297,21 @@ impl Stage {
             }
             .instrument(info_span!("http")),
         );
+        if let Some(mount) = &mount {
+            // Readers of a mount unmounted from outside find an empty
+            // directory: the stage stops, to be started again with it.
+            let (ended, dir, stopping) = (mount.ended(), mount.dir().to_owned(), cancel.clone());
+            critical.spawn("mount", async move {
+                tokio::select! {
+                    biased;
+                    () = stopping.cancelled() => Ok(()),
+                    () = ended.cancelled() => Err(anyhow::anyhow!(
+                        "the mount at {} ended while the stage ran (unmounted from outside: `umount`, `fusermount3 -u`?), which leaves its readers an empty directory; start the stage again to mount it",
+                        dir.display()
+                    )),
+                }
+            });
+        }
         let ticking = tick(Arc::clone(&engine), cancel.clone());
         critical.spawn(
             "tuner",

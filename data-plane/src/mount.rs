@@ -41,6 +41,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
+use tokio_util::sync::CancellationToken;
 
 use anyhow::Context;
 use fuser::{
@@ -82,6 +83,8 @@ pub struct Mount {
     connection: Option<u32>,
     /// Its background tasks (detaching idle jobs, taking order files).
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Cancelled when the session ends (see [`Mount::ended`]).
+    ended: CancellationToken,
 }
 
 impl std::fmt::Debug for Mount {
@@ -94,6 +97,13 @@ impl Mount {
     /// Where the data sets are mounted.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Cancelled once the kernel ends the mount's session: unmounted, by
+    /// the stage as it stops or from outside (`umount`, `fusermount3 -u`)
+    /// while it runs, which leaves its readers an empty directory.
+    pub fn ended(&self) -> CancellationToken {
+        self.ended.clone()
     }
 }
 
@@ -193,6 +203,7 @@ pub fn mount(
             }
         })
     };
+    let ended = CancellationToken::new();
     let fs = MountFs(Arc::new(Shared {
         readers,
         runtime: runtime.clone(),
@@ -212,6 +223,7 @@ pub fn mount(
         counters: Counters::new(engine.metrics()),
         open_costs: OpenCosts::new(&engine),
         openings: Arc::default(),
+        ended: ended.clone(),
         engine,
     }));
     let mount_options = [
@@ -240,6 +252,7 @@ pub fn mount(
         dir: canonical,
         connection,
         tasks,
+        ended,
     })
 }
 
@@ -1445,6 +1458,8 @@ struct Shared {
     open_costs: OpenCosts,
     /// Opens of each inode being decided or alive (see [`Opening`]).
     openings: Arc<Mutex<HashMap<u64, usize>>>,
+    /// Cancelled when the session ends ([`Filesystem::destroy`]).
+    ended: CancellationToken,
 }
 
 /// How long opening each local data set's files takes (a moving mean of
@@ -2369,6 +2384,10 @@ impl Shared {
 }
 
 impl Filesystem for MountFs {
+    fn destroy(&mut self) {
+        self.0.ended.cancel();
+    }
+
     fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), i32> {
         // The session's one thread, which answers every request from here.
         tree::answers_the_kernel();

@@ -1312,6 +1312,24 @@ def test_a_stale_mount_is_recovered_at_the_next_start(tmp_path, mount_stage, dat
     assert os.listdir(mnt) == [], "SIGTERM unmounts"
 
 
+def test_a_mount_unmounted_from_outside_stops_the_stage_with_an_error(tmp_path, mount_stage, dataset):
+    """`umount` of a running stage's mount (a node's cleanup script, an
+    operator) left its readers an empty directory while the stage went on
+    as if nothing happened: no log line, `/readyz` ready. The stage now
+    stops with an error, so that its supervisor starts it again, mounted;
+    a SIGTERM's own unmount still exits 0."""
+    root, files = dataset
+    mnt = tmp_path / "mnt"  # made by mount_stage
+    stage = start_stage(tmp_path, {"ds": root}, "--mount", str(mnt))
+    assert walk(mnt / "ds") == files
+    subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+    assert stage.proc.wait(timeout=20) == 1
+    assert f"the mount at {mnt} ended while the stage ran" in stage.stderr_tail()
+    again, _ = mount_stage(root)
+    assert walk(mnt / "ds") == files
+    assert again.stop() == 0
+
+
 def test_a_missing_mount_directory_is_a_clear_error(tmp_path, dataset):
     root, _ = dataset
     run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
