@@ -123,6 +123,14 @@ pub fn spawn_or_reserve(runtime: &Handle, work: impl FnOnce() + Send + 'static) 
     }
 }
 
+/// Runs `work` on a reserve thread (in turn with other work there);
+/// `false`, leaving it undone, where no reserve was started.
+pub fn on_reserve(work: impl FnOnce() + Send + 'static) -> bool {
+    RESERVE
+        .get()
+        .is_some_and(|reserve| reserve.send(Box::new(work)).is_ok())
+}
+
 /// Logs a thread the OS refused, at most once every ten seconds (under a
 /// thread limit, every request could meet one).
 pub fn refused(why: &str) {

@@ -306,11 +306,11 @@ class Client:
         self.reconnects = 0
         #: Seconds spent waiting for the stage to come back, in all.
         self.reconnect_wait_s = 0.0
-        # Which connection this is (bumped by each reconnection), and the
-        # region of the one before, kept mapped for samples handed over
-        # from it.
+        # Which connection this is (bumped by each reconnection). A region
+        # of an earlier one stays mapped only while samples view it (the
+        # samples refer to it; shm's registry, for samples handed over
+        # from it, holds it weakly).
         self._connection = 0
-        self._previous_region: Optional[_shm.Region] = None
         self._user_closed = False
         self._sock = address if isinstance(address, socket.socket) else _connect(address, timeout)
         try:
@@ -552,8 +552,14 @@ class Client:
             # reuses their slots once the connection ends.
             if self._region is not None:
                 self._region.close()
+                # Unmapped (its memory file closed) once no sample views it.
+                self._region = None
             try:
                 if not self._closed:
+                    # BYE is a courtesy: a stage that stopped answering
+                    # (stopped, hung) is not waited on for long.
+                    self._sock.settimeout(BYE_PATIENCE if self._timeout is None
+                                          else min(self._timeout, BYE_PATIENCE))
                     self._call(p.encode_bye(), p.Goodbye)
             except (SluiceError, OSError):
                 pass
@@ -565,6 +571,13 @@ class Client:
 
     def __enter__(self) -> "Client":
         return self
+
+    def __reduce__(self):
+        # A connection cannot travel to another process (a spawn or
+        # forkserver DataLoader worker gets its dataset pickled).
+        raise TypeError("a sluice.Client cannot be pickled: each process opens its own Client (in a DataLoader "
+                        "worker, in worker_init_fn or at its first use), or use sluice.torch's datasets, which "
+                        "connect in each worker by themselves")
 
     def __del__(self) -> None:
         # Dropped without close(): the samples still held keep their bytes
@@ -667,8 +680,7 @@ class Client:
             if self._connection != seen:
                 return
             self._abort()
-            if self._region is not None:
-                self._previous_region, self._region = self._region, None
+            self._region = None
             start = time.monotonic()
             last = cause
             for _ in _tries(self.reconnect):
@@ -761,6 +773,9 @@ def _returns_flusher(client: "Client"):
 
 
 #: What a try to reach a stage that is away (restarting) fails with.
+#: Seconds ``close()`` waits for the stage's ``GOODBYE``.
+BYE_PATIENCE = 5.0
+
 STAGE_AWAY = (OSError, ConnectionClosedError, UnavailableError, StageTimeoutError)
 
 

@@ -339,6 +339,10 @@ class _Exchanger:
         self.client = dataset.client
         self.dataset = dataset
         self.generation = dataset.client._plan_generation
+        # The connection the plan was submitted on.
+        self.connection = dataset.client._connection
+        # Set once other connections were seen to read the plan too.
+        self.shared = False
         self.frame = p.encode_next(batch)
         self.length = planned.length
         self.resume = resume
@@ -360,8 +364,21 @@ class _Exchanger:
                 if self.rewind is not None:
                     raise ConnectionClosedError("an interrupt cut this plan's last exchange short",
                                                 fatal=True)
+                if self.resume is not None and seen != self.connection:
+                    # Another call on the client (a read by name, another
+                    # thread's) found the stage gone and connected again:
+                    # the new connection holds no plan of this iterator's.
+                    seen = self.connection
+                    raise ConnectionClosedError("the client connected again since this plan's last exchange",
+                                                fatal=True)
                 got = _next_exchange(self.client, self.dataset, self.generation, self.frame)
             except (ConnectionClosedError, UnavailableError) as e:
+                if self.resume is None and self.shared:
+                    raise ConnectionClosedError(
+                        f"{e.message}; this plan was read together with other connections of the job, so which of "
+                        "its samples came is known to none of them and it is not resumed on a new "
+                        "connection: give each connection its own share (rank and world_size, or "
+                        "plan_indices), which resumes", fatal=True) from e
                 if self.resume is None:
                     raise
                 self.client._reconnect(e, seen)
@@ -384,6 +401,7 @@ class _Exchanger:
                 # Another connection claims entries of this plan: resuming
                 # from here could deliver theirs again.
                 self.resume = None
+                self.shared = True
                 return
             self.next += 1
 
@@ -414,6 +432,7 @@ class _Exchanger:
                             fatal=False)
                     c._plan_generation += 1
                     self.generation = c._plan_generation
+                    self.connection = c._connection
                 break
             except PlanConflictError:
                 if c._runs:

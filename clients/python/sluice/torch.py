@@ -92,6 +92,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as _dist
@@ -707,6 +708,28 @@ class _PlanningSampler(_data.Sampler):
         return state
 
 
+def _sampler_plan(submit):
+    """A sampler's plan, from ``submit()``: the warning for an epoch its
+    job already read in full says what it means for a sampler (its indices
+    come all the same; their files are read, not prefetched), where the
+    plan iterator's says that nothing comes."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = submit()
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning) and "was already read in full" in str(w.message):
+            client = plan.dataset.client
+            warnings.warn(
+                f"epoch {plan.epoch} of job {client.job!r} (shard {client.rank} of {client.world_size}) was "
+                "already read in full by this job on this stage: the sampler yields its indices all the "
+                "same and the dataset reads their files, but none is prefetched; to have an epoch "
+                "prefetched, call set_epoch with a new epoch before each one (it reaches a sampler with "
+                "persistent workers too) or use a new run", RuntimeWarning, stacklevel=4)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return plan
+
+
 class SluiceSampler(_PlanningSampler):
     """Yields this rank's indices of an epoch and tells the stage the plan.
 
@@ -782,7 +805,8 @@ class SluiceSampler(_PlanningSampler):
         # prefetch=0: this iterator is never read (the workers' READs deliver
         # the entries); a prefetch thread would claim them with NEXT.
         try:
-            self._plan = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, prefetch=0)
+            self._plan = _sampler_plan(lambda: ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle,
+                                                        prefetch=0))
         except PlanConflictError as e:
             raise error_from_code(
                 ErrorCode.PLAN_CONFLICT,
@@ -933,7 +957,7 @@ class MountSampler(_PlanningSampler):
         # deliver its entries. Keeping it keeps the stage's buffer for it.
         # A padded file is another rank's entry: its open here delivers that
         # entry if the other rank has not opened the file yet.
-        self._plan = ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0)
+        self._plan = _sampler_plan(lambda: ds.plan_names([self.names[i] for i in order], self.epoch, prefetch=0))
         yield from order
 
 
@@ -988,8 +1012,9 @@ class SluiceIterableDataset(_data.IterableDataset):
                  sample: str = "tensor", reconnect: float = 60.0, even: Optional[str] = None) -> None:
         if on_error not in ("raise", "yield"):
             raise ValueError(f'on_error must be "raise" or "yield", got {on_error!r}')
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0 (batches), got {prefetch!r}")
+        given, prefetch = prefetch, integer(prefetch, "prefetch")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (batches), got {given!r}")
         self.prefetch = prefetch
         self.address = address
         self.dataset = dataset

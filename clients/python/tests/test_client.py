@@ -1,6 +1,7 @@
 """The client's logic against the in-process fake stage (no Rust binary)."""
 
 import os
+import signal
 import socket
 import struct
 import threading
@@ -166,6 +167,38 @@ def test_bad_responses_close_the_client(tmp_path, data, reply, error):
         assert c.closed
     finally:
         stage.close()
+
+
+def test_a_client_cannot_be_pickled_and_says_what_to_do_instead(stage_factory, tmp_path):
+    import pickle
+
+    (tmp_path / "d").mkdir()
+    stage = stage_factory({"d": tmp_path / "d"})
+    with sluice.Client(stage.socket, job="pickled") as c:
+        with pytest.raises(TypeError, match="each process opens its own Client"):
+            pickle.dumps(c)
+
+
+def test_close_does_not_wait_long_on_a_stage_that_stopped_answering(stage_factory, tmp_path):
+    """BYE is a courtesy: `close()` (and leaving a `with` block) of a
+    client without a timeout waited for `GOODBYE` from a stopped stage for
+    good."""
+    (tmp_path / "d").mkdir()
+    stage = stage_factory({"d": tmp_path / "d"})
+    c = sluice.Client(stage.socket, job="bye")
+    stage.proc.send_signal(signal.SIGSTOP)
+    # Let go after 20 s whatever happens, so that a close() that waits
+    # fails this test rather than hangs it.
+    resume = threading.Timer(20, stage.proc.send_signal, (signal.SIGCONT,))
+    resume.start()
+    try:
+        t0 = time.monotonic()
+        c.close()
+        took = time.monotonic() - t0
+    finally:
+        resume.cancel()
+        stage.proc.send_signal(signal.SIGCONT)
+    assert took < 10, f"close() took {took:.1f} s"
 
 
 def test_timeout_closes_the_client(tmp_path):

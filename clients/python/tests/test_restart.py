@@ -112,6 +112,34 @@ def test_a_plan_resumes_exactly_once_after_a_restart(restartable, many_files):
         assert c.reconnects == 1 and c.reconnect_wait_s >= 0.4
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_read_between_samples_that_meets_a_restart_first_leaves_the_epoch_going(restartable, many_files,
+                                                                                   prefetch):
+    """A loop that reads a file by name between samples (a label file, a
+    header) met the restart in that read, which connected again; the
+    iterator then took the new connection for another plan's and raised
+    `SupersededError` (32 of 120 samples). It resumes instead."""
+    root, files = many_files
+    stage = restartable(root, "--ops-limit", "600")
+    names = sorted(files)
+    with sluice.Client(stage.sock, job="between", reconnect=20) as c:
+        ds = c.dataset("ds")
+        got = []
+        with ds.epoch(0, seed=4, batch=16, prefetch=prefetch) as it:
+            for name, data in it:
+                assert data == files[name], name
+                got.append(name)
+                if len(got) == 300:
+                    stage.kill()
+                    restarted = threading.Thread(target=lambda: (time.sleep(0.5), stage.start()), daemon=True)
+                    restarted.start()
+                    # The read meets the dead connection first.
+                    assert ds.read(names[0]) == files[names[0]]
+            assert it.resumed == 1
+        restarted.join()
+        assert got == [ds.files[i][0] for i in ds.local_order(0, seed=4)], "every sample once, in plan order"
+
+
 def test_a_dropped_connection_to_a_live_stage_resumes_its_plan(stage_factory, many_files):
     import socket
 

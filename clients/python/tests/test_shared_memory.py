@@ -59,6 +59,39 @@ def test_samples_arrive_in_shared_memory_byte_for_byte(stage_factory, dataset):
     wait_for(lambda: lent(stage, "exact") == 0, what="the job's slots to come back")
 
 
+def regions_mapped() -> int:
+    """This process's descriptors of stage regions (Python's mmap keeps one
+    per mapping)."""
+    fds = f"/proc/{os.getpid()}/fd"
+    count = 0
+    for fd in os.listdir(fds):
+        try:
+            count += os.readlink(f"{fds}/{fd}").startswith("/memfd:sluice")
+        except OSError:
+            pass
+    return count
+
+
+def test_a_closed_client_whose_samples_are_gone_unmaps_its_region(stage_factory, dataset):
+    """`close()` (and a reconnection) kept the region mapped, with its
+    memory file open, for as long as the Client object lived, where no
+    sample viewed it any more: after a stage's rolling update, the old
+    stage's whole buffer stayed allocated for the trainer's life."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    gc.collect()  # earlier tests' clients
+    before = regions_mapped()
+    c = sluice.Client(stage.socket, job="unmapped")
+    held = next(iter(c.dataset("d").epoch(0, seed=1)))[1]
+    assert isinstance(held, memoryview) and regions_mapped() == before + 1
+    c.close()
+    gc.collect()
+    assert regions_mapped() == before + 1, "a sample still views it"
+    del held
+    gc.collect()
+    assert regions_mapped() == before, "unmapped with its last sample, the client alive"
+
+
 def test_writing_into_a_sample_changes_only_this_process(stage_factory, dataset):
     root, files = dataset
     stage = stage_factory({"d": root})

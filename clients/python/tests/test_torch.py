@@ -117,7 +117,7 @@ def test_iterable_even_shares_are_distributed_samplers_shares_split_between_work
     _everything, shares = _distributed_shares(files, even)
     for rank, workers in ((0, 0), (3, 2), (4, 3)):
         ds = SluiceIterableDataset(stage.socket, "d", job=f"iter-even-{even}", seed=np.uint64(7), rank=rank,
-                                   world_size=world, batch=3, even=even)
+                                   world_size=world, batch=3, even=even, prefetch=np.int64(2))
         ds.set_epoch(np.int32(2))
         expected = shares[rank]
         assert len(ds) == len(expected) == (len(files) // world + (even == "pad"))
@@ -198,6 +198,25 @@ def test_ranks_of_a_ddp_job_take_the_same_number_of_steps_with_padded_shares(sta
     outs = [r.communicate(timeout=120) for r in ranks]
     assert [r.returncode for r in ranks] == [0, 0], [err[-2000:] for _, err in outs]
     assert sorted(out.split() for out, _ in outs) == [["0", "5", "4"], ["1", "5", "4"]]
+
+
+def test_a_sampler_iterated_again_without_set_epoch_says_what_it_does(stage_factory, dataset):
+    """A second pass of a sampler over the same epoch yields every index
+    (its files read without prefetching); the warning said that the plan
+    delivers nothing, and to leave persistent workers off, which is the
+    iterable dataset's story."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    ds = SluiceDataset(stage.socket, "d", job="again")
+    sampler = SluiceSampler(ds, seed=5)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate)
+    first = _collect(loader)
+    with pytest.warns(RuntimeWarning, match="yields its indices all the same") as caught:
+        second = _collect(loader)
+    assert not [w for w in caught if "delivers nothing" in str(w.message)], [str(w.message) for w in caught]
+    assert sorted(n for n, _ in first) == sorted(n for n, _ in second) == sorted(files)
+    sampler.close()
+    ds.close()
 
 
 @pytest.mark.parametrize("workers", [0, 4])

@@ -30,6 +30,10 @@ use crate::token_bucket::Ticket;
 /// only picks work and starts reads; the runtime waits for them).
 const REMOTE_THREADS: u32 = 2;
 
+/// Reads a stand-in reader makes before it gives its reserve thread a
+/// turn for other work (the next tuner tick hands it back).
+const STAND_IN_TURN: u32 = 32;
+
 /// One local read in this many is watched for whether it blocked (two
 /// system calls), which is enough for the tuner to see whether reads wait
 /// for a device or run on the CPU.
@@ -68,7 +72,10 @@ pub(super) enum Idle {
 }
 
 impl Job {
-    /// Starts reader threads until the wanted count runs.
+    /// Starts reader threads until the wanted count runs. Where the OS
+    /// refuses the job every one (the stage at its thread limit), a
+    /// stand-in reads on one of the threads the stage keeps for this, a
+    /// turn at a time, while there is work.
     pub(super) fn ensure_readers(self: &Arc<Self>, st: &mut JobState) {
         while !st.stopped && st.readers_running < st.threads_wanted() {
             let job = Arc::clone(self);
@@ -77,13 +84,19 @@ impl Job {
                     "reader-{}",
                     self.id.chars().take(8).collect::<String>()
                 ))
-                .spawn(move || job.reader_loop());
+                .spawn(move || job.reader_loop(false));
             match spawned {
                 Ok(_) => st.readers_running += 1,
                 Err(e) => {
                     // The job reads with the readers it has; the next tick
                     // asks again.
                     crate::blocking::refused(&format!("a reader thread of job {}: {e}", self.id));
+                    if st.readers_running == 0 {
+                        let job = Arc::clone(self);
+                        if crate::blocking::on_reserve(move || job.reader_loop(true)) {
+                            st.readers_running += 1;
+                        }
+                    }
                     break;
                 }
             }
@@ -95,14 +108,21 @@ impl Job {
             .set(i64::from(st.readers_target));
     }
 
-    fn reader_loop(self: Arc<Self>) {
+    /// A reader's work until the job stops or needs fewer; a `stand_in`
+    /// (on a reserve thread) also ends when it finds nothing to do or
+    /// made its turn of reads.
+    fn reader_loop(self: Arc<Self>, stand_in: bool) {
+        let mut turn = 0;
         'next: loop {
             // The limiter's line is taken in the order work is picked, which
             // is plan order, under the job's lock.
             let (work, ticket) = {
                 let mut st = self.lock();
                 loop {
-                    if st.stopped || st.readers_running > st.threads_wanted() {
+                    if st.stopped
+                        || st.readers_running > st.threads_wanted()
+                        || (stand_in && turn == STAND_IN_TURN)
+                    {
                         st.readers_running -= 1;
                         return;
                     }
@@ -115,6 +135,7 @@ impl Job {
                         Ok(work) => {
                             st.over_waiting = None;
                             st.in_flight += 1;
+                            turn += 1;
                             // Wakes are one at a time: pass it on, in case
                             // there is more (each reader that finds work
                             // wakes the next, up to the running count).
@@ -148,6 +169,11 @@ impl Job {
                                     st.in_flight += 1;
                                     break (work, self.limiter.ticket());
                                 }
+                            }
+                            if stand_in {
+                                // Its thread is not the job's to wait on.
+                                st.readers_running -= 1;
+                                return;
                             }
                             if matches!(idle, Idle::OverBudget) {
                                 self.stats.memory_waits.fetch_add(1, Ordering::Relaxed);
