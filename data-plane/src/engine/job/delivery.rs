@@ -64,6 +64,15 @@ impl Presence {
     pub fn here(&self) -> bool {
         self.here.load(Ordering::Relaxed)
     }
+
+    /// Resolves when the trainer of `present` leaves; never for a wait on
+    /// no trainer's behalf, or on one that left already.
+    async fn leaving(present: Option<&Self>) {
+        match present {
+            Some(p) if p.here() => p.gone.notified().await,
+            _ => std::future::pending().await,
+        }
+    }
 }
 
 /// What `NEXT` returns: the samples, whether the plan is exhausted, and the
@@ -434,23 +443,16 @@ impl Job {
             // Another connection's NEXT waits for the plan's last entries:
             // they come back if its trainer leaves, so the end is not told
             // before they are taken.
-            let gone = async {
-                match present {
-                    Some(p) if p.here() => p.gone.notified().await,
-                    Some(_) => {}
-                    None => std::future::pending().await,
-                }
-            };
-            let left = tokio::time::timeout(STALL_SLICE, async {
+            if !present.is_none_or(Presence::here) {
+                return None;
+            }
+            let _ = tokio::time::timeout(STALL_SLICE, async {
                 tokio::select! {
-                    () = settled.notified() => false,
-                    () = gone => true,
+                    () = settled.notified() => {}
+                    () = Presence::leaving(present) => {}
                 }
             })
             .await;
-            if left == Ok(true) {
-                return None;
-            }
         };
         if positions.is_empty() {
             return Some(empty(true));
@@ -572,16 +574,10 @@ impl Job {
             // at least every STALL_SLICE, whether it passed in silence or
             // in wake-ups for entries that came one by one (a throttled job
             // fills a batch of 32 over seconds, a wake-up each).
-            let gone = async {
-                match present {
-                    Some(p) if p.here() => p.gone.notified().await,
-                    _ => std::future::pending().await,
-                }
-            };
             let _ = tokio::time::timeout(STALL_SLICE, async {
                 tokio::select! {
                     () = wake.notified() => {}
-                    () = gone => {}
+                    () = Presence::leaving(present) => {}
                 }
             })
             .await;
