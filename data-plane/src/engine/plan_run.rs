@@ -197,19 +197,20 @@ impl PlanRun {
     pub fn claim_next(&mut self, max: usize, budget: u64) -> Vec<u32> {
         let mut claimed = Vec::new();
         let mut bytes = 0;
+        let mut full = false;
         while claimed.len() < max
             && let Some(&pos) = self.orphaned.first()
         {
             let size = self.size_of(pos);
-            if !claimed.is_empty() && bytes + size > budget {
-                self.answering += claimed.len();
-                return claimed;
+            full = !claimed.is_empty() && bytes + size > budget;
+            if full {
+                break;
             }
             bytes += size;
             self.orphaned.pop_first();
             claimed.push(pos);
         }
-        while claimed.len() < max && self.claim < self.entries.len() {
+        while !full && claimed.len() < max && self.claim < self.entries.len() {
             let pos = self.claim;
             self.claim += 1;
             if self.entries[pos].claimed {
