@@ -25,6 +25,7 @@ mod memory_limit;
 mod metrics;
 mod mount;
 mod pace;
+mod plain_open;
 mod plan;
 mod protocol;
 mod server;

@@ -10,7 +10,7 @@
 //! data out of the page cache; they land in a 4 KiB-aligned window of an
 //! ordinary `Vec`, so no unsafe allocation is needed.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, Metadata, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
@@ -176,12 +176,22 @@ pub fn clamp_range(size: u64, offset: u64, length: u64) -> (u64, u64) {
 /// place fails here instead of holding the thread until a writer comes
 /// (on a regular file `O_NONBLOCK` changes nothing). Blocking.
 pub fn open_regular(path: &Path) -> io::Result<(File, u64)> {
+    let (file, meta) = open_regular_as_is(path)?;
+    Ok((file, meta.len()))
+}
+
+/// [`open_regular`], returning the file's metadata (one `fstat` for both
+/// the check and the caller). Blocking.
+pub fn open_regular_as_is(path: &Path) -> io::Result<(File, Metadata)> {
     let file = open_with(
         OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK),
         path,
     )?;
-    let size = check_regular(&file)?;
-    Ok((file, size))
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    Ok((file, meta))
 }
 
 /// Reads a byte range of a regular file through the page cache. Blocking.
