@@ -273,6 +273,10 @@ class Client:
         self.run = run
         # The run PLAN names on this connection: 0 until a stage grants RUNS.
         self._plan_run = 0
+        # A run the plans name instead of ``run`` (see `_plan_apart`), and
+        # the run this connection named with RUN (0: none).
+        self._plans_apart = 0
+        self._said_run = 0
         self._runs = False
         self.address = address if not isinstance(address, socket.socket) else None
         # Validate HELLO's fields before connecting, so a bad job name is a
@@ -398,8 +402,21 @@ class Client:
         its reads by name (``read``, ``fetch``) then deliver only entries
         of the run's plans, never another run's (an evaluation pass, a
         restarted trainer) of the same job."""
-        if self._plan_run and welcome.features & p.FEATURE_RUN_READS:
-            self._sock.sendall(p.encode_run(self._plan_run))
+        self._said_run = 0
+        if self._runs and self.run and welcome.features & p.FEATURE_RUN_READS:
+            self._sock.sendall(p.encode_run(self.run))
+            self._said_run = self.run
+
+    def _plan_apart(self, run: int) -> None:
+        """Has this client's plans name ``run`` (not 0) instead of its own
+        run, on this connection and after every reconnect; its reads by
+        name and the samples it hands off stay its own run's. A
+        ``DataLoader`` worker's plans are its loader iteration's, so that
+        a new iteration of an epoch plans it anew (see
+        :class:`sluice.torch.SluiceIterableDataset`)."""
+        with self._lock:
+            self._plans_apart = run
+            self._plan_run = run if self._runs else 0
 
     def _welcomed(self, welcome, version: int) -> p.Welcome:
         """Checks the answer to ``HELLO`` and records what it says."""
@@ -413,7 +430,7 @@ class Client:
         self.stage_id: str = welcome.stage_id
         #: Whether a plan may name a run on this connection.
         self._runs = bool(welcome.version >= 2 and welcome.features & p.FEATURE_RUNS)
-        self._plan_run = (self.run or 0) if self._runs else 0
+        self._plan_run = (self._plans_apart or self.run or 0) if self._runs else 0
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
         return welcome

@@ -210,7 +210,7 @@ class _SlotBatch:
             # process maps, so send the bytes instead.
             return (_stack, ([s.clone() for s in self.samples],))
         slots = [(o.offset, s.numel()) for o, s in zip(owners, self.samples)]
-        run = client._plan_run or None
+        run = client._said_run or None
         return (_rebuild_batch, (client.address, client.job, client.labels, region.ident, slots, run))
 
 
@@ -324,8 +324,12 @@ class _PerProcess:
     """
 
     def __init__(self, address, dataset: str, job: str, labels, rank: int, world_size: int,
-                 timeout: Optional[float], reconnect: float = 60.0, runs: bool = False) -> None:
+                 timeout: Optional[float], reconnect: float = 60.0, runs: bool = False,
+                 plans_per_loader: bool = False) -> None:
         self.address = address
+        # Whether a DataLoader worker's plans name its loader iteration's run
+        # (see `_loader_run`), not its trainer's.
+        self.plans_per_loader = plans_per_loader and runs
         # What the runs of this object's trainer processes derive from (see
         # `run`); pickled with the rest.
         self._nonce: Optional[bytes] = os.urandom(16) if runs else None
@@ -368,9 +372,13 @@ class _PerProcess:
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
             def connect() -> Client:
-                return Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
-                              world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
-                              run=self.run)
+                client = Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
+                                world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
+                                run=self.run)
+                loader_run = self._loader_run()
+                if loader_run is not None:
+                    client._plan_apart(loader_run)
+                return client
             # A stage this dataset has read from before (in this process or
             # its parent) that does not answer is restarting: a worker that
             # starts meanwhile waits for it as a connected client does.
@@ -442,6 +450,24 @@ class _PerProcess:
         if self._run is None or self._run[0] != pid:
             self._run = (pid, _run_of(self._nonce, self._trainer()))
         return self._run[1]
+
+    def _loader_run(self) -> Optional[int]:
+        """In a ``DataLoader`` worker of an object that plans per loader
+        iteration: the run its plans name, one per iteration of the loader
+        (its workers share the iteration's base seed, which each iteration
+        draws anew; persistent workers keep theirs), under the trainer's
+        run. A new iteration of an epoch thus reads it in full, as a plain
+        ``DataLoader`` does, while the workers of an iteration abandoned
+        mid-epoch still live (a notebook keeps the interrupted cell's
+        traceback, and with it the iterator and its workers): joining their
+        plans gave the new iteration what they had left, less the samples
+        they held. None elsewhere."""
+        info = _data.get_worker_info()
+        if not self.plans_per_loader or info is None:
+            return None
+        base = info.seed - info.id
+        digest = hashlib.blake2b(b"%d:%d" % (self.run, base), digest_size=8).digest()
+        return int.from_bytes(digest, "big") or 1
 
     def _trainer(self) -> int:
         """The trainer process: this one, or a ``DataLoader`` worker's."""
@@ -992,16 +1018,21 @@ class SluiceIterableDataset(_data.IterableDataset):
             then planned as explicit indices, derived locally from the
             same seed, instead of as a ``SHUFFLE`` plan.
 
-    Call :meth:`set_epoch` before each epoch; iterating an epoch that this
-    trainer process already read in full yields nothing in workers and
-    raises in the main process. ``len()`` is this rank's share (all
+    Call :meth:`set_epoch` before each epoch. Iterating an epoch that this
+    trainer process already read in full raises in the main process; in
+    ``DataLoader`` workers each iteration of the loader is a reading of its
+    own, so a new one reads the epoch in full, as a plain ``DataLoader``
+    does (persistent workers keep theirs across iterations: one that read
+    the epoch in full yields nothing). ``len()`` is this rank's share (all
     workers together).
 
     Plans name the trainer process's run (see :class:`sluice.Client`),
     derived from a random value of the object and the process's id and
-    start time (a worker takes its trainer's): a trainer restarted after a
-    crash, with a new object or this one, reads its epochs in full even
-    while the crashed one's workers still hold their plans.
+    start time, and in workers also from the loader iteration's base seed:
+    a trainer restarted after a crash, with a new object or this one, reads
+    its epochs in full even while the crashed one's workers still hold
+    their plans, and so does a notebook cell run again after an interrupt
+    while the interrupted iteration's workers live on in its traceback.
     """
 
     def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,
@@ -1030,7 +1061,7 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.even = _check_even(even)
         self.epoch = 0
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
-                                 reconnect, runs=True)
+                                 reconnect, runs=True, plans_per_loader=True)
         ds = self._conn.get()
         self.file_count: int = ds.file_count
         self.digest: int = ds.digest

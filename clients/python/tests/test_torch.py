@@ -308,6 +308,39 @@ def test_loaders_dropped_mid_epoch_give_their_connections_back_without_the_cycle
         gc.enable()
 
 
+def test_a_loader_iterated_again_while_an_interrupted_iteration_lives_reads_the_epoch_in_full(
+        stage_factory, tmp_path):
+    """A notebook cell interrupted mid-epoch keeps its traceback, and with
+    it the DataLoader iterator and its workers; the cell run again
+    iterates the loader anew. The new workers joined the old ones' plans
+    and got what those had left, less the samples they held (1,136 of
+    2,000). Each iteration of the loader is now a reading of its own: the
+    epoch in full, each sample once, as a plain DataLoader gives it; and
+    the loader iterated once more reads it in full again."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    files = {f"{i:04d}.bin": os.urandom(1000) for i in range(400)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"ds": root})
+    ds = SluiceIterableDataset(stage.socket, "ds", job="cell-again", seed=1, batch=8)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate)
+    interrupted = iter(loader)
+    first = []
+    for names, _ in interrupted:
+        first += names
+        if len(first) >= 80:
+            break
+    # `interrupted` lives on, as a kept traceback keeps it: its workers hold
+    # their plans and the batches they fetched ahead.
+    for _ in range(2):
+        again = _collect(loader)
+        assert sorted(n for n, _ in again) == sorted(files)
+        assert all(files[n] == d for n, d in again)
+    del interrupted
+    ds.close()
+
+
 def test_a_trainer_exiting_mid_epoch_exits_cleanly(stage_factory, dataset):
     """A script that ends while an iterable dataset is mid-epoch in its main
     process (its prefetch thread inside a read) exits 0: dropping the
