@@ -42,7 +42,7 @@ from .errors import (
     UnavailableError,
     UnsupportedVersionError,
 )
-from .iterator import SupersededError
+from .iterator import AlreadyReadWarning, SupersededError
 from .plan import shuffle_plan
 from .protocol import PlanState
 
@@ -54,6 +54,7 @@ __all__ = [
     "FileList",
     "PlanIterator",
     "SupersededError",
+    "AlreadyReadWarning",
     "PlanState",
     "parse_address",
     "shuffle_plan",

@@ -48,6 +48,11 @@ class SupersededError(RuntimeError):
     submitted, or another dataset opened, on the same client."""
 
 
+class AlreadyReadWarning(RuntimeWarning):
+    """A plan of an epoch its job (or run) already read in full on the
+    stage: it delivers nothing again (``PlanState.COMPLETE``)."""
+
+
 class PlanIterator:
     """Iterates one submitted plan: ``(name, data)`` in plan order.
 
@@ -87,7 +92,7 @@ class PlanIterator:
                 f"full by {by} on this stage, so this plan delivers nothing (its iterator yields nothing, "
                 f"and reads of its files are not prefetched); to read it again use {again} or a new job "
                 f"name (with a DataLoader: call set_epoch before each epoch, and leave persistent_workers "
-                f"off, as its workers never see set_epoch)", RuntimeWarning, stacklevel=3)
+                f"off, as its workers never see set_epoch)", AlreadyReadWarning, stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch

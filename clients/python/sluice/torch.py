@@ -112,7 +112,7 @@ from .errors import (
     UnavailableError,
     error_from_code,
 )
-from .iterator import SupersededError
+from .iterator import AlreadyReadWarning, SupersededError
 from .protocol import PlanState, integer
 
 __all__ = ["SluiceDataset", "SluiceSampler", "SluiceIterableDataset", "MountSampler", "collate"]
@@ -743,14 +743,14 @@ def _sampler_plan(submit):
         warnings.simplefilter("always")
         plan = submit()
     for w in caught:
-        if issubclass(w.category, RuntimeWarning) and "was already read in full" in str(w.message):
+        if issubclass(w.category, AlreadyReadWarning):
             client = plan.dataset.client
             warnings.warn(
                 f"epoch {plan.epoch} of job {client.job!r} (shard {client.rank} of {client.world_size}) was "
                 "already read in full by this job on this stage: the sampler yields its indices all the "
                 "same and the dataset reads their files, but none is prefetched; to have an epoch "
                 "prefetched, call set_epoch with a new epoch before each one (it reaches a sampler with "
-                "persistent workers too) or use a new run", RuntimeWarning, stacklevel=4)
+                "persistent workers too) or use a new run", AlreadyReadWarning, stacklevel=4)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return plan

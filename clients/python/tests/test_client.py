@@ -70,7 +70,7 @@ def test_epoch_order_matches_local_derivation(fake, data):
             names = ds.files.names()
             assert [n for n, _ in got] == [names[i] for i in ds.local_order(4, seed=9)]
             assert all(files[n] == d for n, d in got)
-            with pytest.warns(RuntimeWarning, match="already read in full"):
+            with pytest.warns(sluice.AlreadyReadWarning, match="already read in full"):
                 again = ds.epoch(4, seed=9)
             assert again.state == sluice.PlanState.COMPLETE and list(again) == []
 

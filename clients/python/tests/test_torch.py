@@ -211,7 +211,7 @@ def test_a_sampler_iterated_again_without_set_epoch_says_what_it_does(stage_fact
     sampler = SluiceSampler(ds, seed=5)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate)
     first = _collect(loader)
-    with pytest.warns(RuntimeWarning, match="yields its indices all the same") as caught:
+    with pytest.warns(sluice.AlreadyReadWarning, match="yields its indices all the same") as caught:
         second = _collect(loader)
     assert not [w for w in caught if "delivers nothing" in str(w.message)], [str(w.message) for w in caught]
     assert sorted(n for n, _ in first) == sorted(n for n, _ in second) == sorted(files)
