@@ -929,8 +929,8 @@ impl Connection {
 
     async fn read(&mut self, name: String, offset: u64, length: u64) -> Answer {
         let (dataset, listing) = self.opened()?.clone();
-        check_name(&name)?;
         let job = Arc::clone(self.job());
+        check_name(&name).inspect_err(|e| job.count_refused(&dataset.name, e))?;
         let (whole, run) = (offset == 0 && length == TO_END, self.reads_for);
         // Counted before anything is read, so that waiting holds nothing;
         // but a planned entry a reader has started (before or while this
@@ -1049,6 +1049,7 @@ async fn read_whole_file(
     run: Option<u64>,
 ) -> (Sample, Option<Reservation>) {
     if let Err(e) = check_name(&name) {
+        job.count_refused(&dataset.name, &e);
         let sample = Sample {
             position: 0,
             name,

@@ -329,6 +329,13 @@ def test_forbidden_paths(stage_factory, dataset, tmp_path, name):
         with pytest.raises(sluice.ForbiddenPathError) as e:
             ds.read(name)
         assert e.value.code_name == "FORBIDDEN_PATH" and not e.value.fatal
+        [(_, fetched)] = ds.fetch([name], on_error="yield")
+        assert isinstance(fetched, sluice.ForbiddenPathError), fetched
+        # Both refusals count as the job's failed reads, whichever check
+        # refused them (the name itself, or where its symlinks lead).
+        errors = re.search(r'^sluice_stage_errors_total{code="forbidden_path",dataset="d",job="paths"} (\S+)$',
+                           http_get(stage.metrics, "/metrics"), re.M)
+        assert errors and float(errors.group(1)) == 2, errors
         with pytest.raises(sluice.SluiceError) as e:
             list(ds.plan_names([name], epoch=0, on_error="raise"))
         assert e.value.code in (sluice.ErrorCode.FORBIDDEN_PATH, sluice.ErrorCode.BAD_PLAN)

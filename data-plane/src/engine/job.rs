@@ -656,6 +656,13 @@ impl Job {
         }
     }
 
+    /// Counts a read refused before storage was asked (a name that is no
+    /// name of a data set: absolute, or with `..`), as a failed read of
+    /// `dataset` under its code, as a name that is not there is counted.
+    pub fn count_refused(&self, dataset: &str, e: &ProtocolError) {
+        self.count_failed(&self.metrics_for(dataset), e);
+    }
+
     /// Returns the metric handles for this job reading `dataset`.
     pub fn metrics_for(&self, dataset: &str) -> DatasetMetrics {
         let mut st = self.lock();
