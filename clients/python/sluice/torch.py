@@ -453,21 +453,19 @@ class _PerProcess:
 
     def _loader_run(self) -> Optional[int]:
         """In a ``DataLoader`` worker of an object that plans per loader
-        iteration: the run its plans name, one per iteration of the loader
-        (its workers share the iteration's base seed, which each iteration
-        draws anew; persistent workers keep theirs), under the trainer's
-        run. A new iteration of an epoch thus reads it in full, as a plain
-        ``DataLoader`` does, while the workers of an iteration abandoned
-        mid-epoch still live (a notebook keeps the interrupted cell's
-        traceback, and with it the iterator and its workers): joining their
-        plans gave the new iteration what they had left, less the samples
-        they held. None elsewhere."""
-        info = _data.get_worker_info()
-        if not self.plans_per_loader or info is None:
+        iteration: the run its plans name, the worker process's own (each
+        iteration starts its workers anew; persistent workers keep theirs
+        and their run). A worker's plan is its share alone, so no other
+        process need meet it; a new iteration of an epoch thus reads it in
+        full, as a plain ``DataLoader`` does, while the workers of an
+        iteration abandoned mid-epoch still live (a notebook keeps the
+        interrupted cell's traceback, and with it the iterator and its
+        workers): joining their plans gave the new iteration what they had
+        left, less the samples they held. (A run from the iteration's base
+        seed would repeat under a seeded generator.) None elsewhere."""
+        if not self.plans_per_loader or _data.get_worker_info() is None:
             return None
-        base = info.seed - info.id
-        digest = hashlib.blake2b(b"%d:%d" % (self.run, base), digest_size=8).digest()
-        return int.from_bytes(digest, "big") or 1
+        return _run_of(self._nonce + b"worker:", os.getpid())
 
     def _trainer(self) -> int:
         """The trainer process: this one, or a ``DataLoader`` worker's."""
@@ -1028,11 +1026,12 @@ class SluiceIterableDataset(_data.IterableDataset):
 
     Plans name the trainer process's run (see :class:`sluice.Client`),
     derived from a random value of the object and the process's id and
-    start time, and in workers also from the loader iteration's base seed:
-    a trainer restarted after a crash, with a new object or this one, reads
-    its epochs in full even while the crashed one's workers still hold
-    their plans, and so does a notebook cell run again after an interrupt
-    while the interrupted iteration's workers live on in its traceback.
+    start time; in ``DataLoader`` workers they name the worker process's
+    own (its hand-offs stay its trainer's). A trainer restarted after a
+    crash, with a new object or this one, reads its epochs in full even
+    while the crashed one's workers still hold their plans, and so does a
+    notebook cell run again after an interrupt while the interrupted
+    iteration's workers live on in its traceback.
     """
 
     def __init__(self, address, dataset: str, job: str, seed: int = 0, shuffle: bool = True,

@@ -324,8 +324,13 @@ def test_a_loader_iterated_again_while_an_interrupted_iteration_lives_reads_the_
         (root / name).write_bytes(data)
     stage = stage_factory({"ds": root})
     ds = SluiceIterableDataset(stage.socket, "ds", job="cell-again", seed=1, batch=8)
-    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate)
-    interrupted = iter(loader)
+
+    def loader():
+        # A cell that seeds torch (or the loader's generator) gives each of
+        # its iterations the same base seed.
+        return DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(0))
+    interrupted = iter(loader())
     first = []
     for names, _ in interrupted:
         first += names
@@ -334,7 +339,7 @@ def test_a_loader_iterated_again_while_an_interrupted_iteration_lives_reads_the_
     # `interrupted` lives on, as a kept traceback keeps it: its workers hold
     # their plans and the batches they fetched ahead.
     for _ in range(2):
-        again = _collect(loader)
+        again = _collect(loader())
         assert sorted(n for n, _ in again) == sorted(files)
         assert all(files[n] == d for n, d in again)
     del interrupted
