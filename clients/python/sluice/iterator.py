@@ -91,8 +91,8 @@ class PlanIterator:
                 f"epoch {epoch} of job {c.job!r} (shard {c.rank} of {c.world_size}) was already read in "
                 f"full by {by} on this stage, so this plan delivers nothing (its iterator yields nothing, "
                 f"and reads of its files are not prefetched); to read it again use {again} or a new job "
-                f"name (with a DataLoader: call set_epoch before each epoch, and leave persistent_workers "
-                f"off, as its workers never see set_epoch)", AlreadyReadWarning, stacklevel=3)
+                f"name (with a DataLoader: call set_epoch before each epoch)", AlreadyReadWarning,
+                stacklevel=3)
         self.delivered = 0
         self.prefetch = prefetch
         self._batch = batch

@@ -76,8 +76,8 @@ plan again and the workers' reads are sent again, an iterable worker resumes
 its plan at the first sample it had not received. No sample is lost or
 delivered twice.
 With ``persistent_workers=True`` a worker keeps the copy of an iterable
-dataset it started with, so ``set_epoch`` in the main process does not reach
-it: leave ``persistent_workers`` off with :class:`SluiceIterableDataset`.
+dataset it started with; the epoch ``set_epoch`` sets in the main process
+reaches it all the same (it is kept in memory shared with the workers).
 """
 
 from __future__ import annotations
@@ -327,9 +327,10 @@ class _PerProcess:
                  timeout: Optional[float], reconnect: float = 60.0, runs: bool = False,
                  plans_per_loader: bool = False) -> None:
         self.address = address
-        # Whether a DataLoader worker's plans name its loader iteration's run
-        # (see `_loader_run`), not its trainer's.
+        # Whether a DataLoader worker's plans name a run of each of its
+        # iterations (see `new_reading`), not its trainer's.
         self.plans_per_loader = plans_per_loader and runs
+        self._readings = 0
         # What the runs of this object's trainer processes derive from (see
         # `run`); pickled with the rest.
         self._nonce: Optional[bytes] = os.urandom(16) if runs else None
@@ -372,13 +373,9 @@ class _PerProcess:
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
             def connect() -> Client:
-                client = Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
-                                world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
-                                run=self.run)
-                loader_run = self._loader_run()
-                if loader_run is not None:
-                    client._plan_apart(loader_run)
-                return client
+                return Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
+                              world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
+                              run=self.run)
             # A stage this dataset has read from before (in this process or
             # its parent) that does not answer is restarting: a worker that
             # starts meanwhile waits for it as a connected client does.
@@ -451,21 +448,24 @@ class _PerProcess:
             self._run = (pid, _run_of(self._nonce, self._trainer()))
         return self._run[1]
 
-    def _loader_run(self) -> Optional[int]:
-        """In a ``DataLoader`` worker of an object that plans per loader
-        iteration: the run its plans name, the worker process's own (each
-        iteration starts its workers anew; persistent workers keep theirs
-        and their run). A worker's plan is its share alone, so no other
-        process need meet it; a new iteration of an epoch thus reads it in
-        full, as a plain ``DataLoader`` does, while the workers of an
-        iteration abandoned mid-epoch still live (a notebook keeps the
-        interrupted cell's traceback, and with it the iterator and its
-        workers): joining their plans gave the new iteration what they had
-        left, less the samples they held. (A run from the iteration's base
-        seed would repeat under a seeded generator.) None elsewhere."""
+    def new_reading(self) -> None:
+        """In a ``DataLoader`` worker of an object that plans per reading:
+        has the plans of this iteration of the loader name a run of their
+        own, under the worker process and its count of iterations (a
+        persistent worker serves many). A worker's plan is its share
+        alone, so no other process need meet it; each iteration thus reads
+        its epoch in full, as a plain ``DataLoader`` does, while the
+        workers of an iteration abandoned mid-epoch still live (a notebook
+        keeps the interrupted cell's traceback, and with it the iterator
+        and its workers): joining their plans gave the new iteration what
+        they had left, less the samples they held. (A run from the
+        iteration's base seed would repeat under a seeded generator.)
+        Nothing elsewhere; call it once the handle is open."""
         if not self.plans_per_loader or _data.get_worker_info() is None:
-            return None
-        return _run_of(self._nonce + b"worker:", os.getpid())
+            return
+        self._readings += 1
+        run = _run_of(self._nonce + b"worker:%d:" % self._readings, os.getpid())
+        self._client._plan_apart(run)
 
     def _trainer(self) -> int:
         """The trainer process: this one, or a ``DataLoader`` worker's."""
@@ -570,6 +570,16 @@ def _trainer_of_worker(pickled_by: Optional[Tuple[int, bytes]]) -> int:
         if grandparent is not None and pickled_by == (grandparent, _stat_fields(grandparent)[1]):
             return grandparent
     return parent
+
+
+def _shared_epoch():
+    """An epoch number in memory shared with the processes started from
+    this one (inherited by a fork, handed to a spawned process with the
+    object), or None where no shared memory can be made."""
+    try:
+        return multiprocessing.RawValue(ctypes.c_uint64, 0)
+    except OSError:
+        return None
 
 
 def _run_of(nonce: bytes, pid: int) -> int:
@@ -1019,10 +1029,9 @@ class SluiceIterableDataset(_data.IterableDataset):
     Call :meth:`set_epoch` before each epoch. Iterating an epoch that this
     trainer process already read in full raises in the main process; in
     ``DataLoader`` workers each iteration of the loader is a reading of its
-    own, so a new one reads the epoch in full, as a plain ``DataLoader``
-    does (persistent workers keep theirs across iterations: one that read
-    the epoch in full yields nothing). ``len()`` is this rank's share (all
-    workers together).
+    own (persistent workers too), so a new one reads the epoch in full, as
+    a plain ``DataLoader`` does. ``set_epoch`` reaches persistent workers.
+    ``len()`` is this rank's share (all workers together).
 
     Plans name the trainer process's run (see :class:`sluice.Client`),
     derived from a random value of the object and the process's id and
@@ -1058,7 +1067,8 @@ class SluiceIterableDataset(_data.IterableDataset):
         self._convert = _converter(sample)
         self.on_error = on_error
         self.even = _check_even(even)
-        self.epoch = 0
+        self._epoch = 0
+        self._shared_epoch = _shared_epoch()
         self._conn = _PerProcess(address, dataset, job, labels, self.rank, self.world_size, timeout,
                                  reconnect, runs=True, plans_per_loader=True)
         ds = self._conn.get()
@@ -1066,8 +1076,30 @@ class SluiceIterableDataset(_data.IterableDataset):
         self.digest: int = ds.digest
 
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch the next iteration reads."""
+        """Sets the epoch the next iteration reads (in persistent workers
+        too)."""
         self.epoch = integer(epoch, "epoch", 64)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads: what ``set_epoch`` set in the
+        process that made this object, also where a ``DataLoader``'s
+        persistent workers read it (they keep the copy they started with)."""
+        return self._shared_epoch.value if self._shared_epoch is not None else self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        if self._shared_epoch is not None:
+            self._shared_epoch.value = epoch
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if multiprocessing.context.get_spawning_popen() is None:
+            # A copy that is no process being started (a checkpoint, a
+            # deep copy): the epoch as it is now, shared with nobody.
+            state["_epoch"], state["_shared_epoch"] = self.epoch, None
+        return state
 
     def __len__(self) -> int:
         return _even_length(self.file_count, self.rank, self.world_size, self.even)
@@ -1084,17 +1116,19 @@ class SluiceIterableDataset(_data.IterableDataset):
         # An epoch reads the stage's listing as it is now (a worker started
         # for it connects anew; a loader without workers opens again).
         ds = self._conn.get(fresh=True)
+        self._conn.new_reading()
+        epoch = self.epoch
         if self.even is None:
-            it = ds.epoch(self.epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
+            it = ds.epoch(epoch, seed=self.seed, shuffle=self.shuffle, batch=self.batch,
                           on_error=self.on_error, prefetch=self.prefetch)
         else:
-            everything = _plan.permutation(self.file_count, self.seed, self.epoch, self.shuffle)
+            everything = _plan.permutation(self.file_count, self.seed, epoch, self.shuffle)
             share = _even_share(everything, self.rank, self.world_size, self.even)[worker::workers]
-            it = ds.plan_indices(share, self.epoch, batch=self.batch, on_error=self.on_error,
+            it = ds.plan_indices(share, epoch, batch=self.batch, on_error=self.on_error,
                                  prefetch=self.prefetch)
         if it.state == PlanState.COMPLETE and _data.get_worker_info() is None:
             raise RuntimeError(
-                f"epoch {self.epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
+                f"epoch {epoch} of job {self.job!r} (rank {self.rank}) was already read in full; "
                 "call set_epoch(epoch) with a new epoch before iterating again")
         transform, convert, client = self.transform, self._convert, ds.client
         # The iterator's prefetch thread stops when this generator is closed
