@@ -346,35 +346,6 @@ def test_a_loader_iterated_again_while_an_interrupted_iteration_lives_reads_the_
     ds.close()
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_persistent_workers_read_each_epoch_the_main_process_sets(stage_factory, dataset, context):
-    """Persistent workers keep the copy of the dataset they started with:
-    set_epoch in the main process never reached them, so every epoch after
-    the first planned the first again, already read in full, and yielded
-    nothing (one warning, then silently). The epoch is shared with them
-    now: each epoch is read in full in its own order, and an epoch
-    iterated again is read again, as without persistent workers."""
-    root, files = dataset
-    stage = stage_factory({"d": root})
-    seen = []
-    for rank in range(WORLD):
-        ds = SluiceIterableDataset(stage.socket, "d", job=f"kept-{context}", seed=8, rank=rank,
-                                   world_size=WORLD, batch=3)
-        loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate, persistent_workers=True,
-                            multiprocessing_context=context)
-        for epoch in (0, 1, 2, 2):
-            ds.set_epoch(epoch)
-            got = _collect(loader)
-            share = {sorted_names(files)[i] for i in splan.shuffle_plan(len(files), 8, epoch, True, rank, WORLD)}
-            assert sorted(n for n, _ in got) == sorted(share), f"rank {rank} epoch {epoch}"
-            assert all(files[n] == d for n, d in got)
-            if epoch == 0:
-                seen += got
-        del loader
-        ds.close()
-    assert sorted(n for n, _ in seen) == sorted(files)
-
-
 def test_a_trainer_exiting_mid_epoch_exits_cleanly(stage_factory, dataset):
     """A script that ends while an iterable dataset is mid-epoch in its main
     process (its prefetch thread inside a read) exits 0: dropping the
@@ -527,26 +498,37 @@ def test_files_changed_between_epochs_keep_an_iterable_loader_without_workers_go
     it.close()
 
 
-@pytest.mark.parametrize("workers", [0, 4])
-def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers):
+@pytest.mark.parametrize("workers,kept,context", [(0, False, None), (4, False, None), (2, True, "fork"),
+                                                   (2, True, "spawn")])
+def test_iterable_shares_one_plan_across_workers(stage_factory, dataset, workers, kept, context):
+    """Every rank's share of each epoch, exactly once across the workers.
+    Workers kept across epochs (``persistent_workers``) keep the copy of
+    the dataset they started with: set_epoch never reached them, so every
+    epoch after the first planned the first again, already read in full,
+    and yielded nothing (one warning, then silently). The epoch is shared
+    with them now, and with workers an epoch iterated again is read again,
+    as a plain DataLoader reads it."""
     root, files = dataset
     stage = stage_factory({"d": root})
+    job = f"iter{workers}-{context}"
     seen = []
     for rank in range(WORLD):
-        ds = SluiceIterableDataset(stage.socket, "d", job=f"iter{workers}", seed=8, rank=rank,
-                                   world_size=WORLD, batch=3)
+        ds = SluiceIterableDataset(stage.socket, "d", job=job, seed=8, rank=rank, world_size=WORLD, batch=3)
         assert len(ds) == len(splan.shuffle_plan(len(files), 8, 0, True, rank, WORLD))
-        for epoch in (0, 1):
+        loader = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate, persistent_workers=kept,
+                            multiprocessing_context=context)
+        for epoch in (0, 1, 2, 2) if workers else (0, 1):
             ds.set_epoch(epoch)
-            got = _collect(DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate))
+            got = _collect(loader)
             share = {sorted_names(files)[i] for i in splan.shuffle_plan(len(files), 8, epoch, True, rank, WORLD)}
             assert sorted(n for n, _ in got) == sorted(share), f"rank {rank} epoch {epoch}"
+            assert all(files[n] == d for n, d in got)
             if epoch == 0:
                 seen += got
+        del loader
         ds.close()
     assert sorted(n for n, _ in seen) == sorted(files)
-    assert all(files[n] == d for n, d in seen)
-    assert job_metric(stage, "sluice_stage_shared_samples_total", f"iter{workers}") > 0
+    assert job_metric(stage, "sluice_stage_shared_samples_total", job) > 0
 
 
 RECORD = 4096
