@@ -25,6 +25,10 @@ pub const FEATURE_RUNS: u32 = 2;
 /// `HELLO` feature bit (version 2): the connection may name its run with
 /// `RUN`, and its reads by name then deliver only that run's plan entries.
 pub const FEATURE_RUN_READS: u32 = 4;
+/// `HELLO` feature bit (version 2, with shared memory): the process slots
+/// are handed off to says it received them (`TAKE`); until then they are
+/// in transit, and come back when never received.
+pub const FEATURE_TAKES: u32 = 8;
 /// Bit of `PLAN`'s kind byte: the plan is followed by the `u64` run it
 /// belongs to.
 pub const PLAN_WITH_RUN: u8 = 0x80;
@@ -230,6 +234,11 @@ pub enum Request {
     Run {
         run: u64,
     },
+    /// Version 2, feature `TAKES`: slots another process of the job handed
+    /// off that this connection's process received. A notification.
+    Take {
+        offsets: Vec<u64>,
+    },
 }
 
 mod kind {
@@ -244,6 +253,7 @@ mod kind {
     pub const FETCH: u8 = 0x09;
     pub const HAND_OFF: u8 = 0x0A;
     pub const RUN: u8 = 0x0B;
+    pub const TAKE: u8 = 0x0C;
     pub const WELCOME: u8 = 0x81;
     pub const OPENED: u8 = 0x82;
     pub const FILES: u8 = 0x83;
@@ -315,6 +325,9 @@ impl Request {
                 offsets: offsets(&mut d)?,
             },
             kind::RUN => Self::Run { run: d.u64()? },
+            kind::TAKE => Self::Take {
+                offsets: offsets(&mut d)?,
+            },
             kind::FETCH => {
                 let count = d.count(2)?;
                 Self::Fetch {
@@ -389,6 +402,10 @@ impl Request {
             }
             Self::Run { run } => {
                 e.u8(kind::RUN).u64(*run);
+            }
+            Self::Take { offsets } => {
+                e.u8(kind::TAKE);
+                encode_offsets(&mut e, offsets);
             }
             Self::Fetch { names } => {
                 e.u8(kind::FETCH).u32(len32(names.len()));
@@ -812,6 +829,9 @@ mod tests {
                 offsets: vec![8192],
             },
             Request::Run { run: u64::MAX },
+            Request::Take {
+                offsets: vec![0, 1 << 40],
+            },
             Request::Fetch {
                 names: vec!["a/b.jpg".into(), "c".into()],
             },

@@ -23,9 +23,9 @@ use crate::entry::check_name;
 use crate::metrics::Metrics;
 use crate::plan::{permutation, shard};
 use crate::protocol::{
-    self, ErrorCode, FEATURE_RUN_READS, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FrameReadError,
-    MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec, ProtocolError,
-    Request, Response, SAMPLES_FRAME_BUDGET, Sample, TO_END,
+    self, ErrorCode, FEATURE_RUN_READS, FEATURE_RUNS, FEATURE_SHARED_MEMORY, FEATURE_TAKES,
+    FrameReadError, MAX_LIST, MAX_NEXT, MAX_REQUEST_FRAME, PLAN_WITH_RUN, Part, Payload, PlanSpec,
+    ProtocolError, Request, Response, SAMPLES_FRAME_BUDGET, Sample, TO_END,
 };
 use crate::source::{Pinned, changed};
 use crate::storage::clamp_range;
@@ -349,6 +349,10 @@ impl Connection {
                 Ok(()) => return ControlFlow::Continue(()),
                 Err(e) => Err(e),
             },
+            Ok(Request::Take { offsets }) => match self.take(&offsets) {
+                Ok(()) => return ControlFlow::Continue(()),
+                Err(e) => Err(e),
+            },
             other => other,
         };
         let claims = matches!(request, Ok(Request::Next { .. }));
@@ -444,7 +448,8 @@ impl Connection {
             | Request::Bye
             | Request::Release { .. }
             | Request::HandOff { .. }
-            | Request::Run { .. } => unreachable!("handled above"),
+            | Request::Run { .. }
+            | Request::Take { .. } => unreachable!("handled above"),
             Request::Fetch { names } => self.fetch(names).await,
             Request::Open { dataset } => self.open(&dataset).await,
             Request::List { offset, limit } => self.list(offset, limit),
@@ -521,6 +526,13 @@ impl Connection {
         self.run_reads = granted & FEATURE_RUN_READS != 0;
         if features & FEATURE_SHARED_MEMORY != 0 {
             granted |= self.grant_shared_memory();
+            if granted & FEATURE_SHARED_MEMORY != 0
+                && features & FEATURE_TAKES != 0
+                && let Some(shared) = &mut self.shared
+            {
+                shared.take_receipts();
+                granted |= FEATURE_TAKES;
+            }
         }
         reply(Response::Welcome {
             version,
@@ -580,6 +592,20 @@ impl Connection {
     /// Hands this connection's slots to its job.
     fn hand_off(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
         self.shared()?.hand_off(offsets);
+        Ok(())
+    }
+
+    /// Takes the slots another process of the job handed off and this
+    /// connection's process received.
+    fn take(&self, offsets: &[u64]) -> Result<(), ProtocolError> {
+        let shared = self.shared()?;
+        if !shared.receipts() {
+            return Err(ProtocolError::new(
+                ErrorCode::OutOfOrder,
+                "TAKE on a connection not granted TAKES: ask for it in HELLO, with shared memory",
+            ));
+        }
+        shared.receive(offsets);
         Ok(())
     }
 

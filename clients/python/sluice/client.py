@@ -350,7 +350,10 @@ class Client:
         # RUNS in any case: a plan resumed on a stage that still holds the
         # plan of the connection it replaces names a run of its own.
         runs = p.FEATURE_RUNS | (p.FEATURE_RUN_READS if self.run else 0)
-        features = (p.FEATURE_SHARED_MEMORY if want else 0) | runs
+        # TAKES with shared memory: samples this process hands off to another
+        # of the job are in transit until that one says it received them,
+        # and come back if it never does (batches a DataLoader dropped).
+        features = (p.FEATURE_SHARED_MEMORY | p.FEATURE_TAKES if want else 0) | runs
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
             self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
@@ -390,7 +393,9 @@ class Client:
             raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
         welcome = self._welcomed(msg, version)
         if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
-            self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self))
+            self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self),
+                                       receive=_receipt_sender(self) if welcome.features & p.FEATURE_TAKES
+                                       else None)
             _shm.register(self._region)
         elif fd is not None:
             os.close(fd)
@@ -774,6 +779,27 @@ def _names_of(names: Sequence[str], or_else: str = "") -> List[str]:
         raise TypeError(f"names must be a sequence of file names, got the single name {names!r}: "
                         f"give [{names!r}]{or_else}")
     return list(names)
+
+
+def _receipt_sender(client: "Client"):
+    """The region's way to say that this process received slots another
+    process of the job handed off (``TAKE``): through the client, held
+    weakly, while the region is still its connection's."""
+    ref = weakref.ref(client)
+
+    def receive(region: "_shm.Region", offsets: List[int]) -> None:
+        c = ref()
+        if c is None or c._closed or c._region is not region:
+            return
+        with c._lock:
+            if c._closed or c._region is not region:
+                return
+            try:
+                c._sock.sendall(p.encode_take(offsets))
+            except OSError:
+                c._abort()
+
+    return receive
 
 
 def _returns_flusher(client: "Client"):

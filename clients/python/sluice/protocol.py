@@ -65,6 +65,10 @@ FEATURE_RUNS = 2
 #: ``HELLO`` feature bit (version 2): the connection may say ``RUN``, and its
 #: reads by name then deliver only that run's plan entries.
 FEATURE_RUN_READS = 4
+#: ``HELLO`` feature bit (version 2, with shared memory): the process that
+#: receives slots handed off says so with ``TAKE``; until then they are in
+#: transit, and come back if never received.
+FEATURE_TAKES = 8
 #: Bit of ``PLAN``'s kind byte: a ``u64 run`` follows the plan.
 PLAN_WITH_RUN = 0x80
 #: Largest trainer -> stage frame (``length`` field), 16 MiB.
@@ -93,6 +97,7 @@ class MsgType(enum.IntEnum):
     FETCH = 0x09
     HAND_OFF = 0x0A
     RUN = 0x0B
+    TAKE = 0x0C
     WELCOME = 0x81
     OPENED = 0x82
     FILES = 0x83
@@ -425,6 +430,12 @@ def encode_release(offsets: Sequence[int]) -> bytes:
 def encode_hand_off(offsets: Sequence[int]) -> bytes:
     """Returns a ``HAND_OFF`` frame (version 2; it has no answer)."""
     return encode_frame(MsgType.HAND_OFF, _enc_offsets(offsets))
+
+
+def encode_take(offsets: Sequence[int]) -> bytes:
+    """Returns a ``TAKE`` frame (version 2, feature ``TAKES``; it has no
+    answer)."""
+    return encode_frame(MsgType.TAKE, _enc_offsets(offsets))
 
 
 def encode_run(run: int) -> bytes:

@@ -239,6 +239,9 @@ def _rebuild_batch(address, job: str, labels, ident, slots, run=None):
     if region is None:
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
                            "region this process cannot map (the stage restarted in between?)")
+    # Received: the stage takes back only what no process received (the
+    # batches a loader stopped early dropped unread).
+    region.received([offset for offset, _ in slots])
     if len({n for _, n in slots}) == 1:
         # Copied straight from the region: no tensor per sample. The
         # owners give their slots back once the copy is made.

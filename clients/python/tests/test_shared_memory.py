@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import re
 import signal
 import subprocess
@@ -184,6 +185,54 @@ def test_batches_handed_off_to_a_killed_trainer_come_back_once_its_run_is_gone(s
             # until the job's last connection ended.
             wait_for(lambda: lent(stage, "handed") == 0, timeout=15,
                      what="the killed trainer's handed-off slots to come back")
+
+
+@pytest.mark.parametrize("kind", ["iterable", "map"])
+def test_batches_a_loader_stopped_early_dropped_unread_come_back(stage_factory, tmp_path, kind):
+    """A loop that stops its DataLoader early each epoch (Lightning's
+    limit_train_batches, islice, a break) drops the batches its workers had
+    handed off and the main process never took. They stayed lent to the
+    trainer's run for as long as the trainer lived: about 1 MB more every
+    epoch, up to half the job's buffer. The main process now says which it
+    received (TAKE); the rest come back once their workers are gone."""
+    pytest.importorskip("torch")
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    import sluice.torch as st
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    rng = random.Random(1)
+    files = {f"s{i:04d}": os.urandom(rng.randrange(20_000, 40_000)) for i in range(600)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    stage = stage_factory({"d": root})
+    job = f"early-{kind}"
+    if kind == "iterable":
+        ds = epochs = st.SluiceIterableDataset(stage.socket, "d", job=job, seed=3)
+        loader = DataLoader(ds, batch_size=16, num_workers=2, collate_fn=st.collate)
+    else:
+        ds = st.SluiceDataset(stage.socket, "d", job=job)
+        epochs = st.SluiceSampler(ds, seed=3)
+        loader = DataLoader(ds, batch_size=16, num_workers=2, sampler=epochs, collate_fn=st.collate)
+    for epoch in range(6):
+        epochs.set_epoch(epoch)
+        for names, samples in itertools.islice(loader, 2):
+            assert [bytes(s.numpy()) for s in samples] == [files[n] for n in names]
+        del names, samples
+    gc.collect()
+    dropped = lent(stage, job)
+    assert dropped > 0, "the early stops dropped no handed-off batch: the test shows nothing"
+    time.sleep(11)  # the stage's grace for receipts after a worker ends
+    epochs.set_epoch(6)
+    got = {n: bytes(s.numpy()) for names, samples in loader for n, s in zip(names, samples)}
+    assert got == files
+    del got
+    gc.collect()
+    wait_for(lambda: lent(stage, job) == 0, timeout=10,
+             what=f"the dropped batches' slots ({dropped / MiB:.1f} MiB) to come back")
 
 
 def test_each_job_maps_only_its_own_region(stage_factory, tmp_path):

@@ -1,7 +1,8 @@
 //! A connection's shared-memory delivery (protocol version 2): the job's
 //! region handed over once with `WELCOME`, the samples lent to the trainer
 //! by slot, and their return (`RELEASE`) or hand-over to the job
-//! (`HAND_OFF`). The book of lent slots is the job's
+//! (`HAND_OFF`), and the receipt of slots another process handed off
+//! (`TAKE`). The book of lent slots is the job's
 //! ([`crate::engine::Lending`]): any connection of the job may return any
 //! of them, and the job holds at most [`Lending::limit`] in them; past
 //! that samples come in the frame. What this connection holds goes back
@@ -12,7 +13,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::engine::{Job, Lending, NotLent, Reservation};
 use crate::protocol::{ErrorCode, Payload, ProtocolError, Sample};
@@ -35,6 +36,9 @@ pub struct Shared {
     holder: u64,
     /// The trainer run the connection named (`RUN`), counted in the book.
     run: Option<u64>,
+    /// Whether the process its slots are handed off to says it received
+    /// them (`TAKES`): they are in transit until then.
+    receipts: bool,
 }
 
 impl Shared {
@@ -44,7 +48,19 @@ impl Shared {
             region,
             holder: NEXT_HOLDER.fetch_add(1, Ordering::Relaxed),
             run: None,
+            receipts: false,
         }
+    }
+
+    /// The connection takes receipts (`TAKES`): its hand-offs are in
+    /// transit until received, and it may say what it received (`TAKE`).
+    pub fn take_receipts(&mut self) {
+        self.receipts = true;
+    }
+
+    /// Whether the connection takes receipts.
+    pub fn receipts(&self) -> bool {
+        self.receipts
     }
 
     /// The connection now reads for trainer run `run` (0: none): the slots
@@ -93,6 +109,8 @@ impl Shared {
     ) {
         let limit = Lending::limit(self.job.buffer_capacity(), self.job.memory_budget());
         let mut book = self.job.lend_book();
+        // Slots sent long ago and never received make room first.
+        let swept = book.sweep(Instant::now());
         let mut lent = 0;
         for (i, sample) in samples.iter_mut().enumerate() {
             // Empty files go in the frame: a slot would hold a page for nothing.
@@ -125,6 +143,7 @@ impl Shared {
             lent += 1;
         }
         drop(book);
+        drop(swept);
         self.job.count_shared(lent);
     }
 
@@ -151,7 +170,14 @@ impl Shared {
     pub fn hand_off(&self, offsets: &[u64]) {
         self.job
             .lend_book()
-            .hand_off(offsets, self.holder, self.run);
+            .hand_off(offsets, self.holder, self.run, self.receipts);
+    }
+
+    /// This connection's process received the slots at `offsets` that
+    /// another process of the job handed off: they are this connection's
+    /// now (see [`Lending::receive`]).
+    pub fn receive(&self, offsets: &[u64]) {
+        self.job.lend_book().receive(offsets, self.holder);
     }
 
     /// The connection ended: its slots go back, or, when the stage ended
@@ -169,7 +195,11 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let returned = self.job.lend_book().reclaim(self.holder);
+        let returned = {
+            let mut book = self.job.lend_book();
+            book.sender_gone(self.holder, Instant::now());
+            book.reclaim(self.holder)
+        };
         drop(returned);
         self.leave_run(false);
     }

@@ -10,7 +10,12 @@
 //! back when the run's last connection ends (a trainer killed with batches
 //! its workers had handed over still unread, once its workers are gone
 //! too); other slots handed to the job come back when the job's last
-//! connection ends. The job holds at most
+//! connection ends. A connection that takes receipts (`TAKES`) hands
+//! off slots *in transit*: the process they went to says it received them
+//! (`TAKE`), and they are its connection's from then on; those still in
+//! transit when the handing connection has been gone [`IN_TRANSIT_GRACE`]
+//! were never received (batches a `DataLoader` stopped early dropped
+//! unread) and come back. The job holds at most
 //! [`Lending::limit`] bytes of lent slots, and every job's together at most
 //! half the node's budget; past that samples travel in the frame, so
 //! trainers that keep samples cannot take the job's buffer or the node's
@@ -25,9 +30,16 @@
 //! what they hold while they reconnect elsewhere.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use super::delivery::Lent;
 use crate::chunk::Chunk;
+
+/// How long slots in transit may wait for their receipt once the
+/// connection that handed them off is gone: the receiving process sends
+/// it as it takes the batch, before the worker that sent it is told to
+/// end, so it comes within this unless the batch is never taken.
+pub const IN_TRANSIT_GRACE: Duration = Duration::from_secs(10);
 
 /// The least a job may hold in slots, whatever its buffer: room for the
 /// batches its clients receive ahead.
@@ -42,6 +54,20 @@ enum Holder {
     Run(u64),
     /// Handed off to the job.
     Job,
+    /// Handed off by connection `by` (to its run `to`, or the job), not
+    /// received yet; `gone`: when `by` ended.
+    InTransit {
+        by: u64,
+        to: Option<u64>,
+        gone: Option<Instant>,
+    },
+}
+
+impl Holder {
+    /// Whether the slot is its run's `run` (handed off within it).
+    fn of_run(self, run: u64) -> bool {
+        matches!(self, Self::Run(r) | Self::InTransit { to: Some(r), .. } if r == run)
+    }
 }
 
 /// A lent slot: its bytes, the budget bytes they hold, and who holds it.
@@ -59,6 +85,9 @@ pub struct Lending {
     bytes: u64,
     /// Connections (with shared memory) of each run named with `RUN`.
     runs: HashMap<u64, usize>,
+    /// When the first slots in transit whose sender ended are due back
+    /// (see [`Lending::sweep`]); `None` when there are none.
+    next_sweep: Option<Instant>,
     /// Set once the stage stops: slots taken back keep their bytes here
     /// (their budget goes back) until the job is dropped.
     keeping: bool,
@@ -132,11 +161,19 @@ impl Lending {
     }
 
     /// Hands the slots at `offsets` that connection `holder` holds to its
-    /// run `run` (when it named one), else to the job. Slots already
-    /// returned (by the process they were handed to) or held by another
-    /// connection are left as they are.
-    pub fn hand_off(&mut self, offsets: &[u64], holder: u64, run: Option<u64>) {
-        let to = run.map_or(Holder::Job, Holder::Run);
+    /// run `run` (when it named one), else to the job; in transit until
+    /// received (see [`Lending::receive`]) when the connection takes
+    /// `receipts`. Slots already returned (by the process they were
+    /// handed to) or held by another connection are left as they are.
+    pub fn hand_off(&mut self, offsets: &[u64], holder: u64, run: Option<u64>, receipts: bool) {
+        let to = match (receipts, run) {
+            (true, to) => Holder::InTransit {
+                by: holder,
+                to,
+                gone: None,
+            },
+            (false, run) => run.map_or(Holder::Job, Holder::Run),
+        };
         for offset in offsets {
             if let Some(slot) = self.slots.get_mut(offset)
                 && slot.holder == Holder::Connection(holder)
@@ -146,18 +183,77 @@ impl Lending {
         }
     }
 
-    /// Hands every slot connection `holder` holds to the job (the stage
-    /// ended the connection: its trainer may still read them).
-    pub fn hand_off_all(&mut self, holder: u64) {
-        self.hand_over(Holder::Connection(holder), Holder::Job);
+    /// Connection `holder` received the slots at `offsets` that were in
+    /// transit (handed off by another process of the job): they are its
+    /// own from now. Others are left as they are (returned already, or
+    /// never handed off).
+    pub fn receive(&mut self, offsets: &[u64], holder: u64) {
+        for offset in offsets {
+            if let Some(slot) = self.slots.get_mut(offset)
+                && matches!(slot.holder, Holder::InTransit { .. })
+            {
+                slot.holder = Holder::Connection(holder);
+            }
+        }
     }
 
-    fn hand_over(&mut self, from: Holder, to: Holder) {
+    /// Hands every slot connection `holder` holds, or sent and not yet
+    /// received, to the job (the stage ended the connection: its trainer,
+    /// or the one it sent them to, may still read them).
+    pub fn hand_off_all(&mut self, holder: u64) {
+        self.hand_over(
+            |h| matches!(h, Holder::Connection(c) | Holder::InTransit { by: c, .. } if c == holder),
+            Holder::Job,
+        );
+    }
+
+    fn hand_over(&mut self, from: impl Fn(Holder) -> bool, to: Holder) {
         for slot in self.slots.values_mut() {
-            if slot.holder == from {
+            if from(slot.holder) {
                 slot.holder = to;
             }
         }
+    }
+
+    /// Connection `holder` ended: the slots it sent that are still in
+    /// transit have [`IN_TRANSIT_GRACE`] from `now` to be received.
+    pub fn sender_gone(&mut self, holder: u64, now: Instant) {
+        let mut marked = false;
+        for slot in self.slots.values_mut() {
+            if let Holder::InTransit { by, gone, .. } = &mut slot.holder
+                && *by == holder
+                && gone.is_none()
+            {
+                *gone = Some(now);
+                marked = true;
+            }
+        }
+        if marked {
+            let due = now + IN_TRANSIT_GRACE;
+            self.next_sweep = Some(self.next_sweep.map_or(due, |next| next.min(due)));
+        }
+    }
+
+    /// Takes back the slots still in transit [`IN_TRANSIT_GRACE`] after
+    /// their sender ended (never received: a batch dropped unread). Costs
+    /// nothing until some are due.
+    pub fn sweep(&mut self, now: Instant) -> Returned {
+        if self.next_sweep.is_none_or(|next| now < next) {
+            return Returned::default();
+        }
+        let due = |at: Instant| now.saturating_duration_since(at) >= IN_TRANSIT_GRACE;
+        let returned = self.take(
+            |slot| matches!(slot.holder, Holder::InTransit { gone: Some(at), .. } if due(at)),
+        );
+        self.next_sweep = self
+            .slots
+            .values()
+            .filter_map(|slot| match slot.holder {
+                Holder::InTransit { gone: Some(at), .. } => Some(at + IN_TRANSIT_GRACE),
+                _ => None,
+            })
+            .min();
+        returned
     }
 
     /// Counts a connection of run `run`.
@@ -180,10 +276,10 @@ impl Lending {
         }
         self.runs.remove(&run);
         if keep {
-            self.hand_over(Holder::Run(run), Holder::Job);
+            self.hand_over(|h| h.of_run(run), Holder::Job);
             return Returned::default();
         }
-        self.take(|slot| slot.holder == Holder::Run(run))
+        self.take(|slot| slot.holder.of_run(run))
     }
 
     /// From now on, slots taken back without a `RELEASE` are never reused
