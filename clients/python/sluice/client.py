@@ -255,6 +255,8 @@ class Client:
         shared_memory: Optional[bool] = None,
         reconnect: float = 60.0,
         run: Optional[int] = None,
+        *,
+        _receipts: bool = False,
     ) -> None:
         if run is not None:
             given, run = run, p.integer(run, "run", 64)
@@ -277,6 +279,9 @@ class Client:
         # the run this connection named with RUN (0: none).
         self._plans_apart = 0
         self._said_run = 0
+        # Whether this client asks for TAKES (see `_hello`), and was granted it.
+        self._receipts = _receipts
+        self._takes = False
         self._runs = False
         self.address = address if not isinstance(address, socket.socket) else None
         # Validate HELLO's fields before connecting, so a bad job name is a
@@ -350,10 +355,12 @@ class Client:
         # RUNS in any case: a plan resumed on a stage that still holds the
         # plan of the connection it replaces names a run of its own.
         runs = p.FEATURE_RUNS | (p.FEATURE_RUN_READS if self.run else 0)
-        # TAKES with shared memory: samples this process hands off to another
-        # of the job are in transit until that one says it received them,
-        # and come back if it never does (batches a DataLoader dropped).
-        features = (p.FEATURE_SHARED_MEMORY | p.FEATURE_TAKES if want else 0) | runs
+        # TAKES (sluice.torch's connections, whose receiving processes say
+        # what they received): samples this process hands off are in transit
+        # until then, and come back if never received (batches a DataLoader
+        # dropped unread).
+        takes = p.FEATURE_TAKES if self._receipts else 0
+        features = (p.FEATURE_SHARED_MEMORY | takes if want else 0) | runs
         hello = p.encode_hello(self.job, self.labels, self.rank, self.world_size, version, features)
         if not want:
             self._file = self._sock.makefile("rb", buffering=RECV_BUFFER)
@@ -393,9 +400,7 @@ class Client:
             raise error_from_code(msg.code, msg.message, fatal=msg.fatal)
         welcome = self._welcomed(msg, version)
         if welcome.features & p.FEATURE_SHARED_MEMORY and fd is not None:
-            self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self),
-                                       receive=_receipt_sender(self) if welcome.features & p.FEATURE_TAKES
-                                       else None)
+            self._region = _shm.Region(fd, welcome.region_bytes, flush=_returns_flusher(self))
             _shm.register(self._region)
         elif fd is not None:
             os.close(fd)
@@ -435,6 +440,7 @@ class Client:
         self.stage_id: str = welcome.stage_id
         #: Whether a plan may name a run on this connection.
         self._runs = bool(welcome.version >= 2 and welcome.features & p.FEATURE_RUNS)
+        self._takes = bool(welcome.version >= 2 and welcome.features & p.FEATURE_TAKES)
         self._plan_run = (self._plans_apart or self.run or 0) if self._runs else 0
         self.max_request_frame: int = welcome.max_request_frame
         self.max_response_frame: int = welcome.max_response_frame
@@ -463,6 +469,23 @@ class Client:
                 self._abort()
                 for owner in owners:
                     owner.handed = False
+                return False
+        return True
+
+    def _received(self, ident, offsets: List[int]) -> bool:
+        """Says that this process received the slots at ``offsets`` of the
+        job's region ``ident``, which another process of the job handed off
+        (``TAKE``; on a connection granted ``TAKES`` whose region that is):
+        until then the stage counts them in transit, and takes back those
+        never received. Returns whether it was said."""
+        with self._lock:
+            region = self._region
+            if self._closed or not self._takes or region is None or region.ident != ident:
+                return False
+            try:
+                self._sock.sendall(p.encode_take(offsets))
+            except OSError:
+                self._abort()
                 return False
         return True
 
@@ -779,27 +802,6 @@ def _names_of(names: Sequence[str], or_else: str = "") -> List[str]:
         raise TypeError(f"names must be a sequence of file names, got the single name {names!r}: "
                         f"give [{names!r}]{or_else}")
     return list(names)
-
-
-def _receipt_sender(client: "Client"):
-    """The region's way to say that this process received slots another
-    process of the job handed off (``TAKE``): through the client, held
-    weakly, while the region is still its connection's."""
-    ref = weakref.ref(client)
-
-    def receive(region: "_shm.Region", offsets: List[int]) -> None:
-        c = ref()
-        if c is None or c._closed or c._region is not region:
-            return
-        with c._lock:
-            if c._closed or c._region is not region:
-                return
-            try:
-                c._sock.sendall(p.encode_take(offsets))
-            except OSError:
-                c._abort()
-
-    return receive
 
 
 def _returns_flusher(client: "Client"):

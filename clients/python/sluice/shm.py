@@ -119,13 +119,10 @@ class Region:
 
     :meth:`view` returns a sample's bytes; :meth:`returned` drains the
     offsets of samples nobody refers to any more. ``flush`` (set by the
-    client) sends returns that have waited too long; ``receive`` (set by a
-    client granted ``TAKES``) says which handed-off slots this process
-    received.
+    client) sends returns that have waited too long.
     """
 
-    def __init__(self, fd: int, size: int, flush: Optional[Callable[[], None]] = None,
-                 receive: Optional[Callable[["Region", List[int]], None]] = None) -> None:
+    def __init__(self, fd: int, size: int, flush: Optional[Callable[[], None]] = None) -> None:
         try:
             st = os.fstat(fd)
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -146,18 +143,9 @@ class Region:
         self._live: Dict[int, int] = {}
         self._open = True
         self._flush = flush
-        self._receive = receive
         self._wake = threading.Event()
         self._flusher: Optional[threading.Thread] = None
         self._pid = os.getpid()
-
-    def received(self, offsets: List[int]) -> None:
-        """Says that this process received the slots at ``offsets``, which
-        another process of the job handed off (a ``DataLoader`` worker's
-        batch): until then the stage counts them in transit, and takes
-        back those never received. Call it before reading them."""
-        if self._receive is not None and offsets:
-            self._receive(self, offsets)
 
     def view(self, offset: int, length: int) -> memoryview:
         """Returns the ``length`` bytes at ``offset`` as a read-write

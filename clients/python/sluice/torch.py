@@ -214,8 +214,9 @@ class _SlotBatch:
         return (_rebuild_batch, (client.address, client.job, client.labels, region.ident, slots, run))
 
 
-#: Connections the main process opened to map samples handed to it, by
-#: (address, job, run); kept for the process's life.
+#: Connections the main process opened to map samples handed to it and
+#: say it received them, by (address, job, run); kept for the process's
+#: life.
 _mapping_clients: dict = {}
 
 
@@ -223,33 +224,48 @@ def _rebuild_batch(address, job: str, labels, ident, slots, run=None):
     """In the main process: the samples at ``slots`` of ``job``'s region
     ``ident`` (see :attr:`sluice.shm.Region.ident`), stacked (or a list when
     their sizes differ). ``run``: the worker's trainer run, which the stage
-    holds the handed-off slots for until its last connection ends."""
+    holds the handed-off slots for until its last connection ends. They are
+    received (``TAKE``) through this process's mapping connection of the
+    job and run (see `_mapping_clients`), which its samples' slots are from
+    then on."""
     from . import shm as _shm
 
     region = _shm.region_of(ident)
-    if region is None and address is not None:
-        key = (str(address), job, run)
-        client = _mapping_clients.get(key)
+    key = (str(address), job, run)
+    client = _mapping_clients.get(key)
+    mapped = client is not None and not client.closed and client._region is not None \
+        and client._region.ident == ident
+    if not mapped and address is not None:
         if client is not None and not client.closed:
             # Not its region: a connection to a stage that restarted since
             # (it only sends returns, so it never noticed): open a new one.
             client.close()
-        client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True, run=run)
+        try:
+            client = _mapping_clients[key] = Client(address, job=job, labels=labels, shared_memory=True,
+                                                    run=run, _receipts=True)
+        except STAGE_AWAY:
+            if region is None:
+                raise
+            client = None
         region = _shm.region_of(ident)
     if region is None:
         raise RuntimeError(f"a DataLoader worker handed over samples of job {job!r} in a shared-memory "
                            "region this process cannot map (the stage restarted in between?)")
     # Received: the stage takes back only what no process received (the
-    # batches a loader stopped early dropped unread).
-    region.received([offset for offset, _ in slots])
+    # batches a loader stopped early dropped unread). Where that cannot be
+    # said, the samples are copied now, before it could take them back.
+    received = client is not None and client._received(ident, [offset for offset, _ in slots])
     if len({n for _, n in slots}) == 1:
         # Copied straight from the region: no tensor per sample. The
         # owners give their slots back once the copy is made.
         n = slots[0][1]
         owners = [region.slot(offset, n) for offset, _ in slots] if n else []
         return _rows(len(slots), n, [ctypes.addressof(o) for o in owners])
-    return [_torch.frombuffer(region.view(offset, n), dtype=_torch.uint8) if n
-            else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
+
+    def sample(offset: int, n: int):
+        view = region.view(offset, n)
+        return _torch.frombuffer(view if received else bytearray(view), dtype=_torch.uint8)
+    return [sample(offset, n) if n else _torch.empty(0, dtype=_torch.uint8) for offset, n in slots]
 
 
 def _plain_rows(samples) -> bool:
@@ -378,7 +394,7 @@ class _PerProcess:
             def connect() -> Client:
                 return Client(self.address, job=self.job, labels=self.labels, rank=self.rank,
                               world_size=self.world_size, timeout=self.timeout, reconnect=self.reconnect,
-                              run=self.run)
+                              run=self.run, _receipts=True)
             # A stage this dataset has read from before (in this process or
             # its parent) that does not answer is restarting: a worker that
             # starts meanwhile waits for it as a connected client does.

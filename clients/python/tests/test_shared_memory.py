@@ -589,6 +589,37 @@ def test_a_sample_handed_to_another_connection_is_returned_there(stage_factory, 
         wait_for(lambda: lent(stage, "hand") == 0, what="the handed slot to come back")
 
 
+def test_a_receipt_that_reaches_the_stage_before_its_hand_off_keeps_the_slot(stage_factory, dataset):
+    """The worker's HAND_OFF and the main process's TAKE travel on two
+    connections, so the receipt may come first. It was then ignored (the
+    slot was not in transit yet), the late hand-off put the slot in
+    transit for good, and 10 s after the worker ended the stage took back a
+    slot the main process still read: held samples changed under it."""
+    root, files = dataset
+    stage = stage_factory({"d": root})
+    name = max(files, key=lambda n: len(files[n]))
+    with sluice.Client(stage.socket, job="receipt", _receipts=True) as worker, \
+            sluice.Client(stage.socket, job="receipt", _receipts=True) as main:
+        (_, data), = worker.dataset("d").fetch([name])
+        owner = data.obj
+        main.dataset("d")
+        assert main._received(worker._region.ident, [owner.offset])
+        view = main._region.view(owner.offset, len(data))
+        assert worker.hand_off([owner], worker._region)
+        del data, owner
+        worker.close()
+        held = lent(stage, "receipt")
+        assert held > 0
+        time.sleep(11)  # past the grace for receipts, then a delivery sweeps
+        others = [n for n in files if n != name and files[n]]
+        assert dict(main.dataset("d").fetch(others[:4])) == {n: files[n] for n in others[:4]}
+        assert lent(stage, "receipt") >= held, "the slot the main process received was taken back"
+        assert bytes(view) == files[name]
+        del view
+        main.dataset("d").fetch([name])
+        wait_for(lambda: lent(stage, "receipt") == 0, what="the received slot to come back once released")
+
+
 @pytest.fixture
 def even_files(tmp_path):
     """64 samples of 64 KiB: one slot size, so a freed slot is the next one

@@ -183,14 +183,19 @@ impl Lending {
         }
     }
 
-    /// Connection `holder` received the slots at `offsets` that were in
-    /// transit (handed off by another process of the job): they are its
-    /// own from now. Others are left as they are (returned already, or
-    /// never handed off).
+    /// Connection `holder` received the slots at `offsets`, handed off by
+    /// another process of the job: they are its own from now. That
+    /// process's `HAND_OFF` travels on its own connection and may come
+    /// after this, so a slot another connection still holds is received
+    /// too (its late `HAND_OFF` then leaves it be). Slots not lent
+    /// (returned already) are left as they are.
     pub fn receive(&mut self, offsets: &[u64], holder: u64) {
         for offset in offsets {
             if let Some(slot) = self.slots.get_mut(offset)
-                && matches!(slot.holder, Holder::InTransit { .. })
+                && matches!(
+                    slot.holder,
+                    Holder::InTransit { .. } | Holder::Connection(_)
+                )
             {
                 slot.holder = Holder::Connection(holder);
             }
