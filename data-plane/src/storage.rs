@@ -68,11 +68,16 @@ pub fn io_error(name: &str, e: &io::Error) -> ProtocolError {
 }
 
 fn check_regular(file: &File) -> io::Result<u64> {
+    regular_metadata(file).map(|meta| meta.len())
+}
+
+/// The metadata of `file`, which must be a regular file.
+fn regular_metadata(file: &File) -> io::Result<Metadata> {
     let meta = file.metadata()?;
     if !meta.is_file() {
         return Err(not_regular());
     }
-    Ok(meta.len())
+    Ok(meta)
 }
 
 fn not_regular() -> io::Error {
@@ -187,10 +192,7 @@ pub fn open_regular_as_is(path: &Path) -> io::Result<(File, Metadata)> {
         OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK),
         path,
     )?;
-    let meta = file.metadata()?;
-    if !meta.is_file() {
-        return Err(not_regular());
-    }
+    let meta = regular_metadata(&file)?;
     Ok((file, meta))
 }
 

@@ -478,16 +478,14 @@ class Client:
         (``TAKE``; on a connection granted ``TAKES`` whose region that is):
         until then the stage counts them in transit, and takes back those
         never received. Returns whether it was said."""
-        with self._lock:
-            region = self._region
-            if self._closed or not self._takes or region is None or region.ident != ident:
-                return False
-            try:
-                self._sock.sendall(p.encode_take(offsets))
-            except OSError:
-                self._abort()
-                return False
-        return True
+        region = self._region
+        if self._closed or not self._takes or region is None or region.ident != ident:
+            return False
+        try:
+            self._notify(p.encode_take(offsets))
+        except ConnectionClosedError:
+            return False
+        return not self._closed
 
     def _flush_returns(self) -> None:
         """Sends the returns waiting in the region now (the client is idle)."""

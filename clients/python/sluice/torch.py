@@ -233,10 +233,12 @@ def _rebuild_batch(address, job: str, labels, ident, slots, run=None):
     region = _shm.region_of(ident)
     key = (str(address), job, run)
     client = _mapping_clients.get(key)
-    mapped = client is not None and not client.closed and client._region is not None \
-        and client._region.ident == ident
+    # A connection of this process (a forked child's inherited one is its
+    # parent's) whose region this is.
+    ours = client is not None and client._pid == os.getpid() and not client.closed
+    mapped = ours and client._region is not None and client._region.ident == ident
     if not mapped and address is not None:
-        if client is not None and not client.closed:
+        if ours:
             # Not its region: a connection to a stage that restarted since
             # (it only sends returns, so it never noticed): open a new one.
             client.close()

@@ -166,13 +166,14 @@ impl Lending {
     /// `receipts`. Slots already returned (by the process they were
     /// handed to) or held by another connection are left as they are.
     pub fn hand_off(&mut self, offsets: &[u64], holder: u64, run: Option<u64>, receipts: bool) {
-        let to = match (receipts, run) {
-            (true, to) => Holder::InTransit {
+        let to = if receipts {
+            Holder::InTransit {
                 by: holder,
-                to,
+                to: run,
                 gone: None,
-            },
-            (false, run) => run.map_or(Holder::Job, Holder::Run),
+            }
+        } else {
+            run.map_or(Holder::Job, Holder::Run)
         };
         for offset in offsets {
             if let Some(slot) = self.slots.get_mut(offset)
