@@ -811,6 +811,11 @@ impl Engine {
             job.tune(now);
             // The free pages a quiet job's region keeps go back.
             job.give_back_idle_pages(REGION_IDLE);
+            // Slots handed off and never received come back even when the
+            // job delivers nothing more; their memory goes back once the
+            // book's lock is let go.
+            let swept = job.lend_book().sweep(now);
+            drop(swept);
         }
         self.refresh_listings();
         // Reads that waited for a descriptor: the idle jobs' go back.

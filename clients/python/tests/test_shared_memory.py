@@ -225,7 +225,10 @@ def test_batches_a_loader_stopped_early_dropped_unread_come_back(stage_factory, 
     gc.collect()
     dropped = lent(stage, job)
     assert dropped > 0, "the early stops dropped no handed-off batch: the test shows nothing"
-    time.sleep(11)  # the stage's grace for receipts after a worker ends
+    # They come back once the stage's grace for receipts after a worker
+    # ends (10 s) is over, whether or not the job reads on.
+    wait_for(lambda: lent(stage, job) == 0, timeout=20,
+             what=f"the dropped batches' slots ({dropped / MiB:.1f} MiB) to come back unasked")
     epochs.set_epoch(6)
     got = {n: bytes(s.numpy()) for names, samples in loader for n, s in zip(names, samples)}
     assert got == files

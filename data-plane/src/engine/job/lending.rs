@@ -15,7 +15,8 @@
 //! (`TAKE`), and they are its connection's from then on; those still in
 //! transit when the handing connection has been gone [`IN_TRANSIT_GRACE`]
 //! were never received (batches a `DataLoader` stopped early dropped
-//! unread) and come back. The job holds at most
+//! unread) and come back, at the job's next delivery or the engine's next
+//! tick, whichever comes first. The job holds at most
 //! [`Lending::limit`] bytes of lent slots, and every job's together at most
 //! half the node's budget; past that samples travel in the frame, so
 //! trainers that keep samples cannot take the job's buffer or the node's
