@@ -176,6 +176,14 @@ impl Fill {
         let Some(key) = self.key.take() else {
             return;
         };
+        if bytes.len() as u64 != key.size {
+            // The sample changed again while it was read: those bytes are
+            // not kept under this version, but whoever waits gets them, as
+            // its own read of the source would have.
+            lock(&self.cache.state).pending.remove(&key);
+            self.flight.finish(Ok(Arc::from(bytes)));
+            return;
+        }
         let shared = self.cache.admit(&key, bytes, &self.flight);
         self.flight.finish(shared.ok_or_else(|| abandoned(&key)));
     }
@@ -712,6 +720,18 @@ impl Cache {
         label: &str,
     ) -> Vec<V> {
         let stale = tier.remove_other_versions(key);
+        self.dropped(tier, which, label, stale)
+    }
+
+    /// Counts `stale`, just removed from `tier` (named `which`), as
+    /// evictions of `label`; returns their values.
+    fn dropped<V>(
+        &self,
+        tier: &Tier<V>,
+        which: &str,
+        label: &str,
+        stale: Vec<(SampleKey, V, u64)>,
+    ) -> Vec<V> {
         if stale.is_empty() {
             return Vec::new();
         }
@@ -723,6 +743,46 @@ impl Cache {
             .with_label_values(&[which])
             .set(tier.used as i64);
         stale.into_iter().map(|(_, value, _)| value).collect()
+    }
+
+    /// Drops what the tiers hold of data set `source`'s samples under a
+    /// key its newest listing does not give (`listed` says whether it
+    /// does): files deleted, renamed or rewritten since they were kept,
+    /// which no read will ask for again. Their room goes back to what is
+    /// read now; they would otherwise hold the data set's share for good
+    /// (the disk tier's across restarts too). The keys are checked against
+    /// the listing with the cache unlocked. Blocking (the disk tier's files
+    /// are unlinked).
+    pub fn forget_unlisted(&self, source: &Arc<str>, listed: impl Fn(&SampleKey) -> bool) {
+        let (in_memory, on_disk) = {
+            let st = lock(&self.state);
+            let on_disk = st.disk.as_ref().map(|d| d.tier.keys_of(source));
+            (st.memory.keys_of(source), on_disk.unwrap_or_default())
+        };
+        let unlisted = |keys: Vec<SampleKey>| -> Vec<SampleKey> {
+            keys.into_iter().filter(|k| !listed(k)).collect()
+        };
+        let (in_memory, on_disk) = (unlisted(in_memory), unlisted(on_disk));
+        if in_memory.is_empty() && on_disk.is_empty() {
+            return;
+        }
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let label = st
+            .shares
+            .get(source)
+            .map_or(String::new(), |s| s.label.clone());
+        let stale = st.memory.remove_all(&in_memory);
+        self.dropped(&st.memory, MEMORY, &label, stale);
+        let Some(disk) = st.disk.as_mut() else {
+            return;
+        };
+        let stale = disk.tier.remove_all(&on_disk);
+        for file in self.dropped(&disk.tier, DISK, &label, stale) {
+            // Under the lock, as in `lookup`: no writer of the same path
+            // can be racing this.
+            let _ = std::fs::remove_file(&file.path);
+        }
     }
 
     /// Sets a data set's weight in the split of the capacity, as the

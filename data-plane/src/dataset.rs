@@ -3,10 +3,10 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::cache::SampleKey;
+use crate::cache::{Cache, SampleKey};
 use crate::chunk::{Buffer, Chunk};
 use crate::entry::{FileEntry, Fnv64, Owner, Walked, check_name};
 use crate::protocol::{ErrorCode, ProtocolError};
@@ -145,6 +145,9 @@ pub struct Dataset {
     stale_seen: AtomicBool,
     /// A background listing runs.
     refreshing: AtomicBool,
+    /// The node cache its samples are kept in, if any (see
+    /// [`Dataset::keep_cache_listed`]).
+    cache: OnceLock<Arc<Cache>>,
 }
 
 /// The last listing and the last failure to list again.
@@ -214,7 +217,17 @@ impl Dataset {
             tried: AtomicU64::new(0),
             stale_seen: AtomicBool::new(false),
             refreshing: AtomicBool::new(false),
+            cache: OnceLock::new(),
         }
+    }
+
+    /// Has each new listing drop from the node cache what it holds of this
+    /// data set's samples under a key the listing does not give (files
+    /// deleted, renamed or rewritten since they were kept): no read asks
+    /// for them again, and they would hold the data set's room in the
+    /// cache for good (the disk tier's across restarts too).
+    pub fn keep_cache_listed(&self, cache: Arc<Cache>) {
+        let _ = self.cache.set(cache);
     }
 
     pub fn source(&self) -> &Source {
@@ -270,16 +283,14 @@ impl Dataset {
         Some(self.key_of(&listing.files[listing.position(name)? as usize]))
     }
 
-    /// [`Dataset::latest_key`], and, of a local file, as it is now (a
+    /// [`Dataset::latest_key`], but of a local file as it is now (a
     /// `stat`: a file replaced since the listing, between epochs, was read
     /// from the cache as it was for every epoch its plan began before the
-    /// next listing); `None` also when the file is not what the listing
-    /// says.
+    /// next listing); `None` also when the file cannot be examined.
     pub fn current_key(&self, name: &str) -> Option<SampleKey> {
-        let key = self.latest_key(name)?;
-        let local = self.source().remote().is_none();
-        if local && self.source().local_version(name) != Some((key.version, key.size)) {
-            return None;
+        let mut key = self.latest_key(name)?;
+        if self.source().remote().is_none() {
+            (key.version, key.size) = self.source().local_version(name)?;
         }
         Some(key)
     }
@@ -347,6 +358,16 @@ impl Dataset {
                 cached.listed_in(began.elapsed());
                 cached.listed = Some((Instant::now(), Arc::clone(&listing)));
                 cached.failed = None;
+                drop(cached);
+                if let Some(cache) = self.cache.get() {
+                    // Still this data set's one lister: listings and the
+                    // cache's pruning by them go in turn.
+                    cache.forget_unlisted(&self.identity, |key| {
+                        listing
+                            .position(&key.name)
+                            .is_some_and(|i| self.key_of(&listing.files[i as usize]) == *key)
+                    });
+                }
                 Ok(listing)
             }
             Err(e) => {
@@ -526,6 +547,72 @@ mod tests {
         assert!(ds.listing().is_err());
         age(&ds, LISTING_TTL);
         assert_eq!(ds.listing().unwrap().digest, first.digest);
+    }
+
+    #[test]
+    fn a_new_listing_drops_what_the_cache_holds_of_files_it_no_longer_gives() {
+        use crate::cache::{CachePolicy, Lookup, Tiers};
+        for on_disk in [false, true] {
+            let (dir, ds) = fixture();
+            let root = dir.path().join("root");
+            std::fs::write(root.join("keep.bin"), b"kept as it is").unwrap();
+            let tiers = Tiers {
+                memory: if on_disk { 0 } else { 1 << 20 },
+                policy: CachePolicy::Stable,
+                disk: on_disk.then(|| (dir.path().join("cache"), 1 << 20)),
+            };
+            let metrics = crate::metrics::Metrics::new().cache.clone();
+            let cache = Cache::new(&tiers, &[], metrics).unwrap();
+            cache.set_weight(&ds.identity, "d", 1);
+            ds.keep_cache_listed(Arc::clone(&cache));
+            ds.listing().unwrap();
+            for name in ["keep.bin", "top.bin", "train/a/1.bin"] {
+                let key = ds.current_key(name).unwrap();
+                let bytes = std::fs::read(root.join(name)).unwrap();
+                if on_disk {
+                    assert!(cache.keep(&key, &bytes).unwrap());
+                } else {
+                    let Lookup::Miss(fill) = cache.lookup("d", &key) else {
+                        panic!("{name} was not cached yet");
+                    };
+                    fill.complete(&bytes);
+                }
+            }
+            let held = |cache: &Cache| {
+                let d = &cache.report().datasets[0];
+                if on_disk { d.disk_entries } else { d.entries }
+            };
+            assert_eq!(held(&cache), 3);
+            // One deleted and one rewritten (so "inside", its link, too).
+            let kept = ds.current_key("keep.bin").unwrap();
+            std::fs::remove_file(root.join("top.bin")).unwrap();
+            std::fs::write(root.join("train/a/1.bin"), b"hello again").unwrap();
+            age(&ds, LISTING_TTL);
+            ds.listing().unwrap();
+            assert_eq!(held(&cache), 1, "on disk: {on_disk}");
+            assert!(
+                matches!(
+                    cache.lookup_unclaimed("d", &kept),
+                    Some(Lookup::Hit(_) | Lookup::Disk(_))
+                ),
+                "the file listed as it was is still held"
+            );
+            if on_disk {
+                let files = disk_files(&dir.path().join("cache"));
+                assert_eq!(files, 1, "the dropped entries' files are unlinked");
+            }
+        }
+    }
+
+    /// The sample files of a disk tier in `dir` (in its subdirectories;
+    /// its marker is at the top).
+    fn disk_files(dir: &std::path::Path) -> usize {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_type().unwrap().is_dir())
+            .map(|e| std::fs::read_dir(e.path()).unwrap().count())
+            .sum()
     }
 
     #[test]

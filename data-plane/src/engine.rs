@@ -387,6 +387,11 @@ impl Engine {
         cache: Option<Arc<Cache>>,
     ) -> Arc<Self> {
         metrics.memory_budget.set(memory_budget as i64);
+        if let Some(cache) = &cache {
+            for dataset in &datasets {
+                dataset.keep_cache_listed(Arc::clone(cache));
+            }
+        }
         let memory = Arc::new(Memory::new(memory_budget));
         let kept = Kept::new(
             Arc::clone(&memory.used),

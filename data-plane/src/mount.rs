@@ -62,7 +62,7 @@ use crate::metrics::Metrics;
 use crate::pace::Sparse;
 use crate::protocol::{ErrorCode, Payload, ProtocolError, valid_job_id};
 use crate::server::read_range_now;
-use crate::source::{Pinned, changed};
+use crate::source::{Pinned, changed, grown};
 use crate::sync::lock;
 use crate::trust::{Peer, TrainerAccess};
 use io_mode::{Way, WayHeld, Ways};
@@ -946,6 +946,17 @@ impl Source {
                         return Err(failed(&changed(&self.name)));
                     }
                     Some(first) => *pin = Some(first.or_held(read)),
+                    // An object grown since it was listed: the kernel reads
+                    // it to the size it was listed at, so its new version
+                    // would read cut short (a shrunk one reads whole: the
+                    // kernel takes the end of a short read as the size).
+                    None if read.size > self.size => {
+                        drop(pin);
+                        if let Some(object) = &self.object {
+                            object.set(ObjectKept::Stale);
+                        }
+                        return Err(failed(&grown(&self.name, self.size, read.size)));
+                    }
                     None => *pin = Some(read),
                 }
                 pin.clone()
@@ -1860,6 +1871,18 @@ impl Shared {
         (std::mem::discriminant(&fresh) == std::mem::discriminant(node)).then_some(fresh)
     }
 
+    /// Whether the latest listing of file `node`'s data set (one could be
+    /// had) shows no file by its name.
+    fn listed_gone(&self, node: &Node) -> bool {
+        let Node::File { dataset, name, .. } = node else {
+            return false;
+        };
+        let (parent, last) = name.rsplit_once('/').unwrap_or(("", name));
+        self.trees
+            .of(dataset, &self.runtime)
+            .is_ok_and(|tree| !matches!(tree.entry(parent, last), Some(Entry::File(..))))
+    }
+
     /// The entries of a directory node from the `skip`-th on, at most
     /// `limit`: (name, is a directory); a data set directory's from the
     /// tree its handle `fh` began reading (taken at its first page).
@@ -2165,6 +2188,8 @@ impl Shared {
             Some(Node::File { version, size, .. }) => Some((version, size)),
             _ => None,
         };
+        // Deleted (or made a directory) since the kernel looked it up.
+        let gone = latest.is_none() && self.listed_gone(&node);
         let Node::File {
             job,
             dataset,
@@ -2244,6 +2269,12 @@ impl Shared {
             None => Some(self.ways.open_unplanned(ino)),
         };
         let Some(claim) = claim else {
+            if gone {
+                // An object is not asked at open: the pages the kernel
+                // keeps of it would answer with the deleted object's bytes.
+                self.readers.close(job.id());
+                return reply.error(libc::ENOENT);
+            }
             // The source file is opened now: off this thread when that
             // may take a while.
             let slow = self.open_costs.slow(&dataset);

@@ -242,6 +242,17 @@ impl Pinned {
     }
 }
 
+/// The error of an object found `size` bytes long at its first read
+/// through the mount, grown since it was listed at `listed`.
+pub fn grown(name: &str, listed: u64, size: u64) -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::IoError,
+        format!(
+            "`{name}` was replaced since the stage listed it: it is {size} bytes now, not {listed}, and would read cut short (open it again once the stage lists its data set again, within seconds)"
+        ),
+    )
+}
+
 /// The error of a range of another version than the reader's first.
 pub fn changed(name: &str) -> ProtocolError {
     ProtocolError::new(

@@ -88,7 +88,8 @@ def test_files_replaced_between_epochs_are_read_new_at_once_not_from_the_cache(t
     after an epoch, before the stage lists the data set again: the next
     epoch, and reads by name, get the new files, as without a cache (they
     got the cached old ones, epoch after epoch, while each began within
-    the listing interval of the last listing)."""
+    the listing interval of the last listing), and the cache keeps the new
+    ones."""
     root = tmp_path / "ds"
     files = write_files(root, 12, 5_000)
     stage = stage_factory({"ds": str(root)}, *cache_args(4 * MIB))
@@ -100,6 +101,13 @@ def test_files_replaced_between_epochs_are_read_new_at_once_not_from_the_cache(t
         assert read_epoch(stage, "a", epoch) == files, f"epoch {epoch}"
         with sluice.Client(stage.socket, job="a") as c:
             assert c.dataset("ds").read("s00003.bin") == files["s00003.bin"]
+    # A file replaced is a miss (it was counted as neither a hit nor a
+    # miss, so the hit ratio read 100% while half an epoch came from
+    # storage), read from its source and kept under its new version.
+    misses = metrics(stage, "sluice_stage_cache_misses_total", dataset="ds")
+    assert misses == source_reads(stage) == 36
+    assert read_epoch(stage, "a", 3) == files
+    assert source_reads(stage) == 36, "the replaced files' new versions were not kept"
 
 
 def test_a_connection_opened_before_a_change_gets_the_new_bytes_as_without_a_cache(tmp_path, stage_factory):

@@ -869,6 +869,51 @@ def test_an_object_replaced_and_listed_again_is_read_new_through_the_mount_at_on
         assert f.read() == new
 
 
+def test_an_object_deleted_and_listed_again_is_gone_through_the_mount_at_once(s3, stage_factory):
+    """An object is not asked at open, so the pages the kernel keeps of it
+    answered an open of it with the deleted object's bytes for up to a
+    minute after the stage's listing had lost it (the socket said
+    NOT_FOUND, ``ls`` no longer showed it). An open goes by the latest
+    listing: ENOENT."""
+    stage, path, old, file = mounted_object(s3, stage_factory, 50_000)
+    for _ in range(2):  # the kernel keeps its pages
+        assert file.read_bytes() == old
+    path.unlink()
+    with sluice.Client(stage.socket, job="lister") as c:
+        wait_for(lambda: "big.bin" not in dict(c.dataset("ds").files), timeout=30,
+                 what="the stage to list the data set without the object")
+    with pytest.raises(FileNotFoundError):
+        file.read_bytes()
+
+
+def test_an_object_grown_before_the_stage_lists_it_again_is_never_read_cut_short(s3, stage_factory):
+    """The kernel reads a file to the size the listing gave: an object
+    replaced by a larger one before the stage listed it again read through
+    the mount as the new object's first bytes, cut at the old size, with
+    no error. Its read fails (EIO) until the stage lists it again; then it
+    reads whole."""
+    stage, path, old, file = mounted_object(s3, stage_factory, 50_000)
+    assert file.stat().st_size == len(old)  # listed now
+    time.sleep(1.1)  # listings and reads tell versions apart by the second here
+    new = os.urandom(90_000)
+    path.write_bytes(new)
+    try:
+        got = file.read_bytes()
+    except OSError as e:
+        assert e.errno == errno.EIO, e
+        assert "is 90000 bytes now, not 50000" in stage.stderr_tail()
+    else:
+        assert got in (old, new), f"{len(got)} bytes of the new object"
+
+    def whole():
+        try:
+            return file.read_bytes() == new
+        except OSError:
+            return False
+
+    wait_for(whole, timeout=30, interval=0.5, what="the new object to read whole")
+
+
 def mounted_object(s3, stage_factory, size: int):
     """``(stage, path, bytes, file)``: an object ``big.bin`` of ``size``
     random bytes stored at ``path``, and a stage with a mount showing it as

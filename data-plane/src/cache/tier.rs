@@ -125,11 +125,22 @@ impl<V> Tier<V> {
             .filter(|k| k.source == key.source && k.name == key.name && *k != key)
             .cloned()
             .collect();
-        stale
-            .into_iter()
+        self.remove_all(&stale)
+    }
+
+    /// The keys of the entries of `source`.
+    pub fn keys_of(&self, source: &Arc<str>) -> Vec<SampleKey> {
+        self.held
+            .get(source)
+            .map_or_else(Vec::new, |held| held.order.values().cloned().collect())
+    }
+
+    /// Removes the entries under `keys` (those it holds).
+    pub fn remove_all(&mut self, keys: &[SampleKey]) -> Vec<(SampleKey, V, u64)> {
+        keys.iter()
             .filter_map(|k| {
-                let (value, len) = self.remove(&k)?;
-                Some((k, value, len))
+                let (value, len) = self.remove(k)?;
+                Some((k.clone(), value, len))
             })
             .collect()
     }

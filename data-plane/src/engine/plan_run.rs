@@ -184,10 +184,6 @@ impl PlanRun {
         self.listing.files[self.files[pos as usize] as usize].size
     }
 
-    pub fn version_of(&self, pos: u32) -> u64 {
-        self.listing.files[self.files[pos as usize] as usize].version
-    }
-
     pub fn name_of(&self, pos: u32) -> &str {
         &self.listing.files[self.files[pos as usize] as usize].name
     }

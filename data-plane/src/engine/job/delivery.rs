@@ -1045,11 +1045,12 @@ impl Job {
         claim: bool,
     ) -> Option<(Cached, Pinned)> {
         let cache = self.cache.as_ref()?;
-        // The sample as last listed, which may be newer than the listing
-        // the caller's connection holds: a sample changed or deleted since
-        // is not answered from the cache (it is read from its source, as
-        // without a cache). An open file's reads are pinned to the file it
-        // opened, which decides: a local one is not asked again each read.
+        // The sample as last listed (a local file as it is now), which may
+        // be newer than the listing the caller's connection holds: a
+        // sample changed since is answered under its new version, one
+        // deleted since is read from its source, which says so. An open
+        // file's reads are pinned to the file it opened, which decides: a
+        // local one is not asked again each read.
         let key = match pin {
             Some(_) => dataset.latest_key(name)?,
             None => dataset.current_key(name)?,

@@ -52,8 +52,6 @@ pub(super) struct Work {
     size: u64,
     /// The file's listed size: what the limiter charges.
     file_bytes: u64,
-    /// The file's listed version (its cache key has it).
-    version: u64,
     name: String,
     dataset: Arc<Dataset>,
     metrics: DatasetMetrics,
@@ -269,13 +267,11 @@ impl Job {
     /// it is `Some(None)`.
     fn look_up(&self, work: &Work, claim: bool) -> Option<Option<Lookup>> {
         let cache = self.cache.as_ref()?;
-        // A sample changed or deleted since the plan's listing (a new
-        // listing says so) is read from its source, as without a cache,
-        // not answered with the bytes cached under its old version.
+        // A sample changed since the plan's listing is looked up (and
+        // kept) under the version it has now, never answered with the
+        // bytes cached under its old one; one deleted since is read from
+        // its source, which says so.
         let key = work.dataset.current_key(&work.name)?;
-        if (key.version, key.size) != (work.version, work.file_bytes) {
-            return None;
-        }
         Some(if claim {
             Some(cache.lookup(&work.dataset.name, &key))
         } else {
@@ -581,7 +577,6 @@ impl JobState {
             let plan = self.plans.get_mut(&id).expect("candidate exists");
             let pos = plan.next_unstarted().expect("candidate has work");
             let file_bytes = plan.size_of(pos);
-            let version = plan.version_of(pos);
             let size = whole_footprint(file_bytes);
             let empty = plan.reserved == 0;
             let fits = refill && self.reserved + size <= capacity && plan.reserved + size <= share;
@@ -611,7 +606,6 @@ impl JobState {
                 pos,
                 size,
                 file_bytes,
-                version,
                 name,
                 metrics: self.dataset_metrics(metrics, job, &dataset.name),
                 dataset,
