@@ -174,6 +174,10 @@ fn unexpected_text(unexp: &Unexpected<'_>) -> String {
         Unexpected::Float(n) if n.abs() >= 9_007_199_254_740_992.0 => {
             "a number too large to read exactly".to_owned()
         }
+        // `1e3` or `1000.0`: YAML reads a float, whole as it is.
+        Unexpected::Float(n) if n.fract() == 0.0 => {
+            format!("{n} written with a decimal point or an exponent (write `{n}`)")
+        }
         Unexpected::Float(n) => format!("the number {n}"),
         Unexpected::Str(s) => format!("the string `{s}`"),
         Unexpected::Unit => "nothing (an empty value)".to_owned(),
@@ -470,6 +474,12 @@ mod tests {
             parse("inner: {weight: 1}\nlist: [1, x]\n").unwrap_err(),
             "f.yaml:2:11: spec.list[1] must be a whole number, found the string `x`"
         );
+        for written in ["1e3", "1000.0"] {
+            assert_eq!(
+                parse(&format!("inner: {{weight: {written}}}\n")).unwrap_err(),
+                "f.yaml:1:17: spec.inner.weight must be a whole number, found 1000 written with a decimal point or an exponent (write `1000`)"
+            );
+        }
         assert_eq!(
             parse("inner: {weight: 18446744073709551615}\n").unwrap_err(),
             "f.yaml:1:17: spec.inner.weight must be a whole number, found a number too large to read exactly"

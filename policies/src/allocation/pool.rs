@@ -61,8 +61,16 @@ pub(crate) fn share(pool: Pool<'_>, asks: &[Ask], problems: &mut Vec<Problem>) -
     }
 }
 
+/// Of a `weighted-fair` pool whose guarantees cannot all be met, the part
+/// of its capacity they are scaled into leaves to the jobs without one: a
+/// job given nothing stalls its trainers outright (three jobs guaranteed
+/// 15 MiB/s each in a pool of 30 left a fourth 0 B/s).
+pub(crate) const UNGUARANTEED_ROOM: f64 = 0.05;
+
 /// Every job's effective guarantee, `min(guarantee, limit, demand)`, scaled
-/// down in proportion (and reported) when together they exceed capacity.
+/// down in proportion (and reported) when together they exceed capacity:
+/// into the whole capacity, or in a `weighted-fair` pool where some job
+/// has none, into all but [`UNGUARANTEED_ROOM`] of it.
 fn guarantees(pool: Pool<'_>, asks: &[Ask], problems: &mut Vec<Problem>) -> Vec<f64> {
     let mut floors: Vec<f64> = asks
         .iter()
@@ -70,11 +78,16 @@ fn guarantees(pool: Pool<'_>, asks: &[Ask], problems: &mut Vec<Problem>) -> Vec<
         .collect();
     let total: f64 = floors.iter().sum();
     if total > pool.capacity {
-        let scale = if total > 0.0 {
-            pool.capacity / total
+        let unguaranteed = floors
+            .iter()
+            .zip(asks)
+            .any(|(&f, a)| f == 0.0 && a.ceiling() > 0.0);
+        let room = if pool.sharing == Sharing::WeightedFair && unguaranteed {
+            pool.capacity * (1.0 - UNGUARANTEED_ROOM)
         } else {
-            0.0
+            pool.capacity
         };
+        let scale = if total > 0.0 { room / total } else { 0.0 };
         for f in &mut floors {
             *f *= scale;
         }

@@ -131,6 +131,25 @@ fn infeasible_guarantees_are_scaled_and_reported() {
 }
 
 #[test]
+fn infeasible_guarantees_leave_a_job_without_one_room_to_read() {
+    let mut jobs: Vec<JobInput> = (0..3)
+        .map(|i| {
+            let mut j = job(&format!("g{i}"), 1.0);
+            j.guarantee.bandwidth = Some(15.0);
+            j
+        })
+        .collect();
+    jobs.push(job("plain", 1.0));
+    let a = run(30.0, Sharing::WeightedFair, jobs);
+    assert_close(&rates(&a), &[9.5, 9.5, 9.5, 1.5]);
+    assert_eq!(reasons(&a)[3], Reason::WeightedShare);
+    assert!(matches!(
+        a.problems[..],
+        [Problem::GuaranteesInfeasible { scale, .. }] if (scale - 28.5 / 45.0).abs() < 1e-12
+    ));
+}
+
+#[test]
 fn priority_classes_are_served_in_order() {
     let mut top = job("top", 1.0);
     top.priority = 10;
@@ -472,8 +491,15 @@ proptest! {
         let total: f64 = floors.iter().sum();
         let reported = a.problems.iter().any(|p| matches!(p, Problem::GuaranteesInfeasible { .. }));
         prop_assert_eq!(reported, total > capacity);
-        // Met in full when feasible, scaled by the same factor otherwise.
-        let scale = if total > capacity { capacity / total } else { 1.0 };
+        // Met in full when feasible, scaled by the same factor otherwise:
+        // into the capacity, or in a weighted-fair pool where some job has
+        // no guarantee, into all but the room left to it.
+        let unguaranteed = floors.iter().zip(&s.jobs).any(|(&f, j)| f == 0.0 && ceiling(j) > 0.0);
+        let room = match s.pools[0].sharing {
+            Sharing::WeightedFair if unguaranteed => capacity * (1.0 - super::pool::UNGUARANTEED_ROOM),
+            _ => capacity,
+        };
+        let scale = if total > capacity { room / total } else { 1.0 };
         for (floor, alloc) in floors.iter().zip(&a.jobs) {
             prop_assert!(close_le(floor * scale, alloc.bandwidth.rate), "{floor} * {scale} > {alloc:?}");
         }
