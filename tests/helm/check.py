@@ -50,6 +50,22 @@ MOUNT_VARIANTS = {
         "enabled": True, "hostPath": "/mnt/sluice/view", "orders": {"hostPath": "/srv/sluice-orders"}}}},
 }
 
+# Cache settings checked on top of the default scenario.
+CACHE_VARIANTS = {
+    "cache memory written as 0": {"stage": {"cache": {"memory": "0"}}},
+    "cache memory 0MiB beside a disk tier": {"stage": {"cache": {
+        "memory": "0MiB", "disk": {"hostPath": "/mnt/nvme/sluice", "size": "100GiB"}}}},
+}
+
+# The stage's configuration file (stage.config), in both workloads.
+STAGE_CONFIG = {
+    "trainers": [
+        {"uids": [1000], "jobs": ["team-a-*"], "labels": {"team": ["a"]}, "require": ["team"]},
+        {"gids": [2000]},
+    ],
+    "cache": {"weights": {"imagenet": 3}},
+}
+
 # Admin-auth settings checked on top of the default scenario.
 AUTH_VARIANTS = {
     "auth off": {"auth": {"enabled": False}},
@@ -137,6 +153,12 @@ MUST_FAIL = {
         {"stage": {"memoryBudget": "0"}}, "at '/stage/memoryBudget': '0' does not match pattern"),
     "memory budget in words (values.schema.json)": (
         {"stage": {"memoryBudget": "lots"}}, "at '/stage/memoryBudget': 'lots' does not match pattern"),
+    "an S3 endpoint with no scheme (values.schema.json)": (
+        {"stage": {"s3": {"endpoint": "minio.storage:9000"}}}, "at '/stage/s3/endpoint'"),
+    "a log level misspelt (values.schema.json)": (
+        {"stage": {"logLevel": "warning"}}, "at '/stage/logLevel': 'warning' does not match pattern"),
+    "a controller log level misspelt (values.schema.json)": (
+        {"controller": {"logLevel": "info,tonic=verbose"}}, "at '/controller/logLevel'"),
     "cache memory that is no size (values.schema.json)": (
         {"stage": {"cache": {"memory": "abc"}}}, "at '/stage/cache/memory': 'abc' does not match pattern"),
     "negative disk tier (values.schema.json)": (
@@ -402,6 +424,11 @@ def cache_wiring(scenario: str, objs: list[tuple[str, dict]], values: dict | Non
     cache = stage.get("cache") or {}
     disk = cache.get("disk") or {}
     has_disk = bool(disk.get("hostPath") and disk.get("size"))
+    # A size of 0 is no memory tier (the stage refuses a cache policy
+    # with no cache: `memory: "0"` crash-looped every stage).
+    memory = cache.get("memory")
+    if memory and re.fullmatch(r"[0.]+ *[A-Za-z]*", str(memory)):
+        cache = {**cache, "memory": ""}
     problems = []
     for obj, pod in pod_specs(objs):
         if obj["kind"] == "Deployment":
@@ -507,6 +534,47 @@ def tls_files_readable(scenario: str, objs: list[tuple[str, dict]]) -> None:
                                 f"(groups {sorted(groups)}) does not need")
     record(f"{scenario}: tls files readable by the containers ({seen} mounts)", seen > 0 and not problems,
            "; ".join(problems) or "no container mounts the tls Secret")
+
+
+def stage_config_wiring() -> None:
+    """`stage.config` becomes the stage's `--config` file: a ConfigMap of
+    its keys, mounted read-only in the DaemonSet's and a sidecar's stage
+    container, and a DaemonSet pod annotation that changes with it (the
+    stage reads the file at start only). Without it nothing of the kind
+    is rendered."""
+    values = {"stage": {"config": STAGE_CONFIG}, "sidecar": {"exampleJob": {"enabled": True}}}
+    objs = objects(render(values))
+    problems = []
+    maps = [o for _, o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-stage-config")]
+    if len(maps) != 1 or yaml.safe_load(maps[0]["data"]["stage.yaml"]) != STAGE_CONFIG:
+        problems.append(f"want one ConfigMap whose stage.yaml holds the config, have {maps}")
+    name = maps[0]["metadata"]["name"] if maps else None
+    stages = 0
+    for obj, pod in pod_specs(objs):
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c["name"] not in STAGE_NAMES:
+                continue
+            stages += 1
+            where = f"{obj['kind']} {c['name']}"
+            mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+            mount = mounts.get("stage-config", {})
+            if "--config=" + posixpath.join(mount.get("mountPath", "?"), "stage.yaml") not in c.get("args", []):
+                problems.append(f"{where}: no --config naming the mounted file (args {c.get('args')})")
+            if not mount.get("readOnly"):
+                problems.append(f"{where}: the config volume is not mounted read-only: {mount}")
+            volume = next((v for v in pod.get("volumes", []) if v["name"] == "stage-config"), {})
+            if (volume.get("configMap") or {}).get("name") != name:
+                problems.append(f"{where}: volume {volume}, want the ConfigMap {name}")
+        if obj["kind"] == "DaemonSet":
+            annotations = obj["spec"]["template"]["metadata"].get("annotations") or {}
+            if "checksum/stage-config" not in annotations:
+                problems.append(f"DaemonSet: no checksum/stage-config annotation ({annotations})")
+    if stages < 2:
+        problems.append(f"want the DaemonSet's and the sidecar's stage containers, found {stages}")
+    for _, o in objects(render({"sidecar": {"exampleJob": {"enabled": True}}})):
+        if "stage-config" in json.dumps(o) or "--config=" in json.dumps(o):
+            problems.append(f"{o['kind']} {o['metadata']['name']}: a config file rendered with no stage.config")
+    record("stage.config renders the stage's --config file", not problems, "; ".join(problems))
 
 
 def limits_rendering() -> None:
@@ -895,6 +963,8 @@ def main() -> int:
                 tls_files_readable(scenario, objs)
     for scenario, values in AUTH_VARIANTS.items():
         auth_wiring(scenario, objects(render(values)), values)
+    for scenario, values in CACHE_VARIANTS.items():
+        cache_wiring(scenario, objects(render(values)), values)
     for scenario, values in MOUNT_VARIANTS.items():
         objs = objects(render(values))
         properties(scenario, objs, values)
@@ -904,6 +974,7 @@ def main() -> int:
         objs = objects(render(values))
         properties(scenario, objs, values)
         tls_files_readable(scenario, objs)
+    stage_config_wiring()
     limits_rendering()
     memory_limits_accepted()
     standalone_alerts()

@@ -55,6 +55,33 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-stage" (include "sluice.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The ConfigMap of the stage's configuration file (stage.config). */}}
+{{- define "sluice.stage.configMap" -}}
+{{- printf "%s-config" (include "sluice.stage.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Where the stage's configuration file is mounted. */}}
+{{- define "sluice.stage.configDir" -}}
+/etc/sluice/stage
+{{- end }}
+
+{{/* The stage's configuration file's volume, when stage.config has keys. */}}
+{{- define "sluice.stage.configVolume" -}}
+{{- if .Values.stage.config }}
+- name: stage-config
+  configMap:
+    name: {{ include "sluice.stage.configMap" . }}
+{{- end }}
+{{- end }}
+
+{{/* A pod annotation that changes with stage.config, so that the stages
+restart with a new one (they read it at start only). */}}
+{{- define "sluice.stage.configChecksum" -}}
+{{- if .Values.stage.config }}
+checksum/stage-config: {{ toYaml .Values.stage.config | sha256sum }}
+{{- end }}
+{{- end }}
+
 {{- define "sluice.controller.serviceAccountName" -}}
 {{- if .Values.controller.serviceAccount.create }}
 {{- default (include "sluice.controller.fullname" .) .Values.controller.serviceAccount.name }}
@@ -437,11 +464,19 @@ cache-disk, mount, mount-orders, fuse.
   {{- end }}
   args:
     - --socket=/run/sluice/stage.sock
+    {{- if $v.config }}
+    - --config={{ include "sluice.stage.configDir" $ctx }}/stage.yaml
+    {{- end }}
     - --metrics-addr=0.0.0.0:{{ $v.metricsPort }}
     - --memory-budget={{ $v.memoryBudget }}
     {{- $cacheDisk := and .cacheDisk (include "sluice.stage.cacheDisk" $ctx) }}
-    {{- if or $v.cache.memory $cacheDisk }}
-    {{- with $v.cache.memory }}
+    {{- /* A size of 0 ("0", "0MiB") is no memory tier, as for the stage. */}}
+    {{- $cacheMemory := $v.cache.memory }}
+    {{- if and $cacheMemory (regexMatch "^[0.]+ *[A-Za-z]*$" (toString $cacheMemory)) }}
+    {{- $cacheMemory = "" }}
+    {{- end }}
+    {{- if or $cacheMemory $cacheDisk }}
+    {{- with $cacheMemory }}
     - --cache-memory={{ . }}
     {{- end }}
     - --cache-policy={{ $v.cache.policy }}
@@ -602,6 +637,11 @@ cache-disk, mount, mount-orders, fuse.
   volumeMounts:
     - name: socket
       mountPath: /run/sluice
+    {{- if $v.config }}
+    - name: stage-config
+      mountPath: {{ include "sluice.stage.configDir" $ctx }}
+      readOnly: true
+    {{- end }}
     {{- range $v.datasets }}
     {{- if not .s3 }}
     - name: dataset-{{ .name }}
