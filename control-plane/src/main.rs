@@ -10,13 +10,20 @@ use clap::Parser;
 use sluice_controller::{Args, Controller, ControllerConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    let filter = match sluice_proto::log_filter::from_env("info") {
+        Ok(filter) => filter,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-controller: invalid configuration: SLUICE_LOG: {e}"
+            );
+            return ExitCode::from(64);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("SLUICE_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         // A log reader that went away (a restarted log shipper, `| head`)

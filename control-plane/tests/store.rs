@@ -212,6 +212,19 @@ async fn a_read_only_sqlite_store_is_refused_at_open() {
 }
 
 #[tokio::test]
+async fn a_file_that_is_not_a_sqlite_database_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notes.txt");
+    let text = "not a database, but an operator's notes\n".repeat(200);
+    std::fs::write(&path, &text).unwrap();
+    let err = Store::open(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap_err();
+    assert!(err.is_configuration(), "{err:?}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+}
+
+#[tokio::test]
 async fn sqlite_in_memory_keeps_its_data() {
     let store = Store::open("sqlite::memory:").await.unwrap();
     store.apply_policy(JOB, "p", "t").await.unwrap();

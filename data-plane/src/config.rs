@@ -58,7 +58,9 @@ pub struct Args {
     #[arg(long, env = "SLUICE_LISTEN", value_parser = parse_addr)]
     pub listen: Option<SocketAddr>,
     /// A dataset to serve, as NAME=DIR or NAME=s3://BUCKET/PREFIX
-    /// (repeatable; the whole value is the path, commas and all).
+    /// (repeatable; the whole value is the path, commas and all)
+    /// [env: SLUICE_DATASETS, comma-separated, read when no --dataset is
+    /// given].
     #[arg(long = "dataset", value_parser = parse_dataset)]
     pub datasets: Vec<(String, PathBuf)>,
     /// The datasets as NAME=DIR, comma-separated (read when no `--dataset`
@@ -197,10 +199,17 @@ pub struct Args {
     /// host name].
     #[arg(long, env = "SLUICE_NODE")]
     pub node: Option<String>,
-    /// A label for the controller, as KEY=VALUE (repeatable;
-    /// comma-separated in the environment variable).
-    #[arg(long = "label", env = "SLUICE_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    /// A label for the controller, as KEY=VALUE (repeatable; the whole
+    /// value is the label's, commas and all) [env: SLUICE_LABELS,
+    /// comma-separated, read when no --label is given].
+    #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
+    /// The labels as KEY=VALUE, comma-separated (read when no `--label` is
+    /// given; a value with a comma is given with `--label` or in the file).
+    /// A flag's value split at commas was refused, or made two labels of
+    /// one (`--label note=x,team=admin`).
+    #[arg(long = "labels", env = "SLUICE_LABELS", value_delimiter = ',', value_parser = parse_label, hide = true)]
+    pub env_labels: Vec<(String, String)>,
 }
 
 fn parse_addr(s: &str) -> Result<SocketAddr, String> {
@@ -470,12 +479,17 @@ impl StageConfig {
             sluice_policy::check_label(key, value)
                 .map_err(|e| ConfigError(format!("`labels:` in the configuration file: {e}")))?;
         }
-        for (key, value) in &args.labels {
+        let (flags, given) = if args.labels.is_empty() {
+            (args.env_labels, "SLUICE_LABELS: ")
+        } else {
+            (args.labels, "--label ")
+        };
+        for (key, value) in &flags {
             sluice_policy::check_label(key, value)
-                .map_err(|e| ConfigError(format!("--label {key}={value}: {e}")))?;
+                .map_err(|e| ConfigError(format!("{given}{key}={value}: {e}")))?;
         }
         let mut labels = file.labels;
-        labels.extend(args.labels);
+        labels.extend(flags);
         let controller = args.controller.or(file.controller);
         // Mutual TLS with the controller: the stage presents its
         // certificate and accepts only a controller whose certificate
@@ -547,6 +561,23 @@ impl StageConfig {
             Some(dir) => Some(MountOptions {
                 dir: {
                     apart_from_datasets("--mount", &dir, &datasets)?;
+                    // A stale mount (a stage that crashed) fails its `stat`
+                    // otherwise: the mount's own start deals with it.
+                    match std::fs::metadata(&dir) {
+                        Ok(meta) if !meta.is_dir() => {
+                            return Err(ConfigError(format!(
+                                "--mount {} is not a directory: give an empty directory to show the data sets in",
+                                dir.display()
+                            )));
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                            return Err(ConfigError(format!(
+                                "--mount {} does not exist: create the directory to show the data sets in",
+                                dir.display()
+                            )));
+                        }
+                        _ => {}
+                    }
                     if let Some(orders) = &orders {
                         apart_from_datasets("--mount-orders", orders, &datasets)?;
                         if orders.exists() && !orders.is_dir() {
@@ -715,7 +746,7 @@ fn merge_datasets(
             )));
         }
         match std::fs::metadata(location) {
-            Ok(meta) if meta.is_dir() => {}
+            Ok(meta) if meta.is_dir() => readable(name, &text, location)?,
             Ok(_) => {
                 return Err(ConfigError(format!(
                     "dataset `{name}` root {text} is not a directory: give the directory that holds its files"
@@ -729,6 +760,22 @@ fn merge_datasets(
         }
     }
     Ok(datasets)
+}
+
+/// Refuses a data set directory the stage's user cannot list, or look
+/// into (its first entry): such a stage said it was ready, and every
+/// trainer's listing of the data set failed with "Permission denied".
+fn readable(name: &str, text: &str, dir: &Path) -> Result<(), ConfigError> {
+    let denied = |e: std::io::Error| {
+        ConfigError(format!(
+            "dataset `{name}` root {text} cannot be read by the user the stage runs as ({e}): give that user read and search permission on it, or run the stage as one that has them"
+        ))
+    };
+    let mut entries = std::fs::read_dir(dir).map_err(denied)?;
+    if let Some(Ok(first)) = entries.next() {
+        std::fs::symlink_metadata(first.path()).map_err(denied)?;
+    }
+    Ok(())
 }
 
 /// Returns the memory budget in bytes (1GiB unless given), refusing one
@@ -756,9 +803,17 @@ fn cache_options(
     let disk_size = args.cache_disk.or(file.disk).map_or(0, ByteSize::bytes);
     for (flag, size) in [("--cache-memory", memory), ("--cache-disk", disk_size)] {
         if size > 0 && size < MIN_CACHE {
+            // Under a KiB, the unit was most likely left out (`--cache-disk
+            // 200` meant GiB); the hint named such a number for `10KiB` too.
+            let hint = if size < 1024 {
+                format!(
+                    " (a size written with no unit, as `{size}`, is in bytes: write `{size}GiB` for that many GiB)"
+                )
+            } else {
+                String::new()
+            };
             return Err(ConfigError(format!(
-                "{flag} of {} holds next to no sample: give at least {} (a size written with \
-                 no unit, as `{size}`, is in bytes: write `{size}GiB` for that many GiB)",
+                "{flag} of {} holds next to no sample: give at least {}{hint}",
                 ByteSize(size),
                 ByteSize(MIN_CACHE)
             )));
@@ -1107,7 +1162,7 @@ fn job_config(
     memory_budget: u64,
     remote: bool,
 ) -> Result<JobConfig, ConfigError> {
-    let fixed = args.readers.or(file.readers.fixed);
+    let fixed = fixed_readers(args, &file.readers)?;
     let (min_readers, max_readers, initial_readers) =
         reader_counts(args, &file.readers, fixed, remote)?;
     let (min_buffer, max_buffer, initial_buffer) = buffer_sizes(args, &file.buffer, memory_budget)?;
@@ -1125,6 +1180,37 @@ fn job_config(
     })
 }
 
+/// The fixed reader count (the tuner off), if any. A fixed count beside
+/// bounds given the same way is refused (they would be ignored); given
+/// the other way, the flags win over the file, as everywhere: `--readers`
+/// sets aside the file's bounds, and flags' bounds its fixed count.
+fn fixed_readers(args: &Args, file: &ReadersFile) -> Result<Option<u32>, ConfigError> {
+    let flag_bounds = [args.min_readers, args.max_readers, args.initial_readers]
+        .iter()
+        .any(Option::is_some);
+    let file_bounds = [file.min, file.max, file.initial]
+        .iter()
+        .any(Option::is_some);
+    let refuse = |fixed: u32, how: &str| {
+        Err(ConfigError(format!(
+            "a fixed count of {fixed} readers turns the tuner off, so reader bounds beside it would be ignored: {how}"
+        )))
+    };
+    match (args.readers, file.fixed) {
+        (Some(fixed), _) if flag_bounds => refuse(
+            fixed,
+            "give either --readers or --min-readers/--max-readers/--initial-readers",
+        ),
+        (Some(fixed), _) => Ok(Some(fixed)),
+        (None, Some(_)) if flag_bounds => Ok(None),
+        (None, Some(fixed)) if file_bounds => refuse(
+            fixed,
+            "give either `readers: {fixed: N}` or the `min`/`max`/`initial` bounds in the configuration file",
+        ),
+        (None, fixed) => Ok(fixed),
+    }
+}
+
 /// Returns the fewest, most and initial readers per job; a `fixed` count
 /// is all three.
 fn reader_counts(
@@ -1133,18 +1219,6 @@ fn reader_counts(
     fixed: Option<u32>,
     remote: bool,
 ) -> Result<(u32, u32, u32), ConfigError> {
-    // A fixed count turns the tuner off: bounds beside it would be ignored.
-    let bounded = [args.min_readers, file.min, args.max_readers, file.max]
-        .iter()
-        .chain([&args.initial_readers, &file.initial])
-        .any(Option::is_some);
-    if let Some(fixed) = fixed
-        && bounded
-    {
-        return Err(ConfigError(format!(
-            "a fixed count of {fixed} readers turns the tuner off, so reader bounds beside it would be ignored: give either --readers (`readers: {{fixed: N}}`) or the min/max/initial bounds"
-        )));
-    }
     let min_readers = fixed.or(args.min_readers).or(file.min).unwrap_or(1);
     let default_max = if remote {
         REMOTE_MAX_READERS
@@ -1179,11 +1253,12 @@ fn buffer_sizes(
     file: &BufferFile,
     memory_budget: u64,
 ) -> Result<(u64, u64, u64), ConfigError> {
+    // The default comes down to a small budget; a minimum given does not
+    // (it was lowered to the budget without a word).
     let min_buffer = args
         .min_buffer
         .or(file.min)
-        .map_or(4 * MIB, ByteSize::bytes)
-        .min(memory_budget);
+        .map_or((4 * MIB).min(memory_budget), ByteSize::bytes);
     let max_buffer = args
         .max_buffer
         .or(file.max)
@@ -1194,7 +1269,7 @@ fn buffer_sizes(
         .map_or((256 * MIB).min(memory_budget), ByteSize::bytes);
     if min_buffer > max_buffer || max_buffer > memory_budget {
         return Err(ConfigError(format!(
-            "buffer bounds {}..{} are impossible with a memory budget of {}: use min <= max <= budget",
+            "buffer bounds {}..{} are impossible with {} for the prefetch buffers (the memory budget, less the node cache's memory): use min <= max <= that",
             ByteSize(min_buffer),
             ByteSize(max_buffer),
             ByteSize(memory_budget)
@@ -1262,7 +1337,19 @@ fn check_controller(controller: Option<&str>, tls: bool) -> Result<(), ConfigErr
             ))
         }
         (None, true) => refuse("--tls-cert, --tls-key and --tls-ca need --controller".into()),
-        _ => Ok(()),
+        // Checked here, not when the session starts: a stage with a URL
+        // that names no host (a templated host that rendered empty) said
+        // it was ready, then stopped.
+        (Some(url), _) => match tonic::transport::Endpoint::from_shared(url.to_owned()) {
+            Ok(endpoint) if endpoint.uri().host().is_some_and(|h| !h.is_empty()) => Ok(()),
+            Ok(_) => refuse(format!(
+                "controller address `{url}` names no host: write http://HOST:PORT, e.g. `http://sluice-controller:7070`"
+            )),
+            Err(e) => refuse(format!(
+                "controller address `{url}` is not a URL ({e}): write http://HOST:PORT, e.g. `http://sluice-controller:7070`"
+            )),
+        },
+        (None, false) => Ok(()),
     }
 }
 
@@ -1355,10 +1442,37 @@ mod tests {
     }
 
     #[test]
+    fn a_label_flag_is_one_value_commas_and_all() {
+        let flags = args(&[
+            "--dataset",
+            "d=/tmp",
+            "--label",
+            "gpus=a100,h100",
+            "--label",
+            "note=x,team=admin",
+        ]);
+        let merged = StageConfig::merge(flags, StageFile::default()).unwrap();
+        let labels: Vec<(&str, &str)> = merged
+            .labels
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(labels, [("gpus", "a100,h100"), ("note", "x,team=admin")]);
+        // SLUICE_LABELS is a comma-separated list, used when no flag is.
+        let listed = args(&["--dataset", "d=/tmp", "--labels", "a=1,b=2"]);
+        let merged = StageConfig::merge(listed, StageFile::default()).unwrap();
+        assert_eq!(merged.labels.len(), 2);
+        let bad = args(&["--dataset", "d=/tmp", "--labels", "a=1,b c=2"]);
+        let e = StageConfig::merge(bad, StageFile::default()).unwrap_err();
+        assert!(e.to_string().starts_with("SLUICE_LABELS: b c=2"), "{e}");
+    }
+
+    #[test]
     fn mistyped_settings_are_refused_with_what_to_write() {
         let dir = tempfile::tempdir().unwrap();
         let (data, mnt) = (dir.path().join("data"), dir.path().join("mnt"));
         std::fs::create_dir_all(&data).unwrap();
+        std::fs::create_dir_all(&mnt).unwrap();
         let dataset = format!("d={}", data.display());
         let mount = mnt.to_str().unwrap();
         let in_mount = mnt.join("x");
@@ -1400,6 +1514,12 @@ mod tests {
                 &["--controller", "ftp://x:7070"],
                 "",
                 "is `ftp://`: the controller speaks gRPC over `http://`",
+            ),
+            (&["--controller", "http://"], "", "is not a URL"),
+            (
+                &["--controller", "http://host name:7070"],
+                "",
+                "is not a URL",
             ),
             (
                 &[
@@ -1620,6 +1740,24 @@ mod tests {
                 .to_string()
                 .contains("turns the tuner off")
         );
+        // Given the other way, the flags win over the file: --readers sets
+        // aside the file's bounds, flags' bounds the file's fixed count.
+        let bounded: StageFile = serde_yaml_ng::from_str("readers: {max: 8}").unwrap();
+        let flags = args(&["--dataset", "d=/tmp", "--readers", "4"]);
+        let merged = StageConfig::merge(flags, bounded).unwrap();
+        assert_eq!(
+            (merged.job.bounds.min_readers, merged.job.bounds.max_readers),
+            (4, 4)
+        );
+        assert!(!merged.job.tuner);
+        let fixed: StageFile = serde_yaml_ng::from_str("readers: {fixed: 4}").unwrap();
+        let flags = args(&["--dataset", "d=/tmp", "--max-readers", "8"]);
+        let merged = StageConfig::merge(flags, fixed).unwrap();
+        assert_eq!(merged.job.bounds.max_readers, 8);
+        assert!(merged.job.tuner);
+        let both: StageFile = serde_yaml_ng::from_str("readers: {fixed: 4, max: 8}").unwrap();
+        let e = StageConfig::merge(args(&["--dataset", "d=/tmp"]), both).unwrap_err();
+        assert!(e.to_string().contains("in the configuration file"), "{e}");
         // A config file with nothing in it.
         let dir = tempfile::tempdir().unwrap();
         let empty = dir.path().join("stage.yaml");
@@ -1765,7 +1903,18 @@ mod tests {
         );
         let e = with_mount(dir.path()).unwrap_err().to_string();
         assert!(e.contains("is inside --mount"), "{e}");
-        assert!(with_mount(&dir.path().join("mnt")).is_ok());
+        let mnt = dir.path().join("mnt");
+        let e = with_mount(&mnt).unwrap_err().to_string();
+        assert!(e.contains("--mount") && e.contains("does not exist"), "{e}");
+        std::fs::write(&mnt, b"").unwrap();
+        let e = with_mount(&mnt).unwrap_err().to_string();
+        assert!(
+            e.contains("--mount") && e.contains("is not a directory"),
+            "{e}"
+        );
+        std::fs::remove_file(&mnt).unwrap();
+        std::fs::create_dir(&mnt).unwrap();
+        assert!(with_mount(&mnt).is_ok());
     }
 
     #[test]

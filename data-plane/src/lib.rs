@@ -144,6 +144,44 @@ pub struct Addresses {
     pub mount: Option<PathBuf>,
 }
 
+/// Logs the settings in force, whichever way each was given (flag,
+/// variable or file), so an operator can check them before any trainer
+/// comes (the data sets, the cache and the listeners have lines of their
+/// own).
+fn log_settings(config: &StageConfig) {
+    use sluice_policy::ByteSize;
+    let (job, bounds) = (&config.job, &config.job.bounds);
+    let readers = if job.tuner {
+        format!(
+            "{}..{}, from {} (tuned)",
+            bounds.min_readers, bounds.max_readers, job.initial_readers
+        )
+    } else {
+        format!("{} (fixed)", job.initial_readers)
+    };
+    let buffer = format!(
+        "{}..{}, from {}",
+        ByteSize(bounds.min_buffer),
+        ByteSize(bounds.max_buffer),
+        ByteSize(job.initial_buffer)
+    );
+    let rate = |per_s: Option<u64>, unit: fn(u64) -> String| per_s.map_or("none".into(), unit);
+    info!(
+        stage_id = %config.stage_id,
+        node = %config.node,
+        memory_budget = %ByteSize(config.memory_budget),
+        readers = %readers,
+        buffer = %buffer,
+        rate_limit = %rate(job.limits.bytes_per_s, |b| format!("{}/s", ByteSize(b))),
+        ops_limit = %rate(job.limits.ops_per_s, |n| format!("{n}/s")),
+        direct_io = config.direct_io,
+        shared_memory = config.shared_memory,
+        controller = config.controller.as_deref().unwrap_or("none (standalone)"),
+        labels = ?config.labels,
+        "settings in force"
+    );
+}
+
 impl Stage {
     /// Opens the datasets and binds the trainer socket, the optional TCP
     /// listener and the metrics listener.
@@ -163,6 +201,7 @@ impl Stage {
                 "the memory budget leaves less than 64 MiB of the container's memory limit: the kernel will kill the stage when its buffers fill; lower --memory-budget or raise the limit (docs/data-plane.md, \"Memory\")"
             );
         }
+        log_settings(&config);
         let metrics = Metrics::new();
         let mut datasets = Vec::new();
         let own_mount = config.mount.as_ref().map(|m| config::resolved(&m.dir));

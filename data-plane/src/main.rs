@@ -8,16 +8,22 @@ use clap::Parser;
 use sluice_stage::{Args, ConfigError, Stage, StageConfig};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // object_store logs every retry at info: thousands of lines a second
+    // while a store throttles (the metrics count them).
+    let filter = match sluice_proto::log_filter::from_env("info,object_store=warn") {
+        Ok(filter) => filter,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "sluice-stage: invalid configuration: SLUICE_LOG: {e}"
+            );
+            return ExitCode::from(64);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("SLUICE_LOG")
-                // object_store logs every retry at info: thousands of lines
-                // a second while a store throttles (the metrics count them).
-                .unwrap_or_else(|_| EnvFilter::new("info,object_store=warn")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         // A log reader that went away (a restarted log shipper, `| head`)

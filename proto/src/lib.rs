@@ -19,6 +19,7 @@ pub mod v1 {
 
 pub mod fd_limit;
 pub mod listen;
+pub mod log_filter;
 pub mod tls;
 
 /// Returns an error with its sources, `: `-separated: a tonic transport

@@ -1331,12 +1331,18 @@ def test_a_mount_unmounted_from_outside_stops_the_stage_with_an_error(tmp_path, 
 
 
 def test_a_missing_mount_directory_is_a_clear_error(tmp_path, dataset):
+    """A `--mount` directory that is missing, or a file, is an invalid
+    configuration (64) that names the flag: it exited 1 with "is not a
+    directory" after the stage had begun to start."""
     root, _ = dataset
-    run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
-                          "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
-                          "--mount", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=30)
-    assert run.returncode != 0
-    assert f"the mount directory {tmp_path / 'nowhere'}" in run.stderr, run.stderr
+    (tmp_path / "afile").write_bytes(b"")
+    for path, says in [("nowhere", "does not exist"), ("afile", "is not a directory")]:
+        run = subprocess.run([str(stage_binary()), "--metrics-addr", "127.0.0.1:0",
+                              "--dataset", f"ds={root}", "--socket", str(tmp_path / "s.sock"),
+                              "--mount", str(tmp_path / path)], capture_output=True, text=True, timeout=30)
+        assert run.returncode == 64, run.stderr
+        assert f"--mount {tmp_path / path} {says}" in run.stderr, run.stderr
+        assert not (tmp_path / "s.sock").exists()
 
 
 class FileDataset:

@@ -4,6 +4,7 @@ set entries it may not examine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pwd
@@ -18,7 +19,7 @@ import pytest
 
 import sluice
 
-from conftest import STOP_TIMEOUT, pids_cgroup, stage_binary, wait_for
+from conftest import STOP_TIMEOUT, binary, pids_cgroup, stage_binary, wait_for
 
 
 def _popen(sock, data, *extra, stderr=subprocess.PIPE, preexec_fn=None):
@@ -190,52 +191,99 @@ def test_symlinks_left_out_of_a_listing_are_warned_of(tmp_path, dataset):
     assert "skipped=2" in broken, broken
 
 
-def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path, dataset):
-    """A directory that may be read but not searched (mode 0644) lists its
-    names, but its files cannot be examined: the listing leaves them out
-    with a warning instead of failing the data set. Runs the stage as a
-    user the mode applies to (`nobody` when the tests run as root)."""
-    root, files = dataset
-    blocked = root / "blocked"
-    blocked.mkdir()
-    (blocked / "x.bin").write_bytes(b"x")
-    blocked.chmod(0o644)
-    preexec = None
-    if os.geteuid() == 0:
-        # The tests' tmp_path is private to root: serve a copy from a
-        # directory `nobody` may enter.
-        nobody = pwd.getpwnam("nobody")
-        top = pathlib.Path(tempfile.mkdtemp(prefix="sluice-noexec-"))
+@contextlib.contextmanager
+def _as_nobody(root, tmp_path):
+    """``(root, sock, preexec)``: the data set, a socket path and a
+    ``preexec_fn`` for a stage run as a user the file modes apply to:
+    ``nobody`` when the tests run as root (who passes every mode), serving a
+    copy of the data set from a directory ``nobody`` may enter (the tests'
+    tmp_path is private to root); else the user the tests run as."""
+    if os.geteuid() != 0:
+        yield root, tmp_path / "s.sock", None
+        return
+    nobody = pwd.getpwnam("nobody")
+    top = pathlib.Path(tempfile.mkdtemp(prefix="sluice-nobody-"))
+    try:
         top.chmod(0o755)
         shutil.copytree(root, top / "data", symlinks=True)
-        (top / "data" / "blocked").chmod(0o644)
         (top / "run").mkdir()
         os.chown(top / "run", nobody.pw_uid, nobody.pw_gid)
-        root, sock = top / "data", top / "run" / "s.sock"
 
         def preexec():
             os.setgid(nobody.pw_gid)
             os.setgroups([])
             os.setuid(nobody.pw_uid)
-    else:
-        top, sock = None, tmp_path / "s.sock"
-    try:
-        proc = _popen(sock, root, preexec_fn=preexec)
-        try:
-            assert b"ready" in proc.stdout.readline()
-            with sluice.Client(str(sock), job="ops", reconnect=0) as c:
-                ds = c.dataset("d")
-                assert sorted(name for name, _ in ds.files) == sorted(files)
-                assert ds.read(sorted(files)[0]) == files[sorted(files)[0]]
-        finally:
-            assert _stop(proc) == 0
-        log = proc.stderr.read().decode()
-        assert "left entries out of the listing that could not be examined" in log, log
-        assert "blocked/x.bin" in log, log
+
+        yield top / "data", top / "run" / "s.sock", preexec
     finally:
-        if top is not None:
-            (top / "data" / "blocked").chmod(0o755)
-            shutil.rmtree(top)
+        shutil.rmtree(top)
+
+
+def test_entries_the_stage_cannot_examine_are_left_out_not_the_data_set(tmp_path, dataset):
+    """A directory that may be read but not searched (mode 0644) lists its
+    names, but its files cannot be examined: the listing leaves them out
+    with a warning instead of failing the data set."""
+    root, files = dataset
+    blocked = root / "blocked"
+    blocked.mkdir()
+    (blocked / "x.bin").write_bytes(b"x")
+    with _as_nobody(root, tmp_path) as (root, sock, preexec):
+        (root / "blocked").chmod(0o644)
+        try:
+            proc = _popen(sock, root, preexec_fn=preexec)
+            try:
+                assert b"ready" in proc.stdout.readline()
+                with sluice.Client(str(sock), job="ops", reconnect=0) as c:
+                    ds = c.dataset("d")
+                    assert sorted(name for name, _ in ds.files) == sorted(files)
+                    assert ds.read(sorted(files)[0]) == files[sorted(files)[0]]
+            finally:
+                assert _stop(proc) == 0
+        finally:
+            (root / "blocked").chmod(0o755)
+    log = proc.stderr.read().decode()
+    assert "left entries out of the listing that could not be examined" in log, log
+    assert "blocked/x.bin" in log, log
+
+
+def test_a_data_set_the_stage_cannot_read_is_refused_at_start(tmp_path, dataset):
+    """A data set directory the stage's user may not list (mode 0000, or
+    another user's 0700) was accepted: the stage said it was ready, its
+    readiness check answered 200, and every trainer's listing failed with
+    "Permission denied". It is refused at start, naming the data set."""
+    root, _ = dataset
+    with _as_nobody(root, tmp_path) as (root, sock, preexec):
+        root.chmod(0o000)
+        try:
+            proc = _popen(sock, root, preexec_fn=preexec)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            root.chmod(0o755)
+    assert proc.returncode == 64, err  # an invalid configuration
+    assert b"dataset `d` root" in err and b"cannot be read by the user the stage runs as" in err, err
+    assert b"ready" not in out
+    assert not sock.exists()
+
+
+@pytest.mark.parametrize("value", ["warning", "inf", "", "info,sluice_stage=verbose"])
+@pytest.mark.parametrize("name", ["sluice-stage", "sluice-controller"])
+def test_a_log_filter_that_names_no_level_is_refused(tmp_path, dataset, name, value):
+    """The log filter took a word it did not know for a module's name, so
+    a misspelt level (`SLUICE_LOG=warning`) or an empty one turned every
+    log line off, warnings and errors too, and nothing said so."""
+    root, _ = dataset
+    args = {
+        "sluice-stage": ["--socket", str(tmp_path / "s.sock"), "--metrics-addr", "127.0.0.1:0",
+                         "--dataset", f"d={root}"],
+        "sluice-controller": ["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
+                              "--database-url", f"sqlite://{tmp_path / 'c.db'}"],
+    }[name]
+    run = subprocess.run([str(binary(name)), *args], env={**os.environ, "SLUICE_LOG": value},
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 64, run.stderr
+    assert f"{name}: invalid configuration: SLUICE_LOG: " in run.stderr, run.stderr
+    assert "write a level" in run.stderr, run.stderr
+    assert not (tmp_path / "s.sock").exists() and not (tmp_path / "c.db").exists()
 
 
 def test_a_socket_path_too_long_is_refused_with_the_limit(tmp_path, dataset):

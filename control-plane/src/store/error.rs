@@ -180,6 +180,13 @@ impl StoreError {
                     ..
                 }
         ) || matches!(
+            // A file that is not a SQLite database (SQLITE_NOTADB): it
+            // failed as the store failing (exit 1), not as a wrong URL.
+            self,
+            Self::Open { source: sqlx::Error::Database(e), .. }
+                | Self::Database { source: sqlx::Error::Database(e), .. }
+                if e.code().as_deref() == Some("26")
+        ) || matches!(
             // A SQLite file in a directory that is not there, or not ours.
             self,
             Self::Lock { source, .. } if matches!(
