@@ -35,6 +35,8 @@ pub struct Listing {
     /// Changes with the digest and with any file's version or any owner:
     /// what the mount shows of the listing.
     pub shown_digest: u64,
+    /// Whether every entry could be examined (see [`Walked::unexamined`]).
+    pub complete: bool,
 }
 
 impl Listing {
@@ -53,6 +55,7 @@ impl Listing {
             mut files,
             mut empty_dirs,
             mut dir_owners,
+            unexamined,
         } = walked;
         files.sort_unstable_by(|a, b| a.name.cmp(&b.name));
         // A store whose pages overlap (one that goes on from a page's last
@@ -94,6 +97,7 @@ impl Listing {
             files,
             empty_dirs,
             dir_owners,
+            complete: unexamined == 0,
         }
     }
 
@@ -359,7 +363,12 @@ impl Dataset {
                 cached.listed = Some((Instant::now(), Arc::clone(&listing)));
                 cached.failed = None;
                 drop(cached);
-                if let Some(cache) = self.cache.get() {
+                // Not by a listing that left entries out unexamined (a
+                // directory unreadable for a moment emptied the cache of
+                // its unchanged files), nor by an empty one (a volume not
+                // mounted yet at start unlinked the whole disk tier).
+                let whole = listing.complete && !listing.files.is_empty();
+                if let Some(cache) = self.cache.get().filter(|_| whole) {
                     // Still this data set's one lister: listings and the
                     // cache's pruning by them go in turn.
                     cache.forget_unlisted(&self.identity, |key| {
@@ -601,6 +610,13 @@ mod tests {
                 let files = disk_files(&dir.path().join("cache"));
                 assert_eq!(files, 1, "the dropped entries' files are unlinked");
             }
+            // A listing of nothing (a volume not mounted yet at start) drops
+            // nothing: it unlinked the whole disk tier.
+            std::fs::remove_dir_all(&root).unwrap();
+            std::fs::create_dir(&root).unwrap();
+            age(&ds, LISTING_TTL);
+            assert!(ds.listing().unwrap().files.is_empty());
+            assert_eq!(held(&cache), 1, "emptied, on disk: {on_disk}");
         }
     }
 

@@ -105,6 +105,9 @@ pub struct Walked {
     pub empty_dirs: Vec<String>,
     /// A local data set's directories ("" its root) with their owners.
     pub dir_owners: Vec<(String, Owner)>,
+    /// Entries left out because they could not be examined (an unreadable
+    /// directory, an I/O error): what is beneath them is not known.
+    pub unexamined: usize,
 }
 
 /// FNV-1a, 64 bits: the listing digest that `OPENED` reports, and plan

@@ -53,7 +53,7 @@ use tokio::runtime::Handle;
 use tracing::{info, warn};
 
 use crate::chunk::Chunk;
-use crate::config::{MountOptions, on_network_file_system};
+use crate::config::{ConfigError, MountOptions, on_network_file_system};
 use crate::dataset::Dataset;
 use crate::engine::{Engine, Job, JobHandle, PlannedClaim, Reservation};
 use crate::entry::Owner;
@@ -273,8 +273,20 @@ fn detach_stale(dir: &Path) -> anyhow::Result<bool> {
             }
             Ok(true)
         }
+        // Refused as configuration (64), naming the flag: the stage
+        // exited 1 with "is not a directory" alone. (Checked here, with
+        // the patience a hung mount needs, not with the other flags.)
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(ConfigError::new(format!(
+            "--mount {} does not exist: create the directory to show the data sets in",
+            dir.display()
+        ))
+        .into()),
         Err(e) => Err(e).with_context(|| format!("the mount directory {}", dir.display())),
-        Ok(meta) if !meta.is_dir() => anyhow::bail!("{} is not a directory", dir.display()),
+        Ok(meta) if !meta.is_dir() => Err(ConfigError::new(format!(
+            "--mount {} is not a directory: give an empty directory to show the data sets in",
+            dir.display()
+        ))
+        .into()),
         Ok(_) => Ok(false),
     }
 }

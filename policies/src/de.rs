@@ -176,7 +176,9 @@ fn unexpected_text(unexp: &Unexpected<'_>) -> String {
         }
         // `1e3` or `1000.0`: YAML reads a float, whole as it is.
         Unexpected::Float(n) if n.fract() == 0.0 => {
-            format!("{n} written with a decimal point or an exponent (write `{n}`)")
+            format!(
+                "{n} written with a decimal point or an exponent (write whole numbers with digits only)"
+            )
         }
         Unexpected::Float(n) => format!("the number {n}"),
         Unexpected::Str(s) => format!("the string `{s}`"),
@@ -477,7 +479,7 @@ mod tests {
         for written in ["1e3", "1000.0"] {
             assert_eq!(
                 parse(&format!("inner: {{weight: {written}}}\n")).unwrap_err(),
-                "f.yaml:1:17: spec.inner.weight must be a whole number, found 1000 written with a decimal point or an exponent (write `1000`)"
+                "f.yaml:1:17: spec.inner.weight must be a whole number, found 1000 written with a decimal point or an exponent (write whole numbers with digits only)"
             );
         }
         assert_eq!(

@@ -15,8 +15,11 @@ pub fn from_env(default: &str) -> Result<EnvFilter, String> {
     }
 }
 
-/// The levels a directive may name.
-const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+/// The levels a directive may name, and their numbers (0, off, to 5,
+/// trace), which the filter takes too.
+const LEVELS: [&str; 12] = [
+    "off", "error", "warn", "info", "debug", "trace", "0", "1", "2", "3", "4", "5",
+];
 
 /// Checks a log filter: comma-separated directives, each a level or
 /// `TARGET=LEVEL` (a bare target with `::`, or a span filter in `[...]`,
@@ -24,7 +27,7 @@ const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
 pub fn check_log_filter(filter: &str) -> Result<(), String> {
     let refuse = |what: String| {
         Err(format!(
-            "{what}: write a level (off, error, warn, info, debug or trace), or directives such as `info,sluice_stage=debug`"
+            "{what}: write a level (off, error, warn, info, debug or trace, or 0 to 5), or directives such as `info,TARGET=debug`"
         ))
     };
     if filter.trim().is_empty() {
@@ -57,6 +60,8 @@ mod tests {
     fn levels_and_directives_pass_and_misspelt_levels_are_refused() {
         for good in [
             "info",
+            "3",
+            "info,sluice_stage=5",
             "WARN",
             "info,object_store=warn",
             "sluice_stage::mount=debug, info",
@@ -71,6 +76,7 @@ mod tests {
             ("", "it is empty"),
             ("info,", "it has an empty directive"),
             ("sluice_stage=verbose", "`verbose` is not a log level"),
+            ("6", "`6` is not a log level"),
         ] {
             let e = check_log_filter(bad).unwrap_err();
             assert!(

@@ -226,3 +226,58 @@ def test_files_written_before_several_readers_open_them_at_once_are_found_by_all
         for reader in readers:
             reader.join(timeout=30)
         assert results == {name: name.encode() * 100 for name in names}, results
+
+
+def test_readers_waiting_for_a_read_of_a_file_resized_since_its_listing_get_its_bytes(tmp_path, stage_factory):
+    """A file replaced at another size after the stage listed it is looked
+    up in the node cache under its size now, and the first reader's read is
+    shared with whoever asks meanwhile. The read's bytes were checked
+    against the listed size, the shared read was dropped, and every reader
+    that waited for it (another job's FETCH, another job's epoch) failed
+    with "the stage failed internally"."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f.bin").write_bytes(os.urandom(10_000))
+    try:
+        fs = SlowFs.start(find_slowfs_binary(str(stage_binary().parent)), str(tmp_path / "src"),
+                          str(tmp_path / "slow"), latency="800ms", threads=16)
+    except SlowFsError as e:
+        if in_ci() or os.geteuid() == 0:
+            pytest.fail(str(e))
+        pytest.skip(f"FUSE needs root here: {e}")
+    try:
+        stage = stage_factory({"d": fs.mountpoint}, "--memory-budget", "100MiB", "--cache-memory", "8MiB")
+        with sluice.Client(stage.socket, job="lister") as c:
+            assert dict(c.dataset("d").files) == {"f.bin": 10_000}
+        new = os.urandom(20_000)
+        (tmp_path / "src" / ".t").write_bytes(new)
+        os.rename(tmp_path / "src" / ".t", tmp_path / "src" / "f.bin")
+        time.sleep(1.5)  # the harness's attributes expire; the listing is younger than 5 s
+        got = {}
+
+        def fetch(job):
+            try:
+                with sluice.Client(stage.socket, job=job) as c:
+                    got[job] = bytes(c.dataset("d").fetch(["f.bin"])[0][1])
+            except sluice.SluiceError as e:
+                got[job] = e
+
+        def epoch(job):
+            try:
+                with sluice.Client(stage.socket, job=job) as c, c.dataset("d").epoch(0, batch=1) as it:
+                    got[job] = [bytes(data) for _, data in it][0]
+            except sluice.SluiceError as e:
+                got[job] = e
+
+        first = threading.Thread(target=fetch, args=("a",))
+        first.start()
+        time.sleep(0.5)  # while the first read waits for the harness
+        others = [threading.Thread(target=fetch, args=("b",)), threading.Thread(target=epoch, args=("c",))]
+        for t in others:
+            t.start()
+        for t in [first, *others]:
+            t.join(timeout=60)
+        shown = {k: v if isinstance(v, Exception) else len(v) for k, v in got.items()}
+        assert got == {"a": new, "b": new, "c": new}, shown
+    finally:
+        assert fs.stop() == 0, fs.proc.stderr.read()
+

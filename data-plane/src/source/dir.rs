@@ -144,6 +144,7 @@ impl DirSource {
             root,
             "left entries out of the listing that could not be examined",
         );
+        walk.out.unexamined = walk.unreadable.count;
         walk.outside.report(
             root,
             "left symlinks out of the listing whose targets are outside the data set's directory \

@@ -249,13 +249,19 @@ impl fmt::Display for Problem {
                 guaranteed,
                 capacity,
                 scale,
-            } => write!(
-                f,
-                "pool {pool}: {} guarantees add up to {} > capacity {}; scaled by {scale:.4}",
-                resource.name(),
-                resource.amount(*guaranteed),
-                resource.amount(*capacity)
-            ),
+            } => {
+                write!(
+                    f,
+                    "pool {pool}: {} guarantees add up to {} against capacity {}; scaled by {scale:.4}",
+                    resource.name(),
+                    resource.amount(*guaranteed),
+                    resource.amount(*capacity)
+                )?;
+                if guaranteed * scale < capacity * (1.0 - 1e-9) {
+                    write!(f, " (the rest is left to the jobs without one)")?;
+                }
+                Ok(())
+            }
             Problem::StaticOverCommitted {
                 pool,
                 resource,

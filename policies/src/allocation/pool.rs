@@ -61,32 +61,33 @@ pub(crate) fn share(pool: Pool<'_>, asks: &[Ask], problems: &mut Vec<Problem>) -
     }
 }
 
-/// Of a `weighted-fair` pool whose guarantees cannot all be met, the part
-/// of its capacity they are scaled into leaves to the jobs without one: a
-/// job given nothing stalls its trainers outright (three jobs guaranteed
-/// 15 MiB/s each in a pool of 30 left a fourth 0 B/s).
+/// Of a `weighted-fair` pool where some job has no guarantee, the part of
+/// its capacity the guarantees leave to such jobs: together they take at
+/// most the rest (scaled down, and reported, past it). A job given nothing
+/// stalls its trainers outright (two jobs guaranteed 15 MiB/s each in a
+/// pool of 30, or three, left another job 0 B/s).
 pub(crate) const UNGUARANTEED_ROOM: f64 = 0.05;
 
 /// Every job's effective guarantee, `min(guarantee, limit, demand)`, scaled
-/// down in proportion (and reported) when together they exceed capacity:
-/// into the whole capacity, or in a `weighted-fair` pool where some job
-/// has none, into all but [`UNGUARANTEED_ROOM`] of it.
+/// down in proportion (and reported) when together they take more than
+/// the pool has for them: its capacity, or in a `weighted-fair` pool where
+/// some job has none, all but [`UNGUARANTEED_ROOM`] of it.
 fn guarantees(pool: Pool<'_>, asks: &[Ask], problems: &mut Vec<Problem>) -> Vec<f64> {
     let mut floors: Vec<f64> = asks
         .iter()
         .map(|a| a.guarantee.unwrap_or(0.0).max(0.0).min(a.ceiling()))
         .collect();
     let total: f64 = floors.iter().sum();
-    if total > pool.capacity {
-        let unguaranteed = floors
-            .iter()
-            .zip(asks)
-            .any(|(&f, a)| f == 0.0 && a.ceiling() > 0.0);
-        let room = if pool.sharing == Sharing::WeightedFair && unguaranteed {
-            pool.capacity * (1.0 - UNGUARANTEED_ROOM)
-        } else {
-            pool.capacity
-        };
+    let unguaranteed = floors
+        .iter()
+        .zip(asks)
+        .any(|(&f, a)| f == 0.0 && a.ceiling() > 0.0);
+    let room = if pool.sharing == Sharing::WeightedFair && unguaranteed {
+        pool.capacity * (1.0 - UNGUARANTEED_ROOM)
+    } else {
+        pool.capacity
+    };
+    if total > room {
         let scale = if total > 0.0 { room / total } else { 0.0 };
         for f in &mut floors {
             *f *= scale;

@@ -130,9 +130,10 @@ fn infeasible_guarantees_are_scaled_and_reported() {
     ));
 }
 
-#[test]
-fn infeasible_guarantees_leave_a_job_without_one_room_to_read() {
-    let mut jobs: Vec<JobInput> = (0..3)
+/// `guaranteed` jobs guaranteed 15 each and one with none, in a
+/// weighted-fair pool of 30.
+fn beside_guarantees(guaranteed: usize) -> Allocation {
+    let mut jobs: Vec<JobInput> = (0..guaranteed)
         .map(|i| {
             let mut j = job(&format!("g{i}"), 1.0);
             j.guarantee.bandwidth = Some(15.0);
@@ -140,7 +141,19 @@ fn infeasible_guarantees_leave_a_job_without_one_room_to_read() {
         })
         .collect();
     jobs.push(job("plain", 1.0));
-    let a = run(30.0, Sharing::WeightedFair, jobs);
+    run(30.0, Sharing::WeightedFair, jobs)
+}
+
+#[test]
+fn guarantees_that_fill_the_pool_leave_a_job_without_one_room_to_read() {
+    let a = beside_guarantees(2);
+    assert_close(&rates(&a), &[14.25, 14.25, 1.5]);
+    assert_eq!(a.problems.len(), 1);
+}
+
+#[test]
+fn infeasible_guarantees_leave_a_job_without_one_room_to_read() {
+    let a = beside_guarantees(3);
     assert_close(&rates(&a), &[9.5, 9.5, 9.5, 1.5]);
     assert_eq!(reasons(&a)[3], Reason::WeightedShare);
     assert!(matches!(
@@ -489,9 +502,7 @@ proptest! {
         let capacity = s.pools[0].bandwidth;
         let floors: Vec<f64> = s.jobs.iter().map(|j| j.guarantee.bandwidth.unwrap_or(0.0).min(ceiling(j))).collect();
         let total: f64 = floors.iter().sum();
-        let reported = a.problems.iter().any(|p| matches!(p, Problem::GuaranteesInfeasible { .. }));
-        prop_assert_eq!(reported, total > capacity);
-        // Met in full when feasible, scaled by the same factor otherwise:
+        // Met in full when they fit, scaled by the same factor otherwise:
         // into the capacity, or in a weighted-fair pool where some job has
         // no guarantee, into all but the room left to it.
         let unguaranteed = floors.iter().zip(&s.jobs).any(|(&f, j)| f == 0.0 && ceiling(j) > 0.0);
@@ -499,7 +510,9 @@ proptest! {
             Sharing::WeightedFair if unguaranteed => capacity * (1.0 - super::pool::UNGUARANTEED_ROOM),
             _ => capacity,
         };
-        let scale = if total > capacity { room / total } else { 1.0 };
+        let reported = a.problems.iter().any(|p| matches!(p, Problem::GuaranteesInfeasible { .. }));
+        prop_assert_eq!(reported, total > room);
+        let scale = if total > room { room / total } else { 1.0 };
         for (floor, alloc) in floors.iter().zip(&a.jobs) {
             prop_assert!(close_le(floor * scale, alloc.bandwidth.rate), "{floor} * {scale} > {alloc:?}");
         }

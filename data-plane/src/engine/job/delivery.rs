@@ -824,19 +824,18 @@ impl Job {
                 None => break None,
             }
         };
-        let size = match size.map_or_else(throttled, Ok) {
-            Ok(size) => size,
-            Err(e) => {
-                if let Some(fill) = fill {
-                    fill.fail(&e);
-                }
-                return (Err(e), 0);
+        // Charged (the limiter waited) by the listed size, or the one the
+        // source gave.
+        if let Err(e) = size.map_or_else(throttled, Ok) {
+            if let Some(fill) = fill {
+                fill.fail(&e);
             }
-        };
+            return (Err(e), 0);
+        }
         let start = Instant::now();
         let data = source.read_unlisted(name, &alloc);
         self.count_read(m, start.elapsed(), &data);
-        offer_whole(fill, data.as_ref(), size);
+        offer_whole(fill, data.as_ref());
         match (data, reserved.get()) {
             (Err(e), bytes) if bytes > 0 => {
                 self.settle(NO_PLAN, bytes, 0);
@@ -1015,7 +1014,7 @@ impl Job {
                 }
             }
         }
-        let size = size.map_or_else(throttled, Ok)?;
+        size.map_or_else(throttled, Ok)?;
         let start = Instant::now();
         let data = source
             .read_range(name, offset, length, pin)
@@ -1026,7 +1025,7 @@ impl Job {
         let fill = fill
             .filter(|(_, cached)| data.as_ref().map_or(true, |(_, read)| read.same(cached)))
             .map(|(fill, _)| fill);
-        offer_whole(fill, read, size);
+        offer_whole(fill, read);
         data
     }
 
@@ -1154,15 +1153,17 @@ impl Drop for PlanHandle {
     }
 }
 
-/// Offers a whole read of a listed sample of `size` bytes to the node
-/// cache (and to whoever waits for it). A file that changed size since it
-/// was listed is not the listed sample: the fill is dropped, which fails
-/// whoever waits for it (as a changed file fails a plan's reader).
-fn offer_whole(fill: Option<Fill>, data: Result<&Chunk, &ProtocolError>, size: u64) {
+/// Offers a whole read of a listed sample to the node cache (and to
+/// whoever waits for it). Bytes of another size than the version the fill
+/// was claimed for (the file changed while it was read) are handed to the
+/// waiters but not kept ([`Fill::complete`]); the waiters were failed with
+/// an internal error when the size differed from the listing's, which the
+/// fill's version (the file as it is now) no longer is.
+fn offer_whole(fill: Option<Fill>, data: Result<&Chunk, &ProtocolError>) {
     match (fill, data) {
-        (Some(fill), Ok(chunk)) if chunk.len() as u64 == size => fill.complete(chunk),
+        (Some(fill), Ok(chunk)) => fill.complete(chunk),
         (Some(fill), Err(e)) => fill.fail(e),
-        _ => {}
+        (None, _) => {}
     }
 }
 

@@ -270,8 +270,14 @@ impl Job {
         // A sample changed since the plan's listing is looked up (and
         // kept) under the version it has now, never answered with the
         // bytes cached under its old one; one deleted since is read from
-        // its source, which says so.
+        // its source, which says so, and so is one grown past what the
+        // plan reserved for it (its source read refuses it the same way) (a hit would fill a buffer past the
+        // budget: 16 files listed empty and cached at 4 MiB took 50 MiB
+        // of a 16 MiB budget).
         let key = work.dataset.current_key(&work.name)?;
+        if whole_footprint(key.size) > work.size {
+            return None;
+        }
         Some(if claim {
             Some(cache.lookup(&work.dataset.name, &key))
         } else {
