@@ -1262,10 +1262,12 @@ fn buffer_sizes(
         .max_buffer
         .or(file.max)
         .map_or(memory_budget, ByteSize::bytes);
-    let initial_buffer = args
-        .initial_buffer
-        .or(file.initial)
-        .map_or((256 * MIB).min(memory_budget), ByteSize::bytes);
+    // The default comes within the bounds given (`--max-buffer 64MiB`
+    // alone was refused: the default 256MiB start was outside it).
+    let initial_buffer = args.initial_buffer.or(file.initial).map_or(
+        (256 * MIB).clamp(min_buffer, max_buffer.max(min_buffer)),
+        ByteSize::bytes,
+    );
     if min_buffer > max_buffer || max_buffer > memory_budget {
         return Err(ConfigError(format!(
             "buffer bounds {}..{} are impossible with {} for the prefetch buffers (the memory budget, less the node cache's memory): use min <= max <= that",
@@ -1921,6 +1923,22 @@ mod tests {
         let e = with_mount(dir.path()).unwrap_err().to_string();
         assert!(e.contains("is inside --mount"), "{e}");
         assert!(with_mount(&dir.path().join("mnt")).is_ok());
+    }
+
+    #[test]
+    fn the_default_initial_buffer_comes_within_the_bounds_given() {
+        let merged = StageConfig::merge(
+            args(&["--dataset", "d=/tmp", "--max-buffer", "64MiB"]),
+            StageFile::default(),
+        )
+        .unwrap();
+        assert_eq!(merged.job.initial_buffer, 64 * MIB);
+        let merged = StageConfig::merge(
+            args(&["--dataset", "d=/tmp", "--min-buffer", "512MiB"]),
+            StageFile::default(),
+        )
+        .unwrap();
+        assert_eq!(merged.job.initial_buffer, 512 * MIB);
     }
 
     #[test]
