@@ -758,22 +758,15 @@ fn merge_datasets(
 /// Other failures are left to the listing, which says what it left out
 /// (a stale mount among the entries, an entry deleted meanwhile).
 fn readable(name: &str, text: &str, dir: &Path) -> Result<(), ConfigError> {
-    let denied = |e: std::io::Error| {
-        if e.kind() != std::io::ErrorKind::PermissionDenied {
-            return Ok(());
-        }
-        Err(ConfigError(format!(
+    let looked = std::fs::read_dir(dir).and_then(|mut entries| match entries.next() {
+        Some(Ok(first)) => std::fs::symlink_metadata(first.path()).map(drop),
+        _ => Ok(()),
+    });
+    match looked {
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(ConfigError(format!(
             "dataset `{name}` root {text} cannot be read by the user the stage runs as ({e}): give that user read and search permission on it, or run the stage as one that has them"
-        )))
-    };
-    match std::fs::read_dir(dir) {
-        Err(e) => denied(e),
-        Ok(mut entries) => match entries.next() {
-            Some(Ok(first)) => {
-                std::fs::symlink_metadata(first.path()).map_or_else(denied, |_| Ok(()))
-            }
-            _ => Ok(()),
-        },
+        ))),
+        _ => Ok(()),
     }
 }
 

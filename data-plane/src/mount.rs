@@ -1865,8 +1865,16 @@ impl Shared {
     }
 
     /// The node as the data set's latest listing has it (a file may have
-    /// changed); `None` when it is gone.
+    /// changed); `None` when it is gone, or no listing could be had.
     fn refreshed(&self, node: &Node) -> Option<Node> {
+        self.listed_now(node).ok().flatten()
+    }
+
+    /// The node as the data set's latest listing has it: `Ok(None)` when
+    /// that listing no longer has it (or has a directory by a file's
+    /// name, or a file by a directory's: another inode), `Err(())` when no
+    /// listing could be had.
+    fn listed_now(&self, node: &Node) -> Result<Option<Node>, ()> {
         let (job, dataset, full) = match node {
             Node::Dir {
                 job, dataset, path, ..
@@ -1874,25 +1882,14 @@ impl Shared {
             Node::File {
                 job, dataset, name, ..
             } => (job, dataset, name),
-            _ => return Some(node.clone()),
+            _ => return Ok(Some(node.clone())),
         };
         let (parent, last) = full.rsplit_once('/').unwrap_or(("", full));
-        let tree = self.trees.of(dataset, &self.runtime).ok()?;
-        let fresh = Node::of_entry(job, dataset, tree.entry(parent, last)?);
-        // A name that became a directory (or a file) is another inode.
-        (std::mem::discriminant(&fresh) == std::mem::discriminant(node)).then_some(fresh)
-    }
-
-    /// Whether the latest listing of file `node`'s data set (one could be
-    /// had) shows no file by its name.
-    fn listed_gone(&self, node: &Node) -> bool {
-        let Node::File { dataset, name, .. } = node else {
-            return false;
-        };
-        let (parent, last) = name.rsplit_once('/').unwrap_or(("", name));
-        self.trees
-            .of(dataset, &self.runtime)
-            .is_ok_and(|tree| !matches!(tree.entry(parent, last), Some(Entry::File(..))))
+        let tree = self.trees.of(dataset, &self.runtime).map_err(drop)?;
+        let fresh = tree
+            .entry(parent, last)
+            .map(|entry| Node::of_entry(job, dataset, entry));
+        Ok(fresh.filter(|fresh| std::mem::discriminant(fresh) == std::mem::discriminant(node)))
     }
 
     /// The entries of a directory node from the `skip`-th on, at most
@@ -2196,12 +2193,13 @@ impl Shared {
         // file's attributes (and pages) for 60 s, so an object replaced and
         // listed again since was read whole as the old one, or failed its
         // first open with EIO, for up to a minute.
-        let latest = match self.refreshed(&node) {
-            Some(Node::File { version, size, .. }) => Some((version, size)),
+        let listed_now = self.listed_now(&node);
+        let latest = match &listed_now {
+            Ok(Some(Node::File { version, size, .. })) => Some((*version, *size)),
             _ => None,
         };
         // Deleted (or made a directory) since the kernel looked it up.
-        let gone = latest.is_none() && self.listed_gone(&node);
+        let gone = matches!(listed_now, Ok(None));
         let Node::File {
             job,
             dataset,

@@ -269,11 +269,11 @@ impl Job {
         let cache = self.cache.as_ref()?;
         // A sample changed since the plan's listing is looked up (and
         // kept) under the version it has now, never answered with the
-        // bytes cached under its old one; one deleted since is read from
-        // its source, which says so, and so is one grown past what the
-        // plan reserved for it (its source read refuses it the same way) (a hit would fill a buffer past the
-        // budget: 16 files listed empty and cached at 4 MiB took 50 MiB
-        // of a 16 MiB budget).
+        // bytes cached under its old one. One deleted since is read from
+        // its source, which says so; so is one grown past what the plan
+        // reserved for it, which the source read refuses the same way (a
+        // hit would fill a buffer past the budget: 16 files listed empty
+        // and cached at 4 MiB took 50 MiB of a 16 MiB budget).
         let key = work.dataset.current_key(&work.name)?;
         if whole_footprint(key.size) > work.size {
             return None;
